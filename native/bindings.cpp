@@ -1,0 +1,149 @@
+// The Python module: thin wrappers over Engine and Vocab. Native work runs with the GIL released.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "engine.h"
+#include "errors.h"
+#include "ggml.h"
+#include "vocab.h"
+
+namespace py = pybind11;
+using namespace river;
+
+namespace {
+
+py::dict metadata(const GgufFile& f) {
+    py::dict d;
+    gguf_context* g = f.meta();
+    for (int64_t i = 0; i < gguf_get_n_kv(g); ++i) {
+        const char* key = gguf_get_key(g, i);
+        switch (gguf_get_kv_type(g, i)) {
+            case GGUF_TYPE_STRING: d[key] = py::str(gguf_get_val_str(g, i)); break;
+            case GGUF_TYPE_FLOAT32: d[key] = gguf_get_val_f32(g, i); break;
+            case GGUF_TYPE_FLOAT64: d[key] = gguf_get_val_f64(g, i); break;
+            case GGUF_TYPE_BOOL: d[key] = gguf_get_val_bool(g, i); break;
+            case GGUF_TYPE_ARRAY: break;  // vocab-sized arrays; read them with the gguf package if needed
+            default: d[key] = f.get_int(key, 0); break;
+        }
+    }
+    return d;
+}
+
+py::dict hparams(const HParams& hp) {
+    py::dict d;
+    d["arch"] = hp.arch_name;
+    d["n_layer"] = hp.n_layer;
+    d["n_embd"] = hp.n_embd;
+    d["n_head"] = hp.n_head;
+    d["n_head_kv"] = hp.n_head_kv;
+    d["n_ff"] = hp.n_ff;
+    d["head_dim"] = hp.head_dim_k;
+    d["n_rot"] = hp.n_rot;
+    d["n_vocab"] = hp.n_vocab;
+    d["n_ctx_train"] = hp.n_ctx_train;
+    d["rms_eps"] = hp.rms_eps;
+    d["rope_freq_base"] = hp.rope_freq_base;
+    d["rope_freq_scale"] = hp.rope_freq_scale;
+    return d;
+}
+
+py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold, int min_exit_layer,
+               int exit_layer, bool river_head, bool all_logits, bool trace) {
+    if (mode < 0 || mode > 3) throw std::invalid_argument("bad mode");
+    EvalRequest req;
+    req.tokens = std::move(tokens);
+    req.mode = static_cast<ExitMode>(mode);
+    req.threshold = threshold;
+    req.min_exit_layer = min_exit_layer;
+    req.exit_layer = exit_layer;
+    req.river_head = river_head;
+    req.all_logits = all_logits;
+    req.trace = trace;
+    EvalResult res;
+    {
+        py::gil_scoped_release release;
+        res = e.eval(req);
+    }
+    const int n_vocab = e.hparams().n_vocab;
+    py::array_t<float> logits({res.n_rows, n_vocab});
+    std::memcpy(logits.mutable_data(), res.logits.data(), res.logits.size() * sizeof(float));
+    return py::make_tuple(logits, res.exit_layer, res.similarity);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "river_gguf native engine (ggml)";
+
+    auto base = py::register_exception<GgufFormatError>(m, "GGUFFormatError", PyExc_ValueError);
+    py::register_exception<UnsupportedModelError>(m, "UnsupportedModelError", PyExc_ValueError);
+    py::register_exception<RiverMismatchError>(m, "RiverMismatchError", PyExc_ValueError);
+    py::register_exception<ContextOverflowError>(m, "ContextOverflowError", PyExc_ValueError);
+
+    m.attr("BUILT_LLAMA_CPP_PYTHON") = RIVER_LLAMA_CPP_PYTHON_VERSION;
+    m.attr("BUILT_GGML_COMMIT") = RIVER_GGML_COMMIT;
+    m.def("loaded_ggml_commit", [] { return std::string(ggml_commit()); });
+    m.def("loaded_ggml_version", [] { return std::string(ggml_version()); });
+    m.def("supported_architectures", [] { return std::string(supported_architectures()); });
+
+    py::class_<Engine>(m, "Engine")
+        .def(py::init([](const std::string& path, const std::string& river_path, int n_ctx, int n_threads,
+                         int n_batch, int n_gpu_layers) {
+                 EngineConfig cfg;
+                 cfg.path = path;
+                 cfg.river_path = river_path;
+                 cfg.n_ctx = n_ctx;
+                 cfg.n_threads = n_threads;
+                 cfg.n_batch = n_batch;
+                 cfg.n_gpu_layers = n_gpu_layers;
+                 py::gil_scoped_release release;
+                 return std::make_unique<Engine>(cfg);
+             }),
+             py::arg("path"), py::arg("river_path") = "", py::arg("n_ctx") = 2048, py::arg("n_threads") = 1,
+             py::arg("n_batch") = 512, py::arg("n_gpu_layers") = 0)
+        .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
+             py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
+             py::arg("all_logits") = false, py::arg("trace") = false)
+        .def("truncate", &Engine::truncate)
+        .def_property_readonly("n_past", &Engine::n_past)
+        .def_property_readonly("n_ctx", &Engine::n_ctx)
+        .def_property_readonly("has_river", &Engine::has_river)
+        .def_property_readonly("river_has_head", &Engine::river_has_head)
+        .def_property_readonly("gpu_offload", &Engine::gpu_offload)
+        .def_property_readonly("hparams", [](const Engine& e) { return hparams(e.hparams()); })
+        .def_property_readonly("metadata", [](const Engine& e) { return metadata(e.file()); })
+        .def("cache_rows",
+             [](const Engine& e, int layer, bool values, int n) {
+                 std::vector<float> rows = e.cache().read(layer, values, n);
+                 const int width = static_cast<int>(rows.size() / std::max(n, 1));
+                 py::array_t<float> a({n, width});
+                 std::memcpy(a.mutable_data(), rows.data(), rows.size() * sizeof(float));
+                 return a;
+             },
+             "Cache layer `layer`, rows [0, n) of K (values=False) or V, as float32 (for tests).");
+
+    py::class_<Vocab>(m, "Vocab")
+        .def(py::init([](const std::string& path) {
+                 py::gil_scoped_release release;
+                 return std::make_unique<Vocab>(path);
+             }),
+             py::arg("path"))
+        .def("tokenize", [](const Vocab& v, const std::string& text, bool add_special, bool parse_special) {
+                 return v.tokenize(text, add_special, parse_special);
+             },
+             py::arg("text"), py::arg("add_special") = true, py::arg("parse_special") = false)
+        .def("token_to_piece", [](const Vocab& v, int32_t t, bool special) { return py::bytes(v.token_to_piece(t, special)); },
+             py::arg("token"), py::arg("special") = false)
+        .def("detokenize", [](const Vocab& v, const std::vector<int32_t>& t, bool special) {
+                 return py::bytes(v.detokenize(t, special));
+             },
+             py::arg("tokens"), py::arg("special") = false)
+        .def_property_readonly("n_tokens", &Vocab::n_tokens)
+        .def_property_readonly("bos", &Vocab::bos)
+        .def_property_readonly("eos", &Vocab::eos)
+        .def_property_readonly("add_bos", &Vocab::add_bos)
+        .def("is_eog", &Vocab::is_eog)
+        .def("chat_template", &Vocab::chat_template)
+        .def("meta", &Vocab::meta);
+}

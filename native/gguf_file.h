@@ -1,0 +1,45 @@
+// One GGUF file: its metadata (gguf.h), its tensor descriptions, and its bytes,
+// memory-mapped so that CPU weights are read in place and shared between processes.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "gguf.h"
+
+namespace river {
+
+class GgufFile {
+public:
+    explicit GgufFile(const std::string& path);  // throws GgufFormatError
+    ~GgufFile();
+    GgufFile(const GgufFile&) = delete;
+    GgufFile& operator=(const GgufFile&) = delete;
+
+    const std::string& path() const { return path_; }
+    gguf_context* meta() const { return gguf_; }
+
+    // Tensor by name, with its data pointing into the mapped file; nullptr if absent.
+    ggml_tensor* tensor(const std::string& name) const;
+    std::vector<std::string> tensor_names() const;
+
+    bool has_key(const std::string& key) const;
+    std::string get_str(const std::string& key, const std::string& def = "") const;
+    // Integer-valued key of any integer type; def when missing.
+    int64_t get_int(const std::string& key, int64_t def) const;
+    float get_float(const std::string& key, float def) const;
+    // Array-or-scalar integer key, as llama.cpp allows per-layer values.
+    std::vector<int64_t> get_int_array(const std::string& key) const;
+
+private:
+    std::string path_;
+    gguf_context* gguf_ = nullptr;
+    ggml_context* tensors_ = nullptr;       // descriptions only; data lives in the mapping
+    void* map_ = nullptr;
+    size_t map_size_ = 0;
+    ggml_backend_buffer_t buffer_ = nullptr; // CPU buffer over the mapping
+};
+
+}  // namespace river

@@ -1,0 +1,58 @@
+#include "kv_cache.h"
+
+#include <cstring>
+#include <map>
+#include <stdexcept>
+
+namespace river {
+
+KvCache::KvCache(const HParams& hp, int n_ctx, ggml_type type, const std::vector<ggml_backend_t>& layer_backend)
+    : n_ctx_(n_ctx), k_(hp.n_layer), v_(hp.n_layer) {
+    // One context and buffer per backend, so offloaded layers keep their cache on the device.
+    std::map<ggml_backend_t, ggml_context*> by_backend;
+    for (int il = 0; il < hp.n_layer; ++il) {
+        ggml_backend_t be = layer_backend[il];
+        if (!by_backend.count(be)) {
+            ggml_init_params params{ggml_tensor_overhead() * 2 * hp.n_layer, nullptr, /*no_alloc=*/true};
+            by_backend[be] = ggml_init(params);
+            ctxs_.push_back(by_backend[be]);
+        }
+        k_[il] = ggml_new_tensor_2d(by_backend[be], type, hp.n_embd_k_gqa(), n_ctx);
+        v_[il] = ggml_new_tensor_2d(by_backend[be], type, hp.n_embd_v_gqa(), n_ctx);
+        ggml_format_name(k_[il], "cache_k_l%d", il);
+        ggml_format_name(v_[il], "cache_v_l%d", il);
+    }
+    for (auto& [be, ctx] : by_backend) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, be);
+        if (!buf) throw std::runtime_error("out of memory allocating the KV cache (n_ctx=" + std::to_string(n_ctx) + ")");
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_ANY);
+        buffers_.push_back(buf);
+    }
+    poison();
+}
+
+KvCache::~KvCache() {
+    for (auto b : buffers_) ggml_backend_buffer_free(b);
+    for (auto c : ctxs_) ggml_free(c);
+}
+
+void KvCache::poison() {
+    // 0x7E7E as f16 and 0x7E7E7E7E as f32 are both NaN.
+    for (auto b : buffers_) ggml_backend_buffer_clear(b, 0x7E);
+}
+
+std::vector<float> KvCache::read(int il, bool values, int n) const {
+    if (il < 0 || il >= static_cast<int>(k_.size())) throw std::out_of_range("layer index out of range");
+    if (n < 0 || n > n_ctx_) throw std::out_of_range("position count out of range");
+    ggml_tensor* t = values ? v_[il] : k_[il];
+    const int64_t row = t->ne[0];
+    std::vector<uint8_t> raw(ggml_row_size(t->type, row) * n);
+    ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+    std::vector<float> out(row * n);
+    const auto* traits = ggml_get_type_traits(t->type);
+    if (t->type == GGML_TYPE_F32) std::memcpy(out.data(), raw.data(), raw.size());
+    else traits->to_float(raw.data(), out.data(), row * n);
+    return out;
+}
+
+}  // namespace river

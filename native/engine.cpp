@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "errors.h"
@@ -80,6 +81,11 @@ Engine::Engine(const EngineConfig& cfg) : n_batch_(cfg.n_batch) {
     // A persistent pool: a decode step runs several small graphs, and starting threads
     // for each would cost more than the graphs themselves.
     ggml_threadpool_params tpp = ggml_threadpool_params_default(cfg.n_threads);
+    // Workers sleep between graphs rather than spin: on a small shared machine a spinning
+    // worker steals the core the next graph needs (measured: 100x slower decode under load).
+    // RIVER_GGML_POLL=1..100 turns polling back on for dedicated machines.
+    tpp.poll = 0;
+    if (const char* poll = std::getenv("RIVER_GGML_POLL")) tpp.poll = static_cast<uint32_t>(std::atoi(poll));
     threadpool_ = ggml_threadpool_new(&tpp);
     if (threadpool_) ggml_backend_cpu_set_threadpool(cpu_, threadpool_);
 

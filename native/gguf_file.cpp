@@ -46,22 +46,26 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
         const char* name = gguf_get_tensor_name(gguf_, i);
         const size_t end = data_offset + gguf_get_tensor_offset(gguf_, i) + gguf_get_tensor_size(gguf_, i);
         if (end > file_size) {
-            gguf_free(gguf_);
-            ggml_free(tensors_);
-            gguf_ = nullptr;
-            tensors_ = nullptr;
-            throw GgufFormatError("'" + path + "' is truncated: tensor '" + name + "' ends at byte " +
-                                  std::to_string(end) + " but the file has " + std::to_string(file_size) + " bytes");
+            // Build the message before freeing: `name` points into the gguf context.
+            std::string msg = "'" + path + "' is truncated: tensor '" + name + "' ends at byte " +
+                              std::to_string(end) + " but the file has " + std::to_string(file_size) + " bytes";
+            release();
+            throw GgufFormatError(msg);
         }
     }
 
     int fd = ::open(path.c_str(), O_RDONLY);
-    if (fd < 0) throw GgufFormatError("cannot open '" + path + "': " + std::strerror(errno));
+    if (fd < 0) {
+        std::string msg = "cannot open '" + path + "': " + std::strerror(errno);
+        release();
+        throw GgufFormatError(msg);
+    }
     map_size_ = file_size;
     map_ = ::mmap(nullptr, map_size_, PROT_READ, MAP_SHARED, fd, 0);
     ::close(fd);
     if (map_ == MAP_FAILED) {
         map_ = nullptr;
+        release();
         throw GgufFormatError("cannot mmap '" + path + "'");
     }
     // The CPU backend never writes to weights, so a read-only mapping is safe here.
@@ -74,11 +78,17 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
     }
 }
 
-GgufFile::~GgufFile() {
+GgufFile::~GgufFile() { release(); }
+
+void GgufFile::release() {
     if (buffer_) ggml_backend_buffer_free(buffer_);
     if (map_) ::munmap(map_, map_size_);
     if (tensors_) ggml_free(tensors_);
     if (gguf_) gguf_free(gguf_);
+    buffer_ = nullptr;
+    map_ = nullptr;
+    tensors_ = nullptr;
+    gguf_ = nullptr;
 }
 
 ggml_tensor* GgufFile::tensor(const std::string& name) const {

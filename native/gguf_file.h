@@ -34,6 +34,8 @@ public:
     std::vector<int64_t> get_int_array(const std::string& key) const;
 
 private:
+    void release();  // frees everything; used by the destructor and by a failing constructor
+
     std::string path_;
     gguf_context* gguf_ = nullptr;
     ggml_context* tensors_ = nullptr;       // descriptions only; data lives in the mapping

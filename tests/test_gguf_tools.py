@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import pathlib
 
@@ -53,8 +54,15 @@ def _greedy(path, n=16):
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _reader(path: str):
+    # Parsing SmolLM2's ~100k tokenizer strings takes seconds; read each file once.
+    # Only for files that are never rewritten during the session.
+    return gguf.GGUFReader(path)
+
+
 def _types(path, min_dims=2):
-    r = gguf.GGUFReader(path)
+    r = _reader(str(path))
     return {t.name: t.tensor_type for t in r.tensors if len(t.shape) >= min_dims}
 
 
@@ -94,8 +102,8 @@ def test_derived_model_bad_kind():
 
 
 def test_f16_structure(f16_path):
-    src = gguf.GGUFReader(dm.default_model_path())
-    dst = gguf.GGUFReader(f16_path)
+    src = _reader(dm.default_model_path())
+    dst = _reader(f16_path)
     assert [t.name for t in dst.tensors] == [t.name for t in src.tensors]
     for s, d in zip(src.tensors, dst.tensors):
         assert list(d.shape) == list(s.shape), s.name
@@ -110,8 +118,8 @@ def test_f16_structure(f16_path):
 
 
 def test_f16_values_match_dequantized_source(f16_path):
-    src = {t.name: t for t in gguf.GGUFReader(dm.default_model_path()).tensors}
-    for t in gguf.GGUFReader(f16_path).tensors:
+    src = {t.name: t for t in _reader(dm.default_model_path()).tensors}
+    for t in _reader(f16_path).tensors:
         if t.name in ("token_embd.weight", "blk.3.ffn_down.weight", "blk.0.attn_k.weight"):
             ref = gguf.quants.dequantize(src[t.name].data, src[t.name].tensor_type)
             np.testing.assert_allclose(t.data.astype(np.float32), ref, rtol=1e-3, atol=1e-6)
@@ -129,7 +137,7 @@ def test_f16_greedy_matches_q4_1(f16_path):
 @pytest.mark.parametrize("kind,qtype", [("q8_0", QT.Q8_0), ("q4_0", QT.Q4_0)])
 def test_quantize_smollm2(kind, qtype):
     path = dm.derived_model(kind)
-    r = gguf.GGUFReader(path)
+    r = _reader(path)
     assert r.fields["general.file_type"].contents() == getattr(llama_cpp, gguf_io.FTYPES[kind])
     types = _types(path)
     # The tied embedding is also the LM head, which llama.cpp may quantize differently.
@@ -178,25 +186,44 @@ TINY = {
 }
 
 
+def _has_tensor(path, name):
+    # Tensor names are stored verbatim in the header; scanning bytes avoids
+    # GGUFReader, which takes seconds to parse the copied tokenizer.
+    return b"%s" % name.encode() in pathlib.Path(path).read_bytes()
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_model_runs(tiny_dir, name):
     arch, kw = TINY[name]
     path = testing.write_tiny_model(tiny_dir / f"{name}.gguf", arch, **kw)
-    r = gguf.GGUFReader(path)
-    assert r.fields["general.architecture"].contents() == arch
-    assert r.fields[f"{arch}.context_length"].contents() == 512
-    names = {t.name for t in r.tensors}
-    assert ("output.weight" in names) != kw.get("tied", False)
-    assert ("blk.0.attn_q.bias" in names) == (arch == "qwen2")
-    assert ("blk.0.attn_q_norm.weight" in names) == (arch == "qwen3")
-    assert ("rope_freqs.weight" in names) == kw.get("rope_freqs", False)
+    assert _has_tensor(path, "output.weight") != kw.get("tied", False)
+    assert _has_tensor(path, "blk.0.attn_q.bias") == (arch == "qwen2")
+    assert _has_tensor(path, "blk.0.attn_q_norm.weight") == (arch == "qwen3")
+    assert _has_tensor(path, "rope_freqs.weight") == kw.get("rope_freqs", False)
 
     llm = _load(path)
+    assert llm.metadata["general.architecture"] == arch
+    assert llm.metadata[f"{arch}.context_length"] == "512"
+    assert llm.n_vocab() == 49152
     toks = llm.tokenize(b"Hello world, this is a test", add_bos=False)
     llm.eval(toks)
     logits = np.asarray(llm.scores[: len(toks)])
     assert np.isfinite(logits).all()
     assert logits.std() > 0.1  # not degenerate
+
+
+def test_tiny_model_metadata(tiny_dir):
+    path = testing.write_tiny_model(tiny_dir / "meta.gguf", "qwen3", head_dim=32, n_layer=3)
+    r = gguf.GGUFReader(path)
+    f = {k: r.fields[k].contents() for k in r.fields if k.startswith("qwen3.")}
+    assert f["qwen3.block_count"] == 3 and f["qwen3.context_length"] == 512
+    assert f["qwen3.attention.key_length"] == f["qwen3.attention.value_length"] == 32
+    shapes = {t.name: list(t.shape) for t in r.tensors}
+    assert shapes["token_embd.weight"] == [64, 49152]  # GGUF ne order: [n_embd, n_vocab]
+    assert shapes["blk.0.attn_q.weight"] == [64, 4 * 32]
+    assert shapes["blk.0.attn_k.weight"] == [64, 2 * 32]
+    assert shapes["blk.2.attn_q_norm.weight"] == [32]
+    assert shapes["blk.0.ffn_down.weight"] == [128, 64]
 
 
 def test_tiny_model_deterministic(tiny_dir):

@@ -10,7 +10,7 @@ import contextlib
 import ctypes
 import os
 import uuid
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import gguf
@@ -59,8 +59,8 @@ def atomic_output(dst_path: str | os.PathLike) -> Iterator[str]:
             os.unlink(tmp)
 
 
-def copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, skip: Iterable[str] = ()) -> None:
-    """Copy KV fields from ``reader`` to ``writer`` keeping their exact GGUF types.
+def metadata_items(reader: gguf.GGUFReader, skip: Iterable[str] = ()) -> Iterator[tuple[str, Any, VT, VT | None]]:
+    """Yield ``(key, value, type, array_sub_type)`` for each KV field of ``reader``.
 
     GGUF.* are header pseudo-fields of the reader and general.architecture is
     written by GGUFWriter's constructor, so both are left out.
@@ -70,18 +70,22 @@ def copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, skip: Iterab
         if key.startswith("GGUF.") or key in skip:
             continue
         vtype = field.types[0]
-        if vtype == VT.ARRAY:
-            if len(field.types) > 2:
-                raise NotImplementedError(f"nested arrays are not supported: {key}")
-            value = field.contents()
-            if not value:
-                # GGUFWriter refuses empty arrays; an absent key means the same to llama.cpp.
-                continue
-            # Pass sub_type explicitly: the writer would otherwise guess from the Python
-            # value (every int -> INT32), losing e.g. UINT32 or INT64 element types.
-            writer.add_key_value(key, value, VT.ARRAY, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(key, field.contents(), vtype)
+        if vtype != VT.ARRAY:
+            yield key, field.contents(), vtype, None
+            continue
+        if len(field.types) > 2:
+            raise NotImplementedError(f"nested arrays are not supported: {key}")
+        value = field.contents()
+        if value:  # GGUFWriter refuses empty arrays; an absent key means the same to llama.cpp
+            # Keep the element type: the writer would otherwise guess it from the
+            # Python values (every int -> INT32), losing e.g. UINT32 or INT64.
+            yield key, value, vtype, field.types[-1]
+
+
+def copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, skip: Iterable[str] = ()) -> None:
+    """Copy KV fields from ``reader`` to ``writer`` keeping their exact GGUF types."""
+    for key, value, vtype, sub_type in metadata_items(reader, skip):
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
 
 
 def _f16_target(t: gguf.ReaderTensor) -> QT | None:

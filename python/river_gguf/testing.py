@@ -5,13 +5,14 @@ vocabulary to load; that fixes n_vocab at 49152.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
 import gguf
 
 from .default_model import default_model_path
-from .gguf_io import atomic_output, copy_metadata
+from .gguf_io import atomic_output, metadata_items
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -20,12 +21,22 @@ _RMS_EPS = 1e-5  # also what SmolLM2 uses
 _ROPE_BASE = 10000.0
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter) -> int:
-    """Copy tokenizer.* KVs from the default model; return its vocab size."""
+@functools.lru_cache(maxsize=1)
+def _tokenizer_kvs() -> tuple:
+    """tokenizer.* KVs of the default model, read once per process (parsing ~100k strings takes seconds)."""
     reader = gguf.GGUFReader(default_model_path())
     skip = [k for k in reader.fields if not k.startswith("tokenizer.")]
-    copy_metadata(reader, writer, skip=skip)
-    return len(reader.fields["tokenizer.ggml.tokens"].data)
+    return tuple(metadata_items(reader, skip))
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter) -> int:
+    """Give ``writer`` SmolLM2's tokenizer; return its vocab size."""
+    n_vocab = 0
+    for key, value, vtype, sub_type in _tokenizer_kvs():
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+        if key == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+    return n_vocab
 
 
 def write_tiny_model(

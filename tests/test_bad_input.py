@@ -1,0 +1,97 @@
+"""Bad input gets a clear Python exception, and the process survives it."""
+import pytest
+
+import river_gguf
+from river_gguf import Model
+from river_gguf.testing import truncate_copy, write_unsupported_arch
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        Model(str(tmp_path / "nope.gguf"))
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "notes.gguf"
+    p.write_text("this is plain text, not a model\n" * 10)
+    with pytest.raises(river_gguf.GGUFFormatError, match="not a GGUF"):
+        Model(str(p))
+
+
+def test_empty_file(tmp_path):
+    p = tmp_path / "empty.gguf"
+    p.write_bytes(b"")
+    with pytest.raises(river_gguf.GGUFFormatError):
+        Model(str(p))
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.999, 0.0001])
+def test_truncated_gguf(q4_1_path, tmp_path, fraction):
+    p = truncate_copy(q4_1_path, tmp_path / "cut.gguf", keep_fraction=fraction)
+    with pytest.raises(river_gguf.GGUFFormatError, match="truncated|corrupt"):
+        Model(str(p))
+
+
+def test_unsupported_architecture(tmp_path):
+    p = write_unsupported_arch(tmp_path / "mamba.gguf", arch="mamba")
+    with pytest.raises(river_gguf.UnsupportedModelError, match="mamba.*supported: llama, qwen2, qwen3"):
+        Model(str(p))
+
+
+@pytest.fixture(scope="module")
+def small_model(q4_1_path):
+    return Model(q4_1_path, n_ctx=64, n_threads=2)
+
+
+def test_prompt_longer_than_context(small_model):
+    with pytest.raises(river_gguf.ContextOverflowError, match="n_ctx=64"):
+        small_model.generate("word " * 200, max_tokens=4)
+    with pytest.raises(river_gguf.ContextOverflowError, match="n_ctx is 64"):
+        small_model.logits(list(range(100, 200)))
+    # Still usable afterwards.
+    assert small_model.generate("Hi", max_tokens=2).tokens
+
+
+def test_generation_stops_at_context_end(small_model):
+    toks = small_model.tokenize("word " * 50)
+    g = small_model.generate(toks, max_tokens=100, temperature=0.0)
+    assert g.finish_reason == "length"
+    assert len(toks) + len(g.tokens) <= small_model.n_ctx
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -1.0},
+        {"temperature": float("nan")},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"min_p": -0.1},
+        {"top_k": -3},
+        {"repeat_penalty": 0.0},
+        {"seed": -1},
+        {"max_tokens": -5},
+        {"mode": "sideways"},
+        {"stop": [3]},
+    ],
+)
+def test_invalid_sampling_arguments(small_model, kwargs):
+    with pytest.raises(ValueError):
+        small_model.generate("Hello", **{"max_tokens": 4, **kwargs})
+
+
+def test_invalid_tokens_and_modes(small_model):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        small_model.logits([1, 2, 10**7])
+    with pytest.raises(ValueError, match="needs a river"):
+        small_model.generate("Hi", max_tokens=2, mode="river")
+    with pytest.raises(ValueError, match="exit_layer"):
+        small_model.generate("Hi", max_tokens=2, exit_layer=99)
+    with pytest.raises(ValueError, match="empty"):
+        small_model.generate([], max_tokens=2)
+
+
+@pytest.mark.parametrize("kwargs", [{"n_ctx": 0}, {"n_threads": 0}, {"n_batch": -1}, {"n_ctx": "big"}])
+def test_invalid_load_arguments(q4_1_path, kwargs):
+    with pytest.raises(ValueError):
+        Model(q4_1_path, **kwargs)

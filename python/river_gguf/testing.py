@@ -5,6 +5,7 @@ vocabulary to load; that fixes n_vocab at 49152.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -78,8 +79,7 @@ def write_tiny_model(
     def vec(n: int, mean: float, std: float) -> np.ndarray:
         return (mean + std * rng.standard_normal(n)).astype(np.float32)
 
-    with atomic_output(path) as tmp:
-        w = gguf.GGUFWriter(tmp, arch)
+    with atomic_output(path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, arch)) as w:
         w.add_name(f"tiny-{arch}")
         n_vocab = _copy_tokenizer(w)
         w.add_file_type(1 if dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
@@ -128,14 +128,12 @@ def write_tiny_model(
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
-        w.close()
     return os.fspath(path)
 
 
 def write_unsupported_arch(path: str | os.PathLike, arch: str = "mamba") -> str:
     """A small but well-formed GGUF whose architecture the engine does not implement."""
-    with atomic_output(path) as tmp:
-        w = gguf.GGUFWriter(tmp, arch)
+    with atomic_output(path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, arch)) as w:
         w.add_name(f"unsupported-{arch}")
         w.add_uint32(f"{arch}.block_count", 1)
         w.add_uint32(f"{arch}.context_length", _CONTEXT_LENGTH)
@@ -144,7 +142,6 @@ def write_unsupported_arch(path: str | os.PathLike, arch: str = "mamba") -> str:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
-        w.close()
     return os.fspath(path)
 
 

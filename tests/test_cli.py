@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 # Small context and thread count keep every model load and run quick.
 FAST = ["-c", "256", "-t", "2"]
 
@@ -44,10 +43,14 @@ def _main(argv):
 
 
 def _run(args, stdin=""):
+    # Import the same river_gguf this process did (the checkout's or the installed one).
+    import river_gguf
+
+    pkg_parent = str(Path(river_gguf.__file__).resolve().parents[1])
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "python"), env.get("PYTHONPATH")] if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [pkg_parent, env.get("PYTHONPATH")] if p)
     return subprocess.run([sys.executable, "-m", "river_gguf.cli", *args], input=stdin, capture_output=True,
-                          text=True, env=env, timeout=120)
+                          text=True, env=env, timeout=300)  # generous: CI machines may be busy
 
 
 def test_generate_streams_text_and_summary(model_path, capsys):

@@ -106,9 +106,15 @@ class Model:
         md = self.metadata
         if not self.has_river:
             return ExitOptions(mode="backbone")
+        threshold = md.get("river.threshold")
+        if threshold is None:
+            # Two plain files carry no calibrated tau: profile the backbone, as the converter does.
+            from .profile import default_threshold
+
+            threshold = default_threshold(self)["threshold"]
         return ExitOptions(
             mode="river",
-            threshold=float(md.get("river.threshold", 2.0)),
+            threshold=float(threshold),
             min_exit_layer=int(md.get("river.min_exit_layer", 0)),
             river_head=bool(md.get("river.head", False)) and self._engine.river_has_head,
             prefill=str(md.get("river.prefill", "backbone")),

@@ -1,0 +1,139 @@
+"""River early exit against RIVER.md's invariants, with stock llama.cpp as the external oracle."""
+import numpy as np
+import pytest
+
+from river_gguf import Model
+from river_gguf.hybrid import write_hybrid_gguf
+
+from conftest import PROSE
+from test_engine_parity import LOGIT_TOL
+
+N_GREEDY = 32
+
+
+@pytest.fixture(scope="module")
+def river_model(f16_path, q4_0_path):
+    # Backbone F16, river Q4_0: two plain GGUFs (the same checks as a River GGUF).
+    return Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=2)
+
+
+@pytest.fixture(scope="module")
+def prose_tokens(river_model):
+    return river_model.tokenize(PROSE)
+
+
+def _assert_same_as_oracle(m, oracle, toks, **opts):
+    ours = m.logits(toks, **opts)
+    ref = oracle.logits(toks)
+    assert np.abs(ours - ref).max() < LOGIT_TOL
+    prompt = toks[:12]
+    g = m.generate(prompt, max_tokens=N_GREEDY, **opts)
+    assert g.tokens == oracle.greedy(prompt, N_GREEDY)
+
+
+def test_invariant1_threshold_above_one_is_the_backbone(river_model, prose_tokens):
+    river = river_model.score(prose_tokens, prefix=8, mode="river", threshold=1.01)
+    backbone = river_model.score(prose_tokens, prefix=8, mode="backbone")
+    assert np.array_equal(river.logprobs, backbone.logprobs)
+    assert (river.exit_layers == river_model.n_layer - 1).all()
+    a = river_model.generate(prose_tokens[:10], max_tokens=24, mode="river", threshold=1.01)
+    b = river_model.generate(prose_tokens[:10], max_tokens=24, mode="backbone")
+    assert a.tokens == b.tokens and a.stats["river_layer_share"] == 0.0
+
+
+@pytest.mark.parametrize("k", [0, 6, 17, 28])
+def test_invariant2_forced_exit_equals_hybrid_gguf_in_llama_cpp(k, river_model, prose_tokens, f16_path, q4_0_path,
+                                                                 tmp_path, oracle_factory):
+    hybrid = tmp_path / f"hybrid-{k}.gguf"
+    write_hybrid_gguf(f16_path, q4_0_path, hybrid, exit_layer=k, river_head=False)
+    _assert_same_as_oracle(river_model, oracle_factory(str(hybrid)), prose_tokens, exit_layer=k, river_head=False)
+
+
+def test_invariant2_with_river_head(river_model, prose_tokens, f16_path, q4_0_path, tmp_path, oracle_factory):
+    hybrid = tmp_path / "hybrid-rh.gguf"
+    write_hybrid_gguf(f16_path, q4_0_path, hybrid, exit_layer=6, river_head=True)
+    _assert_same_as_oracle(river_model, oracle_factory(str(hybrid)), prose_tokens, exit_layer=6, river_head=True)
+
+
+def test_invariant3_river_only_equals_river_gguf(river_model, prose_tokens, q4_0_path, oracle_factory):
+    # With the river head, river-only runs exactly the river file: its embeddings, layers, head.
+    _assert_same_as_oracle(river_model, oracle_factory(q4_0_path), prose_tokens, mode="river-only", river_head=True)
+
+
+def test_invariant3_river_only_with_backbone_head(river_model, prose_tokens, f16_path, q4_0_path, tmp_path,
+                                                  oracle_factory):
+    hybrid = tmp_path / "hybrid-river-only.gguf"
+    write_hybrid_gguf(f16_path, q4_0_path, hybrid, exit_layer=-1, river_head=False)
+    _assert_same_as_oracle(river_model, oracle_factory(str(hybrid)), prose_tokens, mode="river-only",
+                           river_head=False)
+
+
+def test_invariant4_no_cache_holes_after_mixed_exits(f16_path, q4_0_path, prose_tokens):
+    # A fresh model: its cache starts as NaN, so any slot no layer wrote stays NaN.
+    m = Model(f16_path, river=q4_0_path, n_ctx=256, n_threads=2)
+    g = m.generate(prose_tokens[:16], max_tokens=48, mode="river", threshold=0.965)
+    exits = set(g.stats["exit_layers"])
+    assert len(exits) > 2 and min(exits) < 10, f"want a real mix of exits, got {g.stats['exit_histogram']}"
+    n = m._engine.n_past
+    assert n == 16 + len(g.tokens) - 1
+    for layer in range(m.n_layer):
+        for values in (False, True):
+            rows = m._engine.cache_rows(layer, values, n)
+            assert np.isfinite(rows).all(), f"hole in layer {layer} {'V' if values else 'K'}"
+            assert np.abs(rows).max(axis=1).min() > 0  # every row holds a real vector
+    # Past the last written position, the poison is still there: the check above can fail.
+    assert np.isnan(m._engine.cache_rows(0, False, n + 1)[n]).all()
+
+
+def test_exit_decision_follows_the_similarity_rule(river_model, prose_tokens):
+    e = river_model._engine
+    tau = 0.97
+    for min_exit in (0, 4):
+        e.truncate(0)
+        e.eval(prose_tokens[:10])
+        for t in prose_tokens[10:30]:
+            _, exit_layer, sims = e.eval([t], mode=1, threshold=tau, min_exit_layer=min_exit)
+            # sims[i] belongs to backbone layer min_exit + i; the token leaves at the first that passes.
+            passed = [min_exit + i for i, s in enumerate(sims) if s > tau]
+            if exit_layer < river_model.n_layer - 1:
+                assert passed == [exit_layer]
+            else:
+                assert passed == [] or passed == [river_model.n_layer - 1]
+            assert exit_layer >= min_exit
+
+
+def test_dynamic_exit_step_equals_forced_exit_step(river_model, prose_tokens):
+    e = river_model._engine
+    prompt, tok = prose_tokens[:20], prose_tokens[20]
+    e.truncate(0)
+    e.eval(prompt)
+    dyn, exit_layer, _ = e.eval([tok], mode=1, threshold=0.96)
+    assert exit_layer < river_model.n_layer - 1
+    e.truncate(len(prompt))
+    fixed, _, _ = e.eval([tok], mode=3, exit_layer=exit_layer)
+    assert np.array_equal(dyn, fixed)
+
+
+def test_river_prefill_uses_the_min_rule(river_model, prose_tokens):
+    e = river_model._engine
+    e.truncate(0)
+    _, exit_layer, sims = e.eval(prose_tokens, mode=1, threshold=0.9)
+    # The batch exits at the first layer whose *minimum* over prompt tokens passes.
+    passed = [i for i, s in enumerate(sims) if s > 0.9]
+    assert exit_layer == (passed[0] if passed else river_model.n_layer - 1)
+    m = river_model
+    a = m.generate(prose_tokens[:20], max_tokens=4, mode="river", threshold=-1.0, prefill="river")
+    assert a.stats["exit_layers"][0] == 0  # tau=-1 sends the whole prompt out after layer 0
+    b = m.generate(prose_tokens[:20], max_tokens=4, mode="river", threshold=-1.0, prefill="backbone")
+    assert b.stats["exit_layers"][0] == m.n_layer - 1
+
+
+def test_generation_stats(river_model, prose_tokens):
+    g = river_model.generate(prose_tokens[:12], max_tokens=20, mode="river", threshold=0.97, river_head=True)
+    s = g.stats
+    assert len(s["exit_layers"]) == len(g.tokens) == 20
+    assert sum(s["exit_histogram"].values()) == 20
+    assert s["mean_exit_layer"] == pytest.approx(np.mean(s["exit_layers"]))
+    L = river_model.n_layer
+    assert s["river_layer_share"] == pytest.approx(sum(L - 1 - e for e in s["exit_layers"]) / (20 * L))
+    assert 0 < s["river_layer_share"] < 1

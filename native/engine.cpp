@@ -96,21 +96,45 @@ Engine::Engine(const EngineConfig& cfg) : n_batch_(cfg.n_batch) {
             gpu_ = ggml_backend_dev_init(dev, nullptr);
         }
     }
+    const int first_gpu = gpu_ ? std::max(0, hp_.n_layer - cfg.n_gpu_layers) : hp_.n_layer;
+    const bool head_on_gpu = gpu_ && cfg.n_gpu_layers > hp_.n_layer;
+    // Each head gets its own slot: a tied head is placed apart from the embedding table,
+    // which stays in the mapping for get_rows.
+    std::vector<ggml_tensor**> heads = {&backbone_.output};
+    if (river_ && river_->head) heads.push_back(&river_->head);
     if (gpu_) {
-        const int first_gpu = std::max(0, hp_.n_layer - cfg.n_gpu_layers);
         std::vector<ggml_tensor**> slots;
         for (int il = first_gpu; il < hp_.n_layer; ++il) {
             layer_backend[il] = gpu_;
             for (auto s : layer_slots(backbone_.layers[il])) slots.push_back(s);
             if (river_) for (auto s : layer_slots(river_->layers[il])) slots.push_back(s);
         }
-        if (cfg.n_gpu_layers > hp_.n_layer) {
+        if (head_on_gpu) {
             slots.push_back(&backbone_.output_norm);
-            if (backbone_.output != backbone_.tok_embd) slots.push_back(&backbone_.output);
-            if (river_ && river_->head && river_->head != river_->tok_embd) slots.push_back(&river_->head);
+            slots.insert(slots.end(), heads.begin(), heads.end());
         }
-        device_weights_ = std::make_unique<DeviceWeights>();
-        device_weights_->move(gpu_, slots);
+        placed_weights_.push_back(std::make_unique<DeviceWeights>());
+        placed_weights_.back()->move(ggml_backend_get_default_buffer_type(gpu_), slots);
+    }
+    if (cfg.repack) {
+        // CPU mat-mul weights go to the first extra buffer type that takes them (repacked
+        // Q4_0/Q8_0/... layouts), where the CPU kernels read them faster than from the mapping.
+        std::vector<ggml_tensor**> cpu_matmuls;
+        for (int il = 0; il < first_gpu; ++il) {
+            for (auto s : matmul_slots(backbone_.layers[il])) cpu_matmuls.push_back(s);
+            if (river_) for (auto s : matmul_slots(river_->layers[il])) cpu_matmuls.push_back(s);
+        }
+        if (!head_on_gpu) cpu_matmuls.insert(cpu_matmuls.end(), heads.begin(), heads.end());
+        ggml_backend_dev_t cpu_dev = ggml_backend_get_device(cpu_);
+        for (ggml_backend_buffer_type_t buft : cpu_extra_buffer_types()) {
+            std::vector<ggml_tensor**> take, rest;
+            for (auto s : cpu_matmuls) (buft_supports_matmul(cpu_dev, buft, *s) ? take : rest).push_back(s);
+            if (!take.empty()) {
+                placed_weights_.push_back(std::make_unique<DeviceWeights>());
+                placed_weights_.back()->move(buft, take);
+            }
+            cpu_matmuls.swap(rest);
+        }
     }
 
     std::vector<ggml_backend_t> backends;
@@ -135,7 +159,7 @@ Engine::Engine(const EngineConfig& cfg) : n_batch_(cfg.n_batch) {
 Engine::~Engine() {
     if (sched_) ggml_backend_sched_free(sched_);
     cache_.reset();
-    device_weights_.reset();
+    placed_weights_.clear();
     if (state_buf_) ggml_backend_buffer_free(state_buf_);
     if (state_ctx_) ggml_free(state_ctx_);
     if (gpu_) ggml_backend_free(gpu_);

@@ -22,6 +22,7 @@ struct EngineConfig {
     int n_threads = 1;
     int n_batch = 512;           // prompt tokens per graph
     int n_gpu_layers = 0;        // the last n layers go to a GPU backend, when one exists
+    bool repack = true;          // CPU mat-mul weights in the CPU's repacked buffer types, as llama.cpp does
 };
 
 enum class ExitMode {
@@ -91,7 +92,7 @@ private:
     ggml_backend_t gpu_ = nullptr;
     ggml_threadpool_t threadpool_ = nullptr;
     ggml_backend_sched_t sched_ = nullptr;
-    std::unique_ptr<DeviceWeights> device_weights_;
+    std::vector<std::unique_ptr<DeviceWeights>> placed_weights_;  // GPU copies, repacked CPU copies
     std::unique_ptr<KvCache> cache_;
 
     // Hidden state and similarity carried between the graphs of one step.

@@ -2,6 +2,8 @@
 
 #include <map>
 
+#include "ggml-alloc.h"
+
 #include "errors.h"
 
 namespace river {
@@ -82,12 +84,42 @@ std::vector<ggml_tensor**> layer_slots(LayerWeights& w) {
             &w.k_norm, &w.ffn_norm, &w.ffn_gate, &w.ffn_up, &w.ffn_down};
 }
 
+std::vector<ggml_tensor**> matmul_slots(LayerWeights& w) {
+    return {&w.wq, &w.wk, &w.wv, &w.wo, &w.ffn_gate, &w.ffn_up, &w.ffn_down};
+}
+
+std::vector<ggml_backend_buffer_type_t> cpu_extra_buffer_types() {
+    std::vector<ggml_backend_buffer_type_t> out;
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (!dev) return out;
+    auto get = reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
+        ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev), "ggml_backend_dev_get_extra_bufts"));
+    if (!get) return out;
+    for (ggml_backend_buffer_type_t* b = get(dev); b && *b; ++b) out.push_back(*b);
+    return out;
+}
+
+bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const ggml_tensor* w) {
+    // Ask the device about a decode-shaped mul_mat whose weight sits in an empty buffer of `buft`.
+    ggml_init_params params{ggml_tensor_overhead() * 4, nullptr, /*no_alloc=*/true};
+    ggml_context* ctx = ggml_init(params);
+    ggml_tensor* wc = ggml_dup_tensor(ctx, w);
+    ggml_tensor* x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[0], 1);
+    ggml_tensor* op = ggml_mul_mat(ctx, wc, x);
+    ggml_backend_buffer_t probe = ggml_backend_buft_alloc_buffer(buft, 0);
+    wc->buffer = probe;
+    const bool ok = probe && ggml_backend_dev_supports_op(dev, op);
+    if (probe) ggml_backend_buffer_free(probe);
+    ggml_free(ctx);
+    return ok;
+}
+
 DeviceWeights::~DeviceWeights() {
     if (buffer_) ggml_backend_buffer_free(buffer_);
     if (ctx_) ggml_free(ctx_);
 }
 
-void DeviceWeights::move(ggml_backend_t backend, const std::vector<ggml_tensor**>& slots) {
+void DeviceWeights::move(ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor**>& slots) {
     ggml_init_params params{ggml_tensor_overhead() * (slots.size() + 1), nullptr, /*no_alloc=*/true};
     ctx_ = ggml_init(params);
     // The same source tensor may fill several slots (a tied head); copy it once.
@@ -98,8 +130,8 @@ void DeviceWeights::move(ggml_backend_t backend, const std::vector<ggml_tensor**
         ggml_set_name(c, ggml_get_name(*slot));
         copies[*slot] = c;
     }
-    buffer_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
-    if (!buffer_) throw std::runtime_error("out of device memory while offloading weights");
+    buffer_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
+    if (!buffer_) throw std::runtime_error(std::string("out of memory placing weights in ") + ggml_backend_buft_name(buft));
     ggml_backend_buffer_set_usage(buffer_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     for (auto& [src, dst] : copies) ggml_backend_tensor_set(dst, src->data, 0, ggml_nbytes(src));
     for (ggml_tensor** slot : slots) if (*slot) *slot = copies[*slot];

@@ -47,15 +47,16 @@ struct RiverWeights {
 BackboneWeights load_backbone(const GgufFile& f, const HParams& hp);
 RiverWeights load_river(const GgufFile& f, const HParams& hp, const std::string& prefix);
 
-// Copies of some tensors on a non-CPU backend (GPU offload); owns their buffer.
+// Copies of some tensors in another buffer type: a GPU's memory for offloaded layers, or a
+// CPU "extra" buffer type that repacks weights for faster matrix kernels. Owns the buffer.
 class DeviceWeights {
 public:
     DeviceWeights() = default;
     ~DeviceWeights();
     DeviceWeights(const DeviceWeights&) = delete;
     DeviceWeights& operator=(const DeviceWeights&) = delete;
-    // Replace each *slot by a copy living in a buffer of `backend`.
-    void move(ggml_backend_t backend, const std::vector<ggml_tensor**>& slots);
+    // Replace each *slot by a copy living in a buffer of type `buft`.
+    void move(ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor**>& slots);
 
 private:
     ggml_context* ctx_ = nullptr;
@@ -64,5 +65,12 @@ private:
 
 // Every tensor slot of a layer, for placement.
 std::vector<ggml_tensor**> layer_slots(LayerWeights& w);
+// The slots used only as mul_mat weights (candidates for repacked CPU buffers).
+std::vector<ggml_tensor**> matmul_slots(LayerWeights& w);
+
+// The CPU device's extra buffer types (repacked layouts), in preference order.
+std::vector<ggml_backend_buffer_type_t> cpu_extra_buffer_types();
+// Whether `buft` can hold `w` as the weight of a mul_mat on `dev` (llama.cpp's test too).
+bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const ggml_tensor* w);
 
 }  // namespace river

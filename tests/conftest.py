@@ -49,6 +49,9 @@ class Oracle:
 
     def greedy(self, tokens, n):
         out = []
+        # Forget earlier evals: llama-cpp-python would otherwise reuse a cached prefix that was
+        # computed inside a longer batch, which is not the computation the engine repeats.
+        self.llm.reset()
         for tok in self.llm.generate(list(tokens), temp=0.0, top_k=1, reset=True):
             if self.llm.token_eos() == tok or len(out) >= n:
                 break
@@ -71,3 +74,16 @@ def oracle_factory():
     yield make
     for o in made:
         o.close()
+
+
+@pytest.fixture(scope="session")
+def river_gguf_path(f16_path):
+    """SmolLM2 F16 backbone + Q4_0 river, profiled tau: a cached River GGUF (built once if missing)."""
+    from river_gguf.convert import FORMAT_VERSION, build_river_gguf
+    from river_gguf.default_model import cache_dir
+
+    stem = pathlib.Path(f16_path).name.removesuffix(".gguf")  # carries the source model's tag
+    dst = cache_dir() / f"{stem}+q4_0.v{FORMAT_VERSION}.river.gguf"
+    if not dst.is_file():
+        build_river_gguf(f16_path, dst, river_type="q4_0", progress=False)
+    return str(dst)

@@ -14,7 +14,7 @@ N_GREEDY = 32
 @pytest.fixture(scope="module")
 def river_model(f16_path, q4_0_path):
     # Backbone F16, river Q4_0: two plain GGUFs (the same checks as a River GGUF).
-    return Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=2)
+    return Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=2, threshold=0.97)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,9 @@ def test_invariant3_river_only_with_backbone_head(river_model, prose_tokens, f16
 
 def test_invariant4_no_cache_holes_after_mixed_exits(f16_path, q4_0_path, prose_tokens):
     # A fresh model: its cache starts as NaN, so any slot no layer wrote stays NaN.
-    m = Model(f16_path, river=q4_0_path, n_ctx=256, n_threads=2)
+    # threshold given: no similarity profile runs at load, so no step has touched the cache yet.
+    m = Model(f16_path, river=q4_0_path, n_ctx=256, n_threads=2, threshold=0.965)
+    assert np.isnan(m._engine.cache_rows(0, False, 4)).all()
     g = m.generate(prose_tokens[:16], max_tokens=48, mode="river", threshold=0.965)
     exits = set(g.stats["exit_layers"])
     assert len(exits) > 2 and min(exits) < 10, f"want a real mix of exits, got {g.stats['exit_histogram']}"

@@ -53,10 +53,24 @@ def add_sampling_args(p: argparse.ArgumentParser, n_default: Optional[int], temp
     p.add_argument("--stop", action="append", default=None, metavar="S", help="stop string (repeatable)")
 
 
+def default_model_for_cli() -> str:
+    """The default River GGUF once `river-gguf convert` made it, else the shipped Q4_1 file."""
+    import os
+
+    from .default_model import default_model_path, default_river_path
+
+    river = default_river_path()
+    if os.path.exists(river):
+        return river
+    print("river-gguf: no River GGUF yet (run `river-gguf convert`); using the plain default model",
+          file=sys.stderr)
+    return default_model_path()
+
+
 def load_model(args):
     from .model import Model
 
-    return Model(args.model, river=args.river, n_ctx=args.ctx, n_threads=args.threads,
+    return Model(args.model or default_model_for_cli(), river=args.river, n_ctx=args.ctx, n_threads=args.threads,
                  n_gpu_layers=args.ngl, mode=getattr(args, "mode", None),
                  threshold=getattr(args, "threshold", None), river_head=getattr(args, "river_head", None),
                  verbose=args.verbose)
@@ -238,7 +252,7 @@ SUBCOMMANDS = [
     _register_generate,
     _register_chat,
     _register_info,
-    # "river_gguf.convert:register_cli",
+    "river_gguf.convert:register",
     # "river_gguf.eval:register_cli",
     # "river_gguf.calibrate:register_cli",
 ]

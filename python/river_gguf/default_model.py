@@ -69,3 +69,9 @@ def derived_model(kind: str) -> str:
     else:
         gguf_io.quantize(derived_model("f16"), dst, kind, n_threads=max(1, min(4, os.cpu_count() or 1)))
     return str(dst)
+
+
+def default_river_path(river_type: str = "q4_0") -> str:
+    """Where `river-gguf convert` (no arguments) writes the default River GGUF: the F16
+    SmolLM2 backbone with a `river_type` river. `river-gguf generate` loads it by default."""
+    return str(cache_dir() / f"SmolLM2-135M-Instruct.f16+{river_type}.river.gguf")

@@ -80,7 +80,8 @@ class Model:
             raise native.GGUFFormatError(
                 f"{model_path}: vocabulary has {self._vocab.n_tokens} tokens but token_embd has {self.n_vocab} rows"
             )
-        self.exit_options = self._file_exit_options().with_overrides(
+        self.exit_options = ExitOptions()  # backbone-only while the file's defaults are worked out
+        self.exit_options = self._file_exit_options(profile=threshold is None).with_overrides(
             mode=mode, threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill
         ).validate(self.n_layer, self.has_river)
 
@@ -101,13 +102,13 @@ class Model:
     def has_river(self) -> bool:
         return self._engine.has_river
 
-    def _file_exit_options(self) -> ExitOptions:
+    def _file_exit_options(self, profile: bool) -> ExitOptions:
         """Defaults stored in a River GGUF (river.* keys); plain files never exit by default."""
         md = self.metadata
         if not self.has_river:
             return ExitOptions(mode="backbone")
-        threshold = md.get("river.threshold")
-        if threshold is None:
+        threshold = md.get("river.threshold", 2.0)
+        if "river.threshold" not in md and profile:
             # Two plain files carry no calibrated tau: profile the backbone, as the converter does.
             from .profile import default_threshold
 

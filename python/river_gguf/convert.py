@@ -1,0 +1,543 @@
+"""Build a River GGUF: a backbone GGUF plus a low-precision copy of its layers (the exit river).
+
+    from river_gguf.convert import build_river_gguf
+    build_river_gguf("model.f16.gguf", "model.river.gguf")             # river = Q4_0 of the backbone
+    build_river_gguf("model.f16.gguf", "out.gguf", river_path="model.q4_k_m.gguf")
+
+The output holds every backbone tensor and metadata key unchanged (same order, same types,
+same bytes), followed by the river's per-layer tensors as ``river.blk.N.<name>``, the river's
+embedding table as ``river.token_embd.weight`` and, for untied models, its head as
+``river.output.weight``. ``river.*`` metadata keys record the exit defaults (threshold,
+min exit layer, head, prefill) and where the river came from.
+
+Stock llama.cpp does NOT load a River GGUF: its loader insists that it creates every tensor in
+the file ("done_getting_tensors: wrong number of tensors"). Run River GGUFs with river_gguf;
+``hybrid.write_hybrid_gguf`` writes plain files for llama.cpp.
+
+Why the default river type is q4_0: it is the fastest 4-bit type in llama.cpp on the machines
+this project measures (180 tok/s vs 134 for Q4_K_M on SmolLM2-135M), and SmolLM2's width of
+576 is not a multiple of 256, so q4_k_m mostly falls back to Q5_0 for it anyway. q4_1 is a bad
+river for the default model: the F16 SmolLM2 is itself a dequantized Q4_1, so a Q4_1 river
+reproduces the backbone nearly exactly and the river gains nothing to compare.
+
+Module-level imports are kept light: ``river-gguf`` imports this module to build its parser.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import hashlib
+import math
+import os
+import sys
+import uuid
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+FORMAT_VERSION = 1
+RIVER_PREFIX = "river."
+PREFILL_CHOICES = ("backbone", "river")
+DEFAULT_RIVER_TYPE = "q4_0"
+
+# Hyperparameters (under "{arch}.") that must agree between backbone and river.
+_HPARAM_KEYS = (
+    "block_count",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scale_linear",
+    "vocab_size",
+)
+
+# Tensor types that are not quantized: llama.cpp quantizes from these without "requantizing".
+_FLOAT_TYPE_NAMES = {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"}
+
+_MAX_LISTED = 6  # mismatches listed in one error message
+
+
+# ----- errors -------------------------------------------------------------------------
+def _errors():
+    from ._loader import native
+
+    return native
+
+
+def _mismatch(msg: str) -> Exception:
+    return _errors().RiverMismatchError(msg)
+
+
+# ----- reading --------------------------------------------------------------------------
+def _check_loadable(path: str) -> dict:
+    """Let the engine vet the file (magic, header, tensor extents, architecture, shapes).
+
+    Raises GGUFFormatError (not GGUF, truncated), UnsupportedModelError (architecture) or
+    RiverMismatchError before this module reads anything with the gguf package.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model file not found: {path}")
+    native = _errors()
+    engine = native.Engine(path, "", 8, 1, 8, 0)  # n_ctx=8: a tiny KV cache, opens in milliseconds
+    hparams = dict(engine.hparams)
+    del engine
+    return hparams
+
+
+def _reader(path: str):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def _arch(reader) -> str:
+    return str(reader.fields["general.architecture"].contents())
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def _np_shape(t) -> Tuple[int, ...]:
+    """A reader tensor's shape in numpy order (rows first), as add_tensor_info takes it."""
+    return tuple(int(x) for x in reversed(t.shape))
+
+
+def _type_name(t) -> str:
+    import gguf
+
+    return gguf.GGMLQuantizationType(int(t.tensor_type)).name
+
+
+def is_river_gguf(reader) -> bool:
+    """True if the file already carries a river (tensors or metadata under ``river.``)."""
+    return any(t.name.startswith(RIVER_PREFIX) for t in reader.tensors) or any(
+        k.startswith(RIVER_PREFIX) for k in reader.fields
+    )
+
+
+def _plain_tensors(reader) -> List[Any]:
+    return [t for t in reader.tensors if not t.name.startswith(RIVER_PREFIX)]
+
+
+def _river_tensors(reader, prefix: str) -> Dict[str, Any]:
+    """The river's tensors of ``reader`` by plain name (``prefix`` stripped)."""
+    return {t.name[len(prefix):]: t for t in reader.tensors if t.name.startswith(prefix)}
+
+
+def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+# ----- validation -----------------------------------------------------------------------
+def compare_models(bb_reader, rv_reader, rv_tensors: Optional[Dict[str, Any]] = None,
+                   bb_name: str = "backbone", rv_name: str = "river") -> None:
+    """Raise RiverMismatchError listing how the river's model differs from the backbone's.
+
+    ``rv_tensors`` (plain name -> reader tensor) defaults to the river file's own tensors.
+    Checked: architecture, hyperparameters, vocabulary, and every per-layer tensor (same
+    names, same shapes), plus the token embedding / output head shapes.
+    """
+    a_bb, a_rv = _arch(bb_reader), _arch(rv_reader)
+    if a_bb != a_rv:
+        raise _mismatch(f"general.architecture: '{a_bb}' in {bb_name} vs '{a_rv}' in {rv_name}")
+    diffs: List[str] = []
+    for k in _HPARAM_KEYS:
+        key = f"{a_bb}.{k}"
+        v_bb, v_rv = _field(bb_reader, key), _field(rv_reader, key)
+        if isinstance(v_bb, float) and isinstance(v_rv, float):
+            same = math.isclose(v_bb, v_rv, rel_tol=1e-6, abs_tol=0.0)
+        else:
+            same = v_bb == v_rv
+        if not same:
+            diffs.append(f"{key}: {_show(v_bb)} in {bb_name} vs {_show(v_rv)} in {rv_name}")
+
+    tok_bb = bb_reader.fields.get("tokenizer.ggml.tokens")
+    tok_rv = rv_reader.fields.get("tokenizer.ggml.tokens")
+    if (tok_bb is None) != (tok_rv is None):
+        diffs.append(f"tokenizer.ggml.tokens: only the {bb_name if tok_rv is None else rv_name} has a vocabulary")
+    elif tok_bb is not None and not _same_field_bytes(bb_reader, rv_reader, "tokenizer.ggml.tokens"):
+        tok_bb, tok_rv = tok_bb.contents(), tok_rv.contents()
+        if len(tok_bb) != len(tok_rv):
+            diffs.append(f"tokenizer.ggml.tokens: {len(tok_bb)} tokens in {bb_name} vs {len(tok_rv)} in {rv_name}")
+        elif tok_bb != tok_rv:
+            i = next(i for i, (x, y) in enumerate(zip(tok_bb, tok_rv)) if x != y)
+            diffs.append(f"tokenizer.ggml.tokens: token {i} is {tok_bb[i]!r} in {bb_name} vs {tok_rv[i]!r} in {rv_name}")
+
+    bb = {t.name: t for t in _plain_tensors(bb_reader)}
+    rv = rv_tensors if rv_tensors is not None else {t.name: t for t in rv_reader.tensors}
+    names = [n for n in bb if n.startswith("blk.")] + [n for n in rv if n.startswith("blk.") and n not in bb]
+    for n in ("token_embd.weight", "output.weight"):
+        if n in bb and n in rv:
+            names.append(n)
+    if "token_embd.weight" not in rv:
+        diffs.append(f"token_embd.weight: in {bb_name} but not in {rv_name}")
+    for n in names:
+        if n not in rv:
+            diffs.append(f"{n}: in {bb_name} but not in {rv_name}")
+        elif n not in bb:
+            diffs.append(f"{n}: in {rv_name} but not in {bb_name}")
+        elif _np_shape(bb[n]) != _np_shape(rv[n]):
+            diffs.append(f"{n}: shape {_np_shape(bb[n])} in {bb_name} vs {_np_shape(rv[n])} in {rv_name}")
+    if diffs:
+        more = f" (and {len(diffs) - _MAX_LISTED} more)" if len(diffs) > _MAX_LISTED else ""
+        raise _mismatch(f"{rv_name} is not the same model as the {bb_name}: " + "; ".join(diffs[:_MAX_LISTED]) + more)
+
+
+def _same_field_bytes(ra, rb, key: str) -> bool:
+    """Whether a KV field is byte-identical in two files (fast: no per-string decoding)."""
+    import numpy as np
+
+    fa, fb = ra.fields[key], rb.fields[key]
+    na, nb = sum(p.nbytes for p in fa.parts), sum(p.nbytes for p in fb.parts)
+    return na == nb and np.array_equal(ra.data[fa.offset:fa.offset + na], rb.data[fb.offset:fb.offset + nb])
+
+
+def _show(v: Any) -> str:
+    if v is None:
+        return "absent"
+    if isinstance(v, list) and len(v) > 4:
+        return f"[{', '.join(map(str, v[:4]))}, ...]"
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+# ----- writing --------------------------------------------------------------------------
+def _same_file(a: str, b: str) -> bool:
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+@contextlib.contextmanager
+def _temp_path(near: str, suffix: str):
+    """A private temp file name next to ``near``, removed on exit whatever happens."""
+    d = os.path.dirname(os.path.abspath(near))
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".{os.path.basename(near)}.{os.getpid()}.{uuid.uuid4().hex[:8]}{suffix}")
+    try:
+        yield tmp
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _new_writer(path: str, reader, skip_prefix: Optional[str] = RIVER_PREFIX):
+    """A GGUFWriter with ``reader``'s metadata (keys under ``skip_prefix`` left out)."""
+    import gguf
+    from .gguf_io import copy_metadata
+
+    w = gguf.GGUFWriter(path, _arch(reader))
+    skip = {"general.alignment"}
+    if skip_prefix:
+        skip |= {k for k in reader.fields if k.startswith(skip_prefix)}
+    copy_metadata(reader, w, skip=skip)
+    align = _field(reader, "general.alignment")
+    if align is not None:
+        w.add_custom_alignment(int(align))
+    return w
+
+
+def _write_tensors(w, plan: Sequence[Tuple[str, Any]], progress: bool, desc: str) -> None:
+    """Declare ``(out_name, reader_tensor)`` pairs, write header/KV/info, then stream the raw bytes."""
+    from tqdm import tqdm
+
+    for name, t in plan:
+        w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _name, t in tqdm(plan, desc=desc, unit="tensor", disable=not progress, file=sys.stderr):
+        _write_one(w, t)
+
+
+def _write_one(w, t) -> None:
+    """Copy one tensor's bytes (from the reader's memory map) to the output."""
+    import numpy as np
+
+    w.write_tensor_data(np.ascontiguousarray(t.data))
+
+
+def _write_plain_copy(reader, dst: str) -> None:
+    """``reader``'s file without its river tensors and river.* metadata."""
+    with contextlib.closing(_new_writer(dst, reader)) as w:
+        _write_tensors(w, [(t.name, t) for t in _plain_tensors(reader)], progress=False, desc="strip")
+
+
+def _quantize_river(src: str, dst: str, river_type: str, n_threads: int, requantize: bool) -> None:
+    from . import gguf_io
+    import llama_cpp._logger as llama_logger
+
+    llama_logger.set_verbose(False)  # llama.cpp logs every tensor it quantizes
+    if not requantize:
+        gguf_io.quantize(src, dst, river_type, n_threads=n_threads)
+        return
+    # A quantized backbone (e.g. Q8_0): llama.cpp refuses to requantize unless told to.
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, gguf_io.FTYPES[river_type])
+    params.nthread = n_threads
+    params.allow_requantize = True
+    with gguf_io.atomic_output(dst) as tmp:
+        rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(tmp), ctypes.byref(params))
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize({src} -> {river_type}) failed with code {rc}")
+
+
+def _validate_options(threshold, min_exit_layer, prefill, river_head, n_layer) -> None:
+    if threshold is not None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+            raise ValueError(f"threshold must be a finite number, got {threshold!r}")
+    if isinstance(min_exit_layer, bool) or not isinstance(min_exit_layer, int) or not 0 <= min_exit_layer < n_layer:
+        raise ValueError(f"min_exit_layer must be an int in [0, {n_layer - 1}], got {min_exit_layer!r}")
+    if prefill not in PREFILL_CHOICES:
+        raise ValueError(f"prefill must be one of {', '.join(PREFILL_CHOICES)}, got {prefill!r}")
+    if not isinstance(river_head, bool):
+        raise ValueError(f"river_head must be a bool, got {river_head!r}")
+
+
+def build_river_gguf(
+    backbone_path,
+    out_path,
+    *,
+    river_type: str = DEFAULT_RIVER_TYPE,
+    river_path=None,
+    threshold: Optional[float] = None,
+    min_exit_layer: int = 0,
+    river_head: bool = True,
+    prefill: str = "backbone",
+    replace_river: bool = False,
+    progress: bool = True,
+    n_threads: int = 2,
+) -> dict:
+    """Write ``out_path``: the backbone GGUF plus a river; return the river.* metadata written.
+
+    river_type: llama.cpp quantization type for a river made from the backbone (default q4_0,
+        see the module docstring). Ignored when ``river_path`` is given.
+    river_path: an existing GGUF of the same model (plain, not a River GGUF) to use as river.
+    threshold: exit threshold tau; None profiles the backbone (profile.default_threshold).
+    replace_river: allow a River GGUF as backbone; its river is dropped and replaced.
+
+    Raises GGUFFormatError (not GGUF / truncated), UnsupportedModelError (architecture),
+    RiverMismatchError (river is another model) or ValueError (bad options, River GGUF input)
+    before anything is written. The inputs are never modified; the output appears only when
+    complete (a temp file in its directory is renamed into place).
+    """
+    from .gguf_io import FTYPES, atomic_output
+
+    backbone_path = os.fspath(backbone_path)
+    out_path = os.fspath(out_path)
+    river_path = os.fspath(river_path) if river_path is not None else None
+    if _same_file(out_path, backbone_path) or (river_path is not None and _same_file(out_path, river_path)):
+        raise ValueError(f"output {out_path} would overwrite an input file; choose another name")
+    if river_path is None:
+        river_type = str(river_type).lower()
+        if river_type not in FTYPES:
+            raise ValueError(f"unknown river type {river_type!r}; valid: {', '.join(sorted(FTYPES))}")
+        if river_type == "q4_1":
+            warnings.warn(
+                "river type q4_1: if the backbone is a dequantized Q4_1 model (like the default SmolLM2 F16), "
+                "a Q4_1 river reproduces it almost exactly; use q4_0 or q4_k_m",
+                stacklevel=2,
+            )
+    if not isinstance(n_threads, int) or n_threads < 1:
+        raise ValueError(f"n_threads must be an int >= 1, got {n_threads!r}")
+
+    # Engine checks first: a truncated or foreign file is refused before the gguf package reads it.
+    n_layer = int(_check_loadable(backbone_path)["n_layer"])
+    _validate_options(threshold, min_exit_layer, prefill, river_head, n_layer)
+    if river_path is not None:
+        _check_loadable(river_path)
+    bb = _reader(backbone_path)
+    bb_has_river = is_river_gguf(bb)
+    if bb_has_river and not replace_river:
+        raise ValueError(
+            f"{backbone_path} already is a River GGUF; pass replace_river=True (--replace-river) "
+            "to replace its river, or start from the plain backbone"
+        )
+
+    with contextlib.ExitStack() as stack:
+        if river_path is not None:
+            rv = _reader(river_path)
+            if is_river_gguf(rv):
+                raise ValueError(
+                    f"river {river_path} is itself a River GGUF; pass a plain GGUF (or build from the backbone)"
+                )
+            compare_models(bb, rv)
+            river_src, type_label = river_path, "from-file"
+        else:
+            src = backbone_path
+            if bb_has_river:  # quantize the plain backbone, not the old river
+                src = stack.enter_context(_temp_path(out_path, ".backbone.tmp"))
+                _write_plain_copy(bb, src)
+            requant = any(_type_name(t) not in _FLOAT_TYPE_NAMES for t in _plain_tensors(bb) if len(t.shape) >= 2)
+            if requant:
+                warnings.warn(f"{backbone_path} is already quantized; the river is requantized from it", stacklevel=2)
+            river_src = stack.enter_context(_temp_path(out_path, ".river.tmp"))
+            _quantize_river(src, river_src, river_type, n_threads, requant)
+            rv = _reader(river_src)
+            compare_models(bb, rv)
+            type_label = river_type
+
+        meta: Dict[str, Any] = {}
+        if threshold is None:
+            from .model import Model
+            from .profile import default_threshold
+
+            model = Model(backbone_path, n_threads=n_threads)
+            prof = default_threshold(model)
+            del model
+            meta_threshold = float(prof["threshold"])
+            source = f"profile-q{prof['quantile']:.2f}"
+        else:
+            prof, meta_threshold, source = None, float(threshold), "user"
+
+        import gguf
+
+        VT = gguf.GGUFValueType
+        entries = [
+            ("river.format_version", FORMAT_VERSION, VT.UINT32),
+            ("river.type", type_label, VT.STRING),
+            ("river.threshold", meta_threshold, VT.FLOAT32),
+            ("river.threshold_source", source, VT.STRING),
+            ("river.min_exit_layer", int(min_exit_layer), VT.UINT32),
+            ("river.prefill", prefill, VT.STRING),
+            ("river.head", bool(river_head), VT.BOOL),
+            ("river.backbone_file", os.path.basename(backbone_path), VT.STRING),
+            ("river.backbone_sha256", sha256_file(backbone_path), VT.STRING),
+            ("river.river_file", os.path.basename(river_path) if river_path else f"(quantized {type_label})",
+             VT.STRING),
+            ("river.river_sha256", sha256_file(river_src), VT.STRING),
+        ]
+        if prof is not None:
+            entries.append(("river.profile_predicted_mean_exit_layer", float(prof["predicted_mean_exit_layer"]),
+                            VT.FLOAT32))
+
+        rv_by_name = {t.name: t for t in rv.tensors}
+        plan = [(t.name, t) for t in _plain_tensors(bb)]
+        plan += [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
+        plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
+        if "output.weight" in rv_by_name:
+            plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
+
+        with atomic_output(out_path) as tmp, contextlib.closing(_new_writer(tmp, bb)) as w:
+            for key, value, vtype in entries:
+                w.add_key_value(key, value, vtype)
+                meta[key] = value
+            _write_tensors(w, plan, progress, desc=f"river {os.path.basename(out_path)}")
+        # float32 as stored, so callers compare against what Model(out).metadata reads
+        import numpy as np
+
+        meta["river.threshold"] = float(np.float32(meta_threshold))
+        if prof is not None:
+            meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
+    return meta
+
+
+# ----- command line ---------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``tools/add_river_gguf.py`` and ``river-gguf convert``."""
+    from .gguf_io import FTYPES
+
+    p.add_argument("backbone", metavar="BACKBONE.gguf", nargs="?", default=None,
+                   help="backbone GGUF (F16/BF16/Q8_0 recommended; default: an F16 of the default "
+                        "SmolLM2-135M-Instruct, written once into the cache)")
+    p.add_argument("-o", "--output", default=None, metavar="MODEL.river.gguf",
+                   help="River GGUF to write (required with BACKBONE; without it, the default River GGUF "
+                        "in the cache, which `river-gguf generate` then uses by default)")
+    p.add_argument("--river-type", default=DEFAULT_RIVER_TYPE, type=str.lower, choices=sorted(FTYPES),
+                   metavar="TYPE",
+                   help="quantization of the river made from the backbone (default q4_0: the fastest 4-bit "
+                        "type in llama.cpp here, 180 vs 134 tok/s for Q4_K_M, and SmolLM2's width 576 is not a "
+                        "multiple of 256 so q4_k_m mostly falls back to Q5_0; avoid q4_1 for SmolLM2, whose F16 "
+                        f"is a dequantized Q4_1). One of: {', '.join(sorted(FTYPES))}")
+    p.add_argument("--river", default=None, metavar="EXISTING.gguf",
+                   help="use this GGUF of the same model as the river instead of quantizing the backbone")
+    p.add_argument("--threshold", "--tau", dest="threshold", type=float, default=None, metavar="TAU",
+                   help="default exit threshold (default: profiled on the backbone)")
+    p.add_argument("--min-exit-layer", type=int, default=0, metavar="N",
+                   help="backbone layers every token runs before it may exit (default 0)")
+    p.add_argument("--river-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="exited tokens use the river's own output head (default: yes)")
+    p.add_argument("--prefill", choices=PREFILL_CHOICES, default="backbone",
+                   help="default prefill: full backbone, or the sequence-level river exit (default backbone)")
+    p.add_argument("--replace-river", action="store_true",
+                   help="BACKBONE may be a River GGUF: its river is replaced")
+    p.add_argument("-t", "--threads", type=int, default=2, help="threads for quantizing/profiling (default 2)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler for parsed ``add_arguments`` options; errors go to stderr with exit status 2."""
+    native = _errors()
+    if args.backbone is None:
+        from .default_model import default_river_path, derived_model
+
+        args.backbone = derived_model("f16")
+        if args.output is None:
+            args.output = default_river_path(args.river_type)
+    elif args.output is None:
+        print("error: -o/--output is required when BACKBONE is given", file=sys.stderr)
+        return 2
+    try:
+        meta = build_river_gguf(
+            args.backbone, args.output, river_type=args.river_type, river_path=args.river,
+            threshold=args.threshold, min_exit_layer=args.min_exit_layer, river_head=args.river_head,
+            prefill=args.prefill, replace_river=args.replace_river, progress=not args.quiet,
+            n_threads=args.threads,
+        )
+    except (ValueError, OSError, RuntimeError, native.GGUFFormatError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    bb_size, out_size = os.path.getsize(args.backbone), os.path.getsize(args.output)
+    src = meta["river.threshold_source"]
+    extra = ""
+    if "river.profile_predicted_mean_exit_layer" in meta:
+        extra = f", predicted mean exit after layer {meta['river.profile_predicted_mean_exit_layer']:.1f}"
+    print(f"wrote {args.output}")
+    print(f"  river:     {meta['river.type']}" + (f" ({args.river})" if args.river else ""))
+    print(f"  threshold: {meta['river.threshold']:.4f} ({src}{extra})")
+    print(f"  defaults:  min_exit_layer={meta['river.min_exit_layer']} river_head={meta['river.head']} "
+          f"prefill={meta['river.prefill']}")
+    print(f"  size:      {_mib(out_size)} (backbone {_mib(bb_size)} + river {_mib(out_size - bb_size)})")
+    return 0
+
+
+def register(subparsers, common=None) -> None:
+    """``river-gguf convert``: the cli.py subcommand hook ("river_gguf.convert:register")."""
+    p = subparsers.add_parser("convert", help="add a river to a GGUF (write a River GGUF)",
+                              description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="add_river_gguf.py",
+        description="Write a River GGUF: BACKBONE plus a low-precision river of the same layers.",
+    )
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Hybrid GGUFs: the plain file that a forced River exit is equivalent to (the stock llama.cpp oracle).
+
+With every token forced out after backbone layer k, the engine computes layers 0..k with the
+backbone and k+1..L-1 with the river. ``write_hybrid_gguf`` writes exactly that model as an
+ordinary GGUF under the plain tensor names, so llama.cpp can run it and its logits can be
+compared with the engine's.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+from .convert import RIVER_PREFIX, _check_loadable, _field, _new_writer, _plain_tensors, _reader, \
+    _river_tensors, _same_file, _write_tensors, _arch, compare_models
+
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, river_head: bool,
+                      progress: bool = False) -> str:
+    """Write a plain GGUF: layers 0..exit_layer from the backbone, the rest from the river.
+
+    exit_layer: -1 puts every layer in the river (the engine's river-only mode); n_layer-1 is
+        the backbone alone.
+    river_head: the output head is the river's (its output.weight, or its token_embd when tied)
+        instead of the backbone's. The head is always written as an explicit output.weight.
+    token_embd.weight is the backbone's, except with exit_layer == -1 and river_head, where the
+        engine embeds with the river's table too.
+    Norms and rope_freqs come from the backbone, and so does all metadata (river.* keys dropped).
+    Either input may be a River GGUF: the backbone's plain tensors / the river's ``river.*`` ones are used.
+    """
+    from .gguf_io import atomic_output
+
+    backbone_path, river_path, out_path = os.fspath(backbone_path), os.fspath(river_path), os.fspath(out_path)
+    if _same_file(out_path, backbone_path) or _same_file(out_path, river_path):
+        raise ValueError(f"output {out_path} would overwrite an input file")
+    _check_loadable(backbone_path)
+    _check_loadable(river_path)
+    bb = _reader(backbone_path)
+    rv = bb if _same_file(backbone_path, river_path) else _reader(river_path)
+    n_layer = int(_field(bb, f"{_arch(bb)}.block_count"))
+    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not -1 <= exit_layer < n_layer:
+        raise ValueError(f"exit_layer must be an int in [-1, {n_layer - 1}], got {exit_layer!r}")
+
+    rv_tensors = _river_tensors(rv, RIVER_PREFIX)
+    if not rv_tensors:
+        if rv is bb:
+            raise ValueError(f"{river_path} holds no river tensors")
+        rv_tensors = {t.name: t for t in rv.tensors}
+    compare_models(bb, rv, rv_tensors)
+
+    bb_tensors = {t.name: t for t in _plain_tensors(bb)}
+    if river_head:
+        head = rv_tensors.get("output.weight", rv_tensors["token_embd.weight"])
+    else:
+        head = bb_tensors.get("output.weight", bb_tensors["token_embd.weight"])
+    embd = rv_tensors["token_embd.weight"] if (exit_layer == -1 and river_head) else bb_tensors["token_embd.weight"]
+
+    plan = []
+    for name, t in bb_tensors.items():
+        m = _LAYER.match(name)
+        if m:
+            plan.append((name, t if int(m.group(1)) <= exit_layer else rv_tensors[name]))
+        elif name == "token_embd.weight":
+            plan.append((name, embd))
+            if "output.weight" not in bb_tensors:
+                plan.append(("output.weight", head))
+        elif name == "output.weight":
+            plan.append((name, head))
+        else:
+            plan.append((name, t))
+
+    with atomic_output(out_path) as tmp, contextlib.closing(_new_writer(tmp, bb)) as w:
+        _write_tensors(w, plan, progress, desc=f"hybrid {os.path.basename(out_path)}")
+    return out_path

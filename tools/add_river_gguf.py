@@ -1,0 +1,23 @@
+#!/usr/bin/env python3
+"""Add an exit river to a GGUF: write a River GGUF.
+
+    python tools/add_river_gguf.py BACKBONE.gguf -o MODEL.river.gguf [--river-type q4_0|q4_k_m|q3_k_m|...]
+        [--river EXISTING.gguf] [--threshold 0.97] [--min-exit-layer N] [--river-head/--no-river-head]
+        [--prefill backbone|river] [--replace-river] [--threads N]
+
+The default river type is q4_0 (the fastest 4-bit type in llama.cpp here; see
+river_gguf/convert.py). Errors print a message to stderr and exit with status 2.
+Same as ``river-gguf convert``.
+"""
+import os
+import sys
+
+try:
+    import river_gguf  # noqa: F401
+except ImportError:  # a checkout without an install: use ../python
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
+
+from river_gguf.convert import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -221,7 +221,8 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     if (req.mode == ExitMode::Backbone && !req.trace) fixed = last;
     if (req.mode == ExitMode::RiverOnly) fixed = -1;
     if (req.mode == ExitMode::Fixed) fixed = req.exit_layer;
-    if (req.mode == ExitMode::River && req.min_exit_layer >= last) fixed = last;
+    // No exit can happen: the whole backbone in one graph. cos <= 1, so tau > 1 never passes.
+    if (req.mode == ExitMode::River && !req.trace && (req.min_exit_layer >= last || req.threshold > 1.0f)) fixed = last;
     if (fixed != -2) {
         // One graph for the whole depth: backbone 0..fixed, river fixed+1..last.
         std::vector<Span> spans;

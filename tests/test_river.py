@@ -36,6 +36,16 @@ def test_invariant1_threshold_above_one_is_the_backbone(river_model, prose_token
     backbone = river_model.score(prose_tokens, prefix=8, mode="backbone")
     assert np.array_equal(river.logprobs, backbone.logprobs)
     assert (river.exit_layers == river_model.n_layer - 1).all()
+    # The same through the layer-by-layer path (trace=True skips the fused shortcut for tau > 1).
+    e = river_model._engine
+    e.truncate(0)
+    e.eval(prose_tokens[:8])
+    for i, t in enumerate(prose_tokens[8:20]):
+        logits, exit_layer, sims = e.eval([t], mode=1, threshold=1.01, trace=True)
+        assert exit_layer == river_model.n_layer - 1 and len(sims) == river_model.n_layer
+        lp = logits[0].astype(np.float64)
+        lp = lp[prose_tokens[9 + i]] - lp.max() - np.log(np.exp(lp - lp.max()).sum())
+        assert abs(lp - backbone.logprobs[1 + i]) < 1e-4
     a = river_model.generate(prose_tokens[:10], max_tokens=24, mode="river", threshold=1.01)
     b = river_model.generate(prose_tokens[:10], max_tokens=24, mode="backbone")
     assert a.tokens == b.tokens and a.stats["river_layer_share"] == 0.0

@@ -253,8 +253,8 @@ SUBCOMMANDS = [
     _register_chat,
     _register_info,
     "river_gguf.convert:register",
-    # "river_gguf.eval:register_cli",
-    # "river_gguf.calibrate:register_cli",
+    "river_gguf.eval_cli:register_eval",
+    "river_gguf.eval_cli:register_calibrate",
 ]
 
 

@@ -63,8 +63,18 @@ class RiverRun:
         self.toks = self.m.tokenize(PROMPT)
 
     def decode(self, n, **opts):
-        g = self.m.generate(self.toks, max_tokens=n, temperature=0.0, **opts)
-        return g.stats["decode_tok_s"], g.stats["exit_layers"]
+        # The engine loop itself (greedy, never stopping at EOS), as in llama.cpp's loop below.
+        o = self.m._options(**opts)
+        e = self.m._engine
+        e.truncate(0)
+        logits, exit_layer, _ = e.eval(self.toks, **o.engine_args(prompt=True))
+        step = o.engine_args(prompt=False)
+        exits = []
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            logits, exit_layer, _ = e.eval([int(np.argmax(logits[-1]))], **step)
+            exits.append(exit_layer)
+        return (n - 1) / (time.perf_counter() - t0), exits
 
 
 class LlamaRun:

@@ -100,14 +100,9 @@ def summary_line(g, model) -> str:
 
 
 def _json_safe(x):
-    # NaN (mean_exit_layer of an empty generation) is not valid JSON.
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
+    from .results import json_safe  # imported here: keeps numpy off the CLI's start-up path
+
+    return json_safe(x)
 
 
 def _stream_to_stdout(stream) -> None:

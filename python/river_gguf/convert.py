@@ -478,8 +478,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default prefill: full backbone, or the sequence-level river exit (default backbone)")
     p.add_argument("--replace-river", action="store_true",
                    help="BACKBONE may be a River GGUF: its river is replaced")
+    p.add_argument("--calibrate", action="store_true",
+                   help="after writing, pick tau on the calibration split (never the eval texts): the fastest "
+                        "whose perplexity is within --budget of the backbone's, and store it in the file")
+    p.add_argument("--budget", type=_parse_budget, default=0.02, metavar="B",
+                   help="perplexity budget for --calibrate: 2%% or 0.02 (default 2%%)")
     p.add_argument("-t", "--threads", type=int, default=2, help="threads for quantizing/profiling (default 2)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def _parse_budget(text: str) -> float:
+    from .eval_cli import parse_budget
+
+    return parse_budget(text)
+
+
+def calibrate_file(path: str, budget: float, n_threads: int = 2, progress: bool = True) -> dict:
+    """Calibrate tau of a River GGUF in place (atomic rewrite of its metadata)."""
+    from . import evaluate
+    from .gguf_meta import set_river_metadata
+    from .model import Model
+
+    m = Model(path, n_ctx=1024, n_threads=n_threads)
+    res = evaluate.calibrate(m, budget=budget, progress=progress)
+    del m  # release the mapping before the file is replaced
+    set_river_metadata(path, evaluate.calibration_metadata(res))
+    return res
 
 
 def _mib(n: int) -> str:
@@ -519,6 +543,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"  defaults:  min_exit_layer={meta['river.min_exit_layer']} river_head={meta['river.head']} "
           f"prefill={meta['river.prefill']}")
     print(f"  size:      {_mib(out_size)} (backbone {_mib(bb_size)} + river {_mib(out_size - bb_size)})")
+    if args.calibrate:
+        try:
+            res = calibrate_file(args.output, args.budget, args.threads, progress=not args.quiet)
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"error: calibration failed: {e}", file=sys.stderr)
+            return 2
+        verdict = "within" if res["feasible"] else "no tau within"
+        print(f"  calibrated: tau={res['threshold']:g} ({verdict} {100 * res['budget']:g}% of the backbone's "
+              f"calibration ppl {res['backbone_ppl']:.4f}: {res['calibration_ppl']:.4f}, "
+              f"mean exit layer {res['mean_exit_layer']:.1f})")
     return 0
 
 

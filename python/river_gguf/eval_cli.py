@@ -105,22 +105,13 @@ def _cmd_calibrate(args) -> int:
               f"tau={res['threshold']:g} (never exit)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(evaluate._json_safe(res), f, indent=1)
+            json.dump(evaluate.json_safe(res), f, indent=1)
     if args.write:
         from .gguf_meta import set_river_metadata
 
         path = m.model_path
         del m
-        written = set_river_metadata(path, {
-            "river.threshold": res["threshold"],
-            "river.threshold_source": "calibrated",
-            "river.calibration_budget": res["budget"],
-            "river.calibration_ppl": res["calibration_ppl"],
-            "river.backbone_ppl": res["backbone_ppl"],
-            "river.calibration_mean_exit_layer": res["mean_exit_layer"],
-            "river.calibration_tokens": res["n_tokens"],
-            "river.calibration_split": f"{','.join(items)} items with index % {eval_data.CALIBRATION_MODULUS} == 0",
-        })
+        written = set_river_metadata(path, evaluate.calibration_metadata(res))
         print(f"wrote river.threshold={written['river.threshold']:g} into {path}")
     return 0
 

@@ -35,6 +35,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .results import json_safe, log_softmax_at
+
 from . import eval_data
 
 # Dense where SmolLM2's mid-layer similarities live: mean exit layer moves from ~2 to ~28 here.
@@ -98,12 +100,6 @@ def score_items(model, prepared: Prepared, bar=None, **opts) -> ScoreRun:
     return ScoreRun(np.concatenate(lps) if lps else np.zeros(0), exits, time.perf_counter() - t0)
 
 
-def _log_softmax_at(row: np.ndarray, tok: int) -> float:
-    x = row.astype(np.float64)
-    m = x.max()
-    return float(x[tok] - m - np.log(np.exp(x - m).sum()))
-
-
 def score_forced(model, prepared: Prepared, exits: List[List[int]], river_head: bool = False, bar=None) -> ScoreRun:
     """Teacher-forced scoring with a given exit layer per decode step (engine mode 3): a
     backbone prefill, then step j of item i exits after layer exits[i][j]."""
@@ -116,7 +112,7 @@ def score_forced(model, prepared: Prepared, exits: List[List[int]], river_head: 
         eng.truncate(0)
         logits, _, _ = eng.eval(toks[:prefix], mode=0)
         for i in range(prefix, len(toks)):
-            lps.append(_log_softmax_at(logits[-1], toks[i]))
+            lps.append(log_softmax_at(logits[-1], toks[i]))
             if i + 1 < len(toks):
                 k = ex[i - prefix]
                 logits, got, _ = eng.eval([toks[i]], mode=3, exit_layer=int(k), river_head=bool(river_head))
@@ -270,6 +266,21 @@ def calibrate(model, budget: float = 0.02, taus: Sequence[float] = DEFAULT_TAUS,
         "tok_s": chosen.get("tok_s"), "backbone_tok_s": base.n_tokens / base.seconds if base.seconds else None,
         "n_tokens": base.n_tokens, "items": {d: [it.id for it in its] for d, its in items.items()},
         "rows": rows,
+    }
+
+
+def calibration_metadata(res: dict) -> dict:
+    """The river.* keys a calibration result writes into a River GGUF."""
+    return {
+        "river.threshold": res["threshold"],
+        "river.threshold_source": "calibrated",
+        "river.calibration_budget": res["budget"],
+        "river.calibration_ppl": res["calibration_ppl"],
+        "river.backbone_ppl": res["backbone_ppl"],
+        "river.calibration_mean_exit_layer": res["mean_exit_layer"],
+        "river.calibration_tokens": res["n_tokens"],
+        "river.calibration_split": f"{','.join(res['items'])} items with index % "
+                                   f"{eval_data.CALIBRATION_MODULUS} == 0",
     }
 
 
@@ -691,24 +702,12 @@ def pareto_plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _json_safe(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    if isinstance(x, (np.floating, np.integer, np.bool_)):
-        return x.item()
-    return x
-
-
 def write_outputs(report: dict, out_dir: str, preamble: str = "") -> Dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = {k: os.path.join(out_dir, n) for k, n in (("md", "report.md"), ("json", "report.json"),
                                                        ("png", "pareto.png"))}
     with open(paths["json"], "w", encoding="utf-8") as f:
-        json.dump(_json_safe(report), f, indent=1)
+        json.dump(json_safe(report), f, indent=1)
     with open(paths["md"], "w", encoding="utf-8") as f:
         f.write(preamble + markdown(report))
     pareto_plot(report, paths["png"])

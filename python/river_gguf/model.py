@@ -10,7 +10,7 @@ import numpy as np
 
 from ._loader import native
 from .options import ExitOptions
-from .results import Generation, ScoreResult, exit_stats
+from .results import Generation, ScoreResult, exit_stats, log_softmax_at
 from . import completions, generation
 from .chat import format_chat
 
@@ -194,7 +194,7 @@ class Model:
         logits, exit_layer, _ = self._eval(toks[:prefix], opts, prompt=True)
         logprobs, exits = [], []
         for i in range(prefix, len(toks)):
-            logprobs.append(_log_softmax_at(logits[-1], toks[i]))
+            logprobs.append(log_softmax_at(logits[-1], toks[i]))
             exits.append(exit_layer)
             if i + 1 < len(toks):
                 logits, exit_layer, _ = self._eval([toks[i]], opts, prompt=False)
@@ -287,8 +287,3 @@ class Model:
         return completions.chat_response(cid, created, name, g.text, g.finish_reason,
                                          len(s.prompt_tokens), len(g.tokens), extra=g.stats)
 
-
-def _log_softmax_at(logits: np.ndarray, token: int) -> float:
-    x = logits.astype(np.float64)
-    m = x.max()
-    return float(x[token] - m - np.log(np.exp(x - m).sum()))

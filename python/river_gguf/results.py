@@ -1,4 +1,5 @@
 """What generation and scoring return, and the exit statistics both report."""
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List
 
@@ -36,3 +37,23 @@ class ScoreResult:
     @property
     def perplexity(self) -> float:
         return float(np.exp(-np.mean(self.logprobs))) if len(self.logprobs) else float("nan")
+
+
+def log_softmax_at(logits: np.ndarray, token: int) -> float:
+    """log p(token) under softmax(logits), in float64 for a stable sum over the vocabulary."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    return float(x[token] - m - np.log(np.exp(x - m).sum()))
+
+
+def json_safe(x):
+    """Plain JSON values: NaN/inf become null, numpy scalars become Python ones, keys become str."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, (np.floating, np.integer, np.bool_)):
+        return json_safe(x.item())
+    return x

@@ -234,8 +234,27 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
         return;
     }
 
-    // Layer by layer: fuse the layers that may not exit, then test after each one.
     const bool may_exit = req.mode == ExitMode::River;
+    if (!gpu_) {
+        // One graph for the whole backbone, stopped by the scheduler's callback at the exit.
+        // (With several backends a cancelled graph may leave later splits running, so GPU
+        // builds use the graph-per-layer path below.)
+        ExitWatch w;
+        w.first = may_exit ? req.min_exit_layer : 0;
+        w.last = req.trace ? last : last - 1;
+        w.max_exit = last - 1;
+        w.may_exit = may_exit;
+        w.threshold = req.threshold;
+        w.similarity = &out.similarity;
+        run(tokens, n, true, false, {{0, last, false}}, false, Head::Backbone, req.all_logits, &out, &w);
+        if (w.exit_layer >= 0) {
+            run(nullptr, n, false, false, {{w.exit_layer + 1, last, true}}, false, exit_head, req.all_logits, &out);
+        }
+        note_exit(w.exit_layer >= 0 ? w.exit_layer : last);
+        return;
+    }
+
+    // Layer by layer: fuse the layers that may not exit, then test after each one.
     int l = may_exit ? req.min_exit_layer : 0;
     std::vector<float> sim = run(tokens, n, true, false, {{0, l, false}}, true, Head::None, false, nullptr);
     for (;;) {
@@ -257,9 +276,26 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     }
 }
 
+bool Engine::on_node(ggml_tensor* t, bool ask, void* user) {
+    // Watched nodes are named "#exit.<layer>"; a name check is cheap enough for every node.
+    if (t->name[0] != '#') return ask ? false : true;
+    if (ask) return true;
+    auto* w = static_cast<ExitWatch*>(user);
+    const int layer = std::atoi(t->name + 6);
+    std::vector<float> sim(w->n);
+    ggml_backend_tensor_get(w->sim_rows, sim.data(), 0, sizeof(float) * w->n);
+    const float s = *std::min_element(sim.begin(), sim.end());  // the batch exits together
+    w->similarity->push_back(s);
+    if (w->may_exit && layer <= w->max_exit && s > w->threshold) {
+        w->exit_layer = layer;
+        return false;  // cancel the rest of the backbone graph
+    }
+    return true;
+}
+
 std::vector<float> Engine::run(const int32_t* tokens, int n, bool from_tokens, bool river_embd,
                                const std::vector<Span>& spans, bool want_similarity, Head head, bool all_logits,
-                               EvalResult* out) {
+                               EvalResult* out, ExitWatch* watch) {
     ggml_init_params params{graph_meta_.size(), graph_meta_.data(), /*no_alloc=*/true};
     ggml_context* ctx = ggml_init(params);
     struct CtxFree { ggml_context* c; ~CtxFree() { ggml_free(c); } } ctx_guard{ctx};
@@ -285,22 +321,32 @@ std::vector<float> Engine::run(const int32_t* tokens, int n, bool from_tokens, b
     }
 
     ggml_tensor* h_in = h;
+    ggml_tensor* h_rows = ggml_view_2d(ctx, h_state_, hp_.n_embd, n, h_state_->nb[1], 0);
+    ggml_tensor* sim_rows = ggml_view_2d(ctx, sim_state_, 1, n, sim_state_->nb[0], 0);
     for (const Span& s : spans) {
         for (int il = s.first; il <= s.last; ++il) {
             const LayerWeights& w = s.river ? river_->layers[il] : backbone_.layers[il];
             h_in = h;
             h = build_decoder_layer(ctx, gf, hp_, w, backbone_.rope_freqs, *cache_, il, in, h);
+            if (watch && il >= watch->first && il <= watch->last) {
+                // Keep this layer's output for the river (expanded first, so it runs before
+                // the watched node), then the exit-decision node the callback observes.
+                if (il < hp_.n_layer - 1) ggml_build_forward_expand(gf, ggml_cpy(ctx, h, h_rows));
+                ggml_tensor* watched = ggml_cpy(ctx, build_state_similarity(ctx, h_in, h), sim_rows);
+                ggml_format_name(watched, "#exit.%d", il);
+                ggml_build_forward_expand(gf, watched);
+            }
         }
     }
 
     ggml_tensor* sim = nullptr;
     if (want_similarity) {
         sim = build_state_similarity(ctx, h_in, h);
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, sim, ggml_view_2d(ctx, sim_state_, 1, n, sim_state_->nb[0], 0)));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, sim, sim_rows));
     }
     ggml_tensor* logits = nullptr;
     if (head == Head::None) {
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, h, ggml_view_2d(ctx, h_state_, hp_.n_embd, n, h_state_->nb[1], 0)));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, h, h_rows));
     } else {
         if (!all_logits && n > 1) h = ggml_view_2d(ctx, h, hp_.n_embd, 1, h->nb[1], h->nb[1] * (n - 1));
         ggml_tensor* w = head == Head::River ? river_->head : backbone_.output;
@@ -323,9 +369,16 @@ std::vector<float> Engine::run(const int32_t* tokens, int n, bool from_tokens, b
         for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = j <= n_past_ + i ? zero : neg_inf;
     ggml_backend_tensor_set(in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
 
-    if (ggml_backend_sched_graph_compute(sched_, gf) != GGML_STATUS_SUCCESS) {
-        throw std::runtime_error("ggml graph compute failed");
+    if (watch) {
+        watch->sim_rows = sim_rows;
+        watch->n = n;
+        ggml_backend_sched_set_eval_callback(sched_, &Engine::on_node, watch);
     }
+    const ggml_status status = ggml_backend_sched_graph_compute(sched_, gf);
+    if (watch) ggml_backend_sched_set_eval_callback(sched_, nullptr, nullptr);
+    const bool stopped = watch && watch->exit_layer >= 0;
+    if (status != GGML_STATUS_SUCCESS && !stopped) throw std::runtime_error("ggml graph compute failed");
+    if (stopped) return {};  // the river graph takes over from h_state_
 
     std::vector<float> similarity;
     if (sim) {

@@ -73,6 +73,20 @@ public:
 private:
     struct Span { int first; int last; bool river; };
     enum class Head { None, Backbone, River };
+    // The exit decision inside one fused backbone graph: after each watched layer the scheduler
+    // hands us that layer's similarity, and we stop the graph when the token exits.
+    struct ExitWatch {
+        int first = 0;               // first layer tested
+        int last = 0;                // last layer tested
+        int max_exit = 0;            // deepest layer a token may leave after (the river needs a layer)
+        bool may_exit = false;
+        float threshold = 2.0f;
+        int exit_layer = -1;         // set when the graph was stopped for an exit
+        std::vector<float>* similarity = nullptr;
+        ggml_tensor* sim_rows = nullptr;  // this graph's view of sim_state_
+        int n = 0;
+    };
+    static bool on_node(ggml_tensor* t, bool ask, void* watch);
 
     void check_request(const EvalRequest& req) const;
     // One chunk of at most n_batch tokens, all at positions n_past_..
@@ -80,7 +94,7 @@ private:
     // Build and run one graph over `spans`; returns the per-token similarity of the last layer when asked.
     std::vector<float> run(const int32_t* tokens, int n, bool from_tokens, bool river_embd,
                            const std::vector<Span>& spans, bool want_similarity, Head head,
-                           bool all_logits, EvalResult* out);
+                           bool all_logits, EvalResult* out, ExitWatch* watch = nullptr);
 
     std::unique_ptr<GgufFile> file_;
     std::unique_ptr<GgufFile> river_file_;

@@ -493,14 +493,16 @@ def _parse_budget(text: str) -> float:
     return parse_budget(text)
 
 
-def calibrate_file(path: str, budget: float, n_threads: int = 2, progress: bool = True) -> dict:
+def calibrate_file(path: str, budget: float, n_threads: int = 2, progress: bool = True,
+                   items_per_domain: int = 8, score_tokens: int = 96) -> dict:
     """Calibrate tau of a River GGUF in place (atomic rewrite of its metadata)."""
     from . import evaluate
     from .gguf_meta import set_river_metadata
     from .model import Model
 
     m = Model(path, n_ctx=1024, n_threads=n_threads)
-    res = evaluate.calibrate(m, budget=budget, progress=progress)
+    items = evaluate.calibration_items(per_domain=items_per_domain)
+    res = evaluate.calibrate(m, budget=budget, items=items, score_tokens=score_tokens, progress=progress)
     del m  # release the mapping before the file is replaced
     set_river_metadata(path, evaluate.calibration_metadata(res))
     return res

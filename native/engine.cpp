@@ -236,9 +236,12 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
 
     const bool may_exit = req.mode == ExitMode::River;
     if (!gpu_) {
-        // One graph for the whole backbone, stopped by the scheduler's callback at the exit.
-        // (With several backends a cancelled graph may leave later splits running, so GPU
-        // builds use the graph-per-layer path below.)
+        // Backbone layers in chunks of a few layers, one graph each, stopped by the scheduler's
+        // callback at the exit. Short chunks keep the graph that an early exit abandons small;
+        // chunking at all saves most of the per-graph cost of one graph per layer. (With several
+        // backends a cancelled graph may leave later splits running, so GPU builds use the
+        // graph-per-layer path below.)
+        constexpr int kChunk = 8;
         ExitWatch w;
         w.first = may_exit ? req.min_exit_layer : 0;
         w.last = req.trace ? last : last - 1;
@@ -246,11 +249,19 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
         w.may_exit = may_exit;
         w.threshold = req.threshold;
         w.similarity = &out.similarity;
-        run(tokens, n, true, false, {{0, last, false}}, false, Head::Backbone, req.all_logits, &out, &w);
-        if (w.exit_layer >= 0) {
-            run(nullptr, n, false, false, {{w.exit_layer + 1, last, true}}, false, exit_head, req.all_logits, &out);
+        for (int start = 0; start <= last;) {
+            const int end = std::min(last, std::max(start, w.first) + kChunk - 1);
+            const Head head = end == last ? Head::Backbone : Head::None;
+            run(tokens, n, start == 0, false, {{start, end, false}}, false, head, req.all_logits, &out, &w);
+            if (w.exit_layer >= 0) {
+                run(nullptr, n, false, false, {{w.exit_layer + 1, last, true}}, false, exit_head, req.all_logits,
+                    &out);
+                note_exit(w.exit_layer);
+                return;
+            }
+            start = end + 1;
         }
-        note_exit(w.exit_layer >= 0 ? w.exit_layer : last);
+        note_exit(last);
         return;
     }
 
@@ -329,10 +340,14 @@ std::vector<float> Engine::run(const int32_t* tokens, int n, bool from_tokens, b
             h_in = h;
             h = build_decoder_layer(ctx, gf, hp_, w, backbone_.rope_freqs, *cache_, il, in, h);
             if (watch && il >= watch->first && il <= watch->last) {
-                // Keep this layer's output for the river (expanded first, so it runs before
-                // the watched node), then the exit-decision node the callback observes.
+                // Order matters, and nodes run in the order they are expanded: the similarity
+                // reads h_in, which may be h_state_ itself (a chunk's input), before the copy of
+                // this layer's output into h_state_ (kept for the river) overwrites it; the
+                // watched node the callback observes comes last.
+                ggml_tensor* sim = build_state_similarity(ctx, h_in, h);
+                ggml_build_forward_expand(gf, sim);
                 if (il < hp_.n_layer - 1) ggml_build_forward_expand(gf, ggml_cpy(ctx, h, h_rows));
-                ggml_tensor* watched = ggml_cpy(ctx, build_state_similarity(ctx, h_in, h), sim_rows);
+                ggml_tensor* watched = ggml_cpy(ctx, sim, sim_rows);
                 ggml_format_name(watched, "#exit.%d", il);
                 ggml_build_forward_expand(gf, watched);
             }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -17,11 +18,16 @@ size_t graph_size(const HParams& hp) { return 128 * size_t(hp.n_layer) + 512; }
 
 // The river must be the backbone's own layers at another precision.
 void check_same_model(const HParams& a, const HParams& b, const GgufFile& fa, const GgufFile& fb) {
+    auto num = [](double v) {
+        char buf[32];
+        std::snprintf(buf, sizeof(buf), "%g", v);
+        return std::string(buf);
+    };
     auto differ = [&](const char* what, double x, double y) {
         if (x != y) {
             throw RiverMismatchError(std::string("river '") + fb.path() + "' does not match backbone '" + fa.path() +
-                                     "': " + what + " is " + std::to_string(y) + " in the river but " +
-                                     std::to_string(x) + " in the backbone");
+                                     "': " + what + " is " + num(y) + " in the river but " + num(x) +
+                                     " in the backbone");
         }
     };
     if (a.arch_name != b.arch_name) {

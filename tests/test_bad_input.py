@@ -95,3 +95,32 @@ def test_invalid_tokens_and_modes(small_model):
 def test_invalid_load_arguments(q4_1_path, kwargs):
     with pytest.raises(ValueError):
         Model(q4_1_path, **kwargs)
+
+
+def test_mismatched_river_files_are_refused(tmp_path):
+    from river_gguf.testing import write_tiny_model
+
+    bb = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, seed=1)
+    qwen = write_tiny_model(tmp_path / "qwen.gguf", "qwen2", n_layer=2, seed=1)
+    narrow = write_tiny_model(tmp_path / "narrow.gguf", "llama", n_layer=2, n_ff=96, seed=1)
+    deeper = write_tiny_model(tmp_path / "deeper.gguf", "llama", n_layer=3, seed=1)
+    with pytest.raises(river_gguf.RiverMismatchError, match="architecture 'qwen2'.*'llama'"):
+        Model(bb, river=qwen)
+    with pytest.raises(river_gguf.RiverMismatchError, match="feed_forward_length is 96 in the river but 128"):
+        Model(bb, river=narrow)
+    with pytest.raises(river_gguf.RiverMismatchError, match="block_count is 3 in the river but 2"):
+        Model(bb, river=deeper)
+    with pytest.raises(FileNotFoundError):
+        Model(bb, river=str(tmp_path / "missing.gguf"))
+    assert Model(bb, river=bb, threshold=0.9).has_river  # the same model is accepted
+
+
+def test_river_gguf_with_a_second_river_is_refused(tmp_path):
+    from river_gguf.convert import build_river_gguf
+    from river_gguf.testing import write_tiny_model
+
+    bb = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, seed=1)
+    rv = tmp_path / "m.river.gguf"
+    build_river_gguf(bb, rv, river_type="q8_0", threshold=0.9, progress=False)
+    with pytest.raises(river_gguf.RiverMismatchError, match="already holds a river"):
+        Model(str(rv), river=bb)

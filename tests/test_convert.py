@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-llama_cpp = pytest.importorskip("llama_cpp")
+import gguf
+import llama_cpp
 
 import river_gguf  # noqa: E402
 from river_gguf import Model, convert  # noqa: E402

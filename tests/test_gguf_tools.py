@@ -10,8 +10,8 @@ import struct
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-llama_cpp = pytest.importorskip("llama_cpp")
+import gguf
+import llama_cpp
 
 from river_gguf import default_model as dm  # noqa: E402
 from river_gguf import gguf_io, testing  # noqa: E402

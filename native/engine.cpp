@@ -143,6 +143,9 @@ Engine::Engine(const EngineConfig& cfg) : n_batch_(cfg.n_batch) {
         }
     }
 
+    if (cfg.exit_chunk < 0) throw std::invalid_argument("exit_chunk must be >= 0");
+    exit_chunk_ = cfg.exit_chunk > 0 ? cfg.exit_chunk : (gpu_ ? 1 : 8);
+
     std::vector<ggml_backend_t> backends;
     if (gpu_) backends.push_back(gpu_);
     backends.push_back(cpu_);
@@ -235,67 +238,42 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
         if (fixed >= 0) spans.push_back({0, fixed, false});
         if (fixed < last) spans.push_back({fixed + 1, last, true});
         const bool river_embd = fixed < 0 && river_->tok_embd && req.river_head;
-        run(tokens, n, true, river_embd, spans, false, fixed < last ? exit_head : Head::Backbone, req.all_logits, &out);
+        run(tokens, n, true, river_embd, spans, fixed < last ? exit_head : Head::Backbone, req.all_logits, &out);
         note_exit(fixed);
         return;
     }
 
+    // Backbone layers in chunks, one graph each; after every tested layer the scheduler's callback
+    // hands over the exit-decision value and may cancel the rest of the graph. Short chunks keep
+    // the graph an early exit abandons small; chunking at all saves most of the per-graph cost of
+    // one graph per layer. With several backends (GPU offload) a cancelled graph might leave later
+    // splits running, so there each chunk is one layer and the watched node is its last node.
     const bool may_exit = req.mode == ExitMode::River;
-    if (!gpu_) {
-        // Backbone layers in chunks of a few layers, one graph each, stopped by the scheduler's
-        // callback at the exit. Short chunks keep the graph that an early exit abandons small;
-        // chunking at all saves most of the per-graph cost of one graph per layer. (With several
-        // backends a cancelled graph may leave later splits running, so GPU builds use the
-        // graph-per-layer path below.)
-        constexpr int kChunk = 8;
-        ExitWatch w;
-        w.first = may_exit ? req.min_exit_layer : 0;
-        w.last = req.trace ? last : last - 1;
-        w.max_exit = last - 1;
-        w.may_exit = may_exit;
-        w.threshold = req.threshold;
-        w.similarity = &out.similarity;
-        for (int start = 0; start <= last;) {
-            const int end = std::min(last, std::max(start, w.first) + kChunk - 1);
-            const Head head = end == last ? Head::Backbone : Head::None;
-            run(tokens, n, start == 0, false, {{start, end, false}}, false, head, req.all_logits, &out, &w);
-            if (w.exit_layer >= 0) {
-                run(nullptr, n, false, false, {{w.exit_layer + 1, last, true}}, false, exit_head, req.all_logits,
-                    &out);
-                note_exit(w.exit_layer);
-                return;
-            }
-            start = end + 1;
-        }
-        note_exit(last);
-        return;
-    }
-
-    // Layer by layer: fuse the layers that may not exit, then test after each one.
-    int l = may_exit ? req.min_exit_layer : 0;
-    std::vector<float> sim = run(tokens, n, true, false, {{0, l, false}}, true, Head::None, false, nullptr);
-    for (;;) {
-        const float s = *std::min_element(sim.begin(), sim.end());  // the batch exits together
-        out.similarity.push_back(s);
-        if (may_exit && s > req.threshold) {
-            run(nullptr, n, false, false, {{l + 1, last, true}}, false, exit_head, req.all_logits, &out);
-            note_exit(l);
+    ExitWatch w;
+    w.first = may_exit ? req.min_exit_layer : 0;
+    w.last = req.trace ? last : last - 1;
+    w.max_exit = last - 1;
+    w.may_exit = may_exit;
+    w.threshold = req.threshold;
+    w.similarity = &out.similarity;
+    for (int start = 0; start <= last;) {
+        // The first chunk also takes every layer before min_exit_layer, which cannot exit.
+        const int end = std::min(last, std::max(start, w.first) + exit_chunk_ - 1);
+        const Head head = end == last ? Head::Backbone : Head::None;
+        run(tokens, n, start == 0, false, {{start, end, false}}, head, req.all_logits, &out, &w);
+        if (w.exit_layer >= 0) {
+            run(nullptr, n, false, false, {{w.exit_layer + 1, last, true}}, exit_head, req.all_logits, &out);
+            note_exit(w.exit_layer);
             return;
         }
-        ++l;
-        if (l == last) {
-            sim = run(nullptr, n, false, false, {{l, l, false}}, req.trace, Head::Backbone, req.all_logits, &out);
-            if (req.trace) out.similarity.push_back(*std::min_element(sim.begin(), sim.end()));
-            note_exit(last);
-            return;
-        }
-        sim = run(nullptr, n, false, false, {{l, l, false}}, true, Head::None, false, nullptr);
+        start = end + 1;
     }
+    note_exit(last);
 }
 
 bool Engine::on_node(ggml_tensor* t, bool ask, void* user) {
     // Watched nodes are named "#exit.<layer>"; a name check is cheap enough for every node.
-    if (t->name[0] != '#') return ask ? false : true;
+    if (t->name[0] != '#') return !ask;
     if (ask) return true;
     auto* w = static_cast<ExitWatch*>(user);
     const int layer = std::atoi(t->name + 6);
@@ -310,9 +288,8 @@ bool Engine::on_node(ggml_tensor* t, bool ask, void* user) {
     return true;
 }
 
-std::vector<float> Engine::run(const int32_t* tokens, int n, bool from_tokens, bool river_embd,
-                               const std::vector<Span>& spans, bool want_similarity, Head head, bool all_logits,
-                               EvalResult* out, ExitWatch* watch) {
+void Engine::run(const int32_t* tokens, int n, bool from_tokens, bool river_embd, const std::vector<Span>& spans,
+                 Head head, bool all_logits, EvalResult* out, ExitWatch* watch) {
     ggml_init_params params{graph_meta_.size(), graph_meta_.data(), /*no_alloc=*/true};
     ggml_context* ctx = ggml_init(params);
     struct CtxFree { ggml_context* c; ~CtxFree() { ggml_free(c); } } ctx_guard{ctx};
@@ -360,11 +337,6 @@ std::vector<float> Engine::run(const int32_t* tokens, int n, bool from_tokens, b
         }
     }
 
-    ggml_tensor* sim = nullptr;
-    if (want_similarity) {
-        sim = build_state_similarity(ctx, h_in, h);
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, sim, sim_rows));
-    }
     ggml_tensor* logits = nullptr;
     if (head == Head::None) {
         ggml_build_forward_expand(gf, ggml_cpy(ctx, h, h_rows));
@@ -399,13 +371,8 @@ std::vector<float> Engine::run(const int32_t* tokens, int n, bool from_tokens, b
     if (watch) ggml_backend_sched_set_eval_callback(sched_, nullptr, nullptr);
     const bool stopped = watch && watch->exit_layer >= 0;
     if (status != GGML_STATUS_SUCCESS && !stopped) throw std::runtime_error("ggml graph compute failed");
-    if (stopped) return {};  // the river graph takes over from h_state_
+    if (stopped) return;  // the river graph takes over from h_state_
 
-    std::vector<float> similarity;
-    if (sim) {
-        similarity.resize(n);
-        ggml_backend_tensor_get(sim_state_, similarity.data(), 0, sizeof(float) * n);
-    }
     if (logits && out) {
         const int rows = static_cast<int>(logits->ne[1]);
         const size_t count = size_t(rows) * hp_.n_vocab;
@@ -420,7 +387,6 @@ std::vector<float> Engine::run(const int32_t* tokens, int n, bool from_tokens, b
             out->n_rows = rows;
         }
     }
-    return similarity;
 }
 
 }  // namespace river

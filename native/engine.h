@@ -23,6 +23,7 @@ struct EngineConfig {
     int n_batch = 512;           // prompt tokens per graph
     int n_gpu_layers = 0;        // the last n layers go to a GPU backend, when one exists
     bool repack = true;          // CPU mat-mul weights in the CPU's repacked buffer types, as llama.cpp does
+    int exit_chunk = 0;          // backbone layers per graph while exits are possible; 0: 8 on CPU, 1 with a GPU
 };
 
 enum class ExitMode {
@@ -91,10 +92,10 @@ private:
     void check_request(const EvalRequest& req) const;
     // One chunk of at most n_batch tokens, all at positions n_past_..
     void eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, EvalResult& out);
-    // Build and run one graph over `spans`; returns the per-token similarity of the last layer when asked.
-    std::vector<float> run(const int32_t* tokens, int n, bool from_tokens, bool river_embd,
-                           const std::vector<Span>& spans, bool want_similarity, Head head,
-                           bool all_logits, EvalResult* out, ExitWatch* watch = nullptr);
+    // Build and run one graph over `spans`, on the tokens' embeddings or on h_state_; with a
+    // watch, the exit decision runs after each watched layer and may stop the graph there.
+    void run(const int32_t* tokens, int n, bool from_tokens, bool river_embd, const std::vector<Span>& spans,
+             Head head, bool all_logits, EvalResult* out, ExitWatch* watch = nullptr);
 
     std::unique_ptr<GgufFile> file_;
     std::unique_ptr<GgufFile> river_file_;
@@ -117,6 +118,7 @@ private:
 
     std::vector<uint8_t> graph_meta_;
     int n_batch_;
+    int exit_chunk_;  // backbone layers per graph on the exit-capable path
     int n_past_ = 0;
 };
 

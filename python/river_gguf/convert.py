@@ -33,7 +33,7 @@ import os
 import sys
 import uuid
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 FORMAT_VERSION = 1
 RIVER_PREFIX = "river."

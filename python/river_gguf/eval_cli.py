@@ -78,7 +78,7 @@ def register_eval(subparsers, common=None) -> None:
 def _cmd_calibrate(args) -> int:
     import json
 
-    from . import eval_data, evaluate
+    from . import evaluate
     from .cli import UsageError, load_model
 
     if args.model is None:

@@ -3,14 +3,13 @@
 One Model may be used from one thread at a time: it owns one KV cache.
 """
 import os
-import time
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
 from ._loader import native
 from .options import ExitOptions
-from .results import Generation, ScoreResult, exit_stats, log_softmax_at
+from .results import Generation, ScoreResult, log_softmax_at
 from . import completions, generation
 from .chat import format_chat
 

@@ -49,7 +49,7 @@ py::dict hparams(const HParams& hp) {
 }
 
 py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold, int min_exit_layer,
-               int exit_layer, bool river_head, bool all_logits, bool trace) {
+               int exit_layer, bool river_head, bool all_logits, bool trace, int tail) {
     if (mode < 0 || mode > 3) throw std::invalid_argument("bad mode");
     EvalRequest req;
     req.tokens = std::move(tokens);
@@ -60,6 +60,7 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold
     req.river_head = river_head;
     req.all_logits = all_logits;
     req.trace = trace;
+    req.tail = tail;
     EvalResult res;
     {
         py::gil_scoped_release release;
@@ -89,7 +90,7 @@ PYBIND11_MODULE(_native, m) {
 
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& path, const std::string& river_path, int n_ctx, int n_threads,
-                         int n_batch, int n_gpu_layers, bool repack, int exit_chunk) {
+                         int n_batch, int n_gpu_layers, bool repack, bool graph_reuse) {
                  EngineConfig cfg;
                  cfg.path = path;
                  cfg.river_path = river_path;
@@ -98,22 +99,23 @@ PYBIND11_MODULE(_native, m) {
                  cfg.n_batch = n_batch;
                  cfg.n_gpu_layers = n_gpu_layers;
                  cfg.repack = repack;
-                 cfg.exit_chunk = exit_chunk;
+                 cfg.graph_reuse = graph_reuse;
                  py::gil_scoped_release release;
                  return std::make_unique<Engine>(cfg);
              }),
              py::arg("path"), py::arg("river_path") = "", py::arg("n_ctx") = 2048, py::arg("n_threads") = 1,
              py::arg("n_batch") = 512, py::arg("n_gpu_layers") = 0, py::arg("repack") = true,
-             py::arg("exit_chunk") = 0)
+             py::arg("graph_reuse") = true)
         .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
-             py::arg("all_logits") = false, py::arg("trace") = false)
+             py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0)
         .def("truncate", &Engine::truncate)
         .def_property_readonly("n_past", &Engine::n_past)
         .def_property_readonly("n_ctx", &Engine::n_ctx)
         .def_property_readonly("has_river", &Engine::has_river)
         .def_property_readonly("river_has_head", &Engine::river_has_head)
         .def_property_readonly("gpu_offload", &Engine::gpu_offload)
+        .def_property_readonly("kept_graphs", &Engine::kept_graphs)
         .def_property_readonly("hparams", [](const Engine& e) { return hparams(e.hparams()); })
         .def_property_readonly("metadata", [](const Engine& e) { return metadata(e.file()); })
         .def("cache_rows",

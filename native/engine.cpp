@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "errors.h"
+#include "ggml-alloc.h"
 #include "layer_graph.h"
 
 namespace river {
@@ -61,7 +62,7 @@ void check_same_model(const HParams& a, const HParams& b, const GgufFile& fa, co
 
 }  // namespace
 
-Engine::Engine(const EngineConfig& cfg) : n_batch_(cfg.n_batch) {
+Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch_(cfg.n_batch) {
     if (cfg.n_ctx <= 0) throw std::invalid_argument("n_ctx must be positive");
     if (cfg.n_threads <= 0) throw std::invalid_argument("n_threads must be positive");
     if (cfg.n_batch <= 0) throw std::invalid_argument("n_batch must be positive");
@@ -143,29 +144,27 @@ Engine::Engine(const EngineConfig& cfg) : n_batch_(cfg.n_batch) {
         }
     }
 
-    if (cfg.exit_chunk < 0) throw std::invalid_argument("exit_chunk must be >= 0");
-    exit_chunk_ = cfg.exit_chunk > 0 ? cfg.exit_chunk : (gpu_ ? 1 : 8);
-
-    std::vector<ggml_backend_t> backends;
-    if (gpu_) backends.push_back(gpu_);
-    backends.push_back(cpu_);
-    sched_ = ggml_backend_sched_new(backends.data(), nullptr, static_cast<int>(backends.size()), graph_size(hp_),
+    if (gpu_) backends_.push_back(gpu_);
+    backends_.push_back(cpu_);
+    sched_ = ggml_backend_sched_new(backends_.data(), nullptr, static_cast<int>(backends_.size()), graph_size(hp_),
                                     false, true);
     if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
+    // An exit node stops the backbone graph right after itself: the CPU backend asks this
+    // after every node, so the decision costs one flag read per node and no graph split.
+    ggml_backend_cpu_set_abort_callback(cpu_, &Engine::abort_requested, this);
 
     cache_ = std::make_unique<KvCache>(hp_, cfg.n_ctx, GGML_TYPE_F16, layer_backend);
 
     ggml_init_params sp{ggml_tensor_overhead() * 4, nullptr, /*no_alloc=*/true};
     state_ctx_ = ggml_init(sp);
     h_state_ = ggml_new_tensor_2d(state_ctx_, GGML_TYPE_F32, hp_.n_embd, n_batch_);
-    sim_state_ = ggml_new_tensor_1d(state_ctx_, GGML_TYPE_F32, n_batch_);
     state_buf_ = ggml_backend_alloc_ctx_tensors(state_ctx_, cpu_);
     if (!state_buf_) throw std::runtime_error("out of memory for the hidden-state buffer");
-
-    graph_meta_.resize(ggml_tensor_overhead() * graph_size(hp_) + ggml_graph_overhead_custom(graph_size(hp_), false));
 }
 
 Engine::~Engine() {
+    graphs_.clear();
+    transient_.reset();
     if (sched_) ggml_backend_sched_free(sched_);
     cache_.reset();
     placed_weights_.clear();
@@ -206,6 +205,9 @@ void Engine::check_request(const EvalRequest& req) const {
     }
     if (std::isnan(req.threshold)) throw std::invalid_argument("threshold is NaN");
     if (req.min_exit_layer < 0) throw std::invalid_argument("min_exit_layer must be >= 0");
+    if (req.tail < 0 || req.tail >= hp_.n_layer) {
+        throw std::invalid_argument("tail must be in [0, " + std::to_string(hp_.n_layer - 1) + "]");
+    }
 }
 
 EvalResult Engine::eval(const EvalRequest& req) {
@@ -221,172 +223,295 @@ EvalResult Engine::eval(const EvalRequest& req) {
     return out;
 }
 
+namespace {
+
+// Backbone layers 0..k, river k+1..L-1-tail, backbone again for the tail; k = -1 is river from
+// the start, k >= L-1-tail the backbone alone.
+std::vector<Span> depth_spans(int k, int tail, int n_layer) {
+    const int last = n_layer - 1, river_last = last - tail;
+    if (k >= river_last) return {{0, last, false}};
+    std::vector<Span> s;
+    if (k >= 0) s.push_back({0, k, false});
+    s.push_back({k + 1, river_last, true});
+    if (tail > 0) s.push_back({river_last + 1, last, false});
+    return s;
+}
+
+}  // namespace
+
+struct Engine::ExitNode {
+    Engine* engine;
+    int layer;
+};
+
+struct Engine::Graph {
+    GraphSpec spec;
+    std::vector<uint8_t> meta;  // the context's tensor and graph descriptions
+    ggml_context* ctx = nullptr;
+    ggml_cgraph* gf = nullptr;
+    ggml_gallocr_t galloc = nullptr;  // a kept graph's own compute buffer
+    BatchInputs in;
+    ggml_tensor* tok_in = nullptr;
+    ggml_tensor* logits = nullptr;
+    std::vector<ExitNode> exit_nodes;  // user data of the exit nodes; reserved, never moved
+
+    Graph() = default;
+    Graph(const Graph&) = delete;
+    Graph& operator=(const Graph&) = delete;
+    ~Graph() {
+        if (galloc) ggml_gallocr_free(galloc);
+        if (ctx) ggml_free(ctx);
+    }
+};
+
+bool Engine::GraphSpec::operator==(const GraphSpec& o) const {
+    if (n != o.n || n_kv != o.n_kv || from_tokens != o.from_tokens || river_embd != o.river_embd ||
+        exits != o.exits || head != o.head || all_logits != o.all_logits || spans.size() != o.spans.size()) {
+        return false;
+    }
+    for (size_t i = 0; i < spans.size(); ++i) {
+        const Span &a = spans[i], &b = o.spans[i];
+        if (a.first != b.first || a.last != b.last || a.river != b.river) return false;
+    }
+    return true;
+}
+
 void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, EvalResult& out) {
     const int last = hp_.n_layer - 1;
+    const int river_last = last - req.tail;  // the river's last layer; the tail follows it
     const Head exit_head = req.river_head ? Head::River : Head::Backbone;
     auto note_exit = [&](int l) { out.exit_layer = std::min(out.exit_layer, l); };
+
+    GraphSpec spec;
+    spec.n = n;
+    // One token attends over a padded n_kv (masked beyond n_past), as llama.cpp does, so its
+    // graph stays the same for 256 positions; prompts attend over exactly what they need.
+    spec.n_kv = n == 1 ? std::min(cache_->n_ctx(), std::max(256, (n_past_ + 1 + 255) / 256 * 256)) : n_past_ + n;
+    spec.all_logits = req.all_logits;
 
     int fixed = -2;  // fixed exit depth, when the whole depth is known before running
     if (req.mode == ExitMode::Backbone && !req.trace) fixed = last;
     if (req.mode == ExitMode::RiverOnly) fixed = -1;
     if (req.mode == ExitMode::Fixed) fixed = req.exit_layer;
     // No exit can happen: the whole backbone in one graph. cos <= 1, so tau > 1 never passes.
-    if (req.mode == ExitMode::River && !req.trace && (req.min_exit_layer >= last || req.threshold > 1.0f)) fixed = last;
+    if (req.mode == ExitMode::River && !req.trace && (req.min_exit_layer >= river_last || req.threshold > 1.0f)) {
+        fixed = last;
+    }
     if (fixed != -2) {
-        // One graph for the whole depth: backbone 0..fixed, river fixed+1..last.
-        std::vector<Span> spans;
-        if (fixed >= 0) spans.push_back({0, fixed, false});
-        if (fixed < last) spans.push_back({fixed + 1, last, true});
-        const bool river_embd = fixed < 0 && river_->tok_embd && req.river_head;
-        run(tokens, n, true, river_embd, spans, fixed < last ? exit_head : Head::Backbone, req.all_logits, &out);
-        note_exit(fixed);
+        const bool uses_river = fixed < river_last;
+        spec.spans = depth_spans(fixed, req.tail, hp_.n_layer);
+        spec.river_embd = fixed < 0 && uses_river && river_->tok_embd && req.river_head;
+        spec.head = uses_river ? exit_head : Head::Backbone;
+        run(spec, tokens, &out);
+        note_exit(uses_river ? fixed : last);
         return;
     }
 
-    // Backbone layers in chunks, one graph each; after every tested layer the scheduler's callback
-    // hands over the exit-decision value and may cancel the rest of the graph. Short chunks keep
-    // the graph an early exit abandons small; chunking at all saves most of the per-graph cost of
-    // one graph per layer. With several backends (GPU offload) a cancelled graph might leave later
-    // splits running, so there each chunk is one layer and the watched node is its last node.
-    const bool may_exit = req.mode == ExitMode::River;
-    ExitWatch w;
-    w.first = may_exit ? req.min_exit_layer : 0;
-    w.last = req.trace ? last : last - 1;
-    w.max_exit = last - 1;
-    w.may_exit = may_exit;
-    w.threshold = req.threshold;
-    w.similarity = &out.similarity;
-    for (int start = 0; start <= last;) {
-        // The first chunk also takes every layer before min_exit_layer, which cannot exit.
-        const int end = std::min(last, std::max(start, w.first) + exit_chunk_ - 1);
-        const Head head = end == last ? Head::Backbone : Head::None;
-        run(tokens, n, start == 0, false, {{start, end, false}}, head, req.all_logits, &out, &w);
-        if (w.exit_layer >= 0) {
-            run(nullptr, n, false, false, {{w.exit_layer + 1, last, true}}, exit_head, req.all_logits, &out);
-            note_exit(w.exit_layer);
-            return;
+    // The whole backbone in one graph, an exit node after every layer. An exit node that sees
+    // s > tau copies h aside and stops the graph; the river graph then finishes the depth.
+    exit_ = ExitState{};
+    exit_.may_exit = req.mode == ExitMode::River;
+    exit_.threshold = req.threshold;
+    exit_.record_first = exit_.may_exit ? req.min_exit_layer : 0;
+    exit_.record_last = req.trace ? last : last - 1;
+    exit_.exit_first = req.min_exit_layer;
+    exit_.exit_last = river_last - 1;  // the river needs at least one layer
+    exit_.n = n;
+    exit_.similarity = &out.similarity;
+    spec.spans = {{0, last, false}};
+    spec.exits = true;
+    spec.head = Head::Backbone;
+    if (run(spec, tokens, &out)) {
+        note_exit(last);
+        return;
+    }
+    const int k = exit_.exit_layer;
+    GraphSpec rest = spec;
+    rest.from_tokens = false;
+    rest.exits = false;
+    rest.spans = {{k + 1, river_last, true}};
+    if (req.tail > 0) rest.spans.push_back({river_last + 1, last, false});
+    rest.head = exit_head;
+    run(rest, nullptr, &out);
+    note_exit(k);
+}
+
+void Engine::exit_node_op(ggml_tensor* dst, int ith, int nth, void* user) {
+    if (ith != 0) return;  // one thread decides; the others wait at the node's barrier
+    const ExitNode& node = *static_cast<ExitNode*>(user);
+    Engine& e = *node.engine;
+    ExitState& st = e.exit_;
+    const ggml_tensor* h_in = dst->src[0];
+    const ggml_tensor* h_out = dst->src[1];
+    const int64_t d = h_out->ne[0], n = h_out->ne[1];
+    float s_min = INFINITY;
+    for (int64_t i = 0; i < n; ++i) {
+        const float* a = reinterpret_cast<const float*>(static_cast<const char*>(h_in->data) + i * h_in->nb[1]);
+        const float* b = reinterpret_cast<const float*>(static_cast<const char*>(h_out->data) + i * h_out->nb[1]);
+        double dot = 0, na = 0, nb = 0;
+        for (int64_t j = 0; j < d; ++j) {
+            dot += double(a[j]) * b[j];
+            na += double(a[j]) * a[j];
+            nb += double(b[j]) * b[j];
         }
-        start = end + 1;
+        const float s = static_cast<float>(dot / std::sqrt(na * nb));
+        static_cast<float*>(dst->data)[i] = s;
+        s_min = std::min(s_min, s);  // the batch exits together: the minimum decides
     }
-    note_exit(last);
+    if (node.layer >= st.record_first && node.layer <= st.record_last) st.similarity->push_back(s_min);
+    if (st.may_exit && node.layer >= st.exit_first && node.layer <= st.exit_last && s_min > st.threshold) {
+        // The river graph starts from this layer's output.
+        for (int64_t i = 0; i < n; ++i) {
+            std::memcpy(static_cast<char*>(e.h_state_->data) + i * e.h_state_->nb[1],
+                        static_cast<const char*>(h_out->data) + i * h_out->nb[1], sizeof(float) * d);
+        }
+        st.exit_layer = node.layer;
+        e.abort_ = true;
+    }
 }
 
-bool Engine::on_node(ggml_tensor* t, bool ask, void* user) {
-    // Watched nodes are named "#exit.<layer>"; a name check is cheap enough for every node.
-    if (t->name[0] != '#') return !ask;
-    if (ask) return true;
-    auto* w = static_cast<ExitWatch*>(user);
-    const int layer = std::atoi(t->name + 6);
-    std::vector<float> sim(w->n);
-    ggml_backend_tensor_get(w->sim_rows, sim.data(), 0, sizeof(float) * w->n);
-    const float s = *std::min_element(sim.begin(), sim.end());  // the batch exits together
-    w->similarity->push_back(s);
-    if (w->may_exit && layer <= w->max_exit && s > w->threshold) {
-        w->exit_layer = layer;
-        return false;  // cancel the rest of the backbone graph
-    }
-    return true;
-}
+bool Engine::abort_requested(void* engine) { return static_cast<Engine*>(engine)->abort_; }
 
-void Engine::run(const int32_t* tokens, int n, bool from_tokens, bool river_embd, const std::vector<Span>& spans,
-                 Head head, bool all_logits, EvalResult* out, ExitWatch* watch) {
-    ggml_init_params params{graph_meta_.size(), graph_meta_.data(), /*no_alloc=*/true};
-    ggml_context* ctx = ggml_init(params);
-    struct CtxFree { ggml_context* c; ~CtxFree() { ggml_free(c); } } ctx_guard{ctx};
-    ggml_cgraph* gf = ggml_new_graph_custom(ctx, graph_size(hp_), false);
+std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
+    auto g = std::make_unique<Graph>();
+    g->spec = spec;
+    const size_t n_graph = graph_size(hp_);
+    g->meta.resize(ggml_tensor_overhead() * n_graph + ggml_graph_overhead_custom(n_graph, false));
+    ggml_init_params params{g->meta.size(), g->meta.data(), /*no_alloc=*/true};
+    g->ctx = ggml_init(params);
+    ggml_context* ctx = g->ctx;
+    ggml_cgraph* gf = ggml_new_graph_custom(ctx, n_graph, false);
+    g->gf = gf;
+    const int n = spec.n;
 
-    const int n_kv = n_past_ + n;
-    BatchInputs in;
+    BatchInputs& in = g->in;
     in.n_tokens = n;
-    in.n_past = n_past_;
+    in.n_kv = spec.n_kv;
     in.positions = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
     ggml_set_input(in.positions);
-    in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n);
+    in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
+    ggml_set_input(in.kv_rows);
+    in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, spec.n_kv, n);
     ggml_set_input(in.kq_mask);
 
-    ggml_tensor* tok_in = nullptr;
     ggml_tensor* h;
-    if (from_tokens) {
-        tok_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
-        ggml_set_input(tok_in);
-        h = ggml_get_rows(ctx, river_embd ? river_->tok_embd : backbone_.tok_embd, tok_in);
+    if (spec.from_tokens) {
+        g->tok_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+        ggml_set_input(g->tok_in);
+        h = ggml_get_rows(ctx, spec.river_embd ? river_->tok_embd : backbone_.tok_embd, g->tok_in);
     } else {
         h = ggml_view_2d(ctx, h_state_, hp_.n_embd, n, h_state_->nb[1], 0);
     }
 
-    ggml_tensor* h_in = h;
-    ggml_tensor* h_rows = ggml_view_2d(ctx, h_state_, hp_.n_embd, n, h_state_->nb[1], 0);
-    ggml_tensor* sim_rows = ggml_view_2d(ctx, sim_state_, 1, n, sim_state_->nb[0], 0);
-    for (const Span& s : spans) {
+    if (spec.exits) g->exit_nodes.reserve(hp_.n_layer);
+    for (const Span& s : spec.spans) {
         for (int il = s.first; il <= s.last; ++il) {
             const LayerWeights& w = s.river ? river_->layers[il] : backbone_.layers[il];
-            h_in = h;
+            ggml_tensor* h_in = h;
             h = build_decoder_layer(ctx, gf, hp_, w, backbone_.rope_freqs, *cache_, il, in, h);
-            if (watch && il >= watch->first && il <= watch->last) {
-                // Order matters, and nodes run in the order they are expanded: the similarity
-                // reads h_in, which may be h_state_ itself (a chunk's input), before the copy of
-                // this layer's output into h_state_ (kept for the river) overwrites it; the
-                // watched node the callback observes comes last.
-                ggml_tensor* sim = build_state_similarity(ctx, h_in, h);
-                ggml_build_forward_expand(gf, sim);
-                if (il < hp_.n_layer - 1) ggml_build_forward_expand(gf, ggml_cpy(ctx, h, h_rows));
-                ggml_tensor* watched = ggml_cpy(ctx, sim, sim_rows);
-                ggml_format_name(watched, "#exit.%d", il);
-                ggml_build_forward_expand(gf, watched);
+            if (spec.exits) {
+                g->exit_nodes.push_back({this, il});
+                ggml_tensor* args[2] = {h_in, h};
+                ggml_tensor* decision = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, n, 1, 1, args, 2, &Engine::exit_node_op,
+                                                       1, &g->exit_nodes.back());
+                ggml_format_name(decision, "exit.%d", il);
+                ggml_build_forward_expand(gf, decision);
             }
         }
     }
 
-    ggml_tensor* logits = nullptr;
-    if (head == Head::None) {
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, h, h_rows));
-    } else {
-        if (!all_logits && n > 1) h = ggml_view_2d(ctx, h, hp_.n_embd, 1, h->nb[1], h->nb[1] * (n - 1));
-        ggml_tensor* w = head == Head::River ? river_->head : backbone_.output;
-        logits = build_head(ctx, hp_, backbone_.output_norm, w, h);
-        ggml_set_output(logits);
-        ggml_build_forward_expand(gf, logits);
+    if (spec.head != Head::None) {
+        if (!spec.all_logits && n > 1) h = ggml_view_2d(ctx, h, hp_.n_embd, 1, h->nb[1], h->nb[1] * (n - 1));
+        ggml_tensor* w = spec.head == Head::River ? river_->head : backbone_.output;
+        g->logits = build_head(ctx, hp_, backbone_.output_norm, w, h);
+        ggml_set_output(g->logits);
+        ggml_build_forward_expand(gf, g->logits);
     }
 
-    ggml_backend_sched_reset(sched_);
-    if (!ggml_backend_sched_alloc_graph(sched_, gf)) throw std::runtime_error("cannot allocate the compute graph");
+    if (keep) {
+        // A kept graph owns its compute buffer, so switching between kept graphs needs no
+        // re-planning; only CPU-only engines keep graphs (see graph_for).
+        g->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(cpu_));
+        if (!g->galloc || !ggml_gallocr_alloc_graph(g->galloc, gf)) {
+            throw std::runtime_error("cannot allocate the compute graph");
+        }
+    } else {
+        ggml_backend_sched_reset(sched_);
+        if (!ggml_backend_sched_alloc_graph(sched_, gf)) throw std::runtime_error("cannot allocate the compute graph");
+    }
+    return g;
+}
+
+Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
+    // Kept: single-token graphs on a CPU-only engine. With a GPU the scheduler splits the graph
+    // across backends, and one scheduler per kept graph would cost too much memory.
+    const bool keep = graph_reuse_ && spec.n == 1 && !gpu_ && !observer_;
+    if (!keep) {
+        transient_.reset();
+        transient_ = build(spec, false);
+        return *transient_;
+    }
+    for (size_t i = 0; i < graphs_.size(); ++i) {
+        if (graphs_[i]->spec == spec) {
+            std::rotate(graphs_.begin() + i, graphs_.begin() + i + 1, graphs_.end());  // most recent last
+            return *graphs_.back();
+        }
+    }
+    // Enough for every exit depth of a few settings; the oldest graph goes first.
+    const size_t max_kept = 2 * size_t(hp_.n_layer) + 8;
+    if (graphs_.size() >= max_kept) graphs_.erase(graphs_.begin());
+    graphs_.push_back(build(spec, true));
+    return *graphs_.back();
+}
+
+bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) {
+    Graph& g = graph_for(spec);
+    const int n = spec.n;
 
     std::vector<int32_t> pos(n);
-    for (int i = 0; i < n; ++i) pos[i] = n_past_ + i;
-    ggml_backend_tensor_set(in.positions, pos.data(), 0, sizeof(int32_t) * n);
-    if (tok_in) ggml_backend_tensor_set(tok_in, tokens, 0, sizeof(int32_t) * n);
-    // Causal mask: token i (at position n_past+i) sees positions 0..n_past+i.
+    std::vector<int64_t> rows(n);
+    for (int i = 0; i < n; ++i) pos[i] = rows[i] = n_past_ + i;
+    ggml_backend_tensor_set(g.in.positions, pos.data(), 0, sizeof(int32_t) * n);
+    ggml_backend_tensor_set(g.in.kv_rows, rows.data(), 0, sizeof(int64_t) * n);
+    if (g.tok_in) ggml_backend_tensor_set(g.tok_in, tokens, 0, sizeof(int32_t) * n);
+    // Causal mask: token i (at position n_past+i) sees positions 0..n_past+i; padding is masked.
+    const int n_kv = spec.n_kv;
     std::vector<ggml_fp16_t> mask(size_t(n_kv) * n);
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
     for (int i = 0; i < n; ++i)
         for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = j <= n_past_ + i ? zero : neg_inf;
-    ggml_backend_tensor_set(in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+    ggml_backend_tensor_set(g.in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
 
-    if (watch) {
-        watch->sim_rows = sim_rows;
-        watch->n = n;
-        ggml_backend_sched_set_eval_callback(sched_, &Engine::on_node, watch);
+    abort_ = false;
+    ggml_status status;
+    if (g.galloc) {
+        status = ggml_backend_graph_compute(cpu_, g.gf);
+    } else {
+        if (observer_) ggml_backend_sched_set_eval_callback(sched_, observer_, observer_data_);
+        status = ggml_backend_sched_graph_compute(sched_, g.gf);
+        if (observer_) ggml_backend_sched_set_eval_callback(sched_, nullptr, nullptr);
     }
-    const ggml_status status = ggml_backend_sched_graph_compute(sched_, gf);
-    if (watch) ggml_backend_sched_set_eval_callback(sched_, nullptr, nullptr);
-    const bool stopped = watch && watch->exit_layer >= 0;
-    if (status != GGML_STATUS_SUCCESS && !stopped) throw std::runtime_error("ggml graph compute failed");
-    if (stopped) return;  // the river graph takes over from h_state_
+    if (abort_) {
+        abort_ = false;
+        return false;  // an exit node stopped the backbone; the river graph takes over from h_state_
+    }
+    if (status != GGML_STATUS_SUCCESS) throw std::runtime_error("ggml graph compute failed");
 
-    if (logits && out) {
-        const int rows = static_cast<int>(logits->ne[1]);
-        const size_t count = size_t(rows) * hp_.n_vocab;
-        if (all_logits) {
+    if (g.logits && out) {
+        const int n_rows = static_cast<int>(g.logits->ne[1]);
+        const size_t count = size_t(n_rows) * hp_.n_vocab;
+        if (spec.all_logits) {
             const size_t old = out->logits.size();
             out->logits.resize(old + count);
-            ggml_backend_tensor_get(logits, out->logits.data() + old, 0, count * sizeof(float));
-            out->n_rows += rows;
+            ggml_backend_tensor_get(g.logits, out->logits.data() + old, 0, count * sizeof(float));
+            out->n_rows += n_rows;
         } else {
             out->logits.resize(count);
-            ggml_backend_tensor_get(logits, out->logits.data(), 0, count * sizeof(float));
-            out->n_rows = rows;
+            ggml_backend_tensor_get(g.logits, out->logits.data(), 0, count * sizeof(float));
+            out->n_rows = n_rows;
         }
     }
+    return true;
 }
 
 }  // namespace river

@@ -23,7 +23,7 @@ struct EngineConfig {
     int n_batch = 512;           // prompt tokens per graph
     int n_gpu_layers = 0;        // the last n layers go to a GPU backend, when one exists
     bool repack = true;          // CPU mat-mul weights in the CPU's repacked buffer types, as llama.cpp does
-    int exit_chunk = 0;          // backbone layers per graph while exits are possible; 0: 8 on CPU, 1 with a GPU
+    bool graph_reuse = true;     // keep single-token decode graphs (and their allocations) across steps
 };
 
 enum class ExitMode {
@@ -39,9 +39,17 @@ struct EvalRequest {
     float threshold = 2.0f;
     int min_exit_layer = 0;
     int exit_layer = -1;         // for ExitMode::Fixed
+    int tail = 0;                // an exited token rejoins the backbone for the last `tail` layers
     bool river_head = false;     // exited tokens use the river's quantized head
     bool all_logits = false;     // logits for every token, else for the last one only
     bool trace = false;          // run layer by layer and record every similarity
+};
+
+// Layers first..last, all from the backbone or all from the river.
+struct Span {
+    int first;
+    int last;
+    bool river;
 };
 
 struct EvalResult {
@@ -72,30 +80,45 @@ public:
     const KvCache& cache() const { return *cache_; }
 
 private:
-    struct Span { int first; int last; bool river; };
     enum class Head { None, Backbone, River };
-    // The exit decision inside one fused backbone graph: after each watched layer the scheduler
-    // hands us that layer's similarity, and we stop the graph when the token exits.
-    struct ExitWatch {
-        int first = 0;               // first layer tested
-        int last = 0;                // last layer tested
-        int max_exit = 0;            // deepest layer a token may leave after (the river needs a layer)
+
+    // What one graph computes. Single-token graphs are position-independent (the KV write goes
+    // through row indices and the attention covers a padded n_kv), so equal specs can share one
+    // built and allocated graph across decode steps.
+    struct GraphSpec {
+        int n = 0;                   // tokens
+        int n_kv = 0;                // cache rows attended over (padded for one token)
+        bool from_tokens = true;     // embed tokens, else start from h_state_
+        bool river_embd = false;     // embed with the river's table
+        std::vector<Span> spans;
+        bool exits = false;          // an exit-decision node after every backbone layer
+        Head head = Head::Backbone;
+        bool all_logits = false;
+        bool operator==(const GraphSpec& o) const;
+    };
+    struct ExitNode;
+    struct Graph;
+
+    // The exit decision of the step being computed; exit nodes read and write it.
+    struct ExitState {
         bool may_exit = false;
         float threshold = 2.0f;
-        int exit_layer = -1;         // set when the graph was stopped for an exit
-        std::vector<float>* similarity = nullptr;
-        ggml_tensor* sim_rows = nullptr;  // this graph's view of sim_state_
+        int record_first = 0, record_last = -1;  // similarities recorded for these layers
+        int exit_first = 0, exit_last = -1;      // layers a token may leave after
         int n = 0;
+        int exit_layer = -1;                     // set when the backbone graph stopped for an exit
+        std::vector<float>* similarity = nullptr;
     };
-    static bool on_node(ggml_tensor* t, bool ask, void* watch);
+    static void exit_node_op(ggml_tensor* dst, int ith, int nth, void* node);
+    static bool abort_requested(void* engine);
 
     void check_request(const EvalRequest& req) const;
     // One chunk of at most n_batch tokens, all at positions n_past_..
     void eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, EvalResult& out);
-    // Build and run one graph over `spans`, on the tokens' embeddings or on h_state_; with a
-    // watch, the exit decision runs after each watched layer and may stop the graph there.
-    void run(const int32_t* tokens, int n, bool from_tokens, bool river_embd, const std::vector<Span>& spans,
-             Head head, bool all_logits, EvalResult* out, ExitWatch* watch = nullptr);
+    // Run `spec` on `tokens` (or on h_state_); false when an exit node stopped it.
+    bool run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out);
+    std::unique_ptr<Graph> build(const GraphSpec& spec, bool own_sched);
+    Graph& graph_for(const GraphSpec& spec);
 
     std::unique_ptr<GgufFile> file_;
     std::unique_ptr<GgufFile> river_file_;
@@ -106,20 +129,34 @@ private:
     ggml_backend_t cpu_ = nullptr;
     ggml_backend_t gpu_ = nullptr;
     ggml_threadpool_t threadpool_ = nullptr;
-    ggml_backend_sched_t sched_ = nullptr;
+    std::vector<ggml_backend_t> backends_;
+    ggml_backend_sched_t sched_ = nullptr;  // for graphs that are not kept (prompts)
     std::vector<std::unique_ptr<DeviceWeights>> placed_weights_;  // GPU copies, repacked CPU copies
     std::unique_ptr<KvCache> cache_;
 
-    // Hidden state and similarity carried between the graphs of one step.
+    // Hidden state handed from a stopped backbone graph to the river graph.
     ggml_context* state_ctx_ = nullptr;
     ggml_backend_buffer_t state_buf_ = nullptr;
     ggml_tensor* h_state_ = nullptr;    // F32 [n_embd, n_batch]
-    ggml_tensor* sim_state_ = nullptr;  // F32 [n_batch]
 
-    std::vector<uint8_t> graph_meta_;
+    ExitState exit_;
+    bool abort_ = false;                // set by an exit node, read by the CPU backend after each node
+
+    std::vector<std::unique_ptr<Graph>> graphs_;  // kept decode graphs, most recently used last
+    std::unique_ptr<Graph> transient_;
+    bool graph_reuse_;
     int n_batch_;
-    int exit_chunk_;  // backbone layers per graph on the exit-capable path
     int n_past_ = 0;
+
+public:
+    // Observe every node of graphs that are not kept (prompt-sized batches), through the
+    // scheduler's eval callback: used to collect activation statistics. nullptr turns it off.
+    void set_observer(ggml_backend_sched_eval_callback cb, void* data) { observer_ = cb; observer_data_ = data; }
+    size_t kept_graphs() const { return graphs_.size(); }
+
+private:
+    ggml_backend_sched_eval_callback observer_ = nullptr;
+    void* observer_data_ = nullptr;
 };
 
 }  // namespace river

@@ -27,7 +27,7 @@ ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HPara
                                  ggml_tensor* rope_freqs, KvCache& cache, int il, const BatchInputs& in,
                                  ggml_tensor* h) {
     const int n = in.n_tokens;
-    const int n_kv = in.n_past + n;
+    const int n_kv = in.n_kv;
 
     // Attention.
     ggml_tensor* x = rms_norm(ctx, h, w.attn_norm, hp.rms_eps);
@@ -41,14 +41,13 @@ ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HPara
     q = rope(ctx, hp, q, in, rope_freqs);
     k = rope(ctx, hp, k, in, rope_freqs);
 
-    // KV write: this batch's rows of cache layer il. Expanded before the reads below,
-    // so the graph orders the write first.
+    // KV write: this batch's rows of cache layer il, addressed by an input tensor so that the
+    // graph does not depend on the position. Expanded before the reads below, so the graph
+    // orders the write first.
     ggml_tensor* ck = cache.k(il);
     ggml_tensor* cv = cache.v(il);
-    ggml_tensor* k_rows = ggml_view_2d(ctx, ck, hp.n_embd_k_gqa(), n, ck->nb[1], ck->nb[1] * in.n_past);
-    ggml_tensor* v_rows = ggml_view_2d(ctx, cv, hp.n_embd_v_gqa(), n, cv->nb[1], cv->nb[1] * in.n_past);
-    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, k, hp.n_embd_k_gqa(), n), k_rows));
-    ggml_build_forward_expand(gf, ggml_cpy(ctx, v, v_rows));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, ck, ggml_reshape_2d(ctx, k, hp.n_embd_k_gqa(), n), in.kv_rows));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, cv, v, in.kv_rows));
 
     ggml_tensor* keys = ggml_view_3d(ctx, ck, hp.head_dim_k, n_kv, hp.n_head_kv, ck->nb[1],
                                      ggml_row_size(ck->type, hp.head_dim_k), 0);

@@ -11,13 +11,14 @@ namespace river {
 // Per-batch inputs shared by every layer of one graph.
 struct BatchInputs {
     int n_tokens = 0;
-    int n_past = 0;                 // cache positions already filled before this batch
+    int n_kv = 0;                      // cache rows attended over (masked beyond each token's position)
     ggml_tensor* positions = nullptr;  // I32 [n_tokens]
+    ggml_tensor* kv_rows = nullptr;    // I64 [n_tokens]: the cache row each token's K/V goes to
     ggml_tensor* kq_mask = nullptr;    // F16 [n_kv, n_tokens], causal
 };
 
 // One decoder layer `il` with weights `w` (backbone or river: same shapes). It writes this
-// batch's K/V into cache layer il at rows n_past.., then attends over rows 0..n_past+n_tokens.
+// batch's K/V into cache layer il at rows kv_rows, then attends over rows 0..n_kv-1.
 ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HParams& hp, const LayerWeights& w,
                                  ggml_tensor* rope_freqs, KvCache& cache, int il, const BatchInputs& in,
                                  ggml_tensor* h);

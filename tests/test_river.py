@@ -151,22 +151,25 @@ def test_generation_stats(river_model, prose_tokens):
     assert 0 < s["river_layer_share"] < 1
 
 
-def test_chunk_size_does_not_change_results(f16_path, q4_0_path, prose_tokens):
-    # exit_chunk=1 is the path GPU builds take (one layer per graph); it must decide and compute
-    # exactly what the default CPU chunking does.
+def test_graph_reuse_changes_no_logit_across_a_padding_boundary(f16_path, q4_0_path):
+    # Decode graphs are kept and reused while n_kv (padded to 256) is unchanged. Reuse on and off
+    # must give the same bits, with dynamic exits, across the 256-position boundary where the
+    # padded n_kv grows and a new set of graphs is built.
     from river_gguf import _native
 
-    results = []
-    for chunk in (1, 3, 8):
-        e = _native.Engine(f16_path, q4_0_path, n_ctx=128, n_threads=2, exit_chunk=chunk)
-        e.eval(prose_tokens[:10])
-        steps = [e.eval([t], mode=1, threshold=0.97, min_exit_layer=2, river_head=True)
-                 for t in prose_tokens[10:26]]
-        traced = e.eval([prose_tokens[26]], mode=1, threshold=0.97, trace=True)
-        results.append((steps, traced))
-    (ref_steps, ref_trace), others = results[0], results[1:]
-    assert len({s[1] for s in ref_steps}) > 1  # a real mix of exit layers
-    for steps, traced in others:
-        for (la, ea, sa), (lb, eb, sb) in zip(ref_steps, steps):
-            assert ea == eb and np.allclose(sa, sb, atol=1e-6) and np.array_equal(la, lb)
-        assert np.allclose(ref_trace[2], traced[2], atol=1e-6) and np.array_equal(ref_trace[0], traced[0])
+    text = (PROSE + " ") * 6
+    runs = []
+    for reuse in (True, False):
+        e = _native.Engine(f16_path, q4_0_path, n_ctx=512, n_threads=2, graph_reuse=reuse)
+        m = Model(f16_path, n_ctx=8)  # only for the tokenizer
+        toks = m.tokenize(text)[:300]
+        assert len(toks) == 300
+        e.eval(toks[:240])
+        steps = [e.eval([t], mode=1, threshold=0.97, min_exit_layer=2, river_head=True, tail=t % 3)
+                 for t in toks[240:280]]
+        runs.append((steps, e.kept_graphs))
+    (on, kept_on), (off, kept_off) = runs
+    assert kept_off == 0 and kept_on > 1
+    assert len({s[1] for s in on}) > 1  # a real mix of exit layers
+    for (la, ea, sa), (lb, eb, sb) in zip(on, off):
+        assert ea == eb and sa == sb and np.array_equal(la, lb)

@@ -65,6 +65,37 @@ def test_invariant2_with_river_head(river_model, prose_tokens, f16_path, q4_0_pa
     _assert_same_as_oracle(river_model, oracle_factory(str(hybrid)), prose_tokens, exit_layer=6, river_head=True)
 
 
+@pytest.mark.parametrize("k,tail,river_head", [(6, 2, False), (-1, 4, True), (20, 3, True)])
+def test_invariant5_forced_exit_with_tail_equals_hybrid_gguf(k, tail, river_head, river_model, prose_tokens,
+                                                            f16_path, q4_0_path, tmp_path, oracle_factory):
+    # Layers 0..k and the last `tail` from the backbone, the rest from the river.
+    hybrid = tmp_path / f"hybrid-{k}-tail{tail}.gguf"
+    write_hybrid_gguf(f16_path, q4_0_path, hybrid, exit_layer=k, river_head=river_head, tail=tail)
+    opts = dict(exit_layer=k, tail=tail, river_head=river_head) if k >= 0 else \
+        dict(mode="river-only", tail=tail, river_head=river_head)
+    _assert_same_as_oracle(river_model, oracle_factory(str(hybrid)), prose_tokens, **opts)
+
+
+def test_dynamic_exit_with_tail_runs_the_tail_on_the_backbone(river_model, prose_tokens):
+    # A dynamic step that exits at k with a tail equals the forced exit at k with that tail, and
+    # exits never happen inside the tail's reach (the river needs at least one layer).
+    e = river_model._engine
+    L = river_model.n_layer
+    prompt = prose_tokens[:10]
+    exits = []
+    for tok in prose_tokens[10:22]:
+        e.truncate(0)
+        e.eval(prompt)
+        dyn, k, _ = e.eval([tok], mode=1, threshold=0.97, tail=4)
+        exits.append(k)
+        assert k == L - 1 or k < L - 1 - 4
+        if k < L - 1:
+            e.truncate(len(prompt))
+            fixed, _, _ = e.eval([tok], mode=3, exit_layer=k, tail=4)
+            assert np.array_equal(dyn, fixed)
+    assert any(k < L - 1 for k in exits)
+
+
 def test_invariant3_river_only_equals_river_gguf(river_model, prose_tokens, q4_0_path, oracle_factory):
     # With the river head, river-only runs exactly the river file: its embeddings, layers, head.
     _assert_same_as_oracle(river_model, oracle_factory(q4_0_path), prose_tokens, mode="river-only", river_head=True)

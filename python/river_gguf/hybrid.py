@@ -18,8 +18,9 @@ _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
 def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, river_head: bool,
-                      progress: bool = False) -> str:
-    """Write a plain GGUF: layers 0..exit_layer from the backbone, the rest from the river.
+                      progress: bool = False, tail: int = 0) -> str:
+    """Write a plain GGUF: layers 0..exit_layer from the backbone, the rest from the river,
+    except the last `tail` layers, which come from the backbone again (RIVER.md invariant 5).
 
     exit_layer: -1 puts every layer in the river (the engine's river-only mode); n_layer-1 is
         the backbone alone.
@@ -42,6 +43,8 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
     n_layer = int(_field(bb, f"{_arch(bb)}.block_count"))
     if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not -1 <= exit_layer < n_layer:
         raise ValueError(f"exit_layer must be an int in [-1, {n_layer - 1}], got {exit_layer!r}")
+    if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail < n_layer:
+        raise ValueError(f"tail must be an int in [0, {n_layer - 1}], got {tail!r}")
 
     rv_tensors = _river_tensors(rv, RIVER_PREFIX)
     if not rv_tensors:
@@ -61,7 +64,8 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
     for name, t in bb_tensors.items():
         m = _LAYER.match(name)
         if m:
-            plan.append((name, t if int(m.group(1)) <= exit_layer else rv_tensors[name]))
+            il = int(m.group(1))
+            plan.append((name, t if il <= exit_layer or il >= n_layer - tail else rv_tensors[name]))
         elif name == "token_embd.weight":
             plan.append((name, embd))
             if "output.weight" not in bb_tensors:

@@ -3,11 +3,13 @@
 One Model may be used from one thread at a time: it owns one KV cache.
 """
 import os
+from dataclasses import replace
 from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
 from ._loader import native
+from . import presets
 from .options import ExitOptions
 from .results import Generation, ScoreResult, log_softmax_at
 from . import completions, generation
@@ -26,8 +28,10 @@ class Model:
 
     model_path: a GGUF file (plain or River GGUF); None loads the default SmolLM2-135M-Instruct.
     river: a second GGUF of the same model at lower precision, used as the exit river.
-    mode, threshold, min_exit_layer, river_head, prefill: defaults for every call; a River GGUF
-    supplies its own, and each call may override them.
+    mode, threshold, min_exit_layer, river_head, prefill, tail: defaults for every call; a River
+    GGUF supplies its own, and each call may override them.
+    preset: one of the River GGUF's named settings ("fast", "balanced", "quality"; default: the
+    file's default preset, "balanced"); explicit options override it.
     """
 
     def __init__(
@@ -44,6 +48,8 @@ class Model:
         min_exit_layer: Optional[int] = None,
         river_head: Optional[bool] = None,
         prefill: Optional[str] = None,
+        tail: Optional[int] = None,
+        preset: Optional[str] = None,
         verbose: bool = False,
     ):
         if model_path is None:
@@ -80,8 +86,16 @@ class Model:
                 f"{model_path}: vocabulary has {self._vocab.n_tokens} tokens but token_embd has {self.n_vocab} rows"
             )
         self.exit_options = ExitOptions()  # backbone-only while the file's defaults are worked out
-        self.exit_options = self._file_exit_options(profile=threshold is None).with_overrides(
-            mode=mode, threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill
+        self.presets = presets.parse(self.metadata) if self.has_river else {}
+        if preset is not None and not self.presets:
+            raise ValueError(f"preset={preset!r}, but {model_path} stores no presets "
+                             "(calibrate it: river-gguf calibrate MODEL --write)")
+        self.preset = preset if preset is not None else (
+            self.metadata.get(presets.DEFAULT_KEY, presets.DEFAULT_PRESET) if self.presets else None)
+        self._base_options = self._file_exit_options(profile=threshold is None and not self.presets)
+        self.exit_options = self._with_preset(self._base_options, self.preset).with_overrides(
+            mode=mode, threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill,
+            tail=tail,
         ).validate(self.n_layer, self.has_river)
 
     # ----- properties -------------------------------------------------------------------
@@ -118,10 +132,22 @@ class Model:
             min_exit_layer=int(md.get("river.min_exit_layer", 0)),
             river_head=bool(md.get("river.head", False)) and self._engine.river_has_head,
             prefill=str(md.get("river.prefill", "backbone")),
+            tail=int(md.get("river.tail", 0)),
         )
 
-    def _options(self, **overrides) -> ExitOptions:
-        return self.exit_options.with_overrides(**overrides).validate(self.n_layer, self.has_river)
+    def _with_preset(self, base: ExitOptions, name: Optional[str]) -> ExitOptions:
+        if name is None:
+            return base
+        if name not in self.presets:
+            raise ValueError(f"unknown preset {name!r}; this file has: {', '.join(sorted(self.presets)) or 'none'}")
+        opts = dict(self.presets[name]["options"])
+        # A preset is a whole setting: what it leaves out takes the plain defaults, not the
+        # previous preset's values.
+        return replace(base, exit_layer=None, **opts)
+
+    def _options(self, preset: Optional[str] = None, **overrides) -> ExitOptions:
+        base = self.exit_options if preset is None else self._with_preset(self._base_options, preset)
+        return base.with_overrides(**overrides).validate(self.n_layer, self.has_river)
 
     # ----- vocabulary -------------------------------------------------------------------
     def tokenize(self, text: Union[str, bytes], add_special: bool = True, parse_special: bool = False) -> List[int]:

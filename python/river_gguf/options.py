@@ -17,6 +17,7 @@ class ExitOptions:
     exit_layer: Optional[int] = None  # force every token out after this backbone layer
     river_head: bool = False
     prefill: str = "backbone"       # "backbone": prompts never exit; "river": sequence-level exit
+    tail: int = 0                   # exited tokens rejoin the backbone for the last `tail` layers
 
     def validate(self, n_layer: int, has_river: bool) -> "ExitOptions":
         if self.mode not in MODES:
@@ -31,6 +32,8 @@ class ExitOptions:
             not isinstance(self.exit_layer, int) or not -1 <= self.exit_layer < n_layer
         ):
             raise ValueError(f"exit_layer must be an int in [-1, {n_layer - 1}], got {self.exit_layer!r}")
+        if isinstance(self.tail, bool) or not isinstance(self.tail, int) or not 0 <= self.tail < n_layer:
+            raise ValueError(f"tail must be an int in [0, {n_layer - 1}], got {self.tail!r}")
         uses_river = self.mode != "backbone" or (self.exit_layer is not None and self.exit_layer < n_layer - 1)
         if uses_river and not has_river:
             raise ValueError(
@@ -45,7 +48,7 @@ class ExitOptions:
     def engine_args(self, prompt: bool) -> dict:
         """Arguments of _native.Engine.eval for a prompt batch or a decode step."""
         args = dict(threshold=float(self.threshold), min_exit_layer=self.min_exit_layer,
-                    river_head=bool(self.river_head), exit_layer=-1)
+                    river_head=bool(self.river_head), exit_layer=-1, tail=self.tail)
         if self.exit_layer is not None:
             args.update(mode=_FIXED, exit_layer=self.exit_layer)
         elif self.mode == "river-only":

@@ -1,0 +1,103 @@
+"""Named exit settings stored in a River GGUF: one file, several points of the speed/quality curve.
+
+A static quant is one point; a River GGUF holds a backbone, a river and the exit rule, so it can
+run anywhere between the river's speed and the backbone's quality. The calibrator measures a
+small grid of settings (tau, backbone tail, min exit layer, river-only) on the calibration
+split and keeps three as presets, by speed tier (cost = weight bytes a decode step reads,
+relative to the river alone, see `step_bytes`):
+
+- ``fast``: the best perplexity among settings that read at most FAST_COST x the river-only
+  bytes: about the speed of a static Q4_0 of the model;
+- ``balanced`` (the default): the best perplexity at most BALANCED_COST x: about Q4_K_M's speed;
+- ``quality``: the best perplexity at most QUALITY_COST x: about Q8_0's speed.
+
+They are stored as JSON under ``river.presets`` with their measured calibration perplexity,
+mean exit layer and cost, and ``river.default_preset`` names the one a Model uses by default.
+"""
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional
+
+PRESET_KEY = "river.presets"
+DEFAULT_KEY = "river.default_preset"
+NAMES = ("fast", "balanced", "quality")
+DEFAULT_PRESET = "balanced"
+
+# Speed tiers in bytes read per decode step, relative to the river alone (river-only cost 1.0).
+FAST_COST = 1.10
+BALANCED_COST = 1.35
+QUALITY_COST = 1.90
+
+# The exit options a preset may set (ExitOptions fields).
+OPTION_KEYS = ("mode", "threshold", "min_exit_layer", "tail", "river_head", "exit_layer")
+
+
+def parse(metadata: dict) -> Dict[str, dict]:
+    """The presets stored in a file's metadata ({} when none). Raises ValueError if malformed."""
+    raw = metadata.get(PRESET_KEY)
+    if raw is None:
+        return {}
+    try:
+        presets = json.loads(raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{PRESET_KEY} is not valid JSON: {e}") from None
+    if not isinstance(presets, dict) or not all(isinstance(v, dict) and isinstance(v.get("options"), dict)
+                                                for v in presets.values()):
+        raise ValueError(f"{PRESET_KEY} must map names to {{'options': {{...}}}}")
+    for name, p in presets.items():
+        bad = set(p["options"]) - set(OPTION_KEYS)
+        if bad:
+            raise ValueError(f"preset {name!r} sets unknown options {sorted(bad)}")
+    return presets
+
+
+def dump(presets: Dict[str, dict]) -> str:
+    return json.dumps(presets, sort_keys=True, separators=(",", ":"))
+
+
+def step_bytes(layer_bytes: List[dict], head_bytes: dict, n_layer: int, exit_layer: float, tail: int,
+               river_head: bool) -> float:
+    """Weight bytes one decode step reads: backbone layers 0..exit_layer, river layers up to
+    the tail, backbone tail, and the head. exit_layer may be a mean (fractional); -1 = river-only.
+    layer_bytes[l] = {"backbone": bytes, "river": bytes}; head_bytes = {"backbone": .., "river": ..}."""
+    river_last = n_layer - 1 - tail
+    total = 0.0
+    for l in range(n_layer):
+        if l > river_last:
+            total += layer_bytes[l]["backbone"]
+        else:
+            # share of this layer run by the backbone, for a fractional mean exit layer
+            share = min(max(exit_layer - l + 1, 0.0), 1.0)
+            total += share * layer_bytes[l]["backbone"] + (1 - share) * layer_bytes[l]["river"]
+    exited = exit_layer < river_last
+    total += head_bytes["river" if (river_head and exited) else "backbone"]
+    return total
+
+
+def choose(rows: List[dict], river_only_cost: float) -> Dict[str, dict]:
+    """Pick the presets from measured rows ({"options", "ppl", "cost", ...}): per tier, the
+    lowest perplexity whose cost is within the tier; a tier no row fits gets the cheapest row."""
+    out: Dict[str, dict] = {}
+    for name, tier in (("fast", FAST_COST), ("balanced", BALANCED_COST), ("quality", QUALITY_COST)):
+        ok = [r for r in rows if r["cost"] <= tier * river_only_cost]
+        pick = min(ok, key=lambda r: (r["ppl"], r["cost"])) if ok else min(rows, key=lambda r: r["cost"])
+        out[name] = dict(pick, tier=tier)
+    return out
+
+
+def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[str]:
+    """One line per preset, for `river-gguf info`."""
+    lines = []
+    for name in sorted(presets, key=lambda n: (NAMES.index(n) if n in NAMES else len(NAMES), n)):
+        p = presets[name]
+        o = p["options"]
+        what = o.get("mode", "river")
+        if what == "river":
+            what = f"tau={o.get('threshold')} min_exit={o.get('min_exit_layer', 0)}"
+        lines.append(
+            f"{name}{' (default)' if name == default else ''}: {what} tail={o.get('tail', 0)} "
+            f"river_head={o.get('river_head')} | calibration ppl {p.get('ppl', float('nan')):.4f}"
+            f" (backbone {p.get('backbone_ppl', float('nan')):.4f}), cost {p.get('relative_cost', float('nan')):.2f}x "
+            f"river-only, mean exit {p.get('mean_exit_layer', float('nan')):.1f}")
+    return lines

@@ -1,0 +1,97 @@
+"""Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, untied head, 896 wide): the engine against stock
+llama.cpp on the shipped Q4_K_M file and on its F16, and River early exit on it.
+
+Tolerance as in tests/test_engine_parity.py: both sides run the same ggml kernels on the same graph
+(F16 KV cache, flash attention), so logits agree to the bit in practice; LOGIT_TOL only leaves room
+for reduction order, far below the logit gaps that decide tokens."""
+import hashlib
+
+import gguf
+import numpy as np
+import pytest
+
+from river_gguf import Model, model_zoo
+
+from conftest import QWEN
+
+LOGIT_TOL = 2e-3
+N_GREEDY = 32
+
+# About 40 tokens of code: the model's own domain, with indentation and punctuation tokens.
+CODE = (
+    "def merge_sorted(a, b):\n"
+    '    """Merge two sorted lists into one sorted list."""\n'
+    "    out = []\n"
+    "    i = j = 0\n"
+    "    while i < len(a) and j < len(b):\n"
+)
+GREEDY_PROMPT = "# Return the n-th Fibonacci number, iteratively.\ndef fibonacci(n):\n"
+RIVER_PROMPT = "def is_prime(n: int) -> bool:\n"
+
+
+def test_fetched_file_is_the_published_model(qwen_source):
+    h = hashlib.sha256()
+    with open(qwen_source, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    assert h.hexdigest() == model_zoo.MODELS[QWEN].split_source.sha256
+    r = gguf.GGUFReader(qwen_source)
+    assert r.fields["general.architecture"].contents() == "qwen2"
+    assert r.fields["qwen2.block_count"].contents() == 24
+    assert "output.weight" in {t.name for t in r.tensors}  # untied head: a second big matrix
+
+
+@pytest.fixture(scope="module", params=["qwen_source", "qwen_f16"])
+def model_path(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_logits_match_llama_cpp(model_path, oracle_factory):
+    m = Model(model_path, n_ctx=512, n_threads=2)
+    toks = m.tokenize(CODE)
+    assert 35 <= len(toks) <= 60
+    ours = m.logits(toks)
+    ref = oracle_factory(model_path).logits(toks)
+    assert ours.shape == ref.shape == (len(toks), m.n_vocab)
+    assert np.isfinite(ours).all()
+    assert np.abs(ours - ref).max() < LOGIT_TOL
+    assert (ours.argmax(1) == ref.argmax(1)).all()
+
+
+def test_greedy_tokens_match_llama_cpp(model_path, oracle_factory):
+    m = Model(model_path, n_ctx=512, n_threads=2)
+    prompt = m.tokenize(GREEDY_PROMPT)
+    g = m.generate(prompt, max_tokens=N_GREEDY, temperature=0.0)
+    ref = oracle_factory(model_path).greedy(prompt, N_GREEDY)
+    assert len(g.tokens) == len(ref) == N_GREEDY  # the prompt must not end early on either side
+    assert g.tokens == ref
+
+
+@pytest.fixture(scope="module")
+def river_model(qwen_river):
+    return Model(qwen_river, n_ctx=512, n_threads=2)
+
+
+def test_river_generation_exits_early(river_model):
+    m = river_model
+    assert m.n_layer == 24
+    g = m.generate(RIVER_PROMPT, max_tokens=N_GREEDY, temperature=0.0)
+    assert g.text.strip()
+    assert g.stats["decode_tokens"] > 0
+    # The profiled tau of the file must let tokens leave the backbone before its last layer.
+    assert g.stats["mean_exit_layer"] < m.n_layer - 1, g.stats["exit_histogram"]
+    assert 0.0 < g.stats["river_layer_share"] <= 1.0
+
+
+def test_river_only_equals_q4_0_in_llama_cpp(qwen_f16, qwen_q4_0, oracle_factory):
+    # RIVER.md invariant 3, as tests/test_river.py checks it for SmolLM2: with the river head,
+    # river-only runs exactly the river file (embeddings, layers, head), which llama.cpp can load.
+    m = Model(qwen_f16, river=qwen_q4_0, n_ctx=512, n_threads=2, threshold=0.97)
+    oracle = oracle_factory(qwen_q4_0)
+    toks = m.tokenize(CODE)
+    ours = m.logits(toks, mode="river-only", river_head=True)
+    assert np.abs(ours - oracle.logits(toks)).max() < LOGIT_TOL
+    prompt = toks[:12]
+    g = m.generate(prompt, max_tokens=N_GREEDY, mode="river-only", river_head=True)
+    ref = oracle.greedy(prompt, N_GREEDY)
+    assert len(ref) == N_GREEDY and g.tokens == ref

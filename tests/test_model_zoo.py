@@ -36,12 +36,12 @@ def _spec(parts, sha=None, filename="fake.gguf"):
     )
 
 
-def _write_wheel(path, package, payload, bin_names=None):
+def _write_wheel(path, package, payload, bin_names=None, bin_dir=None):
     mod = package.replace("-", "_")
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{mod}/__init__.py", "")
         for name in bin_names if bin_names is not None else ["part.bin"]:
-            z.writestr(f"{mod}/data/{name}", payload)
+            z.writestr(f"{bin_dir or mod + '/data'}/{name}", payload)
         z.writestr(f"{mod}-0.9.0.dist-info/METADATA", f"Name: {package}\n")
 
 
@@ -58,10 +58,10 @@ class FakePyPI:
         out = []
         for i, pkg in enumerate(packages):
             w = pathlib.Path(dest) / f"{pkg.replace('-', '_')}-{version}-py3-none-any.whl"
-            # The .bin names run against the package order (part1 -> zz.bin, part6 -> aa.bin):
-            # a join ordered by member or file name instead of by package would give wrong bytes.
+            # The .bin paths run against the package order (part1 -> data/zz.bin, part6 ->
+            # data/uu.bin): a join ordered by member name instead of by package gives wrong bytes.
             names = self.bin_names if self.bin_names is not None else [f"{chr(ord('z') - i) * 2}.bin"]
-            _write_wheel(w, pkg, self.parts[pkg], names)
+            _write_wheel(w, pkg, self.parts[pkg], names, bin_dir="data")
             out.append(w)
         return out
 

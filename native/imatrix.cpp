@@ -1,0 +1,268 @@
+#include "imatrix.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+#include "engine.h"
+
+namespace river {
+
+namespace {
+
+// Tokens per eval while observing. Every token's logits are computed (so the head's input is
+// observed for every token, like the layers'); this bounds the logits buffer the engine returns
+// and the caller throws away (256 x n_vocab floats: 50 MB for a 49k vocabulary).
+constexpr size_t kSliceTokens = 256;
+
+bool ends_with(const std::string& s, const char* suffix) {
+    const size_t n = std::strlen(suffix);
+    return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+}
+
+}  // namespace
+
+std::string weight_name(const ggml_tensor* t) {
+    if (!t || t->op != GGML_OP_MUL_MAT || !t->src[0]) return {};
+    const ggml_tensor* w = t->src[0];
+    // A model weight is a leaf that owns its data: intermediate results are computed (op != NONE)
+    // and reshapes/permutes of anything are views. The KV cache is a leaf too, but attention reads
+    // it through flash attention, not mul_mat, and its tensors are not named "*.weight".
+    if (w->op != GGML_OP_NONE || w->view_src != nullptr) return {};
+    std::string name = w->name;
+    // The scheduler names its copies of a weight for another backend "<backend>#<name>#<n>".
+    const size_t first = name.find('#');
+    if (first != std::string::npos) {
+        const size_t last = name.rfind('#');
+        if (last == first) return {};
+        name = name.substr(first + 1, last - first - 1);
+    }
+    if (!ends_with(name, ".weight")) return {};
+    return name;
+}
+
+bool ActivationStats::wanted(const ggml_tensor* t) const {
+    if (t->op != GGML_OP_MUL_MAT) return false;
+    const ggml_tensor* w = t->src[0];
+    const ggml_tensor* x = t->src[1];
+    if (!w || !x) return false;
+    // Rows of x must be plain floats to be squared; every mat-mul input in this engine's graphs is.
+    if (x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float)) return false;
+    // One matrix per weight (no stacked experts): one vector of column statistics describes it.
+    if (w->ne[2] != 1 || w->ne[3] != 1) return false;
+    if (x->ne[0] != w->ne[0]) return false;
+    return !weight_name(t).empty();
+}
+
+void ActivationStats::accumulate(const ggml_tensor* t) {
+    const ggml_tensor* x = t->src[1];
+    const std::string name = weight_name(t);
+    const int64_t ne0 = x->ne[0], ne1 = x->ne[1];
+    const int64_t n_rows = ggml_nrows(x);
+    const size_t row_bytes = size_t(ne0) * sizeof(float);
+
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_.empty()) return;  // a failed collection stays failed until clear()
+
+    // Copy x out through the backend (it may live in GPU memory), honouring its strides: the
+    // rows of one plane are read in one call when they are packed, else one by one.
+    rows_.resize(size_t(n_rows) * ne0);
+    float* dst = rows_.data();
+    for (int64_t i3 = 0; i3 < x->ne[3]; ++i3) {
+        for (int64_t i2 = 0; i2 < x->ne[2]; ++i2) {
+            const size_t plane = size_t(i2) * x->nb[2] + size_t(i3) * x->nb[3];
+            if (x->nb[1] == row_bytes) {
+                ggml_backend_tensor_get(x, dst, plane, row_bytes * ne1);
+                dst += size_t(ne1) * ne0;
+            } else {
+                for (int64_t i1 = 0; i1 < ne1; ++i1, dst += ne0) {
+                    ggml_backend_tensor_get(x, dst, plane + size_t(i1) * x->nb[1], row_bytes);
+                }
+            }
+        }
+    }
+
+    // Sum this batch on its own first so that a non-finite activation is caught before it
+    // spoils the running totals (and named: it points at a broken model or an overflow).
+    std::vector<double> batch(ne0, 0.0);
+    const float* row = rows_.data();
+    for (int64_t r = 0; r < n_rows; ++r, row += ne0) {
+        for (int64_t j = 0; j < ne0; ++j) batch[j] += double(row[j]) * row[j];
+    }
+    for (int64_t j = 0; j < ne0; ++j) {
+        if (!std::isfinite(batch[j])) {
+            error_ = "non-finite activation in the input of " + name;
+            return;
+        }
+    }
+
+    Entry& e = entries_[name];
+    if (e.sums.empty()) {
+        e.sums.assign(ne0, 0.0);
+    } else if (e.sums.size() != size_t(ne0)) {
+        error_ = "the input width of " + name + " changed from " + std::to_string(e.sums.size()) + " to " +
+                 std::to_string(ne0) + " (one ActivationStats used with two different models?)";
+        return;
+    }
+    for (int64_t j = 0; j < ne0; ++j) e.sums[j] += batch[j];
+    e.count += n_rows;
+}
+
+bool ActivationStats::callback(ggml_tensor* t, bool ask, void* data) {
+    auto* self = static_cast<ActivationStats*>(data);
+    try {
+        if (ask) {
+            // Once something failed, want nothing more: the graph then runs without stopping.
+            if (!self->error().empty()) return false;
+            return self->wanted(t);
+        }
+        self->accumulate(t);
+        return self->error().empty();  // false stops the graph; collect_activations then throws
+    } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        if (self->error_.empty()) self->error_ = std::string("activation statistics: ") + e.what();
+    } catch (...) {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        if (self->error_.empty()) self->error_ = "activation statistics: unknown error";
+    }
+    return false;
+}
+
+std::map<std::string, ActivationStats::Entry> ActivationStats::snapshot() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return entries_;
+}
+
+std::string ActivationStats::error() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+}
+
+void ActivationStats::clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    entries_.clear();
+    error_.clear();
+    rows_.clear();
+    rows_.shrink_to_fit();
+}
+
+size_t ActivationStats::size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return entries_.size();
+}
+
+namespace {
+
+// Sets the engine's observer for one scope: removed however the scope is left, so a failed
+// collection never leaves an engine that keeps observing (and keeps no single-token graphs).
+class ObserverScope {
+public:
+    ObserverScope(Engine& e, ActivationStats& s) : e_(e) { e_.set_observer(&ActivationStats::callback, &s); }
+    ~ObserverScope() { e_.set_observer(nullptr, nullptr); }
+    ObserverScope(const ObserverScope&) = delete;
+    ObserverScope& operator=(const ObserverScope&) = delete;
+
+private:
+    Engine& e_;
+};
+
+}  // namespace
+
+void collect_activations(Engine& engine, const std::vector<int32_t>& tokens, ActivationStats& stats) {
+    if (tokens.empty()) throw std::invalid_argument("collect_activations: no tokens");
+    const std::string earlier = stats.error();
+    if (!earlier.empty()) {
+        throw std::runtime_error("these activation statistics come from a failed collection (" + earlier +
+                                 "); clear() them first");
+    }
+    ObserverScope scope(engine, stats);
+    for (size_t start = 0; start < tokens.size(); start += kSliceTokens) {
+        EvalRequest req;
+        req.tokens.assign(tokens.begin() + start, tokens.begin() + std::min(tokens.size(), start + kSliceTokens));
+        req.mode = ExitMode::Backbone;
+        req.all_logits = true;
+        engine.eval(req);
+        const std::string err = stats.error();
+        if (!err.empty()) throw std::runtime_error(err);
+    }
+}
+
+namespace {
+
+// The types ggml_quantize_chunk can produce (its switch), i.e. every type llama.cpp quantizes to.
+bool quantizable(int type) {
+    switch (type) {
+        case GGML_TYPE_F32: case GGML_TYPE_F16: case GGML_TYPE_BF16:
+        case GGML_TYPE_Q4_0: case GGML_TYPE_Q4_1: case GGML_TYPE_Q5_0: case GGML_TYPE_Q5_1: case GGML_TYPE_Q8_0:
+        case GGML_TYPE_Q1_0: case GGML_TYPE_Q2_0: case GGML_TYPE_MXFP4: case GGML_TYPE_NVFP4:
+        case GGML_TYPE_Q2_K: case GGML_TYPE_Q3_K: case GGML_TYPE_Q4_K: case GGML_TYPE_Q5_K: case GGML_TYPE_Q6_K:
+        case GGML_TYPE_TQ1_0: case GGML_TYPE_TQ2_0:
+        case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS: case GGML_TYPE_IQ3_XXS: case GGML_TYPE_IQ3_S:
+        case GGML_TYPE_IQ2_S: case GGML_TYPE_IQ1_S: case GGML_TYPE_IQ1_M: case GGML_TYPE_IQ4_NL: case GGML_TYPE_IQ4_XS:
+            return true;
+        default:
+            return false;
+    }
+}
+
+}  // namespace
+
+size_t quantized_row_size(int type, int64_t ncols, bool has_importance) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || !quantizable(type)) {
+        throw std::invalid_argument("ggml cannot quantize to type " + std::to_string(type));
+    }
+    const auto gt = static_cast<ggml_type>(type);
+    const int64_t block = ggml_blck_size(gt);
+    if (ncols <= 0 || ncols % block != 0) {
+        throw std::invalid_argument(std::string(ggml_type_name(gt)) + " packs " + std::to_string(block) +
+                                    " values per block; a row of " + std::to_string(ncols) + " is not a whole number of blocks");
+    }
+    if (!has_importance && ggml_quantize_requires_imatrix(gt)) {
+        throw std::invalid_argument(std::string(ggml_type_name(gt)) + " needs an importance vector");
+    }
+    return ggml_row_size(gt, ncols);
+}
+
+std::vector<uint8_t> quantize_rows(int type, const float* data, int64_t nrows, int64_t ncols, const float* importance,
+                                   int n_threads) {
+    const size_t row_size = quantized_row_size(type, ncols, importance != nullptr);
+    if (nrows < 0) throw std::invalid_argument("negative row count");
+    const auto gt = static_cast<ggml_type>(type);
+    std::vector<uint8_t> out(size_t(nrows) * row_size);
+    if (nrows == 0) return out;
+    ggml_quantize_init(gt);  // grids of the IQ types, built once before the threads share them
+
+    // Rows are independent, so threads take contiguous runs of them (as llama.cpp's quantizer does).
+    const int64_t n_parts = std::max<int64_t>(1, std::min<int64_t>(n_threads, nrows));
+    std::vector<size_t> written(n_parts, 0);
+    auto work = [&](int64_t part) {
+        const int64_t r0 = nrows * part / n_parts, r1 = nrows * (part + 1) / n_parts;
+        written[part] = ggml_quantize_chunk(gt, data + r0 * ncols, out.data() + size_t(r0) * row_size, 0, r1 - r0,
+                                            ncols, importance);
+    };
+    {
+        // Joins whatever was started on every exit path (a failed thread start included): a
+        // std::thread destroyed while joinable would terminate the process.
+        struct Joiner {
+            std::vector<std::thread> threads;
+            ~Joiner() {
+                for (auto& th : threads) th.join();
+            }
+        } pool;
+        pool.threads.reserve(n_parts - 1);
+        for (int64_t p = 1; p < n_parts; ++p) pool.threads.emplace_back(work, p);
+        work(0);
+    }
+
+    size_t total = 0;
+    for (size_t w : written) total += w;
+    if (total != out.size()) {
+        throw std::runtime_error("ggml_quantize_chunk wrote " + std::to_string(total) + " bytes, expected " +
+                                 std::to_string(out.size()));
+    }
+    return out;
+}
+
+}  // namespace river

@@ -101,3 +101,85 @@ def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[st
             f" (backbone {p.get('backbone_ppl', float('nan')):.4f}), cost {p.get('relative_cost', float('nan')):.2f}x "
             f"river-only, mean exit {p.get('mean_exit_layer', float('nan')):.1f}")
     return lines
+
+
+# ----- measuring the settings ----------------------------------------------------------
+def weight_bytes(model) -> tuple:
+    """(layer_bytes, head_bytes) of a loaded Model's files: per layer, the bytes of the
+    backbone's and the river's tensors; the head each side uses (the river's is its
+    river.output/river.token_embd, the backbone's its output or tied token_embd)."""
+    import gguf
+
+    bb = gguf.GGUFReader(model.model_path)
+    bb_sizes = {t.name: int(t.n_bytes) for t in bb.tensors}
+    if model.river_path:
+        rv_sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(model.river_path).tensors}
+    else:
+        rv_sizes = {t.name[len("river."):]: n for t, n in ((t, int(t.n_bytes)) for t in bb.tensors)
+                    if t.name.startswith("river.")}
+    L = model.n_layer
+
+    def layer(sizes, l):
+        p = f"blk.{l}."
+        return sum(n for name, n in sizes.items() if name.startswith(p))
+
+    layers = [{"backbone": layer(bb_sizes, l), "river": layer(rv_sizes, l)} for l in range(L)]
+    head = {"backbone": bb_sizes.get("output.weight", bb_sizes.get("token_embd.weight", 0)),
+            "river": rv_sizes.get("output.weight", rv_sizes.get("token_embd.weight", 0))}
+    return layers, head
+
+
+# The grid the calibrator measures: static river-only with a backbone tail, and the dynamic
+# exit with a tail (tau dense where SmolLM2's and Qwen2.5's mid-layer similarities live).
+STATIC_TAILS = (0, 1, 2, 3, 4, 6, 8)
+DYNAMIC = tuple((tau, tail) for tail in (2, 4) for tau in (0.97, 0.98, 0.99))
+
+
+def grid(n_layer: int, river_head: bool = True) -> List[dict]:
+    rows = [{"mode": "river-only", "tail": t, "river_head": river_head} for t in STATIC_TAILS if t < n_layer]
+    rows += [{"mode": "river", "threshold": tau, "min_exit_layer": 0, "tail": t, "river_head": river_head}
+             for tau, t in DYNAMIC if t < n_layer - 1]
+    return rows
+
+
+def calibrate_presets(model, items=None, score_tokens: int = 96, progress: bool = True,
+                      settings: Optional[List[dict]] = None) -> dict:
+    """Measure `settings` (default: grid()) on the calibration split and choose the presets.
+
+    Perplexity is teacher-forced through the decode path (evaluate.score_items); cost is the
+    weight bytes per decode step (step_bytes), which orders settings by speed without the noise
+    of a timed run. Returns {"presets", "rows", "backbone_ppl", "river_only_cost", ...}."""
+    from tqdm import tqdm
+
+    from . import evaluate
+
+    items = evaluate.calibration_items() if items is None else items
+    prepared = [p for its in items.values() for p in evaluate.prepare(model, its, score_tokens)]
+    settings = grid(model.n_layer) if settings is None else settings
+    layers, head = weight_bytes(model)
+    L = model.n_layer
+    n_tok = sum(len(t) - p for t, p in prepared)
+    rows = []
+    with tqdm(total=n_tok * (len(settings) + 1), desc="presets", unit="tok", disable=not progress) as bar:
+        base = evaluate.score_items(model, prepared, bar, mode="backbone", exit_layer=None)
+        for opts in settings:
+            full = dict(exit_layer=None, **opts)
+            r = evaluate.score_items(model, prepared, bar, **full)
+            mean_exit = -1.0 if opts["mode"] == "river-only" else r.mean_exit_layer
+            cost = step_bytes(layers, head, L, mean_exit, opts.get("tail", 0), opts.get("river_head", True))
+            rows.append({"options": dict(opts), "ppl": r.perplexity, "mean_exit_layer": mean_exit, "cost": cost})
+    river_only_cost = step_bytes(layers, head, L, -1, 0, True)
+    backbone_cost = step_bytes(layers, head, L, L - 1, 0, False)
+    for r in rows:
+        r["relative_cost"] = r["cost"] / river_only_cost
+        r["backbone_ppl"] = base.perplexity
+    chosen = choose(rows, river_only_cost)
+    return {"presets": chosen, "rows": rows, "backbone_ppl": base.perplexity, "river_only_cost": river_only_cost,
+            "backbone_cost": backbone_cost, "n_tokens": base.n_tokens,
+            "items": {d: [it.id for it in its] for d, its in items.items()}}
+
+
+def preset_metadata(res: dict, default: str = DEFAULT_PRESET) -> dict:
+    """The river.* keys that store calibrated presets."""
+    return {PRESET_KEY: dump(res["presets"]), DEFAULT_KEY: default,
+            "river.presets_calibration_tokens": int(res["n_tokens"])}

@@ -121,6 +121,6 @@ def test_river_gguf_with_a_second_river_is_refused(tmp_path):
 
     bb = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, seed=1)
     rv = tmp_path / "m.river.gguf"
-    build_river_gguf(bb, rv, river_type="q8_0", threshold=0.9, progress=False)
+    build_river_gguf(bb, rv, river_type="q8_0", threshold=0.9, progress=False, imatrix=None, presets=False)
     with pytest.raises(river_gguf.RiverMismatchError, match="already holds a river"):
         Model(str(rv), river=bb)

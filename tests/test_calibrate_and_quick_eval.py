@@ -14,7 +14,7 @@ from river_gguf.testing import write_tiny_model
 def test_calibrate_writes_tau_that_model_uses(tmp_path):
     bb = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=4, dtype="f16", seed=3)
     river = tmp_path / "m.river.gguf"
-    build_river_gguf(bb, river, river_type="q4_0", threshold=0.9, progress=False)
+    build_river_gguf(bb, river, river_type="q4_0", threshold=0.9, progress=False, imatrix=None, presets=False)
     res = calibrate_file(str(river), budget=0.5, progress=False, items_per_domain=2, score_tokens=24)
     assert res["feasible"]
     chosen = [r for r in res["rows"] if r["tau"] == res["threshold"]][0]

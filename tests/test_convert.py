@@ -47,6 +47,8 @@ def _tiny(tmp_path, name="bb.gguf", **kw):
 def _build_tiny(src, dst, **kw):
     kw.setdefault("threshold", 0.9)  # skip profiling: tiny random models have no meaningful tau
     kw.setdefault("progress", False)
+    kw.setdefault("imatrix", None)    # plain rounding and no preset calibration: fast, and the
+    kw.setdefault("presets", False)   # file's options stay the ones under test
     return build_river_gguf(src, dst, **kw)
 
 
@@ -267,13 +269,13 @@ def test_tool_end_to_end(tmp_path):
     bb = _tiny(tmp_path)
     out = tmp_path / "bb.river.gguf"
     p = _run_tool(bb, "-o", out, "--river-type", "q8_0", "--threshold", "0.93", "--min-exit-layer", "1",
-                  "--no-river-head", "--prefill", "river", "-q")
+                  "--no-river-head", "--prefill", "river", "--imatrix", "none", "--no-presets", "-q")
     assert p.returncode == 0, p.stderr
     assert "q8_0" in p.stdout and "0.9300 (user)" in p.stdout and "MiB" in p.stdout
     o = Model(str(out), n_ctx=64, n_threads=1).exit_options
     assert (o.threshold, o.min_exit_layer, o.river_head, o.prefill) == (pytest.approx(0.93), 1, False, "river")
 
-    p = _run_tool(out, "-o", tmp_path / "x.gguf", "--threshold", "0.9", "-q")
+    p = _run_tool(out, "-o", tmp_path / "x.gguf", "--threshold", "0.9", "-q", "--no-presets")
     assert p.returncode == 2 and "already is a River GGUF" in p.stderr and "Traceback" not in p.stderr
     bad = truncate_copy(bb, tmp_path / "bad.gguf", 0.5)
     p = _run_tool(bad, "-o", tmp_path / "x.gguf", "--threshold", "0.9", "-q")

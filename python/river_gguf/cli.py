@@ -229,10 +229,16 @@ def _cmd_info(args) -> int:
     if m.has_river:
         rows.append(("river head", "yes" if m._engine.river_has_head else "no"))
     rows.append(("exit defaults", m.exit_options))
-    rows += [(k, v) for k, v in sorted(md.items()) if k.startswith("river.")]
+    rows += [(k, v) for k, v in sorted(md.items()) if k.startswith("river.") and k != "river.presets"]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    if m.presets:
+        from . import presets
+
+        print("frontier (presets, measured on the calibration split; cost = weight bytes per decode step):")
+        for line in presets.describe(m.presets, m.metadata.get(presets.DEFAULT_KEY, presets.DEFAULT_PRESET)):
+            print(f"  {line}")
     return 0
 
 

@@ -36,9 +36,12 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 FORMAT_VERSION = 1
+DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
+IMATRIX_AUTO = "auto"     # collect the importance matrix on the calibration split
 RIVER_PREFIX = "river."
 PREFILL_CHOICES = ("backbone", "river")
 DEFAULT_RIVER_TYPE = "q4_0"
+BACKBONE_TYPES = ("f16", "q8_0")
 
 # Hyperparameters (under "{arch}.") that must agree between backbone and river.
 _HPARAM_KEYS = (
@@ -324,6 +327,10 @@ def build_river_gguf(
     replace_river: bool = False,
     progress: bool = True,
     n_threads: int = 2,
+    tail: int = DEFAULT_TAIL,
+    imatrix: Optional[str] = IMATRIX_AUTO,
+    backbone_type: Optional[str] = None,
+    presets: bool = True,
 ) -> dict:
     """Write ``out_path``: the backbone GGUF plus a river; return the river.* metadata written.
 
@@ -332,6 +339,16 @@ def build_river_gguf(
     river_path: an existing GGUF of the same model (plain, not a River GGUF) to use as river.
     threshold: exit threshold tau; None profiles the backbone (profile.default_threshold).
     replace_river: allow a River GGUF as backbone; its river is dropped and replaced.
+    tail: the default backbone tail (river.tail): exited tokens rejoin the backbone for the last
+        `tail` layers.
+    imatrix: "auto" (default) collects an importance matrix from the backbone's activations on the
+        calibration split and quantizes the river with ggml's importance-weighted rounding; a
+        path reads one (llama.cpp's imatrix GGUF); None quantizes plainly, as llama.cpp does.
+        Ignored when ``river_path`` is given.
+    backbone_type: None keeps the backbone's tensors as they are; "q8_0" stores the backbone
+        quantized to Q8_0 (the river is still made from the precise input).
+    presets: measure the preset grid on the calibration split and store fast/balanced/quality
+        presets (river.presets) in the file.
 
     Raises GGUFFormatError (not GGUF / truncated), UnsupportedModelError (architecture),
     RiverMismatchError (river is another model) or ValueError (bad options, River GGUF input)
@@ -357,10 +374,23 @@ def build_river_gguf(
             )
     if not isinstance(n_threads, int) or n_threads < 1:
         raise ValueError(f"n_threads must be an int >= 1, got {n_threads!r}")
+    if backbone_type is not None:
+        backbone_type = str(backbone_type).lower()
+        if backbone_type not in BACKBONE_TYPES:
+            raise ValueError(f"backbone_type must be one of {', '.join(BACKBONE_TYPES)}, got {backbone_type!r}")
+        if backbone_type == "f16":
+            backbone_type = None
+    if imatrix is not None and imatrix != IMATRIX_AUTO and not os.path.isfile(os.fspath(imatrix)):
+        raise FileNotFoundError(f"imatrix file not found: {imatrix}")
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    if os.path.isdir(out_path):
+        raise ValueError(f"output {out_path} is a directory; give a file name")
 
     # Engine checks first: a truncated or foreign file is refused before the gguf package reads it.
     n_layer = int(_check_loadable(backbone_path)["n_layer"])
     _validate_options(threshold, min_exit_layer, prefill, river_head, n_layer)
+    if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail < n_layer:
+        raise ValueError(f"tail must be an int in [0, {n_layer - 1}], got {tail!r}")
     if river_path is not None:
         _check_loadable(river_path)
     bb = _reader(backbone_path)
@@ -371,6 +401,7 @@ def build_river_gguf(
             "to replace its river, or start from the plain backbone"
         )
 
+    imatrix_meta = []
     with contextlib.ExitStack() as stack:
         if river_path is not None:
             rv = _reader(river_path)
@@ -390,9 +421,35 @@ def build_river_gguf(
                 warnings.warn(f"{backbone_path} is already quantized; the river is requantized from it", stacklevel=2)
             river_src = stack.enter_context(_temp_path(out_path, ".river.tmp"))
             _quantize_river(src, river_src, river_type, n_threads, requant)
+            type_label = river_type
+            if imatrix is not None:
+                from . import imatrix as imx
+
+                if imatrix == IMATRIX_AUTO:
+                    imat = imx.collect_imatrix(src, imx.calibration_texts(), n_threads=n_threads, progress=progress,
+                                               dataset="calibration split (gsm8k, humaneval; item % 5 == 0)")
+                    imatrix_label = f"collected: {imat.datasets[0] if imat.datasets else 'calibration split'}"
+                else:
+                    imat = imx.read_imatrix_gguf(imatrix)
+                    imatrix_label = f"file: {os.path.basename(os.fspath(imatrix))}"
+                weighted = stack.enter_context(_temp_path(out_path, ".river-imatrix.tmp"))
+                imx.quantize_with_imatrix(src, river_src, weighted, imat, progress=progress, n_threads=n_threads)
+                river_src = weighted
+                imatrix_meta = [("river.imatrix", imatrix_label, "s"), ("river.imatrix_tokens", int(imat.n_tokens), "u")]
+                type_label = f"{river_type}+imatrix"
             rv = _reader(river_src)
             compare_models(bb, rv)
-            type_label = river_type
+
+        if backbone_type is not None:
+            # The stored backbone is a quantization of the input; the river came from the input.
+            stored = stack.enter_context(_temp_path(out_path, ".backbone-q.tmp"))
+            src_bb = backbone_path
+            if bb_has_river:
+                src_bb = stack.enter_context(_temp_path(out_path, ".backbone-plain.tmp"))
+                _write_plain_copy(bb, src_bb)
+            _quantize_river(src_bb, stored, backbone_type, n_threads,
+                            any(_type_name(t) not in _FLOAT_TYPE_NAMES for t in _plain_tensors(bb) if len(t.shape) >= 2))
+            bb = _reader(stored)
 
         meta: Dict[str, Any] = {}
         if threshold is None:
@@ -423,7 +480,10 @@ def build_river_gguf(
             ("river.river_file", os.path.basename(river_path) if river_path else f"(quantized {type_label})",
              VT.STRING),
             ("river.river_sha256", sha256_file(river_src), VT.STRING),
+            ("river.tail", int(tail), VT.UINT32),
+            ("river.backbone_type", backbone_type or "as input", VT.STRING),
         ]
+        entries += [(k, v, VT.STRING if t == "s" else VT.UINT32) for k, v, t in imatrix_meta]
         if prof is not None:
             entries.append(("river.profile_predicted_mean_exit_layer", float(prof["predicted_mean_exit_layer"]),
                             VT.FLOAT32))
@@ -446,6 +506,8 @@ def build_river_gguf(
         meta["river.threshold"] = float(np.float32(meta_threshold))
         if prof is not None:
             meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
+    if presets:
+        meta.update(calibrate_presets_file(out_path, n_threads=n_threads, progress=progress))
     return meta
 
 
@@ -476,6 +538,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="exited tokens use the river's own output head (default: yes)")
     p.add_argument("--prefill", choices=PREFILL_CHOICES, default="backbone",
                    help="default prefill: full backbone, or the sequence-level river exit (default backbone)")
+    p.add_argument("--tail", type=int, default=DEFAULT_TAIL, metavar="N",
+                   help="default backbone tail: exited tokens rejoin the backbone for the last N layers "
+                        f"(default {DEFAULT_TAIL}; the presets choose their own)")
+    p.add_argument("--imatrix", default=IMATRIX_AUTO, metavar="auto|none|FILE",
+                   help="importance matrix for the river's quantization: 'auto' (default) collects it from the "
+                        "backbone's activations on the calibration split; FILE is llama.cpp's imatrix GGUF; "
+                        "'none' rounds plainly as llama.cpp does without one")
+    p.add_argument("--backbone-type", default=None, type=str.lower, choices=BACKBONE_TYPES,
+                   help="store the backbone as F16 (as given) or quantized to Q8_0 (the river is still made "
+                        "from the precise input)")
+    p.add_argument("--presets", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure and store the fast/balanced/quality presets (default: yes, a few minutes)")
     p.add_argument("--replace-river", action="store_true",
                    help="BACKBONE may be a River GGUF: its river is replaced")
     p.add_argument("--calibrate", action="store_true",
@@ -508,6 +582,22 @@ def calibrate_file(path: str, budget: float, n_threads: int = 2, progress: bool 
     return res
 
 
+def calibrate_presets_file(path: str, n_threads: int = 2, progress: bool = True, items_per_domain: int = 8,
+                           score_tokens: int = 96) -> dict:
+    """Measure the preset grid on the calibration split and store the presets in the file
+    (atomic rewrite of its metadata). Returns the keys written."""
+    from . import evaluate
+    from . import presets as presets_mod
+    from .gguf_meta import set_river_metadata
+    from .model import Model
+
+    m = Model(path, n_ctx=1024, n_threads=n_threads, threshold=2.0)
+    items = evaluate.calibration_items(per_domain=items_per_domain)
+    res = presets_mod.calibrate_presets(m, items=items, score_tokens=score_tokens, progress=progress)
+    del m  # release the mapping before the file is replaced
+    return set_river_metadata(path, presets_mod.preset_metadata(res))
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
@@ -529,12 +619,14 @@ def run(args: argparse.Namespace) -> int:
             args.backbone, args.output, river_type=args.river_type, river_path=args.river,
             threshold=args.threshold, min_exit_layer=args.min_exit_layer, river_head=args.river_head,
             prefill=args.prefill, replace_river=args.replace_river, progress=not args.quiet,
-            n_threads=args.threads,
+            n_threads=args.threads, tail=args.tail,
+            imatrix=None if str(args.imatrix).lower() == "none" else args.imatrix,
+            backbone_type=args.backbone_type, presets=args.presets,
         )
     except (ValueError, OSError, RuntimeError, native.GGUFFormatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    bb_size, out_size = os.path.getsize(args.backbone), os.path.getsize(args.output)
+    out_size = os.path.getsize(args.output)
     src = meta["river.threshold_source"]
     extra = ""
     if "river.profile_predicted_mean_exit_layer" in meta:
@@ -544,7 +636,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"  threshold: {meta['river.threshold']:.4f} ({src}{extra})")
     print(f"  defaults:  min_exit_layer={meta['river.min_exit_layer']} river_head={meta['river.head']} "
           f"prefill={meta['river.prefill']}")
-    print(f"  size:      {_mib(out_size)} (backbone {_mib(bb_size)} + river {_mib(out_size - bb_size)})")
+    print(f"  size:      {_mib(out_size)}")
+    if "river.imatrix" in meta:
+        print(f"  imatrix:   {meta['river.imatrix']} ({meta['river.imatrix_tokens']} tokens)")
+    if "river.presets" in meta:
+        from . import presets as presets_mod
+
+        for line in presets_mod.describe(presets_mod.parse(meta), meta.get("river.default_preset")):
+            print(f"  preset     {line}")
     if args.calibrate:
         try:
             res = calibrate_file(args.output, args.budget, args.threads, progress=not args.quiet)

@@ -1,0 +1,91 @@
+"""Presets: named exit settings stored in a River GGUF, read back and applied; the default
+converter path (imatrix river + measured presets) end to end on a tiny model."""
+import json
+
+import numpy as np
+import pytest
+
+from river_gguf import Model, presets
+from river_gguf.convert import build_river_gguf
+from river_gguf.gguf_meta import set_river_metadata
+from river_gguf.testing import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_river(tmp_path_factory):
+    d = tmp_path_factory.mktemp("presets")
+    bb = write_tiny_model(d / "bb.gguf", "llama", n_layer=6, dtype="f16", seed=5)
+    out = d / "bb.river.gguf"
+    build_river_gguf(bb, out, river_type="q4_0", threshold=0.9, progress=False, imatrix=None, presets=False)
+    return str(out)
+
+
+STORED = {
+    "fast": {"options": {"mode": "river-only", "tail": 1, "river_head": True}, "ppl": 9.0},
+    "balanced": {"options": {"mode": "river", "threshold": 0.5, "min_exit_layer": 1, "tail": 2,
+                             "river_head": False}, "ppl": 8.0},
+    "quality": {"options": {"mode": "backbone"}, "ppl": 7.0},
+}
+
+
+def test_presets_read_back_and_applied(tiny_river, tmp_path):
+    path = tmp_path / "with-presets.gguf"
+    path.write_bytes(open(tiny_river, "rb").read())
+    set_river_metadata(str(path), {presets.PRESET_KEY: presets.dump(STORED), presets.DEFAULT_KEY: "balanced"})
+    m = Model(str(path), n_ctx=64, n_threads=1)
+    assert m.presets == STORED and m.preset == "balanced"
+    o = m.exit_options
+    assert (o.mode, o.threshold, o.min_exit_layer, o.tail, o.river_head) == ("river", 0.5, 1, 2, False)
+    toks = m.tokenize("a b c d e f g")
+    # A per-call preset is the same as spelling out its options.
+    a = m.score(toks, prefix=2, preset="fast")
+    b = m.score(toks, prefix=2, mode="river-only", tail=1, river_head=True)
+    assert np.array_equal(a.logprobs, b.logprobs)
+    c = m.score(toks, prefix=2, preset="quality")
+    d = m.score(toks, prefix=2, mode="backbone")
+    assert np.array_equal(c.logprobs, d.logprobs) and not np.array_equal(a.logprobs, c.logprobs)
+    # Explicit options override the preset, and the constructor picks another preset.
+    assert Model(str(path), n_ctx=64, n_threads=1, preset="balanced", tail=0).exit_options.tail == 0
+    fast = Model(str(path), n_ctx=64, n_threads=1, preset="fast")
+    assert (fast.exit_options.mode, fast.exit_options.tail) == ("river-only", 1)
+    with pytest.raises(ValueError, match="unknown preset 'turbo'"):
+        Model(str(path), n_ctx=64, n_threads=1, preset="turbo")
+    with pytest.raises(ValueError, match="stores no presets"):
+        Model(tiny_river, n_ctx=64, n_threads=1, preset="fast")
+
+
+def test_malformed_presets_refused(tiny_river, tmp_path):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(open(tiny_river, "rb").read())
+    set_river_metadata(str(path), {presets.PRESET_KEY: json.dumps({"fast": {"options": {"warp": 9}}})})
+    with pytest.raises(ValueError, match="unknown options"):
+        Model(str(path), n_ctx=64, n_threads=1)
+
+
+def test_choose_picks_best_quality_per_speed_tier():
+    rows = [{"options": {"i": i}, "ppl": p, "cost": c} for i, (p, c) in
+            enumerate([(10.0, 1.0), (9.0, 1.05), (8.0, 1.3), (7.5, 1.6), (7.0, 3.0)])]
+    got = presets.choose(rows, river_only_cost=1.0)
+    assert [got[n]["options"]["i"] for n in ("fast", "balanced", "quality")] == [1, 2, 3]
+
+
+def test_step_bytes_counts_each_layer_once():
+    layers = [{"backbone": 10, "river": 3} for _ in range(4)]
+    head = {"backbone": 100, "river": 40}
+    assert presets.step_bytes(layers, head, 4, -1, 0, True) == 4 * 3 + 40
+    assert presets.step_bytes(layers, head, 4, -1, 2, True) == 2 * 3 + 2 * 10 + 40
+    assert presets.step_bytes(layers, head, 4, 3, 0, True) == 4 * 10 + 100  # never exited: backbone head
+    assert presets.step_bytes(layers, head, 4, 0.5, 0, False) == pytest.approx(1 * 10 + 0.5 * 10 + 0.5 * 3 + 2 * 3 + 100)
+
+
+def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
+    bb = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=4, dtype="f16", seed=9)
+    out = tmp_path / "m.river.gguf"
+    meta = build_river_gguf(bb, out, threshold=0.9, progress=False)  # defaults: imatrix auto, presets on
+    assert meta["river.imatrix"].startswith("collected") and meta["river.imatrix_tokens"] > 1000
+    m = Model(str(out), n_ctx=128, n_threads=1)
+    assert set(m.presets) == set(presets.NAMES) and m.preset == "balanced"
+    for name, p in m.presets.items():
+        assert p["cost"] <= p["tier"] * m.presets["fast"]["cost"] / m.presets["fast"]["relative_cost"] + 1e-6
+        assert np.isfinite(p["ppl"])
+    assert m.exit_options.tail == m.presets["balanced"]["options"]["tail"]

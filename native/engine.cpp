@@ -316,7 +316,6 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     exit_.record_last = req.trace ? last : last - 1;
     exit_.exit_first = req.min_exit_layer;
     exit_.exit_last = river_last - 1;  // the river needs at least one layer
-    exit_.n = n;
     exit_.similarity = &out.similarity;
     spec.spans = {{0, last, false}};
     spec.exits = true;

@@ -79,6 +79,12 @@ public:
     EvalResult eval(const EvalRequest& req);
     const KvCache& cache() const { return *cache_; }
 
+    // Observe every node through the scheduler's eval callback (used to collect activation
+    // statistics); while set, no graph is kept. nullptr turns it off.
+    void set_observer(ggml_backend_sched_eval_callback cb, void* data) { observer_ = cb; observer_data_ = data; }
+    // Decode graphs currently kept for reuse.
+    size_t kept_graphs() const { return graphs_.size(); }
+
 private:
     enum class Head { None, Backbone, River };
 
@@ -105,7 +111,6 @@ private:
         float threshold = 2.0f;
         int record_first = 0, record_last = -1;  // similarities recorded for these layers
         int exit_first = 0, exit_last = -1;      // layers a token may leave after
-        int n = 0;
         int exit_layer = -1;                     // set when the backbone graph stopped for an exit
         std::vector<float>* similarity = nullptr;
     };
@@ -148,13 +153,6 @@ private:
     int n_batch_;
     int n_past_ = 0;
 
-public:
-    // Observe every node of graphs that are not kept (prompt-sized batches), through the
-    // scheduler's eval callback: used to collect activation statistics. nullptr turns it off.
-    void set_observer(ggml_backend_sched_eval_callback cb, void* data) { observer_ = cb; observer_data_ = data; }
-    size_t kept_graphs() const { return graphs_.size(); }
-
-private:
     ggml_backend_sched_eval_callback observer_ = nullptr;
     void* observer_data_ = nullptr;
 };

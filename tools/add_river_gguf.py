@@ -3,10 +3,13 @@
 
     python tools/add_river_gguf.py BACKBONE.gguf -o MODEL.river.gguf [--river-type q4_0|q4_k_m|q3_k_m|...]
         [--river EXISTING.gguf] [--threshold 0.97] [--min-exit-layer N] [--river-head/--no-river-head]
-        [--prefill backbone|river] [--replace-river] [--threads N]
+        [--prefill backbone|river] [--tail N] [--imatrix auto|none|FILE] [--backbone-type f16|q8_0]
+        [--presets/--no-presets] [--replace-river] [--threads N]
 
-The default river type is q4_0 (the fastest 4-bit type in llama.cpp here; see
-river_gguf/convert.py). Errors print a message to stderr and exit with status 2.
+The default river is q4_0 quantized with an importance matrix collected from the backbone's
+activations on the calibration split, and the file stores measured fast/balanced/quality
+presets (see river_gguf/convert.py and river_gguf/presets.py). Errors print a message to
+stderr and exit with status 2.
 Same as ``river-gguf convert``.
 """
 import os

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import hashlib
 import math
 import os
@@ -281,25 +280,14 @@ def _write_plain_copy(reader, dst: str) -> None:
         _write_tensors(w, [(t.name, t) for t in _plain_tensors(reader)], progress=False, desc="strip")
 
 
-def _quantize_river(src: str, dst: str, river_type: str, n_threads: int, requantize: bool) -> None:
+def _quantize_river(src: str, dst: str, river_type: str, n_threads: int, requantize: bool,
+                    head_type: Optional[str] = None) -> None:
     from . import gguf_io
     import llama_cpp._logger as llama_logger
 
     llama_logger.set_verbose(False)  # llama.cpp logs every tensor it quantizes
-    if not requantize:
-        gguf_io.quantize(src, dst, river_type, n_threads=n_threads)
-        return
     # A quantized backbone (e.g. Q8_0): llama.cpp refuses to requantize unless told to.
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, gguf_io.FTYPES[river_type])
-    params.nthread = n_threads
-    params.allow_requantize = True
-    with gguf_io.atomic_output(dst) as tmp:
-        rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(tmp), ctypes.byref(params))
-        if rc != 0:
-            raise RuntimeError(f"llama_model_quantize({src} -> {river_type}) failed with code {rc}")
+    gguf_io.quantize(src, dst, river_type, n_threads=n_threads, allow_requantize=requantize, head_type=head_type)
 
 
 def _validate_options(threshold, min_exit_layer, prefill, river_head, n_layer) -> None:
@@ -331,6 +319,7 @@ def build_river_gguf(
     imatrix: Optional[str] = IMATRIX_AUTO,
     backbone_type: Optional[str] = None,
     presets: bool = True,
+    river_head_type: Optional[str] = None,
 ) -> dict:
     """Write ``out_path``: the backbone GGUF plus a river; return the river.* metadata written.
 
@@ -349,6 +338,8 @@ def build_river_gguf(
         quantized to Q8_0 (the river is still made from the precise input).
     presets: measure the preset grid on the calibration split and store fast/balanced/quality
         presets (river.presets) in the file.
+    river_head_type: the river head's type (e.g. "q4_0"); None keeps llama.cpp's choice for
+        river_type (Q8_0 for q4_0 on SmolLM2: a third of the river's bytes).
 
     Raises GGUFFormatError (not GGUF / truncated), UnsupportedModelError (architecture),
     RiverMismatchError (river is another model) or ValueError (bad options, River GGUF input)
@@ -420,8 +411,8 @@ def build_river_gguf(
             if requant:
                 warnings.warn(f"{backbone_path} is already quantized; the river is requantized from it", stacklevel=2)
             river_src = stack.enter_context(_temp_path(out_path, ".river.tmp"))
-            _quantize_river(src, river_src, river_type, n_threads, requant)
-            type_label = river_type
+            _quantize_river(src, river_src, river_type, n_threads, requant, head_type=river_head_type)
+            type_label = river_type if river_head_type is None else f"{river_type} (head {river_head_type})"
             if imatrix is not None:
                 from . import imatrix as imx
 
@@ -548,6 +539,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backbone-type", default=None, type=str.lower, choices=BACKBONE_TYPES,
                    help="store the backbone as F16 (as given) or quantized to Q8_0 (the river is still made "
                         "from the precise input)")
+    p.add_argument("--river-head-type", default=None, type=str.lower, metavar="TYPE",
+                   help="type of the river's head (its token_embd/output), e.g. q4_0 (default: llama.cpp's "
+                        "choice for --river-type)")
     p.add_argument("--presets", action=argparse.BooleanOptionalAction, default=True,
                    help="measure and store the fast/balanced/quality presets (default: yes, a few minutes)")
     p.add_argument("--replace-river", action="store_true",
@@ -621,7 +615,7 @@ def run(args: argparse.Namespace) -> int:
             prefill=args.prefill, replace_river=args.replace_river, progress=not args.quiet,
             n_threads=args.threads, tail=args.tail,
             imatrix=None if str(args.imatrix).lower() == "none" else args.imatrix,
-            backbone_type=args.backbone_type, presets=args.presets,
+            backbone_type=args.backbone_type, presets=args.presets, river_head_type=args.river_head_type,
         )
     except (ValueError, OSError, RuntimeError, native.GGUFFormatError) as e:
         print(f"error: {e}", file=sys.stderr)

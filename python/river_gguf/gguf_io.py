@@ -135,16 +135,31 @@ def write_f16(src_path: str | os.PathLike, dst_path: str | os.PathLike, progress
     return os.fspath(dst_path)
 
 
-def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: str, n_threads: int = 2) -> str:
-    """Quantize ``src_path`` (normally an F16 GGUF) with llama.cpp's own quantizer."""
+def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: str, n_threads: int = 2,
+             allow_requantize: bool = False, head_type: str | None = None) -> str:
+    """Quantize ``src_path`` (normally an F16 GGUF) with llama.cpp's own quantizer.
+
+    allow_requantize: accept an already quantized source (e.g. Q8_0).
+    head_type: a GGML type name ("q4_0", "q8_0", ...) for the token embedding and output tensors
+        (the head), instead of llama.cpp's choice for ``ftype``."""
     key = ftype.lower()
     if key not in FTYPES:
         raise ValueError(f"unknown ftype {ftype!r}; valid: {', '.join(sorted(FTYPES))}")
+    head = None
+    if head_type is not None:
+        try:
+            head = QT[str(head_type).upper()]
+        except KeyError:
+            raise ValueError(f"unknown head type {head_type!r}") from None
     import llama_cpp  # imported lazily: loading the shared library is slow
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, FTYPES[key])
     params.nthread = n_threads
+    params.allow_requantize = bool(allow_requantize)
+    if head is not None:
+        params.token_embedding_type = int(head)
+        params.output_tensor_type = int(head)
     with atomic_output(dst_path) as tmp:
         rc = llama_cpp.llama_model_quantize(
             os.fsencode(os.fspath(src_path)), os.fsencode(tmp), ctypes.byref(params)

@@ -66,12 +66,16 @@ class Imatrix:
     def __post_init__(self):
         if set(self.sums) != set(self.counts):
             raise ValueError("sums and counts must name the same weights")
+        # Own copies in canonical types: the caller's dicts are left alone.
+        sums = {}
         for name, s in self.sums.items():
             s = np.asarray(s, dtype=np.float32)
             if s.ndim != 1 or not len(s):
                 raise ValueError(f"{name}: sums must be a non-empty 1-D array")
-            self.sums[name] = s
-            self.counts[name] = int(self.counts[name])
+            sums[name] = s
+        self.sums = sums
+        self.counts = {name: int(c) for name, c in self.counts.items()}
+        self.datasets = list(self.datasets)
 
     def __contains__(self, name: str) -> bool:
         return name in self.sums

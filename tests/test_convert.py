@@ -332,3 +332,15 @@ def test_hybrid_untied_tiny(tmp_path):
     assert np.array_equal(t2["token_embd.weight"].data, src_r["token_embd.weight"].data)
     llm = llama_cpp.Llama(str(h2), n_ctx=64, verbose=False)
     llm.close()
+
+
+def test_river_head_type(tmp_path):
+    bb = _tiny(tmp_path, n_embd=64, tied=True)
+    out = tmp_path / "h.river.gguf"
+    _build_tiny(bb, out, river_type="q4_0", river_head_type="q8_0")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    assert types["river.token_embd.weight"] == QT.Q8_0 and types["river.blk.0.attn_q.weight"] == QT.Q4_0
+    # A type whose block does not divide the head's rows is refused before llama.cpp sees it.
+    with pytest.raises(ValueError, match="multiple of 256"):
+        _build_tiny(bb, tmp_path / "bad.gguf", river_type="q4_0", river_head_type="q6_k")
+    assert not (tmp_path / "bad.gguf").exists()

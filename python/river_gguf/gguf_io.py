@@ -135,6 +135,14 @@ def write_f16(src_path: str | os.PathLike, dst_path: str | os.PathLike, progress
     return os.fspath(dst_path)
 
 
+def _embedding_width(path) -> int:
+    """Row length of the token embedding (= the head's rows): n_embd."""
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name == "token_embd.weight":
+            return int(t.shape[0])
+    raise ValueError(f"{path} has no token_embd.weight")
+
+
 def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: str, n_threads: int = 2,
              allow_requantize: bool = False, head_type: str | None = None) -> str:
     """Quantize ``src_path`` (normally an F16 GGUF) with llama.cpp's own quantizer.
@@ -151,6 +159,13 @@ def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: st
             head = QT[str(head_type).upper()]
         except KeyError:
             raise ValueError(f"unknown head type {head_type!r}") from None
+        # llama.cpp falls back for its own choices but corrupts memory on a forced type whose
+        # block does not divide the row (e.g. Q6_K on a 576-wide head): refuse it here.
+        width = _embedding_width(src_path)
+        block = gguf.GGML_QUANT_SIZES[head][0]
+        if width % block:
+            raise ValueError(f"head type {head.name} needs rows that are a multiple of {block}, "
+                             f"but this model's rows have {width} values")
     import llama_cpp  # imported lazily: loading the shared library is slow
 
     params = llama_cpp.llama_model_quantize_default_params()

@@ -374,7 +374,11 @@ bool Engine::abort_requested(void* engine) { return static_cast<Engine*>(engine)
 std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     auto g = std::make_unique<Graph>();
     g->spec = spec;
-    const size_t n_graph = graph_size(hp_);
+    // Sized to this graph's layers (a decoder layer is about 40 nodes; 64 leaves room), so that
+    // kept graphs carry no more metadata than they use.
+    size_t n_layers = 0;
+    for (const Span& s : spec.spans) n_layers += size_t(s.last - s.first + 1);
+    const size_t n_graph = std::min(graph_size(hp_), 64 * n_layers + 128);
     g->meta.resize(ggml_tensor_overhead() * n_graph + ggml_graph_overhead_custom(n_graph, false));
     ggml_init_params params{g->meta.size(), g->meta.data(), /*no_alloc=*/true};
     g->ctx = ggml_init(params);

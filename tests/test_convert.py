@@ -180,10 +180,11 @@ def test_bad_options_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bb.gguf"]
 
 
-def test_q4_1_river_warns(tmp_path):
+@pytest.mark.parametrize("river_type", ["q4_1", "q5_1"])
+def test_q4_1_grid_river_warns(tmp_path, river_type):
     bb = _tiny(tmp_path, n_embd=64)
-    with pytest.warns(UserWarning, match="q4_1"):
-        _build_tiny(bb, tmp_path / "out.gguf", river_type="q4_1")
+    with pytest.warns(UserWarning, match=river_type):
+        _build_tiny(bb, tmp_path / "out.gguf", river_type=river_type)
 
 
 # ----- writing ------------------------------------------------------------------------------

@@ -89,3 +89,19 @@ def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
         assert p["cost"] <= p["tier"] * m.presets["fast"]["cost"] / m.presets["fast"]["relative_cost"] + 1e-6
         assert np.isfinite(p["ppl"])
     assert m.exit_options.tail == m.presets["balanced"]["options"]["tail"]
+
+
+def test_static_settings_scored_in_one_pass_match_decode(tiny_river):
+    # The batched shortcut for river-only settings computes what teacher-forced decoding does, up
+    # to summation order (batched mat-mul and tiled attention kernels vs the single-token ones):
+    # ~1e-4 relative on this random model's huge perplexity, far below the gaps between settings.
+    from river_gguf import evaluate
+    from river_gguf.presets import _static_perplexity
+
+    m = Model(tiny_river, n_ctx=128, n_threads=1)
+    toks = m.tokenize("the quick brown fox jumps over the lazy dog " * 3)
+    prepared = [(toks, 5)]
+    for tail in (0, 2):
+        opts = dict(mode="river-only", tail=tail, river_head=True, exit_layer=None)
+        decoded = evaluate.score_items(m, prepared, **opts).perplexity
+        assert _static_perplexity(m, prepared, opts) == pytest.approx(decoded, rel=1e-3)

@@ -180,6 +180,12 @@ def test_generation_stats(river_model, prose_tokens):
     L = river_model.n_layer
     assert s["river_layer_share"] == pytest.approx(sum(L - 1 - e for e in s["exit_layers"]) / (20 * L))
     assert 0 < s["river_layer_share"] < 1
+    # With a tail the last layers are backbone again: they do not count as river layers.
+    t = river_model.generate(prose_tokens[:12], max_tokens=20, mode="river", threshold=0.97, river_head=True, tail=3)
+    ts = t.stats
+    assert ts["tail"] == 3
+    assert ts["river_layer_share"] == pytest.approx(
+        sum(max(L - 4 - e, 0) for e in ts["exit_layers"]) / (20 * L))
 
 
 def test_graph_reuse_changes_no_logit_across_a_padding_boundary(f16_path, q4_0_path):

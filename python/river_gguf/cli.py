@@ -39,6 +39,11 @@ def add_exit_args(p: argparse.ArgumentParser) -> None:
                    help="force every decoded token out after backbone layer K")
     p.add_argument("--river-head", action=argparse.BooleanOptionalAction, default=None,
                    help="use the river's own output head for exited tokens")
+    p.add_argument("--preset", default=None, metavar="NAME",
+                   help="one of the River GGUF's stored settings: fast, balanced, quality (default: the file's "
+                        "default, balanced); the options above override it")
+    p.add_argument("--tail", type=int, default=None, metavar="T",
+                   help="exited tokens rejoin the backbone for the last T layers")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, n_default: Optional[int], temp_default: float) -> None:
@@ -73,7 +78,7 @@ def load_model(args):
     return Model(args.model or default_model_for_cli(), river=args.river, n_ctx=args.ctx, n_threads=args.threads,
                  n_gpu_layers=args.ngl, mode=getattr(args, "mode", None),
                  threshold=getattr(args, "threshold", None), river_head=getattr(args, "river_head", None),
-                 verbose=args.verbose)
+                 preset=getattr(args, "preset", None), tail=getattr(args, "tail", None), verbose=args.verbose)
 
 
 def sampling_kwargs(args) -> dict:
@@ -93,7 +98,8 @@ def summary_line(g, model) -> str:
     if model.has_river:
         hist = " ".join(f"{k}:{v}" for k, v in s["exit_histogram"].items())
         mean = s["mean_exit_layer"]
-        parts.append(f"mode={s['mode']} tau={s['threshold']:g} "
+        parts.append(f"mode={s['mode']}" + (f" tau={s['threshold']:g}" if s["mode"] == "river" else "")
+                     + f" tail={s.get('tail', 0)} "
                      f"mean_exit={'-' if math.isnan(mean) else f'{mean:.1f}'}/{model.n_layer - 1} "
                      f"river_share={100 * s['river_layer_share']:.1f}% exits{{{hist}}}")
     return "[" + " | ".join(parts) + "]"

@@ -75,6 +75,7 @@ class Stream:
             "decode_tok_s": decode_steps / decode_time if decode_time > 0 else 0.0,
             "mode": opts.mode if opts.exit_layer is None else f"exit_layer={opts.exit_layer}",
             "threshold": opts.threshold,
+            "tail": opts.tail,
         }
-        stats.update(exit_stats(exit_layers, m.n_layer))
+        stats.update(exit_stats(exit_layers, m.n_layer, opts.tail))
         self.generation = Generation("".join(text_parts), out_tokens, finish, stats)

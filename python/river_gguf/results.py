@@ -6,13 +6,14 @@ from typing import Dict, List
 import numpy as np
 
 
-def exit_stats(exit_layers: List[int], n_layer: int) -> dict:
-    """Summary of per-token exit layers; layer n_layer-1 means the token never exited."""
+def exit_stats(exit_layers: List[int], n_layer: int, tail: int = 0) -> dict:
+    """Summary of per-token exit layers; layer n_layer-1 means the token never exited. A token
+    that exited after layer e ran river layers e+1 .. n_layer-1-tail (the tail is backbone)."""
     n = len(exit_layers)
     hist: Dict[int, int] = {}
     for e in exit_layers:
         hist[int(e)] = hist.get(int(e), 0) + 1
-    river_layers = sum(n_layer - 1 - e for e in exit_layers)
+    river_layers = sum(max(n_layer - 1 - tail - e, 0) for e in exit_layers)
     return {
         "exit_layers": [int(e) for e in exit_layers],
         "exit_histogram": dict(sorted(hist.items())),

@@ -64,9 +64,9 @@ def test_malformed_presets_refused(tiny_river, tmp_path):
 
 def test_choose_picks_best_quality_per_speed_tier():
     rows = [{"options": {"i": i}, "ppl": p, "cost": c} for i, (p, c) in
-            enumerate([(10.0, 1.0), (9.0, 1.05), (8.0, 1.3), (7.5, 1.6), (7.0, 3.0)])]
+            enumerate([(10.0, 1.0), (9.0, 1.01), (8.5, 1.05), (8.0, 1.3), (7.5, 1.6), (7.0, 3.0)])]
     got = presets.choose(rows, river_only_cost=1.0)
-    assert [got[n]["options"]["i"] for n in ("fast", "balanced", "quality")] == [1, 2, 3]
+    assert [got[n]["options"]["i"] for n in ("fast", "balanced", "quality")] == [1, 3, 4]
 
 
 def test_step_bytes_counts_each_layer_once():
@@ -89,6 +89,11 @@ def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
         assert p["cost"] <= p["tier"] * m.presets["fast"]["cost"] / m.presets["fast"]["relative_cost"] + 1e-6
         assert np.isfinite(p["ppl"])
     assert m.exit_options.tail == m.presets["balanced"]["options"]["tail"]
+    grid = json.loads(m.metadata[presets.GRID_KEY])  # every measured setting, for re-choosing tiers
+    assert len(grid) == len(presets.grid(m.n_layer))
+    assert presets.choose(grid, min(r["cost"] for r in grid if r["options"] == {"mode": "river-only", "tail": 0,
+                                                                                  "river_head": True}))["fast"][
+        "options"] == m.presets["fast"]["options"]
 
 
 def test_static_settings_scored_in_one_pass_match_decode(tiny_river):

@@ -235,7 +235,7 @@ def _cmd_info(args) -> int:
     if m.has_river:
         rows.append(("river head", "yes" if m._engine.river_has_head else "no"))
     rows.append(("exit defaults", m.exit_options))
-    rows += [(k, v) for k, v in sorted(md.items()) if k.startswith("river.") and k != "river.presets"]
+    rows += [(k, v) for k, v in sorted(md.items()) if k.startswith("river.") and k not in ("river.presets", "river.presets_grid")]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -7,7 +7,7 @@ split and keeps three as presets, by speed tier (cost = weight bytes a decode st
 relative to the river alone, see `step_bytes`):
 
 - ``fast``: the best perplexity among settings that read at most FAST_COST x the river-only
-  bytes: about the speed of a static Q4_0 of the model;
+  bytes (2% slack: in practice the river alone), the speed of a static Q4_0 of the model;
 - ``balanced`` (the default): the best perplexity at most BALANCED_COST x: about Q4_K_M's speed;
 - ``quality``: the best perplexity at most QUALITY_COST x: about Q8_0's speed.
 
@@ -25,7 +25,7 @@ NAMES = ("fast", "balanced", "quality")
 DEFAULT_PRESET = "balanced"
 
 # Speed tiers in bytes read per decode step, relative to the river alone (river-only cost 1.0).
-FAST_COST = 1.10
+FAST_COST = 1.02
 BALANCED_COST = 1.35
 QUALITY_COST = 1.90
 
@@ -199,7 +199,13 @@ def calibrate_presets(model, items=None, score_tokens: int = 96, progress: bool 
             "items": {d: [it.id for it in its] for d, its in items.items()}}
 
 
+GRID_KEY = "river.presets_grid"
+
+
 def preset_metadata(res: dict, default: str = DEFAULT_PRESET) -> dict:
-    """The river.* keys that store calibrated presets."""
-    return {PRESET_KEY: dump(res["presets"]), DEFAULT_KEY: default,
+    """The river.* keys that store calibrated presets, and every measured setting (so the tiers
+    can be chosen again without measuring)."""
+    grid_rows = [{k: r[k] for k in ("options", "ppl", "cost", "relative_cost", "mean_exit_layer")}
+                 for r in res["rows"]]
+    return {PRESET_KEY: dump(res["presets"]), DEFAULT_KEY: default, GRID_KEY: dump(grid_rows),
             "river.presets_calibration_tokens": int(res["n_tokens"])}

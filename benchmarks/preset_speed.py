@@ -1,0 +1,140 @@
+"""Decode speed of a River GGUF's presets against llama.cpp's static quants, in one run, and the
+fraction of the speed their weight bytes predict.
+
+    RIVER_GGUF_CACHE=.cache/test python benchmarks/preset_speed.py [--model smollm2] [--tokens 128] [--repeats 5]
+
+The River GGUF is the one `river-gguf convert` makes with its defaults (evaluate.default_river_gguf).
+Each configuration decodes `--tokens` greedy tokens after the same prompt, never stopping at EOS;
+river_gguf's engine loop and llama.cpp's `eval` are timed alone (no Python-side sampling beyond an
+argmax on both sides), flash attention on both sides, configurations interleaved, median of
+`--repeats`. "Predicted" is a line t = a + b * bytes through llama.cpp's own (F16 bytes, F16 time)
+and (Q4_0 bytes, Q4_0 time) points, evaluated at the weight bytes a River step reads
+(presets.step_bytes, averaged over the run's exit layers).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+try:  # an installed river_gguf (the checkout's python/ has no native module)
+    import river_gguf  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+from river_gguf import Model, evaluate, model_zoo, presets  # noqa: E402
+
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+N_CTX = 1024
+
+
+class RiverRun:
+    def __init__(self, path, threads):
+        self.m = Model(path, n_ctx=N_CTX, n_threads=threads)
+        self.toks = self.m.tokenize(PROMPT)
+
+    def decode(self, n, preset):
+        o = self.m._options(preset=preset)
+        e = self.m._engine
+        e.truncate(0)
+        logits, _, _ = e.eval(self.toks, **o.engine_args(prompt=True))
+        step = o.engine_args(prompt=False)
+        exits, t0 = [], time.perf_counter()
+        for _ in range(n):
+            logits, exit_layer, _ = e.eval([int(np.argmax(logits[-1]))], **step)
+            exits.append(exit_layer if o.mode != "river-only" else -1)
+        return n / (time.perf_counter() - t0), exits
+
+
+class LlamaRun:
+    def __init__(self, path, threads):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(path, n_threads=threads, n_threads_batch=threads, flash_attn=True, n_ctx=N_CTX,
+                                   verbose=False)
+        self.toks = self.llm.tokenize(PROMPT.encode())
+        self.n_vocab = self.llm.n_vocab()
+        self.path = path
+
+    def decode(self, n, _preset=None):
+        self.llm.reset()
+        self.llm.eval(self.toks)
+        t = 0.0
+        for _ in range(n):
+            tok = int(np.argmax(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))))
+            t0 = time.perf_counter()
+            self.llm.eval([tok])
+            t += time.perf_counter() - t0
+        return n / t, None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", choices=sorted(model_zoo.MODELS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+
+    river = RiverRun(evaluate.default_river_gguf(a.model, n_threads=a.threads, progress=False), a.threads)
+    statics = {q.upper(): LlamaRun(model_zoo.derived(a.model, q), a.threads)
+               for q in ("f16", "q8_0", "q4_k_m", "q4_0") if q in model_zoo.ladder_kinds(a.model)}
+    configs = [(f"River {p}", river, p) for p in presets.NAMES if p in river.m.presets]
+    configs += [(f"llama.cpp {k}", r, None) for k, r in statics.items()]
+    speeds = {name: [] for name, _, _ in configs}
+    exits = {}
+    for i in range(a.repeats):
+        order = configs if i % 2 == 0 else list(reversed(configs))  # load drift hits every row alike
+        for name, runner, p in order:
+            tps, ex = runner.decode(a.tokens, p)
+            speeds[name].append(tps)
+            if ex is not None:
+                exits[name] = ex
+    med = {k: statistics.median(v) for k, v in speeds.items()}
+
+    layers, head = presets.weight_bytes(river.m)
+    L = river.m.n_layer
+    # llama.cpp's per-step bytes: the same layer/head accounting on its own files.
+    b_f16 = presets.step_bytes(layers, head, L, L - 1, 0, False)
+    b_q4 = presets.step_bytes(layers, head, L, -1, 0, True)
+    rows = []
+    line = None
+    if "llama.cpp F16" in med and "llama.cpp Q4_0" in med:
+        t_f16, t_q4 = 1 / med["llama.cpp F16"], 1 / med["llama.cpp Q4_0"]
+        slope = (t_f16 - t_q4) / (b_f16 - b_q4)
+        line = lambda b: 1 / (t_q4 + slope * (b - b_q4))  # noqa: E731
+    for name, _, p in configs:
+        row = {"config": name, "decode_tok_s": med[name], "runs": speeds[name]}
+        for ref in ("Q4_0", "Q4_K_M", "Q8_0"):
+            if f"llama.cpp {ref}" in med:
+                row[f"x_{ref}"] = med[name] / med[f"llama.cpp {ref}"]
+        if p is not None:
+            o = river.m.presets[p]["options"]
+            b = float(np.mean([presets.step_bytes(layers, head, L, e, o.get("tail", 0), o.get("river_head", True))
+                               for e in exits[name]]))
+            row.update(options=o, mean_exit_layer=float(np.mean(exits[name])), mib_per_token=b / 2**20)
+            if line is not None:
+                row.update(predicted_tok_s=line(b), x_predicted=med[name] / line(b))
+        rows.append(row)
+
+    print(f"\n{a.model}: {a.threads} threads, {a.tokens} greedy tokens, median of {a.repeats}, interleaved\n")
+    print("| config | decode tok/s | x Q4_0 | x Q4_K_M | x Q8_0 | MiB/token | predicted tok/s | x predicted |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        f = lambda k, fmt: fmt.format(r[k]) if k in r else ""  # noqa: E731
+        print(f"| {r['config']} | {r['decode_tok_s']:.1f} | {f('x_Q4_0', '{:.2f}')} | {f('x_Q4_K_M', '{:.2f}')} | "
+              f"{f('x_Q8_0', '{:.2f}')} | {f('mib_per_token', '{:.0f}')} | {f('predicted_tok_s', '{:.1f}')} | "
+              f"{f('x_predicted', '{:.2f}')} |")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"model": a.model, "rows": rows, "threads": a.threads, "tokens": a.tokens,
+                       "repeats": a.repeats}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -63,10 +63,22 @@ def test_malformed_presets_refused(tiny_river, tmp_path):
 
 
 def test_choose_picks_best_quality_per_speed_tier():
-    rows = [{"options": {"i": i}, "ppl": p, "cost": c} for i, (p, c) in
-            enumerate([(10.0, 1.0), (9.0, 1.01), (8.5, 1.05), (8.0, 1.3), (7.5, 1.6), (7.0, 3.0)])]
-    got = presets.choose(rows, river_only_cost=1.0)
+    rows = [{"options": {"i": i}, "ppl": p, "relative_time": c} for i, (p, c) in
+            enumerate([(10.0, 1.0), (9.0, 1.01), (8.5, 1.05), (8.0, 1.35), (7.5, 1.6), (7.0, 3.0)])]
+    got = presets.choose(rows)
     assert [got[n]["options"]["i"] for n in ("fast", "balanced", "quality")] == [1, 3, 4]
+
+
+def test_step_time_model_is_affine_in_bytes(tiny_river):
+    m = Model(tiny_river, n_ctx=128, n_threads=1)
+    t = presets.step_time_model(m, m.tokenize("a b c d e f"), river_only_bytes=100.0, backbone_bytes=300.0, n=8,
+                                rounds=1)
+    rel = t["relative_time"]
+    assert rel(100.0) == pytest.approx(1.0)
+    assert t["a_s"] >= 0 and t["b_s_per_byte"] >= 0
+    assert rel(200.0) - rel(100.0) == pytest.approx(rel(300.0) - rel(200.0))  # a straight line
+    assert rel(300.0) == pytest.approx(max(t["backbone_s"], t["river_only_s"]) / t["river_only_s"], rel=1e-6) or \
+        t["a_s"] == 0
 
 
 def test_step_bytes_counts_each_layer_once():
@@ -86,14 +98,11 @@ def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
     m = Model(str(out), n_ctx=128, n_threads=1)
     assert set(m.presets) == set(presets.NAMES) and m.preset == "balanced"
     for name, p in m.presets.items():
-        assert p["cost"] <= p["tier"] * m.presets["fast"]["cost"] / m.presets["fast"]["relative_cost"] + 1e-6
-        assert np.isfinite(p["ppl"])
+        assert p["relative_time"] <= p["tier"] + 1e-9 and np.isfinite(p["ppl"])
     assert m.exit_options.tail == m.presets["balanced"]["options"]["tail"]
     grid = json.loads(m.metadata[presets.GRID_KEY])  # every measured setting, for re-choosing tiers
     assert len(grid) == len(presets.grid(m.n_layer))
-    assert presets.choose(grid, min(r["cost"] for r in grid if r["options"] == {"mode": "river-only", "tail": 0,
-                                                                                  "river_head": True}))["fast"][
-        "options"] == m.presets["fast"]["options"]
+    assert presets.choose(grid)["fast"]["options"] == m.presets["fast"]["options"]
 
 
 def test_static_settings_scored_in_one_pass_match_decode(tiny_river):

@@ -2,17 +2,21 @@
 
 A static quant is one point; a River GGUF holds a backbone, a river and the exit rule, so it can
 run anywhere between the river's speed and the backbone's quality. The calibrator measures a
-small grid of settings (tau, backbone tail, min exit layer, river-only) on the calibration
-split and keeps three as presets, by speed tier (cost = weight bytes a decode step reads,
-relative to the river alone, see `step_bytes`):
+small grid of settings (backbone tail, dynamic exit tau, river-only) on the calibration split and
+keeps three as presets, by speed tier. Speed is the predicted time of a decode step relative to
+river-only: t = a + b * bytes, where bytes are the weights a step reads (`step_bytes`) and a, b
+come from timing river-only and backbone decode on this machine during calibration (a is the
+part of a step that does not scale with bytes: small models on CPU are partly compute-bound).
 
-- ``fast``: the best perplexity among settings that read at most FAST_COST x the river-only
-  bytes (2% slack: in practice the river alone), the speed of a static Q4_0 of the model;
-- ``balanced`` (the default): the best perplexity at most BALANCED_COST x: about Q4_K_M's speed;
-- ``quality``: the best perplexity at most QUALITY_COST x: about Q8_0's speed.
+- ``fast``: the best perplexity among settings predicted within FAST_TIME x river-only's time
+  (2% slack: in practice the river alone), i.e. a static Q4_0's speed;
+- ``balanced`` (the default): the best perplexity within BALANCED_TIME x: the speed of a 5-bit
+  static quant (Q4_K_M, Q5_K_M: 0.70-0.75x of Q4_0's speed in this project's runs);
+- ``quality``: the best perplexity within QUALITY_TIME x: about Q8_0's speed.
 
 They are stored as JSON under ``river.presets`` with their measured calibration perplexity,
-mean exit layer and cost, and ``river.default_preset`` names the one a Model uses by default.
+mean exit layer, bytes and predicted relative time, ``river.presets_grid`` holds every measured
+setting, and ``river.default_preset`` names the one a Model uses by default.
 """
 from __future__ import annotations
 
@@ -24,10 +28,10 @@ DEFAULT_KEY = "river.default_preset"
 NAMES = ("fast", "balanced", "quality")
 DEFAULT_PRESET = "balanced"
 
-# Speed tiers in bytes read per decode step, relative to the river alone (river-only cost 1.0).
-FAST_COST = 1.02
-BALANCED_COST = 1.35
-QUALITY_COST = 1.90
+# Speed tiers: predicted decode-step time relative to the river alone (river-only = 1.0).
+FAST_TIME = 1.02
+BALANCED_TIME = 1.40
+QUALITY_TIME = 1.90
 
 # The exit options a preset may set (ExitOptions fields).
 OPTION_KEYS = ("mode", "threshold", "min_exit_layer", "tail", "river_head", "exit_layer")
@@ -75,13 +79,14 @@ def step_bytes(layer_bytes: List[dict], head_bytes: dict, n_layer: int, exit_lay
     return total
 
 
-def choose(rows: List[dict], river_only_cost: float) -> Dict[str, dict]:
-    """Pick the presets from measured rows ({"options", "ppl", "cost", ...}): per tier, the
-    lowest perplexity whose cost is within the tier; a tier no row fits gets the cheapest row."""
+def choose(rows: List[dict]) -> Dict[str, dict]:
+    """Pick the presets from measured rows ({"options", "ppl", "relative_time", ...}): per tier,
+    the lowest perplexity whose relative time is within the tier; a tier no row fits gets the
+    fastest row."""
     out: Dict[str, dict] = {}
-    for name, tier in (("fast", FAST_COST), ("balanced", BALANCED_COST), ("quality", QUALITY_COST)):
-        ok = [r for r in rows if r["cost"] <= tier * river_only_cost]
-        pick = min(ok, key=lambda r: (r["ppl"], r["cost"])) if ok else min(rows, key=lambda r: r["cost"])
+    for name, tier in (("fast", FAST_TIME), ("balanced", BALANCED_TIME), ("quality", QUALITY_TIME)):
+        ok = [r for r in rows if r["relative_time"] <= tier]
+        pick = min(ok, key=lambda r: (r["ppl"], r["relative_time"])) if ok else min(rows, key=lambda r: r["relative_time"])
         out[name] = dict(pick, tier=tier)
     return out
 
@@ -98,8 +103,9 @@ def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[st
         lines.append(
             f"{name}{' (default)' if name == default else ''}: {what} tail={o.get('tail', 0)} "
             f"river_head={o.get('river_head')} | calibration ppl {p.get('ppl', float('nan')):.4f}"
-            f" (backbone {p.get('backbone_ppl', float('nan')):.4f}), cost {p.get('relative_cost', float('nan')):.2f}x "
-            f"river-only, mean exit {p.get('mean_exit_layer', float('nan')):.1f}")
+            f" (backbone {p.get('backbone_ppl', float('nan')):.4f}), predicted time "
+            f"{p.get('relative_time', float('nan')):.2f}x river-only ({p.get('relative_cost', float('nan')):.2f}x its "
+            f"bytes), mean exit {p.get('mean_exit_layer', float('nan')):.1f}")
     return lines
 
 
@@ -131,7 +137,7 @@ def weight_bytes(model) -> tuple:
 
 # The grid the calibrator measures: static river-only with a backbone tail, and the dynamic
 # exit with a tail (tau dense where SmolLM2's and Qwen2.5's mid-layer similarities live).
-STATIC_TAILS = (0, 1, 2, 3, 4, 6, 8)
+STATIC_TAILS = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)
 DYNAMIC = tuple((tau, tail) for tail in (2, 4) for tau in (0.97, 0.98, 0.99))
 
 
@@ -155,6 +161,41 @@ def _static_perplexity(model, prepared, opts: dict) -> float:
         logits = model.logits(toks, **opts)
         lps += [log_softmax_at(logits[i - 1], toks[i]) for i in range(prefix, len(toks))]
     return float(np.exp(-np.mean(lps)))
+
+
+def _decode_seconds(model, prompt: List[int], n: int, **opts) -> float:
+    """Seconds per greedy decode step of the engine loop alone (no sampling, no EOS stop)."""
+    import time
+
+    import numpy as np
+
+    o = model._options(**opts)
+    e = model._engine
+    e.truncate(0)
+    logits, _, _ = e.eval(prompt, **o.engine_args(prompt=True))
+    step = o.engine_args(prompt=False)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits, _, _ = e.eval([int(np.argmax(logits[-1]))], **step)
+    return (time.perf_counter() - t0) / n
+
+
+def step_time_model(model, prompt: List[int], river_only_bytes: float, backbone_bytes: float, n: int = 48,
+                    rounds: int = 3) -> dict:
+    """Fit t = a + b * bytes through this machine's river-only and backbone decode times (engine
+    loop, interleaved rounds, medians); relative_time(bytes) is then t(bytes) / t(river-only)."""
+    import statistics
+
+    ro, bb = [], []
+    for _ in range(rounds):
+        ro.append(_decode_seconds(model, prompt, n, mode="river-only", river_head=True, tail=0, exit_layer=None))
+        bb.append(_decode_seconds(model, prompt, n, mode="backbone", exit_layer=None))
+    t_ro, t_bb = statistics.median(ro), statistics.median(bb)
+    b = max(t_bb - t_ro, 0.0) / max(backbone_bytes - river_only_bytes, 1.0)
+    a = max(t_ro - b * river_only_bytes, 0.0)  # noise can push it below zero: then bandwidth alone
+    t_river = a + b * river_only_bytes
+    return {"river_only_s": t_ro, "backbone_s": t_bb, "a_s": a, "b_s_per_byte": b,
+            "relative_time": lambda nbytes: (a + b * nbytes) / t_river}
 
 
 def calibrate_presets(model, items=None, score_tokens: int = 96, progress: bool = True,
@@ -190,12 +231,15 @@ def calibrate_presets(model, items=None, score_tokens: int = 96, progress: bool 
             rows.append({"options": dict(opts), "ppl": ppl, "mean_exit_layer": mean_exit, "cost": cost})
     river_only_cost = step_bytes(layers, head, L, -1, 0, True)
     backbone_cost = step_bytes(layers, head, L, L - 1, 0, False)
+    timing = step_time_model(model, prepared[0][0][:prepared[0][1]], river_only_cost, backbone_cost)
     for r in rows:
         r["relative_cost"] = r["cost"] / river_only_cost
+        r["relative_time"] = timing["relative_time"](r["cost"])
         r["backbone_ppl"] = base.perplexity
-    chosen = choose(rows, river_only_cost)
+    chosen = choose(rows)
     return {"presets": chosen, "rows": rows, "backbone_ppl": base.perplexity, "river_only_cost": river_only_cost,
             "backbone_cost": backbone_cost, "n_tokens": base.n_tokens,
+            "timing": {k: v for k, v in timing.items() if k != "relative_time"},
             "items": {d: [it.id for it in its] for d, its in items.items()}}
 
 
@@ -205,7 +249,7 @@ GRID_KEY = "river.presets_grid"
 def preset_metadata(res: dict, default: str = DEFAULT_PRESET) -> dict:
     """The river.* keys that store calibrated presets, and every measured setting (so the tiers
     can be chosen again without measuring)."""
-    grid_rows = [{k: r[k] for k in ("options", "ppl", "cost", "relative_cost", "mean_exit_layer")}
+    grid_rows = [{k: r[k] for k in ("options", "ppl", "cost", "relative_cost", "relative_time", "mean_exit_layer")}
                  for r in res["rows"]]
     return {PRESET_KEY: dump(res["presets"]), DEFAULT_KEY: default, GRID_KEY: dump(grid_rows),
             "river.presets_calibration_tokens": int(res["n_tokens"])}

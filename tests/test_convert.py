@@ -345,3 +345,26 @@ def test_river_head_type(tmp_path):
     with pytest.raises(ValueError, match="multiple of 256"):
         _build_tiny(bb, tmp_path / "bad.gguf", river_type="q4_0", river_head_type="q6_k")
     assert not (tmp_path / "bad.gguf").exists()
+
+
+def test_q8_0_backbone_parity(tmp_path, f16_path, oracle_factory):
+    # --backbone-type q8_0 stores llama.cpp's own Q8_0 of the input as the backbone: its
+    # backbone mode equals stock llama.cpp on the plain Q8_0 file, and the river is still made
+    # from the F16 (identical to a river built beside the F16 backbone).
+    from river_gguf.default_model import derived_model
+
+    out = tmp_path / "q8.river.gguf"
+    meta = build_river_gguf(f16_path, out, river_type="q4_0", threshold=0.97, progress=False, imatrix=None,
+                            presets=False, backbone_type="q8_0")
+    assert meta["river.backbone_type"] == "q8_0"
+    q8 = derived_model("q8_0")
+    got = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    for t in _reader(q8).tensors:
+        assert got[t.name].tensor_type == t.tensor_type and np.array_equal(got[t.name].data, t.data), t.name
+    m = Model(str(out), n_ctx=256, n_threads=2)
+    toks = m.tokenize(PROSE)
+    ours = m.logits(toks, mode="backbone")
+    ref = oracle_factory(q8, 256).logits(toks)
+    assert np.abs(ours - ref).max() < 2e-3 and (ours.argmax(1) == ref.argmax(1)).all()
+    plain = _reader(str(out))
+    assert any(t.name.startswith("river.blk.") and t.tensor_type == QT.Q4_0 for t in plain.tensors)

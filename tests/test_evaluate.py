@@ -76,6 +76,133 @@ def test_agreement():
     assert share == pytest.approx((3 + 2) / (4 + 3)) and pre == pytest.approx((2 + 2) / 2)
 
 
+def test_frontier():
+    pts = [(100, 5.0), (120, 5.5), (110, 5.6), (90, 4.8), (130, 6.0), (125, 6.1), (90, 4.9)]
+    assert evaluate.frontier(pts) == [(90, 4.8), (100, 5.0), (120, 5.5), (130, 6.0)]
+    assert evaluate.frontier([]) == []
+
+
+def test_plan_full_settings():
+    s = evaluate.full_settings("smollm2", plain_sweep="trim")
+    rows = evaluate._plan(s, ("q8_0", "q4_0"), {"River GGUF": ["fast", "balanced", "quality"]})
+    by = {(r.setup, r.label): r for r in rows}
+    for name in ("fast", "balanced", "quality"):
+        assert by[("River GGUF", f"preset {name}")].opts == {"preset": name}
+    # Dynamic exit with a tail on the River GGUF: every option explicit, so the file's default
+    # preset cannot leak into a sweep row.
+    r = by[("River GGUF", "tau=0.98 tail=2")]
+    assert r.opts == dict(mode="river", threshold=0.98, river_head=True, tail=2, min_exit_layer=0)
+    assert {(x.tau, x.tail) for x in rows if x.setup == "River GGUF" and x.kind == "river"} == \
+        {(t, k) for t in (0.97, 0.98, 0.99) for k in (2, 4)}
+    assert [x.tail for x in rows if x.setup == "River GGUF" and x.kind == "river-only"] == [0, 2, 4, 8, 12, 16]
+    assert by[("F16+Q4_0", "exit@10")].opts["tail"] == 0
+    assert [x.label for x in rows if x.kind == "control"] == \
+        ["imatrix Q4_0"] + [f"imatrix Q4_0 + F16 tail {t}" for t in (2, 4, 6, 8, 12, 16, 20)]
+    assert [x.label for x in rows if x.kind == "ladder"] == ["Q8_0", "Q4_0"]
+    assert all(x.engine == "llama.cpp" for x in rows if x.kind in ("ladder", "control"))
+    assert all(x.engine == "river_gguf" for x in rows if x.kind not in ("ladder", "control"))
+    # The plain sweep: trimmed by default, full on request, or left out; fixed exits fit the model.
+    assert len([x for x in rows if x.setup == "F16+Q4_0" and x.kind == "river"]) == 4
+    assert len([x for x in evaluate._plan(evaluate.full_settings("smollm2"), ())
+                if x.setup == "F16+Q4_0" and x.kind == "river"]) == len(evaluate.DEFAULT_TAUS)  # SmolLM2: full
+    qwen = evaluate.full_settings("qwen2.5-coder-0.5b")
+    assert qwen.score_items < s.score_items and max(qwen.controls) < 23
+    assert len([x for x in evaluate._plan(qwen, ()) if x.setup == "F16+Q4_0" and x.kind == "river"]) == 4
+    full = evaluate._plan(evaluate.full_settings("qwen2.5-coder-0.5b", plain_sweep="full"), ())
+    assert len([x for x in full if x.setup == "F16+Q4_0" and x.kind == "river"]) == len(evaluate.DEFAULT_TAUS)
+    assert max(x.exit_layer for x in full if x.kind == "fixed") < 23
+    assert not [x for x in evaluate._plan(evaluate.full_settings("smollm2", plain_sweep="none"), ())
+                if x.setup == "F16+Q4_0"]
+    with pytest.raises(ValueError):
+        evaluate.full_settings("smollm2", plain_sweep="half")
+    with pytest.raises(ValueError):
+        evaluate.full_settings("no-such-model")
+    assert evaluate.quick_settings("qwen2.5-coder-0.5b").model == "qwen2.5-coder-0.5b"
+
+
+def _row(setup, kind, label, tok_s, ppl, tail=None, preset=None, preset_options=None, tau=None):
+    return {"setup": setup, "kind": kind, "label": label, "tail": tail, "preset": preset, "tau": tau,
+            "preset_options": preset_options, "options": {}, "of": None,
+            "engine": "llama.cpp" if kind in ("ladder", "control") else "river_gguf",
+            "domains": {"d": {"ppl": ppl, "decode_tok_s": tok_s}}, "overall": {"ppl": ppl, "decode_tok_s": tok_s}}
+
+
+def _synthetic_report(ladder=("Q8_0", "Q4_K_M", "Q4_0")):
+    lad = {"Q8_0": (130.0, 4.00), "Q4_K_M": (140.0, 4.25), "Q4_0": (180.0, 4.80)}
+    rows = [_row("ladder", "ladder", q, *lad[q]) for q in ladder]
+    rows += [_row("static", "control", "imatrix Q4_0", 200.0, 4.40, tail=0),
+             _row("static", "control", "imatrix Q4_0 + F16 tail 2", 180.0, 4.20, tail=2),
+             _row("static", "control", "imatrix Q4_0 + F16 tail 4", 160.0, 4.10, tail=4)]
+    dyn = {"mode": "river", "threshold": 0.98, "tail": 2}
+    rows += [
+        _row("River GGUF", "preset", "preset fast", 185.0, 4.20, tail=2, preset="fast",
+             preset_options={"mode": "river-only", "tail": 2}),                      # static setting
+        _row("River GGUF", "preset", "preset balanced", 150.0, 3.95, tail=2, preset="balanced",
+             preset_options=dyn),                                                   # dynamic, wins
+        _row("River GGUF", "river", "tau=0.97 tail=2", 170.0, 4.30, tail=2, tau=0.97),  # loses
+        _row("River GGUF", "river-only", "river-only", 190.0, 4.40, tail=0),
+        _row("River GGUF", "river-only", "river-only tail=2", 170.0, 4.20, tail=2),
+    ]
+    return {"rows": rows, "domains": {"d": {}}, "settings": {"shuffle_seed": 1, "shuffle_draws": 2},
+            "setups": [{"name": "River GGUF", "backbone": evaluate.RIVER_GGUF, "river": None}],
+            "model": "Tiny", "threads": 2, "speed_check": None}
+
+
+def test_analyse_targets_and_dynamic_vs_static(tmp_path):
+    rep = _synthetic_report()
+    a = evaluate.analyse(rep)
+    rep["analysis"] = a
+    t = {x["preset"]: x for x in a["targets"]}
+    # balanced: 150 >= Q4_K_M's 140 and 3.95 < Q8_0's 4.00 -> met.
+    assert t["balanced"]["met"] and t["balanced"]["speed_ratio"] == pytest.approx(150 / 140)
+    # fast: 185 >= Q4_0's 180 and 4.20 < Q4_K_M's 4.25 -> met (a slower one is not, below).
+    assert t["fast"]["met"]
+    # Other rows that clear a target's bar: a setting some preset could have been.
+    assert t["fast"]["bar_cleared_by"] == ["imatrix Q4_0 + F16 tail 2 (llama.cpp)"] and t["balanced"]["bar_cleared_by"] == []
+    p = {e["preset"]: e for e in a["presets"]}
+    assert p["fast"]["speed_ratio"]["Q4_K_M"] == pytest.approx(185 / 140)
+    assert p["fast"]["ppl_delta"]["Q8_0"] == pytest.approx(0.20)
+    assert p["balanced"]["dominates"] == ["Q8_0", "Q4_K_M"] and p["balanced"]["dominated_by"] == []
+    assert p["fast"]["dominates"] == ["Q4_K_M", "Q4_0", "imatrix Q4_0 + F16 tail 2"]
+    # Dynamic vs the static hybrids in llama.cpp: at 150 tok/s the static curve is outside (slowest 160,
+    # ppl 4.10), balanced is lower -> undecided; at 170 the static curve gives 4.15, so tau=0.97 loses by 0.15.
+    v = a["dynamic_vs_static"]["River GGUF"]["llama.cpp"]
+    rows = {c["label"]: c for c in v["rows"]}
+    assert rows["tau=0.97 tail=2"]["static_ppl_at_speed"] == pytest.approx(4.15)
+    assert rows["tau=0.97 tail=2"]["delta_ppl"] == pytest.approx(0.15) and rows["tau=0.97 tail=2"]["wins"] is False
+    assert not rows["preset fast"]["dynamic"] and rows["preset balanced"]["dynamic"]
+    assert rows["preset balanced"]["wins"] is None and "slower than every static point" in rows["preset balanced"]["outside"]
+    assert v["summary"] == {"compared": 1, "wins": 0, "decided": 1, "decided_wins": 0, "best_label": "tau=0.97 tail=2",
+                            "best_delta_ppl": pytest.approx(0.15), "best_tok_s": 170.0,
+                            "mean_delta_ppl": pytest.approx(0.15)}
+    # Against the same static settings on river_gguf (river-only rows): 170 tok/s -> 4.20, so +0.10.
+    e = {c["label"]: c for c in a["dynamic_vs_static"]["River GGUF"]["river_gguf"]["rows"]}
+    assert e["tau=0.97 tail=2"]["delta_ppl"] == pytest.approx(0.10)
+    cons = {c["control"]: c for c in a["consistency"]}
+    assert cons["imatrix Q4_0"]["same_ppl"] and cons["imatrix Q4_0 + F16 tail 2"]["same_ppl"]
+    md = evaluate.markdown(rep)
+    assert "`balanced` at least as fast as Q4_K_M with lower ppl than Q8_0: **met**" in md
+    assert "| tau=0.97 tail=2 | 170.0 | 4.300 | 4.150 | +0.150 | no |" in md
+    evaluate.pareto_plot(rep, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+    # A slower fast preset misses its speed target; a model without Q4_K_M cannot be judged.
+    rep2 = _synthetic_report()
+    next(r for r in rep2["rows"] if r["label"] == "preset fast")["overall"]["decode_tok_s"] = 175.0
+    t2 = {x["preset"]: x for x in evaluate.analyse(rep2)["targets"]}
+    assert t2["fast"]["met"] is False and not t2["fast"]["fast_enough"] and t2["fast"]["better"]
+    rep3 = _synthetic_report(ladder=("Q8_0", "Q4_0"))
+    rep3["analysis"] = evaluate.analyse(rep3)
+    t3 = {x["preset"]: x for x in rep3["analysis"]["targets"]}
+    assert t3["balanced"]["met"] is None and "Q4_K_M not in this model's ladder" in t3["balanced"]["why"]
+    assert "**n/a**" in evaluate.markdown(rep3)
+    # Slower than every static point and worse than one of them: lost, not undecided.
+    rep4 = _synthetic_report()
+    next(r for r in rep4["rows"] if r["label"] == "preset balanced")["overall"]["ppl"] = 4.15
+    c4 = {c["label"]: c for c in evaluate.analyse(rep4)["dynamic_vs_static"]["River GGUF"]["llama.cpp"]["rows"]}
+    assert c4["preset balanced"]["wins"] is False and c4["preset balanced"]["delta_ppl_vs_best_faster"] == pytest.approx(0.05)
+
+
 def test_parse_budget_and_cli_parsers():
     from river_gguf import cli, eval_cli
 
@@ -91,6 +218,10 @@ def test_parse_budget_and_cli_parsers():
     assert a.budget == pytest.approx(0.03) and a.write and a.taus == (0.97, 0.98) and a.model == "m.river.gguf"
     a = p.parse_args(["eval", "--quick", "--out", "d", "--text", "x.txt", "--text", "y.jsonl"])
     assert a.quick and a.text == ["x.txt", "y.jsonl"] and a.domains == "gsm8k,humaneval"
+    assert a.model == "smollm2"
+    assert p.parse_args(["eval", "--model", "qwen2.5-coder-0.5b"]).model == "qwen2.5-coder-0.5b"
+    with pytest.raises(SystemExit):
+        p.parse_args(["eval", "--model", "llama-7b"])
 
 
 # ----- metadata rewrite ----------------------------------------------------------------
@@ -186,3 +317,64 @@ def test_eval_tiny_end_to_end(f16_path, q4_0_path, tmp_path):
     paths = evaluate.write_outputs(rep, str(tmp_path / "out"))
     assert all(os.path.getsize(p) > 0 for p in paths.values())
     assert json.load(open(paths["json"]))["rows"]
+
+
+@pytest.fixture(scope="module")
+def small_river_gguf(f16_path, tmp_path_factory):
+    """A River GGUF of SmolLM2 with hand-written presets (no imatrix, no preset calibration, so
+    it builds in seconds): one dynamic preset with a tail, one static river-only + tail."""
+    from river_gguf import presets
+    from river_gguf.convert import build_river_gguf
+    from river_gguf.gguf_meta import set_river_metadata
+
+    path = tmp_path_factory.mktemp("rg") / "smollm2.river.gguf"
+    build_river_gguf(f16_path, path, threshold=0.98, progress=False, imatrix=None, presets=False)
+    stored = {"fast": {"options": {"mode": "river-only", "tail": 2, "river_head": True}, "ppl": 5.0},
+              "balanced": {"options": {"mode": "river", "threshold": 0.98, "min_exit_layer": 0, "tail": 2,
+                                       "river_head": True}, "ppl": 4.5}}
+    set_river_metadata(str(path), {presets.PRESET_KEY: presets.dump(stored), presets.DEFAULT_KEY: "balanced"})
+    return str(path)
+
+
+def test_control_path_is_the_static_tail_hybrid(small_river_gguf):
+    import gguf
+
+    p2 = evaluate.control_path("smollm2", 2, small_river_gguf)
+    p0 = evaluate.control_path("smollm2", 0, small_river_gguf)
+    assert os.path.dirname(p2) == os.path.dirname(small_river_gguf) and p0 != p2
+    mtime = os.stat(p2).st_mtime_ns
+    assert evaluate.control_path("smollm2", 2, small_river_gguf) == p2 and os.stat(p2).st_mtime_ns == mtime  # cached
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(p2).tensors}
+    assert not [n for n in types if n.startswith("river.")]
+    assert types["blk.29.ffn_down.weight"] == types["blk.28.attn_q.weight"] == "F16"  # the F16 tail
+    assert types["blk.27.ffn_down.weight"] == types["blk.0.attn_q.weight"] == "Q4_0"  # the river
+    assert {t.name: t.tensor_type.name for t in gguf.GGUFReader(p0).tensors}["blk.29.ffn_down.weight"] == "Q4_0"
+
+
+def test_eval_river_gguf_presets_and_controls(small_river_gguf, monkeypatch):
+    # The default River GGUF is taken from the fixture instead of being built (minutes).
+    monkeypatch.setattr(evaluate, "river_gguf_path", lambda model="smollm2": small_river_gguf)
+    s = Settings(setups=[Setup("River GGUF", evaluate.RIVER_GGUF, None, taus=(0.98,), tails=(2,),
+                               river_only_tails=(0, 2), presets=True, river_head=True)],
+                 controls=(0, 2), ladder=("q8_0",), score_items=1, score_tokens=24, gen_items=1, gen_tokens=8,
+                 prompt_tokens=48, n_ctx=512, progress=False)
+    rep = evaluate.run_eval(s)
+    rows = {r["label"]: r for r in rep["rows"]}
+    assert set(rows) == {"preset fast", "preset balanced", "river-only", "river-only tail=2", "tau=0.98 tail=2",
+                         "imatrix Q4_0", "imatrix Q4_0 + F16 tail 2", "Q8_0"}
+    assert rep["river_gguf"]["file"] == os.path.basename(small_river_gguf)
+    assert rows["preset balanced"]["preset_options"]["tail"] == 2 and rows["preset balanced"]["tau"] == 0.98
+    # A preset is exactly its options: preset balanced == the explicit tau=0.98 tail=2 row; preset
+    # fast == river-only tail=2; and river-only (+ tail) on river_gguf == its hybrid file.
+    for d in ("gsm8k", "humaneval"):
+        assert rows["preset balanced"]["domains"][d]["ppl"] == rows["tau=0.98 tail=2"]["domains"][d]["ppl"]
+        assert rows["preset fast"]["domains"][d]["ppl"] == rows["river-only tail=2"]["domains"][d]["ppl"]
+        assert rows["river-only tail=2"]["domains"][d]["ppl"] != rows["river-only"]["domains"][d]["ppl"]
+        assert rows["imatrix Q4_0"]["domains"][d]["decode_tok_s"] > 0
+        assert rows["imatrix Q4_0"]["domains"][d]["engine"] == "llama.cpp"
+        assert rows["preset fast"]["domains"][d]["engine"] == "river_gguf"
+    a = rep["analysis"]
+    assert [c["same_ppl"] for c in a["consistency"]] == [True, True]
+    assert {t["preset"]: t["met"] for t in a["targets"]} == {"balanced": None, "fast": None}  # no Q4_K_M, Q4_0
+    assert {e["preset"] for e in a["presets"]} == {"fast", "balanced"}
+    assert set(a["dynamic_vs_static"]["River GGUF"]) == {"llama.cpp", "river_gguf"}

@@ -29,7 +29,7 @@ def _floats(s: str):
 def _cmd_eval(args) -> int:
     from . import evaluate
 
-    s = evaluate.quick_settings() if args.quick else evaluate.full_settings()
+    s = evaluate.quick_settings(args.model) if args.quick else evaluate.full_settings(args.model)
     domains = [d for d in args.domains.split(",") if d.strip()] + list(args.text or [])
     if not domains:
         raise ValueError("no domains: pass --domains and/or --text")
@@ -41,7 +41,7 @@ def _cmd_eval(args) -> int:
     if args.tokens is not None:
         s.score_tokens = args.tokens
     if args.no_ladder:
-        s.ladder = ()
+        s.ladder, s.controls = (), ()
     s.progress = not args.no_progress
     rep = evaluate.run_eval(s)
     print(evaluate.markdown(rep))
@@ -56,12 +56,18 @@ def _cmd_eval(args) -> int:
 
 
 def register_eval(subparsers, common=None) -> None:
+    from . import model_zoo  # light: no numpy, no native module
+
     p = subparsers.add_parser(
-        "eval", help="perplexity / agreement / speed of River vs. the static quant ladder (SmolLM2)",
-        description="Evaluate River early exit on SmolLM2-135M (F16/Q8_0 backbones, Q4_0/Q4_K_M rivers) "
-                    "against the static quant ladder; writes report.md, report.json and pareto.png with --out.")
+        "eval", help="perplexity / agreement / speed of River vs. the static quant ladder",
+        description="Evaluate River early exit (the default River GGUF's presets, a dynamic-exit sweep with a "
+                    "backbone tail, the plain F16+Q4_0 river) against the model's static quant ladder and the "
+                    "static imatrix Q4_0 (+ F16 tail) controls, timed in stock llama.cpp; writes report.md, "
+                    "report.json and pareto.png with --out. --quick runs only the plain F16+Q4_0 river.")
     p.add_argument("--quick", action="store_true",
                    help="a small subset (< 2 min) that asserts sanity; exit 1 if a check fails")
+    p.add_argument("--model", default="smollm2", choices=model_zoo.names(),
+                   help="model_zoo name (default smollm2)")
     p.add_argument("--out", default=None, metavar="DIR", help="write report.md, report.json, pareto.png here")
     p.add_argument("--domains", default="gsm8k,humaneval", help="comma-separated built-in domains")
     p.add_argument("--text", action="append", default=None, metavar="FILE",
@@ -69,7 +75,7 @@ def register_eval(subparsers, common=None) -> None:
     p.add_argument("--items", type=int, default=None, metavar="N", help="evaluation items per domain to score")
     p.add_argument("--tokens", type=int, default=None, metavar="N", help="completion tokens scored per item")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default 2)")
-    p.add_argument("--no-ladder", action="store_true", help="skip the static quant ladder")
+    p.add_argument("--no-ladder", action="store_true", help="skip the static quant ladder and the imatrix controls")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_eval)
 

@@ -16,11 +16,22 @@ tokens (the histogram is kept exactly) and the text is re-scored with those dept
 decode step. If the cosine rule does not beat its own shuffle, the signal adds nothing beyond
 the mix of depths.
 
-The static quant ladder is scored by the same code (river_gguf's engine in backbone mode,
-which matches llama.cpp bit for bit) and timed in stock llama.cpp (llama-cpp-python).
+The full report (full_settings) is per model (model_zoo name: smollm2, qwen2.5-coder-0.5b) and
+compares, in one run:
+- the model's static quant ladder (model_zoo.ladder_kinds) and the static controls "imatrix Q4_0"
+  and "imatrix Q4_0 + F16 tail t" (the default River GGUF's river written as a plain GGUF, with
+  its last t layers from the backbone: control_path). Both are scored by the same code
+  (river_gguf's engine in backbone mode, which matches llama.cpp bit for bit) and timed in stock
+  llama.cpp (llama-cpp-python, flash attention, decode timed alone);
+- the River GGUF that `river-gguf convert` makes with its defaults (default_river_gguf: imatrix
+  Q4_0 river, measured presets): every stored preset, a dynamic-exit sweep with a backbone tail
+  and the static river-only (+ tail) settings, all on river_gguf;
+- the plain F16 + Q4_0 (round-to-nearest) river's tau sweep, trimmed or in full.
+analyse() then checks the presets against the ladder (the issue's two targets) and the dynamic
+exit against the static tail hybrids at equal measured speed.
 
     PYTHONPATH=python python -m river_gguf.evaluate --quick          # CI sanity, < 2 min
-    PYTHONPATH=python python benchmarks/pareto_report.py             # full report
+    PYTHONPATH=python python benchmarks/pareto_report.py --model smollm2   # full report
 """
 from __future__ import annotations
 
@@ -42,7 +53,6 @@ from . import eval_data
 # Dense where SmolLM2's mid-layer similarities live: mean exit layer moves from ~2 to ~28 here.
 DEFAULT_TAUS = (0.96, 0.97, 0.975, 0.98, 0.9825, 0.985, 0.9875, 0.99, 0.995)
 DEFAULT_FIXED_EXITS = (0, 5, 10, 15, 20, 24, 27)
-LADDER = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")
 SHUFFLE_SEED = 1234
 SHUFFLE_DRAWS = 2
 
@@ -284,10 +294,96 @@ def calibration_metadata(res: dict) -> dict:
     }
 
 
+# ----- the files compared ----------------------------------------------------------------
+DEFAULT_MODEL = "smollm2"
+RIVER_GGUF = "river-gguf"        # Setup.backbone: the model's default River GGUF (with its own river)
+# The static "imatrix Q4_0 + F16 tail t" hybrids (0: imatrix Q4_0 alone), per model: tails deep
+# enough that the static curve reaches the speeds of the dynamic rows, so they compare at equal
+# speed (on SmolLM2 a 10-layer F16 tail still runs at 0.85x the imatrix Q4_0's speed).
+CONTROL_TAILS = {"smollm2": (0, 2, 4, 6, 8, 12, 16, 20), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12, 16)}
+# The same static settings run on river_gguf (river-only + tail rows of the River GGUF setup).
+ENGINE_STATIC_TAILS = {"smollm2": (0, 2, 4, 8, 12, 16), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12)}
+# Per model: the dynamic sweep on the River GGUF (taus x tails), the plain sweep's default, and
+# the run's size (Qwen2.5-Coder-0.5B decodes ~3x slower than SmolLM2 here, so it scores fewer items).
+DYNAMIC_SWEEP = {"smollm2": ((0.97, 0.98, 0.99), (2, 4)), "qwen2.5-coder-0.5b": ((0.95, 0.97, 0.98), (2, 4))}
+PLAIN_SWEEP_DEFAULT = {"smollm2": "full", "qwen2.5-coder-0.5b": "trim"}
+RUN_SIZE = {"smollm2": dict(score_items=10, score_tokens=80, gen_items=3, gen_tokens=32, prompt_tokens=256),
+            "qwen2.5-coder-0.5b": dict(score_items=8, score_tokens=64, gen_items=2, gen_tokens=32,
+                                       prompt_tokens=256)}
+# The issue's two targets: (preset, ladder file it must be at least as fast as, ladder file whose ppl it must beat).
+TARGETS = (("balanced", "Q4_K_M", "Q8_0"), ("fast", "Q4_0", "Q4_K_M"))
+SPEED_REFS = ("Q4_K_M", "Q4_0")
+PPL_REFS = ("Q8_0", "Q4_K_M")
+
+
+def _zoo(model: str):
+    from . import model_zoo
+
+    return model_zoo._model(model)
+
+
+def river_gguf_path(model: str = DEFAULT_MODEL) -> str:
+    """Where the report keeps the model's default River GGUF (one name per model, in the cache)."""
+    from .default_model import cache_dir
+
+    return str(cache_dir() / f"{_zoo(model).stem}.f16+q4_0-imatrix.presets.river.gguf")
+
+
+def default_river_gguf(model: str = DEFAULT_MODEL, rebuild: bool = False, n_threads: int = 2,
+                       progress: bool = True) -> str:
+    """The River GGUF `river-gguf convert` makes from the model's F16 with its defaults (imatrix
+    Q4_0 river collected on the calibration split, profiled tau, measured presets), built once
+    and cached (`rebuild` builds it again, e.g. after the converter changed)."""
+    from . import model_zoo
+
+    from .presets import PRESET_KEY
+
+    path = river_gguf_path(model)
+    if rebuild or not os.path.isfile(path):
+        from .convert import build_river_gguf
+
+        build_river_gguf(model_zoo.derived(model, "f16", progress=progress), path, progress=progress,
+                         n_threads=n_threads)
+    elif PRESET_KEY not in _metadata(path, (PRESET_KEY,)):
+        # An interrupted build: the file is written before its presets are measured.
+        from .convert import calibrate_presets_file
+
+        calibrate_presets_file(path, n_threads=n_threads, progress=progress)
+    return path
+
+
+def _metadata(path: str, keys: Sequence[str]) -> dict:
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    return {k: r.fields[k].contents() for k in keys if k in r.fields}
+
+
+def control_path(model: str, tail: int, river_file: Optional[str] = None) -> str:
+    """The static control "imatrix Q4_0 + F16 tail `tail`": the River GGUF's river as a plain
+    GGUF, its last `tail` layers from the F16 backbone (tail 0: the imatrix Q4_0 alone). Named
+    after the River GGUF's backbone and river hashes (so a rebuilt River GGUF gets new controls)
+    and kept beside it."""
+    import hashlib
+
+    from .hybrid import write_hybrid_gguf
+
+    river_file = river_file or default_river_gguf(model)
+    md = _metadata(river_file, ("river.backbone_sha256", "river.river_sha256"))
+    tag = hashlib.sha1("|".join(str(md.get(k)) for k in sorted(md)).encode()).hexdigest()[:10]
+    p = os.path.join(os.path.dirname(os.path.abspath(river_file)),
+                     f"{_zoo(model).stem}.imatrix-q4_0.{tag}.tail{int(tail)}.gguf")
+    if not os.path.isfile(p):
+        write_hybrid_gguf(river_file, river_file, p, exit_layer=-1, river_head=True, tail=int(tail))
+    return p
+
+
 # ----- the evaluation plan -------------------------------------------------------------
 @dataclass
 class Setup:
-    """One backbone/river pair (derived-model kinds) and what to sweep on it."""
+    """One backbone/river pair and what to sweep on it. backbone/river: derived-model kinds
+    ("f16", "q4_0", ...) of Settings.model; backbone RIVER_GGUF (river None) is the model's
+    default River GGUF with its own river."""
     name: str
     backbone: str
     river: Optional[str]
@@ -296,12 +392,22 @@ class Setup:
     shuffle_taus: Sequence[float] = ()
     backbone_row: bool = False
     river_only: bool = True
+    tails: Sequence[int] = (0,)             # the tau sweep runs once per backbone tail
+    river_only_tails: Sequence[int] = (0,)  # river-only rows (the static tail settings, on river_gguf)
+    presets: bool = False                   # one row per preset stored in the file
+    river_head: Optional[bool] = None       # None: Settings.river_head
+
+    @property
+    def has_river(self) -> bool:
+        return self.river is not None or self.backbone == RIVER_GGUF
 
 
 @dataclass
 class Settings:
     setups: List[Setup]
-    ladder: Sequence[str] = LADDER
+    model: str = DEFAULT_MODEL
+    ladder: Optional[Sequence[str]] = None  # derived kinds; None: model_zoo.ladder_kinds(model)
+    controls: Sequence[int] = ()            # tails of the static imatrix Q4_0 (+ F16 tail) controls
     domains: Sequence[str] = eval_data.DOMAINS
     score_items: int = 8          # evaluation items per domain scored for perplexity
     score_tokens: int = 96        # completion tokens scored per item
@@ -313,43 +419,70 @@ class Settings:
     river_head: bool = False
     speed_check: bool = False     # --quick: extra interleaved backbone-vs-river speed rounds
     progress: bool = True
+    rebuild_river: bool = False   # build the default River GGUF again even if it is cached
 
 
-def quick_settings() -> Settings:
+def quick_settings(model: str = DEFAULT_MODEL) -> Settings:
     return Settings(
         setups=[Setup("F16+Q4_0", "f16", "q4_0", taus=(0.97, 0.98), fixed_exits=(10,), shuffle_taus=(0.98,),
                       backbone_row=True)],
-        ladder=(), score_items=2, score_tokens=48, gen_items=1, gen_tokens=24, prompt_tokens=192, n_ctx=768,
-        speed_check=True)
+        model=model, ladder=(), score_items=2, score_tokens=48, gen_items=1, gen_tokens=24, prompt_tokens=192,
+        n_ctx=768, speed_check=True)
 
 
-def full_settings() -> Settings:
-    return Settings(
-        setups=[
-            Setup("F16+Q4_0", "f16", "q4_0", taus=DEFAULT_TAUS, fixed_exits=DEFAULT_FIXED_EXITS,
-                  shuffle_taus=(0.975, 0.9825, 0.9875), backbone_row=True),
-            Setup("F16+Q4_K_M", "f16", "q4_k_m", taus=(0.97, 0.98, 0.985, 0.99, 0.995), shuffle_taus=(0.985,)),
-            Setup("Q8_0+Q4_0", "q8_0", "q4_0", taus=(0.97, 0.98, 0.985, 0.99, 0.995), backbone_row=True),
-        ],
-        score_items=10, score_tokens=80, gen_items=3, gen_tokens=32, prompt_tokens=256)
+PLAIN_SWEEPS = ("full", "trim", "none")
+
+
+def full_settings(model: str = DEFAULT_MODEL, plain_sweep: Optional[str] = None) -> Settings:
+    """The report: the static ladder (stock llama.cpp), the imatrix Q4_0 (+ F16 tail) controls,
+    the default River GGUF's presets and a dynamic-exit-with-tail sweep on it, and the plain
+    F16 + Q4_0 (round-to-nearest river) tau sweep: "full" (the earlier report's grid, with fixed
+    exits and the shuffle control), "trim" (4 taus, one fixed exit, one shuffle) or "none";
+    None: the model's default (PLAIN_SWEEP_DEFAULT)."""
+    name = _zoo(model).name
+    plain_sweep = PLAIN_SWEEP_DEFAULT[name] if plain_sweep is None else plain_sweep
+    if plain_sweep not in PLAIN_SWEEPS:
+        raise ValueError(f"plain_sweep must be one of {PLAIN_SWEEPS}, got {plain_sweep!r}")
+    taus, tails = DYNAMIC_SWEEP[name]
+    setups = [Setup("River GGUF", RIVER_GGUF, None, taus=taus, tails=tails,
+                    river_only_tails=ENGINE_STATIC_TAILS[name], presets=True, river_head=True)]
+    n_layer = 30 if name == "smollm2" else 24
+    if plain_sweep == "full":
+        setups.append(Setup("F16+Q4_0", "f16", "q4_0", taus=DEFAULT_TAUS,
+                            fixed_exits=tuple(k for k in DEFAULT_FIXED_EXITS if k < n_layer - 1),
+                            shuffle_taus=(0.975, 0.9825, 0.9875), backbone_row=True))
+    elif plain_sweep == "trim":
+        setups.append(Setup("F16+Q4_0", "f16", "q4_0", taus=(0.97, 0.975, 0.98, 0.985), fixed_exits=(10,),
+                            shuffle_taus=(0.975,), backbone_row=True))
+    return Settings(setups=setups, model=name, controls=CONTROL_TAILS[name], **RUN_SIZE[name])
 
 
 @dataclass
 class Row:
     setup: str
-    kind: str                     # backbone, river, fixed, river-only, shuffle, ladder
+    kind: str                     # backbone, river, fixed, river-only, shuffle, preset, ladder, control
     label: str
     opts: dict
     tau: Optional[float] = None
     exit_layer: Optional[int] = None
     of: Optional[str] = None      # shuffle: label of the river row it shuffles
     draw: Optional[int] = None
+    tail: Optional[int] = None
+    preset: Optional[str] = None
+    preset_options: Optional[dict] = None  # preset: the options the file stores for it
+    file: Optional[str] = None    # ladder/control: the plain GGUF llama.cpp times
     domains: Dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def engine(self) -> str:
+        return "llama.cpp" if self.kind in ("ladder", "control") else "river_gguf"
 
     def as_dict(self):
         return {"setup": self.setup, "kind": self.kind, "label": self.label, "tau": self.tau,
-                "exit_layer": self.exit_layer, "of": self.of, "draw": self.draw, "domains": self.domains,
-                "overall": self.overall()}
+                "exit_layer": self.exit_layer, "of": self.of, "draw": self.draw, "tail": self.tail,
+                "preset": self.preset, "options": self.opts, "preset_options": self.preset_options, "engine": self.engine,
+                "file": os.path.basename(self.file) if self.file else None,
+                "domains": self.domains, "overall": self.overall()}
 
     def overall(self) -> dict:
         d = list(self.domains.values())
@@ -357,8 +490,8 @@ class Row:
         n = sum(x.get("n_tokens", 0) for x in d)
         if n and all("ppl" in x for x in d):  # token-pooled: exp of the mean NLL over all tokens
             out["ppl"] = math.exp(sum(x["n_tokens"] * math.log(x["ppl"]) for x in d) / n)
-        steps = sum(x.get("decode_steps", 0) for x in d)
-        secs = sum(x.get("decode_seconds", 0.0) for x in d)
+        steps = sum(x.get("decode_steps", 0) or 0 for x in d)
+        secs = sum(x.get("decode_seconds", 0.0) or 0.0 for x in d)
         if steps and secs:
             out["decode_tok_s"] = steps / secs
         for key in ("mean_exit_layer", "agreement", "agreement_prefix"):
@@ -368,31 +501,53 @@ class Row:
         return out
 
 
-def _path(kind: str) -> str:
-    from .default_model import derived_model
-
-    return derived_model(kind)
+def _tau_label(tau: float, tail: int) -> str:
+    return f"tau={tau:g}" + (f" tail={tail}" if tail else "")
 
 
-def _plan(settings: Settings, n_layer_hint: int = 30) -> List[Row]:
+def control_label(tail: int) -> str:
+    return "imatrix Q4_0" if tail == 0 else f"imatrix Q4_0 + F16 tail {tail}"
+
+
+def _plan(settings: Settings, ladder: Optional[Sequence[str]] = None,
+          preset_names: Optional[Dict[str, Sequence[str]]] = None) -> List[Row]:
+    """The rows of a run. ladder: derived kinds (default settings.ladder, else ()); preset_names:
+    per setup with presets=True, the presets its file stores (default: fast, balanced, quality)."""
+    from . import presets as presets_mod
+
     rows: List[Row] = []
-    rh = settings.river_head
+    ladder = (settings.ladder or ()) if ladder is None else ladder
     for s in settings.setups:
+        rh = settings.river_head if s.river_head is None else s.river_head
+        riv = s.river.upper() if s.river else ""
+        if s.presets:
+            names = (preset_names or {}).get(s.name, presets_mod.NAMES)
+            for name in names:
+                rows.append(Row(s.name, "preset", f"preset {name}", dict(preset=name), preset=name))
         if s.backbone_row:
-            rows.append(Row(s.name, "backbone", f"{s.backbone.upper()} backbone", dict(mode="backbone")))
-        if s.river_only and s.river:
-            rows.append(Row(s.name, "river-only", f"{s.river.upper()} river-only",
-                            dict(mode="river-only", river_head=rh)))
-        for tau in s.taus:
-            rows.append(Row(s.name, "river", f"tau={tau:g}", dict(mode="river", threshold=float(tau), river_head=rh),
-                            tau=float(tau)))
+            bb = "backbone" if s.backbone == RIVER_GGUF else f"{s.backbone.upper()} backbone"
+            rows.append(Row(s.name, "backbone", bb, dict(mode="backbone")))
+        if s.river_only and s.has_river:
+            for t in s.river_only_tails:
+                rows.append(Row(s.name, "river-only", (f"{riv} river-only" if s.river else "river-only")
+                                + (f" tail={t}" if t else ""),
+                                dict(mode="river-only", river_head=rh, tail=int(t)), tail=int(t)))
+        # Every option a row depends on is explicit, so a River GGUF's default preset never leaks in.
+        for t in s.tails:
+            for tau in s.taus:
+                rows.append(Row(s.name, "river", _tau_label(tau, t),
+                                dict(mode="river", threshold=float(tau), river_head=rh, tail=int(t), min_exit_layer=0),
+                                tau=float(tau), tail=int(t)))
         for k in s.fixed_exits:
-            rows.append(Row(s.name, "fixed", f"exit@{k}", dict(exit_layer=int(k), river_head=rh), exit_layer=int(k)))
+            rows.append(Row(s.name, "fixed", f"exit@{k}", dict(exit_layer=int(k), river_head=rh, tail=0),
+                            exit_layer=int(k), tail=0))
         for tau in s.shuffle_taus:
             for d in range(SHUFFLE_DRAWS):
                 rows.append(Row(s.name, "shuffle", f"shuffle(tau={tau:g})#{d}", {}, tau=float(tau),
-                                of=f"tau={tau:g}", draw=d))
-    for q in settings.ladder:
+                                of=_tau_label(tau, 0), draw=d, tail=0))
+    for t in settings.controls:
+        rows.append(Row("static", "control", control_label(int(t)), dict(mode="backbone"), tail=int(t)))
+    for q in ladder:
         rows.append(Row("ladder", "ladder", q.upper(), dict(mode="backbone")))
     return rows
 
@@ -408,30 +563,81 @@ def _setup_of(settings: Settings, name: str) -> Setup:
     return next(s for s in settings.setups if s.name == name)
 
 
+def _ordered_presets(names) -> List[str]:
+    from . import presets as presets_mod
+
+    return sorted(names, key=lambda n: (presets_mod.NAMES.index(n) if n in presets_mod.NAMES else 99, n))
+
+
+def _settled_options(model, opts: dict) -> tuple:
+    """The exit options a row runs with, as a hashable key; what the mode ignores is left out
+    (tau and min exit layer outside the dynamic mode), so equal computations get equal keys."""
+    import dataclasses
+
+    o = dataclasses.asdict(model._options(**opts))
+    if o["mode"] != "river" or o.get("exit_layer") is not None:
+        o.pop("threshold", None)
+        o.pop("min_exit_layer", None)
+    if o["mode"] == "backbone" and o.get("exit_layer") is None:
+        o = {"mode": "backbone", "prefill": o.get("prefill")}
+    return tuple(sorted(o.items()))
+
+
 def run_eval(settings: Settings) -> dict:
     """Run the whole plan; returns the report dict (see write_outputs)."""
     from tqdm import tqdm
+
+    from . import model_zoo
     from .model import Model
 
     t_start = time.perf_counter()
+    name = _zoo(settings.model).name
+    ladder = tuple(settings.ladder) if settings.ladder is not None else model_zoo.ladder_kinds(name)
     models: Dict[Tuple[str, Optional[str]], object] = {}
+
+    need_river = bool(settings.controls) or any(s.backbone == RIVER_GGUF for s in settings.setups)
+    river_file = (default_river_gguf(name, rebuild=settings.rebuild_river, n_threads=settings.n_threads,
+                                     progress=settings.progress) if need_river else None)
+    controls = {int(t): control_path(name, int(t), river_file) for t in settings.controls}
+    t_files = time.perf_counter()
+
+    def path_of(kind: str) -> str:
+        return river_file if kind == RIVER_GGUF else model_zoo.derived(name, kind, progress=settings.progress)
 
     def model_for(backbone: str, river: Optional[str]):
         key = (backbone, river)
         if key not in models:
-            models[key] = Model(_path(backbone), river=_path(river) if river else None, n_ctx=settings.n_ctx,
-                                n_threads=settings.n_threads)
+            models[key] = Model(backbone, river=river, n_ctx=settings.n_ctx, n_threads=settings.n_threads)
         return models[key]
 
-    rows = _plan(settings)
+    def setup_model(s: Setup):
+        return model_for(path_of(s.backbone), path_of(s.river) if s.river else None)
+
+    preset_names = {}
+    for s in settings.setups:
+        if s.presets:
+            m = setup_model(s)
+            if not m.presets:
+                raise ValueError(f"setup {s.name}: {m.model_path} stores no presets")
+            preset_names[s.name] = _ordered_presets(m.presets)
+    rows = _plan(settings, ladder, preset_names)
+    for r in rows:
+        if r.kind == "ladder":
+            r.file = path_of(r.label.lower())
+        elif r.kind == "control":
+            r.file = controls[r.tail]
+        elif r.kind == "preset":
+            o = dict(setup_model(_setup_of(settings, r.setup)).presets[r.preset]["options"])
+            r.preset_options, r.tail = o, int(o.get("tail", 0))
+            if o.get("mode", "river") == "river" and o.get("exit_layer") is None:
+                r.tau = o.get("threshold")
 
     def model_of(row: Row):
-        if row.kind == "ladder":
-            return model_for(row.label.lower(), None)
-        s = _setup_of(settings, row.setup)
-        return model_for(s.backbone, s.river)
+        if row.file is not None:
+            return model_for(row.file, None)
+        return setup_model(_setup_of(settings, row.setup))
 
-    ref_model = model_for("f16", None)
+    ref_model = model_for(path_of("f16"), None)
     n_layer = ref_model.n_layer
     data = {}
     for d in settings.domains:
@@ -447,6 +653,7 @@ def run_eval(settings: Settings) -> dict:
 
     # --- 1. perplexity (and exit layers) through the decode path ---
     river_runs: Dict[Tuple[str, str, str], ScoreRun] = {}
+    scored: Dict[tuple, ScoreRun] = {}
     n_score = sum(sum(len(t) - p for t, p in dd["score"]) for dd in data.values())
     with tqdm(total=n_score * len(rows), desc="perplexity", unit="tok", disable=not settings.progress) as bar:
         for row in rows:
@@ -454,24 +661,32 @@ def run_eval(settings: Settings) -> dict:
                 if row.kind == "shuffle":
                     base = river_runs[(row.setup, row.of, dname)]
                     ex = shuffle_exits(base.exits, SHUFFLE_SEED + 1000 * row.draw)
-                    r = score_forced(model_of(row), dd["score"], ex, settings.river_head, bar)
+                    rh = _setup_of(settings, row.setup).river_head
+                    r = score_forced(model_of(row), dd["score"], ex, settings.river_head if rh is None else rh, bar)
                     extra = {"river_ppl": base.perplexity, "histogram_preserved": histogram(ex) == histogram(base.exits)}
                 else:
-                    r = score_items(model_of(row), dd["score"], bar, **row.opts)
+                    m = model_of(row)
+                    key = (id(m), _settled_options(m, row.opts), dname)
+                    if key in scored:  # the same computation as an earlier row (a preset = its options)
+                        r = scored[key]
+                        bar.update(r.n_tokens)
+                    else:
+                        r = scored[key] = score_items(m, dd["score"], bar, **row.opts)
                     extra = {}
-                    if row.kind == "river":
+                    if row.kind in ("river", "preset"):
                         river_runs[(row.setup, row.label, dname)] = r
                         extra["exit_histogram"] = histogram(r.exits)
+                plain = row.kind in ("ladder", "control")
                 row.domains[dname] = {"ppl": r.perplexity, "n_tokens": r.n_tokens,
-                                      "mean_exit_layer": r.mean_exit_layer if row.kind != "ladder" else None,
+                                      "mean_exit_layer": None if plain else r.mean_exit_layer,
                                       "score_seconds": r.seconds, **extra}
 
     # --- 2. greedy agreement and decode speed: item by item, every configuration in turn ---
     gen_rows = [r for r in rows if r.kind not in ("shuffle",)]
     runners: Dict[str, LlamaCppRunner] = {}
     for r in gen_rows:
-        if r.kind == "ladder":
-            runners[r.label] = LlamaCppRunner(_path(r.label.lower()), settings.n_ctx, settings.n_threads)
+        if r.engine == "llama.cpp":
+            runners[r.label] = LlamaCppRunner(r.file, settings.n_ctx, settings.n_threads)
     ref_runs = {d: GreedyRun() for d in data}
     runs = {(id(r), d): GreedyRun() for r in gen_rows for d in data}
     n_gen = sum(len(dd["gen"]) for dd in data.values())
@@ -482,7 +697,7 @@ def run_eval(settings: Settings) -> dict:
                 bar.update(1)
                 order = gen_rows if len(ref_runs[dname].tokens) % 2 else list(reversed(gen_rows))
                 for r in order:
-                    if r.kind == "ladder":
+                    if r.engine == "llama.cpp":
                         res = runners[r.label].greedy(p, settings.gen_tokens)
                     else:
                         res = greedy_river(model_of(r), p, settings.gen_tokens, **r.opts)
@@ -495,8 +710,7 @@ def run_eval(settings: Settings) -> dict:
             g = runs[(id(r), dname)]
             share, pre = agreement(ref_runs[dname].tokens, g.tokens)
             r.domains[dname].update(agreement=share, agreement_prefix=pre, decode_tok_s=g.decode_tok_s,
-                                    decode_steps=g.decode_steps, decode_seconds=g.decode_seconds,
-                                    engine="llama.cpp" if r.kind == "ladder" else "river_gguf")
+                                    decode_steps=g.decode_steps, decode_seconds=g.decode_seconds, engine=r.engine)
     for r in rows:  # a shuffle runs at its river run's depth mix: give it that row's speed
         if r.kind == "shuffle":
             src = next(x for x in rows if x.setup == r.setup and x.label == r.of)
@@ -508,20 +722,31 @@ def run_eval(settings: Settings) -> dict:
     speed = None
     if settings.speed_check:
         s0 = settings.setups[0]
-        m = model_for(s0.backbone, s0.river)
+        m = setup_model(s0)
         tau = min(s0.taus)
         p = next(iter(data.values()))["gen"][0]
         b_s, r_s = [], []
         for i in range(5):
             for which in (("b", "r") if i % 2 == 0 else ("r", "b")):
-                opts = dict(mode="backbone") if which == "b" else dict(mode="river", threshold=tau)
+                opts = dict(mode="backbone") if which == "b" else dict(mode="river", threshold=tau, tail=0)
                 _, steps, secs, _ = greedy_river(m, p, 24, **opts)
                 (b_s if which == "b" else r_s).append(steps / secs if secs else 0.0)
         speed = {"tau": tau, "backbone_tok_s": statistics.median(b_s), "river_tok_s": statistics.median(r_s),
                  "backbone_runs": b_s, "river_runs": r_s}
 
+    river_info = None
+    if river_file is not None:
+        md = _metadata(river_file, ("river.type", "river.imatrix", "river.imatrix_tokens", "river.threshold",
+                                    "river.threshold_source", "river.head", "river.tail", "river.default_preset",
+                                    "river.backbone_type"))
+        rm = next((m for (bb, _), m in models.items() if bb == river_file), None) or Model(river_file, n_ctx=64)
+        river_info = {"file": os.path.basename(river_file), "metadata": md, "presets": rm.presets}
+
     report = {
-        "model": "SmolLM2-135M-Instruct", "n_layer": n_layer, "threads": settings.n_threads,
+        "model": _zoo(name).title, "model_name": name, "n_layer": n_layer, "threads": settings.n_threads,
+        "ladder": [q.upper() for q in ladder], "controls": [int(t) for t in settings.controls],
+        "setups": [{"name": s.name, "backbone": s.backbone, "river": s.river} for s in settings.setups],
+        "river_gguf": river_info,
         "settings": {"prompt_tokens": settings.prompt_tokens, "score_items": settings.score_items, "score_tokens": settings.score_tokens,
                      "gen_items": settings.gen_items, "gen_tokens": settings.gen_tokens,
                      "river_head": settings.river_head, "shuffle_seed": SHUFFLE_SEED, "shuffle_draws": SHUFFLE_DRAWS,
@@ -530,6 +755,7 @@ def run_eval(settings: Settings) -> dict:
         "domains": {d: {k: v for k, v in dd.items() if k not in ("score", "gen")} for d, dd in data.items()},
         "rows": [r.as_dict() for r in rows],
         "speed_check": speed,
+        "file_seconds": t_files - t_start,
         "seconds": time.perf_counter() - t_start,
     }
     report["analysis"] = analyse(report)
@@ -548,9 +774,61 @@ def _interp(xs, ys, x):
     return None
 
 
+def frontier(points):
+    """The Pareto-optimal (speed, ppl, ...) tuples: none other is at least as fast with lower
+    ppl. Sorted by speed, so ppl rises along it."""
+    best, out = math.inf, []
+    for p in sorted(points, key=lambda p: (-p[0], p[1])):
+        if p[1] < best:
+            out.append(p)
+            best = p[1]
+    return sorted(out, key=lambda p: p[0])
+
+
+def _sp(row) -> Tuple[Optional[float], Optional[float]]:
+    o = row["overall"]
+    return o.get("decode_tok_s"), o.get("ppl")
+
+
+def _is_dynamic(row) -> bool:
+    """A row whose tokens choose their own depth (cosine rule), as opposed to a static setting."""
+    if row["kind"] == "river":
+        return True
+    if row["kind"] == "preset":
+        o = row.get("preset_options") or {}
+        return o.get("mode", "river") == "river" and o.get("exit_layer") is None
+    return False
+
+
+def _vs_static(row, static_rows) -> dict:
+    """Compare a River row with a static curve (speed, ppl points) at the row's measured speed."""
+    x, y = _sp(row)
+    pts = sorted((_sp(s)[0], _sp(s)[1], s["label"]) for s in static_rows if _sp(s)[0] and _sp(s)[1])
+    out = {"label": row["label"], "tok_s": x, "ppl": y, "dynamic": _is_dynamic(row)}
+    if not pts or x is None or y is None:
+        return out
+    ys = _interp([p[0] for p in pts], [p[1] for p in pts], x)
+    out["static_ppl_at_speed"] = ys
+    if ys is not None:
+        out["delta_ppl"] = y - ys
+        out["wins"] = y < ys
+    elif x > pts[-1][0]:  # faster than every static point: compare with the fastest
+        out["outside"] = f"faster than every static point (fastest: {pts[-1][2]}, {pts[-1][0]:.1f} tok/s)"
+        out["wins"] = True if y <= pts[-1][1] else None
+        out["delta_ppl_vs_fastest"] = y - pts[-1][1]
+    else:  # slower than every static point: lost if any of them also has a lower ppl
+        best = min(pts, key=lambda p: p[1])
+        out["outside"] = (f"slower than every static point; best of them: {best[2]} ({best[0]:.1f} tok/s, "
+                          f"ppl {best[1]:.3f})")
+        out["wins"] = False if y >= best[1] else None
+        out["delta_ppl_vs_best_faster"] = y - best[1]
+    return out
+
+
 def analyse(report: dict) -> dict:
     rows = report["rows"]
-    out: dict = {"shuffle": [], "vs_ladder": {}, "sanity": {}}
+    out: dict = {"shuffle": [], "vs_ladder": {}, "sanity": {}, "presets": [], "targets": [],
+                 "dynamic_vs_static": {}, "consistency": []}
     # Shuffle control.
     for r in rows:
         if r["kind"] != "river":
@@ -567,11 +845,12 @@ def analyse(report: dict) -> dict:
         out["shuffle"].append({"setup": r["setup"], "tau": r["tau"], "river_ppl": r["overall"]["ppl"],
                                "shuffle_ppl": sp_all, "cosine_beats_shuffle": r["overall"]["ppl"] < min(sp_all),
                                "per_domain": per})
-    # Against the ladder: River ppl at Q4_K_M's speed; River speed at Q8_0's ppl.
+    # Against the ladder, on each setup's frontier (River tau rows and presets): River ppl at
+    # Q4_K_M's speed; River speed at Q8_0's ppl.
     lad = {r["label"]: r["overall"] for r in rows if r["kind"] == "ladder"}
-    for setup in sorted({r["setup"] for r in rows if r["kind"] == "river"}):
-        pts = [(r["overall"].get("decode_tok_s"), r["overall"].get("ppl")) for r in rows
-               if r["setup"] == setup and r["kind"] == "river" and r["overall"].get("decode_tok_s")]
+    for setup in dict.fromkeys(r["setup"] for r in rows if r["kind"] in ("river", "preset", "control")):
+        pts = frontier([_sp(r) for r in rows if r["setup"] == setup and r["kind"] in ("river", "preset", "control")
+                        and all(v is not None for v in _sp(r))])
         a: dict = {"points": len(pts)}
         if "Q4_K_M" in lad and pts:
             x = lad["Q4_K_M"]["decode_tok_s"]
@@ -587,10 +866,93 @@ def analyse(report: dict) -> dict:
                          "river_min_ppl": min(p[1] for p in pts),
                          "river_wins": bool(ok) and max(ok) > lad["Q8_0"]["decode_tok_s"]}
         out["vs_ladder"][setup] = a
+    # Presets against the ladder and the controls.
+    statics = [r for r in rows if r["kind"] in ("ladder", "control") and all(v is not None for v in _sp(r))]
+    for r in rows:
+        if r["kind"] != "preset":
+            continue
+        x, y = _sp(r)
+        e = {"preset": r["preset"], "setup": r["setup"], "tok_s": x, "ppl": y,
+             "mean_exit_layer": r["overall"].get("mean_exit_layer"), "options": r.get("preset_options"),
+             "speed_ratio": {}, "ppl_delta": {}, "dominated_by": [], "dominates": []}
+        for ref in SPEED_REFS:
+            e["speed_ratio"][ref] = x / lad[ref]["decode_tok_s"] if ref in lad and x else None
+        for ref in PPL_REFS:
+            e["ppl_delta"][ref] = y - lad[ref]["ppl"] if ref in lad and y is not None else None
+        if x is not None and y is not None:
+            for s in statics:
+                sx, sy = _sp(s)
+                if sx >= x and sy <= y and (sx > x or sy < y):
+                    e["dominated_by"].append(s["label"])
+                elif sx <= x and sy >= y and (sx < x or sy > y):
+                    e["dominates"].append(s["label"])
+        out["presets"].append(e)
+    by_preset = {e["preset"]: e for e in out["presets"]}
+    for preset, speed_ref, ppl_ref in (TARGETS if by_preset else ()):
+        t = {"preset": preset, "speed_ref": speed_ref, "ppl_ref": ppl_ref, "met": None}
+        e = by_preset.get(preset)
+        missing = [q for q in (speed_ref, ppl_ref) if q not in lad]
+        if e is None:
+            t["why"] = f"no preset {preset!r} in this run"
+        elif missing:
+            t["why"] = f"{' and '.join(missing)} not in this model's ladder"
+        elif e["tok_s"] is None or e["ppl"] is None:
+            t["why"] = "not measured"
+        else:
+            t.update(tok_s=e["tok_s"], ppl=e["ppl"], ref_tok_s=lad[speed_ref]["decode_tok_s"],
+                     ref_ppl=lad[ppl_ref]["ppl"], speed_ratio=e["tok_s"] / lad[speed_ref]["decode_tok_s"])
+            t["fast_enough"] = e["tok_s"] >= lad[speed_ref]["decode_tok_s"]
+            t["better"] = e["ppl"] < lad[ppl_ref]["ppl"]
+            t["met"] = t["fast_enough"] and t["better"]
+        if speed_ref in lad and ppl_ref in lad:
+            # Every other measured row that clears the same bar (a setting a preset could be).
+            t["bar_cleared_by"] = [
+                (f"{r['label']} (llama.cpp)" if r["kind"] in ("ladder", "control") else f"{r['setup']}: {r['label']}")
+                for r in rows if r["kind"] not in ("shuffle", "preset") and all(v is not None for v in _sp(r))
+                and _sp(r)[0] >= lad[speed_ref]["decode_tok_s"] and _sp(r)[1] < lad[ppl_ref]["ppl"]]
+        out["targets"].append(t)
+    # Dynamic exit (with a tail) vs the static tail settings, at equal measured speed: against the
+    # static hybrids in stock llama.cpp (what a user would build) and against the same static
+    # settings run by river_gguf (river-only + tail rows of the same setup: the method alone).
+    # Only for the River GGUF's setups: the controls are made from that file's river.
+    controls = [r for r in rows if r["kind"] == "control"]
+    on_file = {s["name"] for s in report.get("setups", ()) if s["backbone"] == RIVER_GGUF}
+    for setup in dict.fromkeys(r["setup"] for r in rows if r["kind"] in ("river", "preset")):
+        if setup not in on_file:
+            continue
+        cand = [r for r in rows if r["setup"] == setup and r["kind"] in ("river", "preset")]
+        engine_static = [r for r in rows if r["setup"] == setup and r["kind"] == "river-only"]
+        res = {}
+        for key, static in (("llama.cpp", controls), ("river_gguf", engine_static)):
+            if len(static) < 2 or not cand:
+                continue
+            cmp = [_vs_static(r, static) for r in cand]
+            dyn = [c for c in cmp if c["dynamic"] and c.get("delta_ppl") is not None]
+            decided = [c for c in cmp if c["dynamic"] and c.get("wins") is not None]
+            summary = {"compared": len(dyn), "wins": sum(1 for c in dyn if c["wins"]),
+                       "decided": len(decided), "decided_wins": sum(1 for c in decided if c["wins"])}
+            if dyn:
+                best = min(dyn, key=lambda c: c["delta_ppl"])
+                summary.update(best_label=best["label"], best_delta_ppl=best["delta_ppl"], best_tok_s=best["tok_s"],
+                               mean_delta_ppl=float(np.mean([c["delta_ppl"] for c in dyn])))
+            res[key] = {"static": [s["label"] for s in static], "rows": cmp, "summary": summary}
+        if res:
+            out["dynamic_vs_static"][setup] = res
+    # Consistency: a river-only (+ tail) row on the River GGUF computes exactly its control hybrid.
+    for r in rows:
+        if r["kind"] != "river-only" or r["tail"] is None:
+            continue
+        c = next((x for x in controls if x["tail"] == r["tail"]), None)
+        if c is not None and r["setup"] in on_file and c["overall"].get("ppl") and r["overall"].get("ppl"):
+            out["consistency"].append({"row": f"{r['setup']}: {r['label']}", "control": c["label"],
+                                       "ppl": r["overall"]["ppl"], "control_ppl": c["overall"]["ppl"],
+                                       "same_ppl": abs(r["overall"]["ppl"] - c["overall"]["ppl"]) < 1e-9,
+                                       "tok_s": r["overall"].get("decode_tok_s"),
+                                       "control_tok_s": c["overall"].get("decode_tok_s")})
     # Sanity (what --quick asserts).
     for s in sorted({r["setup"] for r in rows if r["kind"] == "backbone"}):
         b = next(r for r in rows if r["setup"] == s and r["kind"] == "backbone")
-        ro = next((r for r in rows if r["setup"] == s and r["kind"] == "river-only"), None)
+        ro = next((r for r in rows if r["setup"] == s and r["kind"] == "river-only" and not r.get("tail")), None)
         if ro is not None:
             out["sanity"][f"{s}: backbone ppl < river-only ppl"] = {
                 d: b["domains"][d]["ppl"] < ro["domains"][d]["ppl"] for d in b["domains"]}
@@ -615,6 +977,23 @@ def _f(x, fmt="{:.3f}"):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
+def _opts_text(o: Optional[dict]) -> str:
+    if not o:
+        return "-"
+    mode = o.get("mode", "river")
+    if o.get("exit_layer") is not None:
+        s = f"exit@{o['exit_layer']}"
+    elif mode == "river":
+        s = f"tau={o.get('threshold')}" + (f" min_exit={o['min_exit_layer']}" if o.get("min_exit_layer") else "")
+    else:
+        s = mode
+    return s + f" tail={o.get('tail', 0)}" + ("" if o.get("river_head", True) else " backbone head")
+
+
+def _pct(x):
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
 def markdown(report: dict) -> str:
     doms = list(report["domains"])
     head = ["setup", "config", "tok/s", "ppl"] + [f"ppl {d}" for d in doms] + \
@@ -622,14 +1001,79 @@ def markdown(report: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["rows"]:
         o = r["overall"]
-        cells = [r["setup"], r["label"] + (" (llama.cpp)" if r["kind"] == "ladder" else ""),
-                 _f(o.get("decode_tok_s"), "{:.1f}"), _f(o.get("ppl"))]
+        label = r["label"] + (" (llama.cpp)" if r.get("engine") == "llama.cpp" or r["kind"] == "ladder" else "")
+        if r["kind"] == "preset":
+            label = f"**{r['label']}** ({_opts_text(r.get('preset_options'))})"
+        cells = [r["setup"], label, _f(o.get("decode_tok_s"), "{:.1f}"), _f(o.get("ppl"))]
         cells += [_f(r["domains"][d].get("ppl")) for d in doms]
         cells += [_f(o.get("mean_exit_layer"), "{:.1f}"), _f(o.get("agreement"), "{:.2f}"),
                   _f(o.get("agreement_prefix"), "{:.1f}")]
         lines.append("| " + " | ".join(cells) + " |")
     a = report["analysis"]
     out = ["\n".join(lines), ""]
+    if a.get("presets"):
+        out.append("Presets against the ladder (tok/s ratios and ppl differences measured in this run):\n")
+        out.append("| preset | tok/s | ppl | tok/s vs " + " | tok/s vs ".join(SPEED_REFS) + " | ppl vs "
+                   + " | ppl vs ".join(PPL_REFS) + " | dominated by | dominates |")
+        out.append("|" + "---|" * (5 + len(SPEED_REFS) + len(PPL_REFS)))
+        for e in a["presets"]:
+            cells = [e["preset"], _f(e["tok_s"], "{:.1f}"), _f(e["ppl"])]
+            cells += [_f(e["speed_ratio"].get(q), "{:.2f}x") for q in SPEED_REFS]
+            cells += [_f(e["ppl_delta"].get(q), "{:+.3f}") for q in PPL_REFS]
+            cells += [", ".join(e["dominated_by"]) or "none", ", ".join(e["dominates"]) or "none"]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    for t in a.get("targets", ()):
+        goal = (f"`{t['preset']}` at least as fast as {t['speed_ref']} with lower ppl than {t['ppl_ref']}")
+        also = t.get("bar_cleared_by")
+        also = (f" Other rows of this run that clear the same bar: {', '.join(also)}." if also else
+                " No other row of this run clears the same bar." if also is not None else "")
+        if t["met"] is None:
+            out.append(f"- Target {goal}: **n/a** ({t['why']}).{also}")
+        else:
+            out.append(
+                f"- Target {goal}: **{'met' if t['met'] else 'not met'}**: {t['tok_s']:.1f} vs {t['ref_tok_s']:.1f} "
+                f"tok/s ({t['speed_ratio']:.2f}x, {'ok' if t['fast_enough'] else 'slower'}"
+                f"{'' if t['fast_enough'] or t['speed_ratio'] < 0.95 else ', within 5%: inside the timing noise'}"
+                f"), ppl {t['ppl']:.3f} vs "
+                f"{t['ref_ppl']:.3f} ({'lower' if t['better'] else 'not lower'}).{also}")
+    if a.get("targets"):
+        out.append("")
+    for setup, res in a.get("dynamic_vs_static", {}).items():
+        for key, v in res.items():
+            what = ("the static imatrix Q4_0 (+ F16 tail) hybrids in stock llama.cpp" if key == "llama.cpp"
+                    else "the same static settings (river-only + tail) on river_gguf")
+            out.append(f"Dynamic exit ({setup}) vs {what} ({', '.join(v['static'])}), "
+                       "static ppl interpolated at the row's measured speed:\n")
+            out.append("| row | tok/s | ppl | static ppl at that speed | Δ ppl | dynamic beats static |\n"
+                       "|---|---|---|---|---|---|")
+            for c in v["rows"]:
+                if c.get("static_ppl_at_speed") is not None:
+                    st, d = _f(c["static_ppl_at_speed"]), _f(c["delta_ppl"], "{:+.3f}")
+                else:
+                    st, d = c.get("outside", "-"), _f(c.get("delta_ppl_vs_fastest", c.get("delta_ppl_vs_best_faster")),
+                                                      "{:+.3f}")
+                w = {True: "yes", False: "no", None: "-"}[c.get("wins")]
+                out.append(f"| {c['label']}{'' if c['dynamic'] else ' (static setting)'} | {_f(c['tok_s'], '{:.1f}')} | "
+                           f"{_f(c['ppl'])} | {st} | {d} | {w} |")
+            s = v["summary"]
+            if s["compared"]:
+                out.append(f"\n- Dynamic rows inside the static curve's speed range: {s['wins']} of {s['compared']} "
+                           f"beat it (lower ppl at the same speed). Best: {s['best_label']} ({s['best_tok_s']:.1f} "
+                           f"tok/s), Δ ppl {s['best_delta_ppl']:+.3f}; mean Δ ppl {s['mean_delta_ppl']:+.3f} "
+                           "(negative: dynamic better).")
+            else:
+                out.append("\n- No dynamic row falls inside the static curve's speed range.")
+            out.append(f"- Counting the rows outside that range too (lost: a faster static point also has a lower "
+                       f"ppl; won: faster than every static point and no worse than the fastest): "
+                       f"{s['decided_wins']} of {s['decided']} dynamic rows win.")
+            out.append("")
+    if a.get("consistency"):
+        same = all(c["same_ppl"] for c in a["consistency"])
+        out.append("Consistency: river-only (+ tail) rows on river_gguf vs their hybrid files "
+                   f"(ppl {'identical' if same else 'NOT identical'}; speed river_gguf / llama.cpp: "
+                   + ", ".join(f"{c['control']} {c['tok_s'] / c['control_tok_s']:.2f}x" for c in a["consistency"]
+                               if c.get("tok_s") and c.get("control_tok_s")) + ").\n")
     if a["shuffle"]:
         out.append("Shuffle control (same exit-layer histogram, depths assigned to tokens at random, "
                    f"seed {report['settings']['shuffle_seed']}, {report['settings']['shuffle_draws']} draws):\n")
@@ -640,20 +1084,24 @@ def markdown(report: dict) -> str:
                        f"{'yes' if s['cosine_beats_shuffle'] else 'no'} |")
         out.append("")
     for setup, v in a["vs_ladder"].items():
+        who = "static" if setup == "static" else "River"
+        name = "static imatrix Q4_0 (+ F16 tail) controls" if setup == "static" else setup
         if "q4_k_m" in v:
             q = v["q4_k_m"]
             y = q["river_ppl_at_speed"]
-            out.append(f"- {setup} at Q4_K_M's speed ({q['ladder_tok_s']:.1f} tok/s, ppl {q['ladder_ppl']:.3f}): "
-                       + (f"River ppl {y:.3f} -> {'River wins' if q['river_wins'] else 'Q4_K_M wins'}"
+            out.append(f"- {name} frontier at Q4_K_M's speed ({q['ladder_tok_s']:.1f} tok/s, ppl {q['ladder_ppl']:.3f}): "
+                       + (f"{who} ppl {y:.3f} -> {who + ' wins' if q['river_wins'] else 'Q4_K_M wins'}"
                           if y is not None else
-                          f"River never reaches that speed (max {q['river_max_tok_s']:.1f} tok/s) -> Q4_K_M wins"))
+                          f"no {who} point reaches that speed (max {q['river_max_tok_s']:.1f} tok/s) -> Q4_K_M wins"
+                          if q["river_max_tok_s"] < q["ladder_tok_s"] else
+                          f"every {who} point is faster (outside the frontier's range)"))
         if "q8_0" in v:
             q = v["q8_0"]
             b = q["river_best_tok_s_at_or_below_ppl"]
-            out.append(f"- {setup} at Q8_0's ppl ({q['ladder_ppl']:.3f}, {q['ladder_tok_s']:.1f} tok/s): "
-                       + (f"best River speed {b:.1f} tok/s -> {'River wins' if q['river_wins'] else 'Q8_0 wins'}"
+            out.append(f"- {name} frontier at Q8_0's ppl ({q['ladder_ppl']:.3f}, {q['ladder_tok_s']:.1f} tok/s): "
+                       + (f"best {who} speed {b:.1f} tok/s -> {who + ' wins' if q['river_wins'] else 'Q8_0 wins'}"
                           if b is not None else
-                          f"no River point reaches that ppl (best {q['river_min_ppl']:.3f}) -> Q8_0 wins"))
+                          f"no {who} point reaches that ppl (best {q['river_min_ppl']:.3f}) -> Q8_0 wins"))
     return "\n".join(out) + "\n"
 
 
@@ -663,29 +1111,60 @@ def pareto_plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 6))
+    fig, ax = plt.subplots(figsize=(10, 7))
     rows = report["rows"]
-    colors = ["tab:blue", "tab:orange", "tab:green", "tab:purple"]
-    for i, setup in enumerate(s for s in dict.fromkeys(r["setup"] for r in rows) if s != "ladder"):
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown"]
+    markers = {0: "o", 2: "^", 4: "s", 6: "D"}
+
+    def has(r):
+        return r["overall"].get("decode_tok_s") and r["overall"].get("ppl")
+
+    setups = [s for s in dict.fromkeys(r["setup"] for r in rows) if s not in ("ladder", "static")]
+    for i, setup in enumerate(setups):
         c = colors[i % len(colors)]
-        for kind, style, lab in (("river", "-o", "River tau"), ("fixed", "--s", "fixed exit")):
-            pts = sorted((r["overall"]["decode_tok_s"], r["overall"]["ppl"], r) for r in rows
-                         if r["setup"] == setup and r["kind"] == kind and r["overall"].get("decode_tok_s"))
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=c, ms=4, label=f"{setup} {lab}")
-                for x, y, r in pts:
-                    ax.annotate(f"{r['tau']:g}" if kind == "river" else str(r["exit_layer"]), (x, y), fontsize=6,
-                                xytext=(2, 2), textcoords="offset points", color=c)
-        sh = [(r["overall"]["decode_tok_s"], r["overall"]["ppl"]) for r in rows
-              if r["setup"] == setup and r["kind"] == "shuffle" and r["overall"].get("decode_tok_s")]
+        mine = [r for r in rows if r["setup"] == setup and has(r)]
+        for t in sorted({r.get("tail") or 0 for r in mine if r["kind"] == "river"}):
+            pts = sorted((r["overall"]["decode_tok_s"], r["overall"]["ppl"], r) for r in mine
+                         if r["kind"] == "river" and (r.get("tail") or 0) == t)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "-" + markers.get(t, "o"), color=c, ms=4,
+                    label=f"{setup}: dynamic exit, tau sweep" + (f", tail {t}" if t else ""))
+            for x, y, r in pts:
+                ax.annotate(f"{r['tau']:g}", (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points", color=c)
+        pts = sorted((r["overall"]["decode_tok_s"], r["overall"]["ppl"], r) for r in mine if r["kind"] == "fixed")
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "--s", color=c, ms=4, label=f"{setup}: fixed exit")
+            for x, y, r in pts:
+                ax.annotate(str(r["exit_layer"]), (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points", color=c)
+        sh = [(r["overall"]["decode_tok_s"], r["overall"]["ppl"]) for r in mine if r["kind"] == "shuffle"]
         if sh:
-            ax.plot(*zip(*sh), "x", color=c, label=f"{setup} shuffled depths")
-        for kind, mk in (("backbone", "*"), ("river-only", "v")):
-            for r in rows:
-                if r["setup"] == setup and r["kind"] == kind and r["overall"].get("decode_tok_s"):
-                    ax.plot(r["overall"]["decode_tok_s"], r["overall"]["ppl"], mk, color=c, ms=9,
-                            label=f"{setup} {r['label']}")
-    lad = [r for r in rows if r["kind"] == "ladder" and r["overall"].get("decode_tok_s")]
+            ax.plot(*zip(*sh), "x", color=c, label=f"{setup}: shuffled depths")
+        ro = sorted((r["overall"]["decode_tok_s"], r["overall"]["ppl"], r) for r in mine if r["kind"] == "river-only")
+        if ro:
+            ax.plot([p[0] for p in ro], [p[1] for p in ro], ":v", color=c, ms=7,
+                    label=f"{setup}: river-only" + (" (+ tail, river_gguf)" if len(ro) > 1 else ""))
+            for x, y, r in ro:
+                if r.get("tail"):
+                    ax.annotate(f"t{r['tail']}", (x, y), fontsize=6, xytext=(2, -8), textcoords="offset points", color=c)
+        for r in mine:
+            if r["kind"] == "backbone":
+                ax.plot(r["overall"]["decode_tok_s"], r["overall"]["ppl"], "*", color=c, ms=9,
+                        label=f"{setup}: {r['label']} (river_gguf)")
+        for r in mine:
+            if r["kind"] == "preset":
+                x, y = r["overall"]["decode_tok_s"], r["overall"]["ppl"]
+                ax.plot(x, y, "*", color="tab:red", mec="black", ms=16, zorder=5)
+                ax.annotate(r["preset"], (x, y), fontsize=9, fontweight="bold", color="tab:red",
+                            xytext=(6, 4), textcoords="offset points", zorder=6)
+    if any(r["kind"] == "preset" and has(r) for r in rows):
+        ax.plot([], [], "*", color="tab:red", mec="black", ms=12, label="River GGUF presets (river_gguf)")
+    ctl = sorted((r["overall"]["decode_tok_s"], r["overall"]["ppl"], r) for r in rows if r["kind"] == "control" and has(r))
+    if ctl:
+        ax.plot([p[0] for p in ctl], [p[1] for p in ctl], "--P", color="0.45", ms=7,
+                label="static imatrix Q4_0 (+ F16 tail t) (llama.cpp)")
+        for x, y, r in ctl:
+            ax.annotate("imatrix Q4_0" if not r["tail"] else f"+tail {r['tail']}", (x, y), fontsize=7,
+                        color="0.3", xytext=(4, 4), textcoords="offset points")
+    lad = [r for r in rows if r["kind"] == "ladder" and has(r)]
     if lad:
         ax.plot([r["overall"]["decode_tok_s"] for r in lad], [r["overall"]["ppl"] for r in lad], "kD", ms=6,
                 label="static quant (llama.cpp)")
@@ -717,11 +1196,14 @@ def write_outputs(report: dict, out_dir: str, preamble: str = "") -> Dict[str, s
 def main(argv=None) -> int:
     import argparse
 
+    from . import model_zoo
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=model_zoo.names())
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    s = quick_settings() if a.quick else full_settings()
+    s = quick_settings(a.model) if a.quick else full_settings(a.model)
     rep = run_eval(s)
     print(markdown(rep))
     if a.out:

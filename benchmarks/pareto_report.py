@@ -91,6 +91,24 @@ def _preset_lines(info) -> str:
     return "\n".join(out)
 
 
+def preamble(rep: dict) -> str:
+    """The report's header, from the report itself (so --rerender can rebuild it)."""
+    info = rep.get("river_gguf") or {}
+    md = info.get("metadata", {})
+    st = rep["settings"]
+    notes = "".join(f"- **Note**: {n}\n" for n in rep.get("notes", ()))
+    return PREAMBLE.format(
+        title=rep["model"], command=rep["command"], seconds=rep["seconds"], file_seconds=rep["file_seconds"],
+        threads=rep["threads"], score_items=st["score_items"], score_tokens=st["score_tokens"],
+        prompt_tokens=st["prompt_tokens"], gen_items=st["gen_items"], gen_tokens=st["gen_tokens"],
+        last=rep["n_layer"] - 1, river_file=info.get("file"), river_type=md.get("river.type"),
+        imatrix=md.get("river.imatrix", "none"),
+        tau=f"{md['river.threshold']:.4f}" if "river.threshold" in md else "-",
+        tau_source=md.get("river.threshold_source", "-"), preset_lines=_preset_lines(info),
+        plain_note=PLAIN_NOTES[rep["plain_sweep"]], caveat=CAVEATS.get(rep["model_name"], "none.")
+    ).rstrip("\n") + "\n" + notes + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=evaluate.DEFAULT_MODEL, choices=model_zoo.names())
@@ -104,6 +122,8 @@ def main(argv=None) -> int:
                     help="the plain F16+Q4_0 river's sweep: full (the earlier report's), trim or none "
                          "(default: full for smollm2, trim for qwen2.5-coder-0.5b)")
     ap.add_argument("--rebuild-river", action="store_true", help="build the default River GGUF again")
+    ap.add_argument("--note", action="append", default=None, metavar="TEXT",
+                    help="a note for the report's header (repeatable; with --rerender it replaces the notes)")
     ap.add_argument("--rerender", action="store_true",
                     help="measure nothing: redo the analysis, report.md and pareto.png from OUT/report.json")
     a = ap.parse_args(argv)
@@ -111,11 +131,14 @@ def main(argv=None) -> int:
     if a.rerender:
         with open(os.path.join(out_dir, "report.json"), encoding="utf-8") as f:
             rep = json.load(f)
+        if a.note is not None:
+            rep["notes"] = a.note
         rep["analysis"] = evaluate.analyse(rep)
-        paths = evaluate.write_outputs(rep, out_dir, preamble=rep.get("preamble", ""))
+        paths = evaluate.write_outputs(rep, out_dir, preamble=preamble(rep))
         print("rewrote " + ", ".join(paths.values()), file=sys.stderr)
         return 0
-    s = evaluate.full_settings(a.model, plain_sweep=a.plain_sweep)
+    plain_sweep = a.plain_sweep or evaluate.PLAIN_SWEEP_DEFAULT[a.model]
+    s = evaluate.full_settings(a.model, plain_sweep=plain_sweep)
     s.n_threads = a.threads
     s.rebuild_river = a.rebuild_river
     for attr, v in (("score_items", a.items), ("score_tokens", a.tokens), ("gen_items", a.gen_items),
@@ -124,20 +147,11 @@ def main(argv=None) -> int:
             setattr(s, attr, v)
     t0 = time.time()
     rep = evaluate.run_eval(s)
-    info = rep.get("river_gguf") or {}
-    md = info.get("metadata", {})
-    cmd = "RIVER_GGUF_CACHE=.cache/test PYTHONPATH=python python benchmarks/pareto_report.py " + \
-        " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
-    pre = PREAMBLE.format(
-        title=rep["model"], command=cmd.strip(), seconds=rep["seconds"], file_seconds=rep["file_seconds"],
-        threads=s.n_threads, score_items=s.score_items, score_tokens=s.score_tokens, prompt_tokens=s.prompt_tokens,
-        gen_items=s.gen_items, gen_tokens=s.gen_tokens, last=rep["n_layer"] - 1, river_file=info.get("file"),
-        river_type=md.get("river.type"), imatrix=md.get("river.imatrix", "none"),
-        tau=f"{md['river.threshold']:.4f}" if "river.threshold" in md else "-",
-        tau_source=md.get("river.threshold_source", "-"), preset_lines=_preset_lines(info),
-        plain_note=PLAIN_NOTES[a.plain_sweep or evaluate.PLAIN_SWEEP_DEFAULT[rep["model_name"]]], caveat=CAVEATS.get(rep["model_name"], "none."))
-    rep["preamble"] = pre
-    paths = evaluate.write_outputs(rep, out_dir, preamble=pre)
+    rep["command"] = ("RIVER_GGUF_CACHE=.cache/test PYTHONPATH=python python benchmarks/pareto_report.py " + " ".join(
+        shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))).strip()
+    rep["plain_sweep"] = plain_sweep
+    rep["notes"] = a.note or []
+    paths = evaluate.write_outputs(rep, out_dir, preamble=preamble(rep))
     print(evaluate.markdown(rep))
     print("wrote " + ", ".join(paths.values()) + f" ({time.time() - t0:.0f} s)", file=sys.stderr)
     return 0

@@ -1045,7 +1045,7 @@ def markdown(report: dict) -> str:
                     else "the same static settings (river-only + tail) on river_gguf")
             out.append(f"Dynamic exit ({setup}) vs {what} ({', '.join(v['static'])}), "
                        "static ppl interpolated at the row's measured speed:\n")
-            out.append("| row | tok/s | ppl | static ppl at that speed | Δ ppl | dynamic beats static |\n"
+            out.append("| row | tok/s | ppl | static ppl at that speed | Δ ppl | beats the static curve |\n"
                        "|---|---|---|---|---|---|")
             for c in v["rows"]:
                 if c.get("static_ppl_at_speed") is not None:

@@ -1149,12 +1149,19 @@ def pareto_plot(report: dict, path: str) -> None:
             if r["kind"] == "backbone":
                 ax.plot(r["overall"]["decode_tok_s"], r["overall"]["ppl"], "*", color=c, ms=9,
                         label=f"{setup}: {r['label']} (river_gguf)")
+        # Presets with the same options are one setting timed twice: one label for the group.
+        groups: Dict[str, list] = {}
         for r in mine:
             if r["kind"] == "preset":
-                x, y = r["overall"]["decode_tok_s"], r["overall"]["ppl"]
-                ax.plot(x, y, "*", color="tab:red", mec="black", ms=16, zorder=5)
-                ax.annotate(r["preset"], (x, y), fontsize=9, fontweight="bold", color="tab:red",
-                            xytext=(6, 4), textcoords="offset points", zorder=6)
+                groups.setdefault(json.dumps(r.get("preset_options") or r["preset"], sort_keys=True), []).append(r)
+        for grp in groups.values():
+            for r in grp:
+                ax.plot(r["overall"]["decode_tok_s"], r["overall"]["ppl"], "*", color="tab:red", mec="black", ms=16,
+                        zorder=5)
+            r = grp[0]
+            ax.annotate(" = ".join(x["preset"] for x in grp), (r["overall"]["decode_tok_s"], r["overall"]["ppl"]),
+                        fontsize=9, fontweight="bold", color="tab:red", xytext=(6, 4), textcoords="offset points",
+                        zorder=6)
     if any(r["kind"] == "preset" and has(r) for r in rows):
         ax.plot([], [], "*", color="tab:red", mec="black", ms=12, label="River GGUF presets (river_gguf)")
     ctl = sorted((r["overall"]["decode_tok_s"], r["overall"]["ppl"], r) for r in rows if r["kind"] == "control" and has(r))
@@ -1171,7 +1178,8 @@ def pareto_plot(report: dict, path: str) -> None:
         for r in lad:
             ax.annotate(r["label"], (r["overall"]["decode_tok_s"], r["overall"]["ppl"]), fontsize=8,
                         xytext=(4, -8), textcoords="offset points")
-    ax.set_xlabel("decode tok/s (greedy, batch 1, %d threads)" % report["threads"])
+    n = report["threads"]
+    ax.set_xlabel(f"decode tok/s (greedy, batch 1, {n} thread{'' if n == 1 else 's'})")
     ax.set_ylabel("perplexity (teacher-forced through the decode path, %s)" % " + ".join(report["domains"]))
     ax.set_title(f"{report['model']}: River early exit vs. static quants (lower right is better)")
     ax.grid(alpha=0.3)

@@ -3,15 +3,15 @@ stock llama.cpp through llama-cpp-python."""
 import os
 import pathlib
 
-import numpy as np
 import pytest
 
 # Derived files (F16, quants, rivers) are slow to make; keep them between runs.
 os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "test"))
 
-import llama_cpp  # noqa: E402
+import llama_cpp  # noqa: E402,F401
 
 from river_gguf.default_model import default_model_path, derived_model  # noqa: E402
+from river_gguf.testing import LlamaCppOracle, oracles  # noqa: E402
 
 PROSE = (
     "The river rose in the hills above the town. Every spring it carried snow water down past the mill, "
@@ -35,45 +35,13 @@ def q4_0_path():
     return derived_model("q4_0")
 
 
-class Oracle:
-    """llama.cpp on a GGUF, configured like the engine (F16 KV cache, flash attention)."""
-
-    def __init__(self, path, n_ctx=512):
-        self.llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_threads=2, n_threads_batch=2, logits_all=True,
-                                   flash_attn=True, verbose=False)
-
-    def logits(self, tokens):
-        self.llm.reset()
-        self.llm.eval(list(tokens))
-        return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
-
-    def greedy(self, tokens, n):
-        out = []
-        # Forget earlier evals: llama-cpp-python would otherwise reuse a cached prefix that was
-        # computed inside a longer batch, which is not the computation the engine repeats.
-        self.llm.reset()
-        for tok in self.llm.generate(list(tokens), temp=0.0, top_k=1, reset=True):
-            if self.llm.token_eos() == tok or len(out) >= n:
-                break
-            out.append(tok)
-        return out
-
-    def close(self):
-        self.llm.close()
+Oracle = LlamaCppOracle  # tests import it by this name
 
 
 @pytest.fixture
 def oracle_factory():
-    made = []
-
-    def make(path, n_ctx=512):
-        o = Oracle(path, n_ctx)
-        made.append(o)
-        return o
-
-    yield make
-    for o in made:
-        o.close()
+    with oracles() as make:
+        yield make
 
 
 @pytest.fixture(scope="session")

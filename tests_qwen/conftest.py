@@ -6,15 +6,15 @@ run with scripts/test_qwen.sh."""
 import os
 import pathlib
 
-import numpy as np
 import pytest
 
 # The same cache as tests/: derived files are slow to make, keep them between runs.
 os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "test"))
 
-import llama_cpp  # noqa: E402
+import llama_cpp  # noqa: E402,F401
 
 from river_gguf import model_zoo  # noqa: E402
+from river_gguf.testing import oracles  # noqa: E402
 
 QWEN = "qwen2.5-coder-0.5b"
 
@@ -47,41 +47,8 @@ def qwen_river(qwen_f16):
     return str(dst)
 
 
-class Oracle:
-    """llama.cpp on a GGUF, set up like the engine: F16 KV cache (the default), flash attention."""
-
-    def __init__(self, path, n_ctx=512):
-        self.llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_threads=2, n_threads_batch=2, logits_all=True,
-                                   flash_attn=True, verbose=False)
-
-    def logits(self, tokens):
-        self.llm.reset()
-        self.llm.eval(list(tokens))
-        return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
-
-    def greedy(self, tokens, n):
-        # reset: llama-cpp-python would otherwise reuse a prefix computed inside a longer batch,
-        # which is not the computation the engine repeats step by step.
-        self.llm.reset()
-        out = []
-        for tok in self.llm.generate(list(tokens), temp=0.0, top_k=1, reset=True):
-            if llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, tok) or len(out) >= n:
-                break
-            out.append(tok)
-        return out
-
-    def close(self):
-        self.llm.close()
-
-
 @pytest.fixture
 def oracle_factory():
-    made = []
-
-    def make(path, n_ctx=512):
-        made.append(Oracle(path, n_ctx))
-        return made[-1]
-
-    yield make
-    for o in made:
-        o.close()
+    # Qwen's chat turns end on <|im_end|>, not on its EOS token.
+    with oracles(stop_at_any_eog=True) as make:
+        yield make

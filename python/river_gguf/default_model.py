@@ -56,8 +56,13 @@ def derived_model(kind: str) -> str:
     kind = kind.lower()
     if kind not in DERIVED_KINDS:
         raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(DERIVED_KINDS)}")
-    src = default_model_path()
-    stem = _FILENAME.removesuffix(".Q4_1.gguf")
+    return build_derived(default_model_path(), _FILENAME.removesuffix(".Q4_1.gguf"), kind,
+                         lambda: derived_model("f16"))
+
+
+def build_derived(src: str, stem: str, kind: str, f16_path, progress: bool = False) -> str:
+    """The cached file ``{stem}.{source tag}.{kind}.gguf`` derived from ``src``, built once: "f16"
+    written from the source, other kinds quantized by llama.cpp from ``f16_path()``."""
     dst = cache_dir() / f"{stem}.{_source_tag(src)}.{kind}.gguf"
     if dst.is_file():
         return str(dst)
@@ -65,9 +70,9 @@ def derived_model(kind: str) -> str:
     from . import gguf_io  # lazy: pulls in gguf/numpy (and llama_cpp for quantizing)
 
     if kind == "f16":
-        gguf_io.write_f16(src, dst, progress=False)
+        gguf_io.write_f16(src, dst, progress=progress)
     else:
-        gguf_io.quantize(derived_model("f16"), dst, kind, n_threads=max(1, min(4, os.cpu_count() or 1)))
+        gguf_io.quantize(f16_path(), dst, kind, n_threads=max(1, min(4, os.cpu_count() or 1)))
     return str(dst)
 
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import os
 import pathlib
 import re
 import subprocess
@@ -61,7 +60,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import default_model
-from .default_model import _source_tag, cache_dir
+from .default_model import cache_dir
 
 # The ladder evaluate.py's Pareto report walks for SmolLM2; each model drops from it the types
 # that rebuild its source grid (see the module docstring).
@@ -263,20 +262,9 @@ def derived(name: str, kind: str, progress: bool = True) -> str:
         return default_model.derived_model(kind)  # the default model's own cache and naming
 
     src = source_path(name, progress=progress)
-    # Same naming as derived_model: the source tag changes when the source file is replaced.
-    dst = cache_dir() / f"{m.stem}.{_source_tag(src)}.{kind}.gguf"
-    if dst.is_file():
-        return str(dst)
-
-    from . import gguf_io  # lazy: pulls in gguf/numpy (and llama_cpp for quantizing)
-
-    if kind == "f16":
-        gguf_io.write_f16(src, dst, progress=progress)
-    else:
-        f16 = derived(name, "f16", progress=progress)
-        with _quiet_llama_cpp():
-            gguf_io.quantize(f16, dst, kind, n_threads=max(1, min(4, os.cpu_count() or 1)))
-    return str(dst)
+    with _quiet_llama_cpp():
+        return default_model.build_derived(src, m.stem, kind, lambda: derived(name, "f16", progress=progress),
+                                           progress=progress)
 
 
 @contextlib.contextmanager

@@ -204,8 +204,9 @@ def calibrate_presets(model, items=None, score_tokens: int = 96, progress: bool 
 
     Perplexity is teacher-forced through the decode path (evaluate.score_items); river-only
     settings, whose tokens all run the same layers, are scored in one batched pass per item. Cost is the
-    weight bytes per decode step (step_bytes), which orders settings by speed without the noise
-    of a timed run. Returns {"presets", "rows", "backbone_ppl", "river_only_cost", ...}."""
+    weight bytes per decode step (step_bytes); a setting's speed is predicted from its bytes by a
+    line fitted to this machine's timed river-only and backbone decode (step_time_model), so
+    only two settings are timed. Returns {"presets", "rows", "backbone_ppl", "river_only_cost", ...}."""
     from tqdm import tqdm
 
     from . import evaluate

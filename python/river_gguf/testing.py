@@ -158,3 +158,59 @@ def truncate_copy(src: str | os.PathLike, dst: str | os.PathLike, keep_fraction:
             fo.write(chunk)
             left -= len(chunk)
     return os.fspath(dst)
+
+
+class LlamaCppOracle:
+    """Stock llama.cpp (llama-cpp-python) on a GGUF, set up like the engine: F16 KV cache (the
+    default), flash attention, 2 threads. The tests' reference for logits and greedy text.
+
+    stop_at_any_eog: greedy() stops at any end-of-generation token (llama_vocab_is_eog), not only
+    at the EOS token; models whose chat turns end on another token (Qwen) need it."""
+
+    def __init__(self, path, n_ctx: int = 512, stop_at_any_eog: bool = False):
+        import llama_cpp
+
+        self._llama_cpp = llama_cpp
+        self.llm = llama_cpp.Llama(os.fspath(path), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, logits_all=True,
+                                   flash_attn=True, verbose=False)
+        self.stop_at_any_eog = stop_at_any_eog
+
+    def logits(self, tokens):
+        self.llm.reset()
+        self.llm.eval(list(tokens))
+        return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
+
+    def _stops(self, tok) -> bool:
+        if self.stop_at_any_eog:
+            return bool(self._llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, tok))
+        return tok == self.llm.token_eos()
+
+    def greedy(self, tokens, n):
+        # reset: llama-cpp-python would otherwise reuse a cached prefix computed inside a longer
+        # batch, which is not the computation the engine repeats step by step.
+        self.llm.reset()
+        out = []
+        for tok in self.llm.generate(list(tokens), temp=0.0, top_k=1, reset=True):
+            if self._stops(tok) or len(out) >= n:
+                break
+            out.append(tok)
+        return out
+
+    def close(self):
+        self.llm.close()
+
+
+@contextlib.contextmanager
+def oracles(**kw):
+    """A factory make(path, n_ctx=512) of LlamaCppOracle, closing every oracle it made on exit."""
+    made = []
+
+    def make(path, n_ctx=512):
+        made.append(LlamaCppOracle(path, n_ctx, **kw))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for o in made:
+            o.close()

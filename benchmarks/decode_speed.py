@@ -50,49 +50,40 @@ class RiverSide:
 
     def decode(self, toks, n, trace=False):
         _, tok = self.prefill(toks)
-        out = []
-        t0 = time.perf_counter()
+        out, secs = [], 0.0
         for _ in range(n):
+            t0 = time.perf_counter()  # the engine's eval alone, as llama_decode alone below
             logits, _, _ = self.e.eval([tok], trace=trace, **self.step_args)
+            secs += time.perf_counter() - t0
             tok = int(np.argmax(logits[-1]))
             out.append(tok)
-        return time.perf_counter() - t0, out
+        return secs, out
 
 
 class LlamaSide:
     name = "llama.cpp"
 
     def __init__(self, path, threads):
-        import llama_cpp
+        from river_gguf.llama_decode import LlamaDecoder
 
-        self.llm = llama_cpp.Llama(path, n_threads=threads, n_threads_batch=threads, flash_attn=True,
-                                   n_ctx=N_CTX, verbose=False)
-        self.n_vocab = self.llm.n_vocab()
-
-    def _argmax_last(self):
-        # Copy the row like river_gguf's eval does, so both sides pay for the same readback.
-        row = np.array(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,)))
-        return int(np.argmax(row))
+        self.dec = LlamaDecoder(path, N_CTX, threads)
 
     def prefill(self, toks):
-        self.llm.reset()
-        t0 = time.perf_counter()
-        self.llm.eval(toks)
-        tok = self._argmax_last()
-        return time.perf_counter() - t0, tok
+        self.dec.reset()
+        secs = self.dec.decode(toks)
+        return secs, int(np.argmax(self.dec.last_logits()))
 
     def decode(self, toks, n):
         _, tok = self.prefill(toks)
-        out = []
-        t0 = time.perf_counter()
+        out, secs = [], 0.0
         for _ in range(n):
-            self.llm.eval([tok])
-            tok = self._argmax_last()
+            secs += self.dec.decode([tok])
+            tok = int(np.argmax(self.dec.last_logits()))
             out.append(tok)
-        return time.perf_counter() - t0, out
+        return secs, out
 
     def close(self):
-        self.llm.close()
+        self.dec.close()
 
 
 def prompt_tokens(river_side):

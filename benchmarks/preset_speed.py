@@ -5,8 +5,8 @@ fraction of the speed their weight bytes predict.
 
 The River GGUF is the one `river-gguf convert` makes with its defaults (evaluate.default_river_gguf).
 Each configuration decodes `--tokens` greedy tokens after the same prompt, never stopping at EOS;
-river_gguf's engine loop and llama.cpp's `eval` are timed alone (no Python-side sampling beyond an
-argmax on both sides), flash attention on both sides, configurations interleaved, median of
+only river_gguf's engine eval and llama.cpp's `llama_decode` are timed (no Python-side sampling or
+batch filling on either side), flash attention on both sides, configurations interleaved, median of
 `--repeats`. "Predicted" is a line t = a + b * bytes through llama.cpp's own (F16 bytes, F16 time)
 and (Q4_0 bytes, Q4_0 time) points, evaluated at the weight bytes a River step reads
 (presets.step_bytes, averaged over the run's exit layers).
@@ -26,6 +26,7 @@ except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from river_gguf import Model, evaluate, model_zoo, presets  # noqa: E402
+from river_gguf.llama_decode import LlamaDecoder  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 N_CTX = 1024
@@ -42,33 +43,24 @@ class RiverRun:
         e.truncate(0)
         logits, _, _ = e.eval(self.toks, **o.engine_args(prompt=True))
         step = o.engine_args(prompt=False)
-        exits, t0 = [], time.perf_counter()
+        exits, secs = [], 0.0
         for _ in range(n):
-            logits, exit_layer, _ = e.eval([int(np.argmax(logits[-1]))], **step)
+            tok = int(np.argmax(logits[-1]))
+            t0 = time.perf_counter()  # the engine's eval alone, as llama_decode alone below
+            logits, exit_layer, _ = e.eval([tok], **step)
+            secs += time.perf_counter() - t0
             exits.append(exit_layer if o.mode != "river-only" else -1)
-        return n / (time.perf_counter() - t0), exits
+        return n / secs, exits
 
 
 class LlamaRun:
     def __init__(self, path, threads):
-        import llama_cpp
-
-        self.llm = llama_cpp.Llama(path, n_threads=threads, n_threads_batch=threads, flash_attn=True, n_ctx=N_CTX,
-                                   verbose=False)
-        self.toks = self.llm.tokenize(PROMPT.encode())
-        self.n_vocab = self.llm.n_vocab()
-        self.path = path
+        self.dec = LlamaDecoder(path, N_CTX, threads)
+        self.toks = self.dec.tokenize(PROMPT)
 
     def decode(self, n, _preset=None):
-        self.llm.reset()
-        self.llm.eval(self.toks)
-        t = 0.0
-        for _ in range(n):
-            tok = int(np.argmax(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))))
-            t0 = time.perf_counter()
-            self.llm.eval([tok])
-            t += time.perf_counter() - t0
-        return n / t, None
+        _, steps, secs = self.dec.greedy(self.toks, n + 1, stop_at_eog=False)
+        return steps / secs, None
 
 
 def main(argv=None) -> int:

@@ -69,36 +69,26 @@ class RiverRun:
         e.truncate(0)
         logits, exit_layer, _ = e.eval(self.toks, **o.engine_args(prompt=True))
         step = o.engine_args(prompt=False)
-        exits = []
-        t0 = time.perf_counter()
+        exits, secs = [], 0.0
         for _ in range(n - 1):
-            logits, exit_layer, _ = e.eval([int(np.argmax(logits[-1]))], **step)
+            tok = int(np.argmax(logits[-1]))
+            t0 = time.perf_counter()  # the engine's eval alone, as llama_decode alone below
+            logits, exit_layer, _ = e.eval([tok], **step)
+            secs += time.perf_counter() - t0
             exits.append(exit_layer)
-        return (n - 1) / (time.perf_counter() - t0), exits
+        return (n - 1) / secs, exits
 
 
 class LlamaRun:
     def __init__(self, path, threads):
-        import llama_cpp
+        from river_gguf.llama_decode import LlamaDecoder
 
-        self.llm = llama_cpp.Llama(path, n_threads=threads, n_threads_batch=threads, flash_attn=True,
-                                   n_ctx=N_CTX, verbose=False)
-        self.toks = self.llm.tokenize(PROMPT.encode())
-        self.n_vocab = self.llm.n_vocab()
+        self.dec = LlamaDecoder(path, N_CTX, threads)
+        self.toks = self.dec.tokenize(PROMPT)
 
     def decode(self, n, **_):
-        self.llm.reset()
-        self.llm.eval(self.toks)
-        t0, steps = None, 0
-        for _ in range(n):
-            row = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))
-            tok = int(np.argmax(row))
-            if t0 is None:
-                t0 = time.perf_counter()  # time decode steps only, like river_gguf's stats
-            else:
-                steps += 1
-            self.llm.eval([tok])
-        return steps / (time.perf_counter() - t0), None
+        _, steps, secs = self.dec.greedy(self.toks, n, stop_at_eog=False)
+        return steps / secs, None
 
 
 def main(argv=None):

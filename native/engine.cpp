@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <set>
 
 #include "errors.h"
 #include "ggml-alloc.h"
@@ -126,19 +127,40 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
     if (cfg.repack) {
         // CPU mat-mul weights go to the first extra buffer type that takes them (repacked
         // Q4_0/Q8_0/... layouts), where the CPU kernels read them faster than from the mapping.
-        std::vector<ggml_tensor**> cpu_matmuls;
+        // They are copied there anyway, so Q/K/V and gate/up are joined on the way (cfg.fuse).
+        std::vector<LayerWeights*> cpu_layers;
         for (int il = 0; il < first_gpu; ++il) {
-            for (auto s : matmul_slots(backbone_.layers[il])) cpu_matmuls.push_back(s);
-            if (river_) for (auto s : matmul_slots(river_->layers[il])) cpu_matmuls.push_back(s);
+            cpu_layers.push_back(&backbone_.layers[il]);
+            if (river_) cpu_layers.push_back(&river_->layers[il]);
         }
+        std::vector<ggml_tensor**> cpu_matmuls;
+        for (LayerWeights* w : cpu_layers) for (auto s : matmul_slots(*w)) cpu_matmuls.push_back(s);
         if (!head_on_gpu) cpu_matmuls.insert(cpu_matmuls.end(), heads.begin(), heads.end());
         ggml_backend_dev_t cpu_dev = ggml_backend_get_device(cpu_);
         for (ggml_backend_buffer_type_t buft : cpu_extra_buffer_types()) {
+            std::vector<DeviceWeights::Concat> concats;
+            std::set<ggml_tensor**> joined;
+            auto join = [&](std::vector<ggml_tensor**> parts, ggml_tensor** target, const char* what) {
+                std::vector<ggml_tensor*> ts;
+                for (auto p : parts) ts.push_back(*p);
+                if (*target || !concat_supported(cpu_dev, buft, ts)) return;
+                concats.push_back({ts, target, std::string(ggml_get_name(ts[0])) + what});
+                joined.insert(parts.begin(), parts.end());
+            };
+            if (cfg.fuse) {
+                for (LayerWeights* w : cpu_layers) {
+                    join({&w->wq, &w->wk, &w->wv}, &w->wqkv, "+k+v");
+                    join({&w->ffn_gate, &w->ffn_up}, &w->ffn_gate_up, "+up");
+                }
+            }
             std::vector<ggml_tensor**> take, rest;
-            for (auto s : cpu_matmuls) (buft_supports_matmul(cpu_dev, buft, *s) ? take : rest).push_back(s);
-            if (!take.empty()) {
+            for (auto s : cpu_matmuls) {
+                if (joined.count(s)) continue;
+                (buft_supports_matmul(cpu_dev, buft, *s) ? take : rest).push_back(s);
+            }
+            if (!take.empty() || !concats.empty()) {
                 placed_weights_.push_back(std::make_unique<DeviceWeights>());
-                placed_weights_.back()->move(buft, take);
+                placed_weights_.back()->move(buft, take, concats);
             }
             cpu_matmuls.swap(rest);
         }

@@ -24,6 +24,7 @@ struct EngineConfig {
     int n_gpu_layers = 0;        // the last n layers go to a GPU backend, when one exists
     bool repack = true;          // CPU mat-mul weights in the CPU's repacked buffer types, as llama.cpp does
     bool graph_reuse = true;     // keep single-token decode graphs (and their allocations) across steps
+    bool fuse = true;            // repacked layers: Q/K/V and gate/up as one mul_mat each (same logits)
 };
 
 enum class ExitMode {

@@ -31,9 +31,28 @@ ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HPara
 
     // Attention.
     ggml_tensor* x = rms_norm(ctx, h, w.attn_norm, hp.rms_eps);
-    ggml_tensor* q = ggml_reshape_3d(ctx, linear(ctx, w.wq, w.bq, x), hp.head_dim_k, hp.n_head, n);
-    ggml_tensor* k = ggml_reshape_3d(ctx, linear(ctx, w.wk, w.bk, x), hp.head_dim_k, hp.n_head_kv, n);
-    ggml_tensor* v = linear(ctx, w.wv, w.bv, x);
+    ggml_tensor *q, *k, *v;
+    const int64_t nq = int64_t(hp.n_head) * hp.head_dim_k, nk = hp.n_embd_k_gqa(), nv = hp.n_embd_v_gqa();
+    if (w.wqkv) {
+        // One mul_mat; Q, K and V are row ranges of its output.
+        ggml_tensor* qkv = ggml_mul_mat(ctx, w.wqkv, x);
+        const size_t es = ggml_element_size(qkv);
+        q = ggml_view_2d(ctx, qkv, nq, n, qkv->nb[1], 0);
+        k = ggml_view_2d(ctx, qkv, nk, n, qkv->nb[1], es * nq);
+        v = ggml_view_2d(ctx, qkv, nv, n, qkv->nb[1], es * (nq + nk));
+        if (w.bq) q = ggml_add(ctx, q, w.bq);
+        if (w.bk) k = ggml_add(ctx, k, w.bk);
+        if (w.bv) v = ggml_add(ctx, v, w.bv);
+        // Views of a row range are strided; rope and the reshapes below take them as 3-d views.
+        q = w.bq ? ggml_reshape_3d(ctx, q, hp.head_dim_k, hp.n_head, n)
+                 : ggml_view_3d(ctx, qkv, hp.head_dim_k, hp.n_head, n, es * hp.head_dim_k, qkv->nb[1], 0);
+        k = w.bk ? ggml_reshape_3d(ctx, k, hp.head_dim_k, hp.n_head_kv, n)
+                 : ggml_view_3d(ctx, qkv, hp.head_dim_k, hp.n_head_kv, n, es * hp.head_dim_k, qkv->nb[1], es * nq);
+    } else {
+        q = ggml_reshape_3d(ctx, linear(ctx, w.wq, w.bq, x), hp.head_dim_k, hp.n_head, n);
+        k = ggml_reshape_3d(ctx, linear(ctx, w.wk, w.bk, x), hp.head_dim_k, hp.n_head_kv, n);
+        v = linear(ctx, w.wv, w.bv, x);
+    }
     if (w.q_norm) {  // qwen3 normalizes each head before rope
         q = rms_norm(ctx, q, w.q_norm, hp.rms_eps);
         k = rms_norm(ctx, k, w.k_norm, hp.rms_eps);
@@ -62,7 +81,9 @@ ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HPara
 
     // Feed-forward (SwiGLU).
     x = rms_norm(ctx, h_attn, w.ffn_norm, hp.rms_eps);
-    ggml_tensor* ff = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, w.ffn_gate, x), ggml_mul_mat(ctx, w.ffn_up, x));
+    // silu(gate) * up; with the joined weight, gate and up are the two halves of one output row.
+    ggml_tensor* ff = w.ffn_gate_up ? ggml_swiglu(ctx, ggml_mul_mat(ctx, w.ffn_gate_up, x))
+                                    : ggml_swiglu_split(ctx, ggml_mul_mat(ctx, w.ffn_gate, x), ggml_mul_mat(ctx, w.ffn_up, x));
     return ggml_add(ctx, h_attn, ggml_mul_mat(ctx, w.ffn_down, ff));
 }
 

@@ -1,5 +1,6 @@
 #include "weights.h"
 
+#include <cstring>
 #include <map>
 
 #include "ggml-alloc.h"
@@ -114,14 +115,45 @@ bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buf
     return ok;
 }
 
+namespace {
+
+ggml_tensor* concat_shape(ggml_context* ctx, const std::vector<ggml_tensor*>& parts) {
+    int64_t rows = 0;
+    for (ggml_tensor* p : parts) rows += p->ne[1];
+    return ggml_new_tensor_2d(ctx, parts[0]->type, parts[0]->ne[0], rows);
+}
+
+}  // namespace
+
+bool concat_supported(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor*>& parts) {
+    if (parts.empty()) return false;
+    for (ggml_tensor* p : parts) {
+        if (!p || !p->data || p->type != parts[0]->type || p->ne[0] != parts[0]->ne[0] || ggml_n_dims(p) > 2 ||
+            !ggml_is_contiguous(p) || (p->buffer && !ggml_backend_buffer_is_host(p->buffer))) {
+            return false;
+        }
+    }
+    ggml_init_params params{ggml_tensor_overhead() * 2, nullptr, /*no_alloc=*/true};
+    ggml_context* ctx = ggml_init(params);
+    const bool ok = buft_supports_matmul(dev, buft, concat_shape(ctx, parts));
+    ggml_free(ctx);
+    return ok;
+}
+
 DeviceWeights::~DeviceWeights() {
     if (buffer_) ggml_backend_buffer_free(buffer_);
     if (ctx_) ggml_free(ctx_);
 }
 
-void DeviceWeights::move(ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor**>& slots) {
-    ggml_init_params params{ggml_tensor_overhead() * (slots.size() + 1), nullptr, /*no_alloc=*/true};
+void DeviceWeights::move(ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor**>& slots,
+                         const std::vector<Concat>& concats) {
+    ggml_init_params params{ggml_tensor_overhead() * (slots.size() + concats.size() + 1), nullptr, /*no_alloc=*/true};
     ctx_ = ggml_init(params);
+    std::vector<ggml_tensor*> made;
+    for (const Concat& c : concats) {
+        made.push_back(concat_shape(ctx_, c.parts));
+        ggml_set_name(made.back(), c.name.c_str());
+    }
     // The same source tensor may fill several slots (a tied head); copy it once.
     std::map<ggml_tensor*, ggml_tensor*> copies;
     for (ggml_tensor** slot : slots) {
@@ -135,6 +167,19 @@ void DeviceWeights::move(ggml_backend_buffer_type_t buft, const std::vector<ggml
     ggml_backend_buffer_set_usage(buffer_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     for (auto& [src, dst] : copies) ggml_backend_tensor_set(dst, src->data, 0, ggml_nbytes(src));
     for (ggml_tensor** slot : slots) if (*slot) *slot = copies[*slot];
+    // A repacking buffer converts layout in set_tensor and takes only whole tensors, so the
+    // parts are joined on the host first.
+    std::vector<uint8_t> staging;
+    for (size_t i = 0; i < concats.size(); ++i) {
+        staging.resize(ggml_nbytes(made[i]));
+        size_t off = 0;
+        for (ggml_tensor* p : concats[i].parts) {
+            std::memcpy(staging.data() + off, p->data, ggml_nbytes(p));
+            off += ggml_nbytes(p);
+        }
+        ggml_backend_tensor_set(made[i], staging.data(), 0, staging.size());
+        *concats[i].target = made[i];
+    }
 }
 
 }  // namespace river

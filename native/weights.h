@@ -26,6 +26,12 @@ struct LayerWeights {
     ggml_tensor* ffn_gate = nullptr;
     ggml_tensor* ffn_up = nullptr;
     ggml_tensor* ffn_down = nullptr;
+    // Row-concatenations made at load where weights are copied anyway (repacked CPU buffers):
+    // one mul_mat instead of three (Q, K, V) or two (gate, up). Each output row is the same dot
+    // product as before, so logits do not change; a decode step runs 3 fewer graph nodes per
+    // layer, and on a small model each node's thread barrier is a visible share of the step.
+    ggml_tensor* wqkv = nullptr;         // rows: wq, then wk, then wv
+    ggml_tensor* ffn_gate_up = nullptr;  // rows: ffn_gate, then ffn_up
 };
 
 struct BackboneWeights {
@@ -55,8 +61,17 @@ public:
     ~DeviceWeights();
     DeviceWeights(const DeviceWeights&) = delete;
     DeviceWeights& operator=(const DeviceWeights&) = delete;
-    // Replace each *slot by a copy living in a buffer of type `buft`.
-    void move(ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor**>& slots);
+    // Tensors made by concatenating the rows of `parts` (same type and row length), stored
+    // in *target.
+    struct Concat {
+        std::vector<ggml_tensor*> parts;
+        ggml_tensor** target;
+        std::string name;
+    };
+    // Replace each *slot by a copy living in a buffer of type `buft`, and fill each concat's
+    // target with its row-concatenation in the same buffer.
+    void move(ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor**>& slots,
+              const std::vector<Concat>& concats = {});
 
 private:
     ggml_context* ctx_ = nullptr;
@@ -72,5 +87,8 @@ std::vector<ggml_tensor**> matmul_slots(LayerWeights& w);
 std::vector<ggml_backend_buffer_type_t> cpu_extra_buffer_types();
 // Whether `buft` can hold `w` as the weight of a mul_mat on `dev` (llama.cpp's test too).
 bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const ggml_tensor* w);
+// Whether `parts` can be row-concatenated (same type and row length, host data) and the
+// result still placed in `buft`.
+bool concat_supported(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor*>& parts);
 
 }  // namespace river

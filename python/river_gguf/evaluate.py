@@ -178,42 +178,20 @@ def greedy_river(model, prompt: List[int], n_new: int, **opts) -> Tuple[List[int
 
 
 class LlamaCppRunner:
-    """Greedy decode in stock llama.cpp, timed like river_gguf's loop (one eval and one logits
-    row read back per step)."""
+    """Greedy decode in stock llama.cpp; only llama_decode is timed, as only the engine's eval is
+    on river_gguf's side (llama_decode.LlamaDecoder)."""
 
     def __init__(self, path: str, n_ctx: int, n_threads: int):
-        import llama_cpp
+        from .llama_decode import LlamaDecoder
 
-        self.llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                                   flash_attn=True, verbose=False)
-        self.n_vocab = self.llm.n_vocab()
-        self.eos = self.llm.token_eos()
-
-    def _argmax(self) -> int:
-        row = np.array(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,)))
-        return int(np.argmax(row))
+        self.decoder = LlamaDecoder(path, n_ctx, n_threads)
 
     def greedy(self, prompt: List[int], n_new: int) -> Tuple[List[int], int, float, List[int]]:
-        import llama_cpp
-
-        self.llm.reset()
-        self.llm.eval(prompt)
-        tok, out, secs, steps = self._argmax(), [], 0.0, 0
-        while True:
-            if llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, tok):
-                break
-            out.append(tok)
-            if len(out) >= n_new:
-                break
-            t0 = time.perf_counter()
-            self.llm.eval([tok])
-            tok = self._argmax()
-            secs += time.perf_counter() - t0
-            steps += 1
+        out, steps, secs = self.decoder.greedy(prompt, n_new)
         return out, steps, secs, []
 
     def close(self):
-        self.llm.close()
+        self.decoder.close()
 
 
 def agreement(ref: List[List[int]], out: List[List[int]]) -> Tuple[float, float]:

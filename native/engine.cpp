@@ -137,7 +137,12 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
         for (LayerWeights* w : cpu_layers) for (auto s : matmul_slots(*w)) cpu_matmuls.push_back(s);
         if (!head_on_gpu) cpu_matmuls.insert(cpu_matmuls.end(), heads.begin(), heads.end());
         ggml_backend_dev_t cpu_dev = ggml_backend_get_device(cpu_);
-        for (ggml_backend_buffer_type_t buft : cpu_extra_buffer_types()) {
+        // Last, the plain CPU buffer type: layers no repacked type takes (F16, K-quants) are
+        // still joined, in a copy; the mapping's pages they came from are then left unread.
+        std::vector<ggml_backend_buffer_type_t> bufts = cpu_extra_buffer_types();
+        bufts.push_back(ggml_backend_cpu_buffer_type());
+        for (ggml_backend_buffer_type_t buft : bufts) {
+            const bool plain = buft == ggml_backend_cpu_buffer_type();
             std::vector<DeviceWeights::Concat> concats;
             std::set<ggml_tensor**> joined;
             auto join = [&](std::vector<ggml_tensor**> parts, ggml_tensor** target, const char* what) {
@@ -149,14 +154,15 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
             };
             if (cfg.fuse) {
                 for (LayerWeights* w : cpu_layers) {
-                    join({&w->wq, &w->wk, &w->wv}, &w->wqkv, "+k+v");
-                    join({&w->ffn_gate, &w->ffn_up}, &w->ffn_gate_up, "+up");
+                    join({&w->wq, &w->wk, &w->wv}, &w->wqkv, kJoinedQKV);
+                    join({&w->ffn_gate, &w->ffn_up}, &w->ffn_gate_up, kJoinedGateUp);
                 }
             }
             std::vector<ggml_tensor**> take, rest;
             for (auto s : cpu_matmuls) {
                 if (joined.count(s)) continue;
-                (buft_supports_matmul(cpu_dev, buft, *s) ? take : rest).push_back(s);
+                // Unjoined weights stay in the mapping rather than be copied to a plain buffer.
+                (!plain && buft_supports_matmul(cpu_dev, buft, *s) ? take : rest).push_back(s);
             }
             if (!take.empty() || !concats.empty()) {
                 placed_weights_.push_back(std::make_unique<DeviceWeights>());

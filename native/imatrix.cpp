@@ -39,7 +39,7 @@ std::string weight_name(const ggml_tensor* t) {
         if (last == first) return {};
         name = name.substr(first + 1, last - first - 1);
     }
-    if (!ends_with(name, ".weight")) return {};
+    if (!ends_with(joined_parts(name)[0], ".weight")) return {};
     return name;
 }
 
@@ -98,16 +98,19 @@ void ActivationStats::accumulate(const ggml_tensor* t) {
         }
     }
 
-    Entry& e = entries_[name];
-    if (e.sums.empty()) {
-        e.sums.assign(ne0, 0.0);
-    } else if (e.sums.size() != size_t(ne0)) {
-        error_ = "the input width of " + name + " changed from " + std::to_string(e.sums.size()) + " to " +
-                 std::to_string(ne0) + " (one ActivationStats used with two different models?)";
-        return;
+    // A joined weight (Q/K/V, gate/up) has one input: each part saw exactly these rows.
+    for (const std::string& part : joined_parts(name)) {
+        Entry& e = entries_[part];
+        if (e.sums.empty()) {
+            e.sums.assign(ne0, 0.0);
+        } else if (e.sums.size() != size_t(ne0)) {
+            error_ = "the input width of " + part + " changed from " + std::to_string(e.sums.size()) + " to " +
+                     std::to_string(ne0) + " (one ActivationStats used with two different models?)";
+            return;
+        }
+        for (int64_t j = 0; j < ne0; ++j) e.sums[j] += batch[j];
+        e.count += n_rows;
     }
-    for (int64_t j = 0; j < ne0; ++j) e.sums[j] += batch[j];
-    e.count += n_rows;
 }
 
 bool ActivationStats::callback(ggml_tensor* t, bool ask, void* data) {

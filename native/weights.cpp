@@ -80,6 +80,23 @@ RiverWeights load_river(const GgufFile& f, const HParams& hp, const std::string&
     return r;
 }
 
+std::vector<std::string> joined_parts(const std::string& name) {
+    auto strip = [&](const std::string& suffix) {
+        return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0
+                   ? name.substr(0, name.size() - suffix.size())
+                   : std::string();
+    };
+    auto swap_part = [](std::string s, const std::string& from, const std::string& to) {
+        const size_t at = s.rfind(from);
+        return at == std::string::npos ? std::string() : s.replace(at, from.size(), to);
+    };
+    if (std::string q = strip(kJoinedQKV); !q.empty()) {
+        return {q, swap_part(q, "attn_q.", "attn_k."), swap_part(q, "attn_q.", "attn_v.")};
+    }
+    if (std::string g = strip(kJoinedGateUp); !g.empty()) return {g, swap_part(g, "ffn_gate.", "ffn_up.")};
+    return {name};
+}
+
 std::vector<ggml_tensor**> layer_slots(LayerWeights& w) {
     return {&w.attn_norm, &w.wq, &w.wk, &w.wv, &w.wo, &w.bq, &w.bk, &w.bv, &w.q_norm,
             &w.k_norm, &w.ffn_norm, &w.ffn_gate, &w.ffn_up, &w.ffn_down};

@@ -78,6 +78,13 @@ private:
     ggml_backend_buffer_t buffer_ = nullptr;
 };
 
+// A joined weight is named after its first part plus a suffix for the others, e.g.
+// "blk.3.attn_q.weight+k+v" or "river.blk.3.ffn_gate.weight+up" (ggml names hold 63 chars).
+inline constexpr const char* kJoinedQKV = "+k+v";
+inline constexpr const char* kJoinedGateUp = "+up";
+// The part names of a weight name: its parts if joined, else the name itself.
+std::vector<std::string> joined_parts(const std::string& name);
+
 // Every tensor slot of a layer, for placement.
 std::vector<ggml_tensor**> layer_slots(LayerWeights& w);
 // The slots used only as mul_mat weights (candidates for repacked CPU buffers).

@@ -69,16 +69,26 @@ def test_choose_picks_best_quality_per_speed_tier():
     assert [got[n]["options"]["i"] for n in ("fast", "balanced", "quality")] == [1, 3, 4]
 
 
-def test_step_time_model_is_affine_in_bytes(tiny_river):
+def test_step_time_model_is_a_line_in_backbone_layers(tiny_river):
     m = Model(tiny_river, n_ctx=128, n_threads=1)
-    t = presets.step_time_model(m, m.tokenize("a b c d e f"), river_only_bytes=100.0, backbone_bytes=300.0, n=8,
-                                rounds=1)
+    t = presets.step_time_model(m, m.tokenize("a b c d e f"), tails=(0, 1, 2), n=8, rounds=1)
     rel = t["relative_time"]
-    assert rel(100.0) == pytest.approx(1.0)
-    assert t["a_s"] >= 0 and t["b_s_per_byte"] >= 0
-    assert rel(200.0) - rel(100.0) == pytest.approx(rel(300.0) - rel(200.0))  # a straight line
-    assert rel(300.0) == pytest.approx(max(t["backbone_s"], t["river_only_s"]) / t["river_only_s"], rel=1e-6) or \
-        t["a_s"] == 0
+    assert t["tails"] == [0, 1, 2] and len(t["seconds"]) == 3 and all(s > 0 for s in t["seconds"])
+    assert t["a_s"] > 0 and t["b_s_per_layer"] >= 0
+    assert rel(0) == pytest.approx(1.0)
+    assert rel(2) - rel(1) == pytest.approx(rel(1) - rel(0))  # a straight line
+    # least squares: the fitted line passes through the mean of the measured points
+    assert t["a_s"] + t["b_s_per_layer"] * 1.0 == pytest.approx(float(np.mean(t["seconds"])), rel=1e-9) or \
+        t["b_s_per_layer"] == 0
+
+
+def test_backbone_layers_per_step():
+    L = 30
+    assert presets.backbone_layers_per_step(L, -1, 0) == 0  # river-only
+    assert presets.backbone_layers_per_step(L, -1, 12) == 12  # river-only + tail
+    assert presets.backbone_layers_per_step(L, 5.5, 4) == pytest.approx(6.5 + 4)  # dynamic exit + tail
+    assert presets.backbone_layers_per_step(L, L - 1, 4) == L  # never exited: the whole backbone
+    assert presets.backbone_layers_per_step(L, 27.0, 4) == L  # exit inside the tail: still L
 
 
 def test_step_bytes_counts_each_layer_once():

@@ -213,7 +213,7 @@ def test_graph_reuse_changes_no_logit_across_a_padding_boundary(f16_path, q4_0_p
 
 
 def test_joined_qkv_and_gate_up_change_no_logit(f16_path, q4_0_path, oracle_factory):
-    # Repacked layers (the Q4_0 river here) run Q/K/V and gate/up as one mul_mat each. Every
+    # CPU layers (the Q4_0 river, repacked; the F16 backbone) run Q/K/V and gate/up as one mul_mat each. Every
     # output row is the same dot product, so the logits are the same bits as with separate
     # mul_mats, and as llama.cpp's on the river file, in prefill and in decode steps.
     from river_gguf import _native
@@ -226,11 +226,11 @@ def test_joined_qkv_and_gate_up_change_no_logit(f16_path, q4_0_path, oracle_fact
         prompt = e.eval(toks[:24], mode=2, river_head=True)[0]
         steps = [e.eval([t], mode=2, river_head=True)[0] for t in toks[24:]]
         e.truncate(0)
-        e.eval(toks[:24])
+        backbone = e.eval(toks[:24])[0]  # the F16 backbone: joined in a plain CPU buffer
         dyn = [e.eval([t], mode=1, threshold=0.97, river_head=True, tail=1)[:2] for t in toks[24:]]
-        runs.append((prompt, steps, dyn))
-    (p1, s1, d1), (p0, s0, d0) = runs
-    assert np.array_equal(p1, p0)
+        runs.append((prompt, steps, dyn, backbone))
+    (p1, s1, d1, b1), (p0, s0, d0, b0) = runs
+    assert np.array_equal(p1, p0) and np.array_equal(b1, b0)
     assert all(np.array_equal(a, b) for a, b in zip(s1, s0))
     assert all(ea == eb and np.array_equal(la, lb) for (la, ea), (lb, eb) in zip(d1, d0))
     ref = oracle_factory(q4_0_path).logits(toks)

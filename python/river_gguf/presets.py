@@ -3,15 +3,18 @@
 A static quant is one point; a River GGUF holds a backbone, a river and the exit rule, so it can
 run anywhere between the river's speed and the backbone's quality. The calibrator measures a
 small grid of settings (backbone tail, dynamic exit tau, river-only) on the calibration split and
-keeps three as presets, by speed tier. Speed is the predicted time of a decode step relative to
-river-only: t = a + b * bytes, where bytes are the weights a step reads (`step_bytes`) and a, b
-come from timing river-only and backbone decode on this machine during calibration (a is the
-part of a step that does not scale with bytes: small models on CPU are partly compute-bound).
+keeps three as presets, by speed tier. Speed is the time of a decode step relative to river-only,
+from a line t = a + b * (backbone layers per step) fitted to river-only decode timed with each
+static tail on this machine during calibration (`step_time_model`).
 
-- ``fast``: the best perplexity among settings predicted within FAST_TIME x river-only's time
-  (2% slack: in practice the river alone), i.e. a static Q4_0's speed;
-- ``balanced`` (the default): the best perplexity within BALANCED_TIME x: the speed of a 5-bit
-  static quant (Q4_K_M, Q5_K_M: 0.70-0.75x of Q4_0's speed in this project's runs);
+The tiers are set where llama.cpp's static quants fall on that scale. In this project's runs
+(SmolLM2-135M, 2 threads; BENCHMARKS.md) river-only decodes at 1.1x a static Q4_0 (the engine
+joins the river's Q/K/V and gate/up weights), a Q4_K_M step takes about 1.5x river-only's time
+and a Q8_0 step 1.6x:
+
+- ``fast``: the best perplexity within FAST_TIME x river-only's time (2% slack: in practice the
+  river alone), faster than a static Q4_0;
+- ``balanced`` (the default): the best perplexity within BALANCED_TIME x: no slower than Q4_K_M;
 - ``quality``: the best perplexity within QUALITY_TIME x: about Q8_0's speed.
 
 They are stored as JSON under ``river.presets`` with their measured calibration perplexity,
@@ -28,10 +31,10 @@ DEFAULT_KEY = "river.default_preset"
 NAMES = ("fast", "balanced", "quality")
 DEFAULT_PRESET = "balanced"
 
-# Speed tiers: predicted decode-step time relative to the river alone (river-only = 1.0).
+# Speed tiers: decode-step time relative to the river alone (river-only = 1.0).
 FAST_TIME = 1.02
-BALANCED_TIME = 1.40
-QUALITY_TIME = 1.90
+BALANCED_TIME = 1.50
+QUALITY_TIME = 1.65
 
 # The exit options a preset may set (ExitOptions fields).
 OPTION_KEYS = ("mode", "threshold", "min_exit_layer", "tail", "river_head", "exit_layer")
@@ -103,7 +106,7 @@ def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[st
         lines.append(
             f"{name}{' (default)' if name == default else ''}: {what} tail={o.get('tail', 0)} "
             f"river_head={o.get('river_head')} | calibration ppl {p.get('ppl', float('nan')):.4f}"
-            f" (backbone {p.get('backbone_ppl', float('nan')):.4f}), predicted time "
+            f" (backbone {p.get('backbone_ppl', float('nan')):.4f}), step time "
             f"{p.get('relative_time', float('nan')):.2f}x river-only ({p.get('relative_cost', float('nan')):.2f}x its "
             f"bytes), mean exit {p.get('mean_exit_layer', float('nan')):.1f}")
     return lines
@@ -180,22 +183,38 @@ def _decode_seconds(model, prompt: List[int], n: int, **opts) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def step_time_model(model, prompt: List[int], river_only_bytes: float, backbone_bytes: float, n: int = 48,
-                    rounds: int = 3) -> dict:
-    """Fit t = a + b * bytes through this machine's river-only and backbone decode times (engine
-    loop, interleaved rounds, medians); relative_time(bytes) is then t(bytes) / t(river-only)."""
+def backbone_layers_per_step(n_layer: int, mean_exit_layer: float, tail: int) -> float:
+    """Backbone layers one decode step runs: layers 0..exit (a mean for the dynamic exit; -1 for
+    river-only) and the tail; the rest run in the river."""
+    river_last = n_layer - 1 - tail
+    return min(float(n_layer), min(mean_exit_layer + 1.0, river_last + 1.0) + tail)
+
+
+def step_time_model(model, prompt: List[int], tails=STATIC_TAILS, n: int = 64, rounds: int = 5) -> dict:
+    """Time river-only decode with each backbone tail in `tails` (engine loop, interleaved rounds,
+    medians) and fit t = a + b * (backbone layers per step) by least squares.
+
+    A backbone layer and a river layer differ in more than bytes (their kernels, and joined
+    Q/K/V and gate/up weights where the engine repacks), so time is fitted against the layer
+    mix a step runs, measured on this machine; relative_time(k) is then t(k) / t(0), for a
+    step that runs k backbone layers (fractional for the dynamic exit's mean)."""
     import statistics
 
-    ro, bb = [], []
-    for _ in range(rounds):
-        ro.append(_decode_seconds(model, prompt, n, mode="river-only", river_head=True, tail=0, exit_layer=None))
-        bb.append(_decode_seconds(model, prompt, n, mode="backbone", exit_layer=None))
-    t_ro, t_bb = statistics.median(ro), statistics.median(bb)
-    b = max(t_bb - t_ro, 0.0) / max(backbone_bytes - river_only_bytes, 1.0)
-    a = max(t_ro - b * river_only_bytes, 0.0)  # noise can push it below zero: then bandwidth alone
-    t_river = a + b * river_only_bytes
-    return {"river_only_s": t_ro, "backbone_s": t_bb, "a_s": a, "b_s_per_byte": b,
-            "relative_time": lambda nbytes: (a + b * nbytes) / t_river}
+    import numpy as np
+
+    tails = [t for t in tails if t < model.n_layer]
+    runs = {t: [] for t in tails}
+    for i in range(rounds):
+        for t in (tails if i % 2 == 0 else tails[::-1]):  # load drift hits every tail alike
+            runs[t].append(_decode_seconds(model, prompt, n, mode="river-only", river_head=True, tail=t,
+                                           exit_layer=None))
+    x = np.array(tails, dtype=float)
+    y = np.array([statistics.median(runs[t]) for t in tails])
+    b, a = np.polyfit(x, y, 1) if len(tails) > 1 else (0.0, float(y[0]))
+    b = max(float(b), 0.0)  # a backbone layer never costs less than a river layer's share of noise
+    a = float(np.mean(y - b * x))
+    return {"tails": list(tails), "seconds": [float(v) for v in y], "a_s": a, "b_s_per_layer": b,
+            "relative_time": lambda k: (a + b * k) / a if a > 0 else 1.0 + k}
 
 
 def calibrate_presets(model, items=None, score_tokens: int = 96, progress: bool = True,
@@ -203,10 +222,10 @@ def calibrate_presets(model, items=None, score_tokens: int = 96, progress: bool 
     """Measure `settings` (default: grid()) on the calibration split and choose the presets.
 
     Perplexity is teacher-forced through the decode path (evaluate.score_items); river-only
-    settings, whose tokens all run the same layers, are scored in one batched pass per item. Cost is the
-    weight bytes per decode step (step_bytes); a setting's speed is predicted from its bytes by a
-    line fitted to this machine's timed river-only and backbone decode (step_time_model), so
-    only two settings are timed. Returns {"presets", "rows", "backbone_ppl", "river_only_cost", ...}."""
+    settings, whose tokens all run the same layers, are scored in one batched pass per item. Speed is
+    the step time relative to river-only, from a line in backbone layers per step fitted to the
+    timed static tails (step_time_model); `cost` is the weight bytes a step reads (step_bytes), kept
+    for the record. Returns {"presets", "rows", "backbone_ppl", "river_only_cost", ...}."""
     from tqdm import tqdm
 
     from . import evaluate
@@ -232,10 +251,11 @@ def calibrate_presets(model, items=None, score_tokens: int = 96, progress: bool 
             rows.append({"options": dict(opts), "ppl": ppl, "mean_exit_layer": mean_exit, "cost": cost})
     river_only_cost = step_bytes(layers, head, L, -1, 0, True)
     backbone_cost = step_bytes(layers, head, L, L - 1, 0, False)
-    timing = step_time_model(model, prepared[0][0][:prepared[0][1]], river_only_cost, backbone_cost)
+    timing = step_time_model(model, prepared[0][0][:prepared[0][1]])
     for r in rows:
         r["relative_cost"] = r["cost"] / river_only_cost
-        r["relative_time"] = timing["relative_time"](r["cost"])
+        r["backbone_layers"] = backbone_layers_per_step(L, r["mean_exit_layer"], r["options"].get("tail", 0))
+        r["relative_time"] = timing["relative_time"](r["backbone_layers"])
         r["backbone_ppl"] = base.perplexity
     chosen = choose(rows)
     return {"presets": chosen, "rows": rows, "backbone_ppl": base.perplexity, "river_only_cost": river_only_cost,

@@ -33,8 +33,12 @@ N_CTX = 1024
 
 
 class RiverRun:
-    def __init__(self, path, threads):
+    def __init__(self, path, threads, join_weights=True):
         self.m = Model(path, n_ctx=N_CTX, n_threads=threads)
+        if not join_weights:  # the engine as before joined Q/K/V and gate/up weights, for comparison
+            from river_gguf._loader import native
+
+            self.m._engine = native.Engine(path, "", N_CTX, threads, 512, 0, fuse=False)
         self.toks = self.m.tokenize(PROMPT)
 
     def decode(self, n, preset):
@@ -70,12 +74,16 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--unjoined", action="store_true",
+                    help="add the fast preset on an engine that does not join Q/K/V and gate/up weights")
     a = ap.parse_args(argv)
 
     river = RiverRun(evaluate.default_river_gguf(a.model, n_threads=a.threads, progress=False), a.threads)
     statics = {q.upper(): LlamaRun(model_zoo.derived(a.model, q), a.threads)
                for q in ("f16", "q8_0", "q4_k_m", "q4_0") if q in model_zoo.ladder_kinds(a.model)}
     configs = [(f"River {p}", river, p) for p in presets.NAMES if p in river.m.presets]
+    if a.unjoined:
+        configs.append(("River fast, weights not joined", RiverRun(river.m.model_path, a.threads, False), "fast"))
     configs += [(f"llama.cpp {k}", r, None) for k, r in statics.items()]
     speeds = {name: [] for name, _, _ in configs}
     exits = {}

@@ -6,7 +6,7 @@
 """
 from ._loader import native as _native  # checks the ggml build before anything else runs
 
-from .model import Model
+from .model import Model, NumericalError, StreamInvalidatedError
 from .results import Generation, ScoreResult
 
 GGUFFormatError = _native.GGUFFormatError
@@ -23,4 +23,6 @@ __all__ = [
     "UnsupportedModelError",
     "RiverMismatchError",
     "ContextOverflowError",
+    "NumericalError",
+    "StreamInvalidatedError",
 ]

@@ -6,24 +6,46 @@ from .results import Generation, exit_stats
 from .text_stream import StopStringFilter, Utf8Decoder
 
 
+class StreamInvalidatedError(RuntimeError):
+    """A stream was advanced after another call on the same Model reused the KV cache it was
+    generating in. Continuing would produce wrong tokens, so the stream refuses instead."""
+
+
 class Stream:
-    """Iterator of text pieces; after it ends, `.generation` holds the full result."""
+    """Iterator of text pieces; after it ends, `.generation` holds the full result.
+
+    Nothing runs until the first next(). Each step holds the Model's lock while it computes, and
+    first checks that the cache is still this stream's (Model._check_owner). A step that raises
+    ends the stream: every later next() raises the same error again."""
 
     def __init__(self, model, prompt_tokens: List[int], max_tokens: Optional[int], sampler, opts, stop):
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.generation: Optional[Generation] = None
         self._stop_filter = StopStringFilter(stop)  # validates stop strings now, not at first next()
+        self._error: Optional[BaseException] = None
         self._it = self._run(max_tokens, sampler, opts)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> str:
-        return next(self._it)
+        if self._error is not None:
+            raise self._error
+        with self.model._lock:
+            try:
+                return next(self._it)
+            except StopIteration:
+                raise
+            except Exception as e:
+                self._error = e  # the generator is finished now; a later next() must not look like the end
+                raise
+            except BaseException as e:  # KeyboardInterrupt mid-step: the cache state is unknown
+                self._error = StreamInvalidatedError(f"the stream was interrupted ({type(e).__name__})")
+                raise
 
     def _run(self, max_tokens, sampler, opts):
-        m, engine = self.model, self.model._engine
+        m = self.model
         room = m.n_ctx - len(self.prompt_tokens)
         limit = room if max_tokens is None else min(max_tokens, room)
         decoder, stops = Utf8Decoder(), self._stop_filter
@@ -33,7 +55,7 @@ class Stream:
         text_parts: List[str] = []
         finish = "length"
 
-        engine.truncate(0)
+        epoch = m._begin()  # from here on the cache is this stream's until another call takes it
         t0 = time.perf_counter()
         logits, exit_layer, _ = m._eval(self.prompt_tokens, opts, prompt=True)
         t1 = time.perf_counter()
@@ -55,6 +77,8 @@ class Stream:
                 break
             if len(out_tokens) >= limit:
                 break
+            # The caller may have run other calls on this Model while we were suspended at yield.
+            m._check_owner(epoch, len(self.prompt_tokens) + decode_steps)
             ts = time.perf_counter()
             logits, exit_layer, _ = m._eval([tok], opts, prompt=False)
             decode_time += time.perf_counter() - ts

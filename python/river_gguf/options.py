@@ -1,12 +1,34 @@
 """Exit options: which weights run each layer, resolved per call from a model's defaults."""
-from dataclasses import dataclass, replace
+import math
+import numbers
+from dataclasses import dataclass, fields, replace
 from typing import Optional
+
+import numpy as np
 
 # Engine mode codes (native/engine.h ExitMode).
 _BACKBONE, _RIVER, _RIVER_ONLY, _FIXED = 0, 1, 2, 3
 
 MODES = ("river", "backbone", "river-only")
 PREFILL_POLICIES = ("backbone", "river")
+
+#: Options that only mean something when the model has a river; given to a plain model they
+#: raise instead of being silently ignored. (`mode` and `exit_layer` are checked by what they ask.)
+RIVER_OPTIONS = ("threshold", "min_exit_layer", "river_head", "prefill", "tail", "preset")
+
+
+def is_int(x) -> bool:
+    """A real integer: Python or numpy ints, not bools (True would silently mean 1)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_bool(x) -> bool:
+    # numpy's bool_ is not a bool subclass, but it is what a caller holding arrays passes.
+    return isinstance(x, (bool, np.bool_))
+
+
+def is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not is_bool(x)
 
 
 @dataclass(frozen=True)
@@ -20,19 +42,19 @@ class ExitOptions:
     tail: int = 0                   # exited tokens rejoin the backbone for the last `tail` layers
 
     def validate(self, n_layer: int, has_river: bool) -> "ExitOptions":
-        if self.mode not in MODES:
+        if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.prefill not in PREFILL_POLICIES:
+        if not isinstance(self.prefill, str) or self.prefill not in PREFILL_POLICIES:
             raise ValueError(f"prefill must be one of {PREFILL_POLICIES}, got {self.prefill!r}")
-        if not isinstance(self.threshold, (int, float)) or self.threshold != self.threshold:
-            raise ValueError(f"threshold must be a number, got {self.threshold!r}")
-        if not isinstance(self.min_exit_layer, int) or not 0 <= self.min_exit_layer < n_layer:
+        if not is_real(self.threshold) or not math.isfinite(self.threshold):
+            raise ValueError(f"threshold must be a finite number (not a bool), got {self.threshold!r}")
+        if not is_int(self.min_exit_layer) or not 0 <= self.min_exit_layer < n_layer:
             raise ValueError(f"min_exit_layer must be an int in [0, {n_layer - 1}], got {self.min_exit_layer!r}")
-        if self.exit_layer is not None and (
-            not isinstance(self.exit_layer, int) or not -1 <= self.exit_layer < n_layer
-        ):
-            raise ValueError(f"exit_layer must be an int in [-1, {n_layer - 1}], got {self.exit_layer!r}")
-        if isinstance(self.tail, bool) or not isinstance(self.tail, int) or not 0 <= self.tail < n_layer:
+        if self.exit_layer is not None and (not is_int(self.exit_layer) or not -1 <= self.exit_layer < n_layer):
+            raise ValueError(f"exit_layer must be an int in [-1, {n_layer - 1}] or None, got {self.exit_layer!r}")
+        if not is_bool(self.river_head):
+            raise ValueError(f"river_head must be a bool, got {self.river_head!r}")
+        if not is_int(self.tail) or not 0 <= self.tail < n_layer:
             raise ValueError(f"tail must be an int in [0, {n_layer - 1}], got {self.tail!r}")
         uses_river = self.mode != "backbone" or (self.exit_layer is not None and self.exit_layer < n_layer - 1)
         if uses_river and not has_river:
@@ -43,14 +65,20 @@ class ExitOptions:
         return self
 
     def with_overrides(self, **kw) -> "ExitOptions":
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(kw) - known)
+        if unknown:
+            # Without this, dataclasses.replace raises a TypeError about __init__.
+            raise ValueError(f"unknown option {unknown[0]!r}; the exit options are: "
+                             f"{', '.join(sorted(known | {'preset'}))}")
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
 
     def engine_args(self, prompt: bool) -> dict:
         """Arguments of _native.Engine.eval for a prompt batch or a decode step."""
-        args = dict(threshold=float(self.threshold), min_exit_layer=self.min_exit_layer,
-                    river_head=bool(self.river_head), exit_layer=-1, tail=self.tail)
+        args = dict(threshold=float(self.threshold), min_exit_layer=int(self.min_exit_layer),
+                    river_head=bool(self.river_head), exit_layer=-1, tail=int(self.tail))
         if self.exit_layer is not None:
-            args.update(mode=_FIXED, exit_layer=self.exit_layer)
+            args.update(mode=_FIXED, exit_layer=int(self.exit_layer))
         elif self.mode == "river-only":
             args.update(mode=_RIVER_ONLY)
         elif self.mode == "river" and (not prompt or self.prefill == "river"):
@@ -58,3 +86,13 @@ class ExitOptions:
         else:
             args.update(mode=_BACKBONE)
         return args
+
+
+def check_river_options(has_river: bool, where: str, **given) -> None:
+    """Refuse river options (not None) on a model without a river: they would do nothing."""
+    if has_river:
+        return
+    for name in RIVER_OPTIONS:
+        if given.get(name) is not None:
+            raise ValueError(f"{name}={given[name]!r} is a river option, but {where} has no river "
+                             "(convert it with tools/add_river_gguf.py, or pass river=PATH)")

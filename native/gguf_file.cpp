@@ -1,11 +1,8 @@
 #include "gguf_file.h"
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "errors.h"
 #include "ggml-cpu.h"
@@ -15,7 +12,7 @@ namespace river {
 namespace {
 
 void check_magic(const std::string& path, size_t file_size) {
-    FILE* f = std::fopen(path.c_str(), "rb");
+    FILE* f = ggml_fopen(path.c_str(), "rb");  // UTF-8 paths on Windows too
     if (!f) throw GgufFormatError("cannot open '" + path + "': " + std::strerror(errno));
     char magic[4] = {0, 0, 0, 0};
     size_t got = std::fread(magic, 1, 4, f);
@@ -28,65 +25,70 @@ void check_magic(const std::string& path, size_t file_size) {
 
 }  // namespace
 
-GgufFile::GgufFile(const std::string& path) : path_(path) {
-    struct stat st{};
-    if (::stat(path.c_str(), &st) != 0) throw GgufFormatError("cannot open '" + path + "': " + std::strerror(errno));
-    if (!S_ISREG(st.st_mode)) throw GgufFormatError("'" + path + "' is not a regular file");
-    const size_t file_size = static_cast<size_t>(st.st_size);
+GgufFile::GgufFile(const std::string& path, bool use_mmap) : path_(path) {
+    // Checked before anything opens the file for reading: a FIFO would block a reader.
+    size_t file_size = 0;
+    try {
+        file_size = FileMap::regular_file_size(path);
+    } catch (const FileMapError& e) {
+        throw GgufFormatError(e.what());
+    }
     check_magic(path, file_size);
 
-    gguf_init_params params{/*no_alloc=*/true, /*ctx=*/&tensors_};
-    gguf_ = gguf_init_from_file(path.c_str(), params);
-    if (!gguf_) throw GgufFormatError("'" + path + "' is a corrupt or truncated GGUF (its header could not be read)");
-
-    // The header parses without touching tensor data, so a cut-off file only shows here.
-    const size_t data_offset = gguf_get_data_offset(gguf_);
-    const int64_t n_tensors = gguf_get_n_tensors(gguf_);
-    for (int64_t i = 0; i < n_tensors; ++i) {
-        const char* name = gguf_get_tensor_name(gguf_, i);
-        const size_t end = data_offset + gguf_get_tensor_offset(gguf_, i) + gguf_get_tensor_size(gguf_, i);
-        if (end > file_size) {
-            // Build the message before freeing: `name` points into the gguf context.
-            std::string msg = "'" + path + "' is truncated: tensor '" + name + "' ends at byte " +
-                              std::to_string(end) + " but the file has " + std::to_string(file_size) + " bytes";
-            release();
-            throw GgufFormatError(msg);
+    // Each resource is released by release() if anything below throws: no destructor runs
+    // for an object whose constructor did not finish.
+    try {
+        gguf_init_params params{/*no_alloc=*/true, /*ctx=*/&tensors_};
+        gguf_ = gguf_init_from_file(path.c_str(), params);
+        if (!gguf_) {
+            throw GgufFormatError("'" + path + "' is a corrupt or truncated GGUF (its header could not be read)");
         }
-    }
+        // The header was parsed without the data, so the file's bytes come only now; a
+        // mapping costs nothing until pages are touched, a read copy costs the whole file.
+        try {
+            map_ = std::make_unique<FileMap>(path, use_mmap && !FileMap::disabled_by_env());
+        } catch (const FileMapError& e) {
+            throw GgufFormatError(e.what());
+        }
+        const size_t size = map_->size();
 
-    int fd = ::open(path.c_str(), O_RDONLY);
-    if (fd < 0) {
-        std::string msg = "cannot open '" + path + "': " + std::strerror(errno);
+        // The header parses without touching tensor data, so a cut-off file only shows here.
+        const size_t data_offset = gguf_get_data_offset(gguf_);
+        const int64_t n_tensors = gguf_get_n_tensors(gguf_);
+        for (int64_t i = 0; i < n_tensors; ++i) {
+            const size_t off = gguf_get_tensor_offset(gguf_, i), bytes = gguf_get_tensor_size(gguf_, i);
+            // Compared without sums that could wrap around.
+            if (data_offset > size || off > size - data_offset || bytes > size - data_offset - off) {
+                throw GgufFormatError("'" + path + "' is truncated: tensor '" + gguf_get_tensor_name(gguf_, i) +
+                                      "' ends at byte " + std::to_string(data_offset + off + bytes) +
+                                      " but the file has " + std::to_string(size) + " bytes");
+            }
+        }
+
+        // The CPU backend never writes to weights, so a read-only mapping is safe here.
+        buffer_ = ggml_backend_cpu_buffer_from_ptr(map_->data(), size);
+        if (!buffer_) throw std::runtime_error("cannot wrap '" + path + "' in a ggml CPU buffer");
+        ggml_backend_buffer_set_usage(buffer_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        for (int64_t i = 0; i < n_tensors; ++i) {
+            ggml_tensor* t = ggml_get_tensor(tensors_, gguf_get_tensor_name(gguf_, i));
+            char* addr = static_cast<char*>(map_->data()) + data_offset + gguf_get_tensor_offset(gguf_, i);
+            ggml_backend_tensor_alloc(buffer_, t, addr);
+        }
+    } catch (...) {
         release();
-        throw GgufFormatError(msg);
-    }
-    map_size_ = file_size;
-    map_ = ::mmap(nullptr, map_size_, PROT_READ, MAP_SHARED, fd, 0);
-    ::close(fd);
-    if (map_ == MAP_FAILED) {
-        map_ = nullptr;
-        release();
-        throw GgufFormatError("cannot mmap '" + path + "'");
-    }
-    // The CPU backend never writes to weights, so a read-only mapping is safe here.
-    buffer_ = ggml_backend_cpu_buffer_from_ptr(map_, map_size_);
-    ggml_backend_buffer_set_usage(buffer_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    for (int64_t i = 0; i < n_tensors; ++i) {
-        ggml_tensor* t = ggml_get_tensor(tensors_, gguf_get_tensor_name(gguf_, i));
-        char* addr = static_cast<char*>(map_) + data_offset + gguf_get_tensor_offset(gguf_, i);
-        ggml_backend_tensor_alloc(buffer_, t, addr);
+        throw;
     }
 }
 
 GgufFile::~GgufFile() { release(); }
 
 void GgufFile::release() {
+    // The buffer only wraps the bytes, so it goes before them.
     if (buffer_) ggml_backend_buffer_free(buffer_);
-    if (map_) ::munmap(map_, map_size_);
+    map_.reset();
     if (tensors_) ggml_free(tensors_);
     if (gguf_) gguf_free(gguf_);
     buffer_ = nullptr;
-    map_ = nullptr;
     tensors_ = nullptr;
     gguf_ = nullptr;
 }

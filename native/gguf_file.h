@@ -1,24 +1,29 @@
-// One GGUF file: its metadata (gguf.h), its tensor descriptions, and its bytes,
-// memory-mapped so that CPU weights are read in place and shared between processes.
+// One GGUF file: its metadata (gguf.h), its tensor descriptions, and its bytes, memory-mapped
+// so that CPU weights are read in place and shared between processes (or read into memory
+// where mapping fails or is turned off; see file_map.h).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "file_map.h"
 #include "gguf.h"
 
 namespace river {
 
 class GgufFile {
 public:
-    explicit GgufFile(const std::string& path);  // throws GgufFormatError
+    // use_mmap=false (or RIVER_GGUF_NO_MMAP=1) reads the file into memory instead of mapping it.
+    explicit GgufFile(const std::string& path, bool use_mmap = true);  // throws GgufFormatError
     ~GgufFile();
     GgufFile(const GgufFile&) = delete;
     GgufFile& operator=(const GgufFile&) = delete;
 
     const std::string& path() const { return path_; }
+    bool mapped() const { return map_ && map_->mapped(); }
     gguf_context* meta() const { return gguf_; }
 
     // Tensor by name, with its data pointing into the mapped file; nullptr if absent.
@@ -39,8 +44,7 @@ private:
     std::string path_;
     gguf_context* gguf_ = nullptr;
     ggml_context* tensors_ = nullptr;       // descriptions only; data lives in the mapping
-    void* map_ = nullptr;
-    size_t map_size_ = 0;
+    std::unique_ptr<FileMap> map_;          // the file's bytes, mapped or read
     ggml_backend_buffer_t buffer_ = nullptr; // CPU buffer over the mapping
 };
 

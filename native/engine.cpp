@@ -61,6 +61,15 @@ void check_same_model(const HParams& a, const HParams& b, const GgufFile& fa, co
     }
 }
 
+// Test hook: RIVER_GGUF_FAIL_LOAD_AT=<stage> makes a load throw at that stage, so that tests can
+// show a load failing late frees everything it made (tests/test_leaks.py). One getenv per stage.
+void fail_point(const char* stage) {
+    const char* at = std::getenv("RIVER_GGUF_FAIL_LOAD_AT");
+    if (at && std::strcmp(at, stage) == 0) {
+        throw std::runtime_error(std::string("load stopped at stage '") + stage + "' (RIVER_GGUF_FAIL_LOAD_AT)");
+    }
+}
+
 }  // namespace
 
 Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch_(cfg.n_batch) {
@@ -68,14 +77,14 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
     if (cfg.n_threads <= 0) throw std::invalid_argument("n_threads must be positive");
     if (cfg.n_batch <= 0) throw std::invalid_argument("n_batch must be positive");
 
-    file_ = std::make_unique<GgufFile>(cfg.path);
+    file_ = std::make_unique<GgufFile>(cfg.path, cfg.use_mmap);
     hp_ = read_hparams(*file_);
     backbone_ = load_backbone(*file_, hp_);
     if (!cfg.river_path.empty()) {
         if (file_->tensor("river.blk.0.attn_q.weight")) {
             throw RiverMismatchError("'" + cfg.path + "' already holds a river; do not pass another");
         }
-        river_file_ = std::make_unique<GgufFile>(cfg.river_path);
+        river_file_ = std::make_unique<GgufFile>(cfg.river_path, cfg.use_mmap);
         HParams rhp = read_hparams(*river_file_);
         check_same_model(hp_, rhp, *file_, *river_file_);
         river_ = std::make_unique<RiverWeights>(load_river(*river_file_, hp_, ""));
@@ -83,9 +92,12 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
         river_ = std::make_unique<RiverWeights>(load_river(*file_, hp_, "river."));
     }
 
-    cpu_ = ggml_backend_cpu_init();
+    // From here on every resource goes straight into its owning member (engine.h), so a throw
+    // anywhere below frees all of them.
+    cpu_.reset(ggml_backend_cpu_init());
     if (!cpu_) throw std::runtime_error("cannot start the ggml CPU backend");
-    ggml_backend_cpu_set_n_threads(cpu_, cfg.n_threads);
+    ggml_backend_t cpu = cpu_.get();
+    ggml_backend_cpu_set_n_threads(cpu, cfg.n_threads);
     // A persistent pool: a decode step runs several small graphs, and starting threads
     // for each would cost more than the graphs themselves.
     ggml_threadpool_params tpp = ggml_threadpool_params_default(cfg.n_threads);
@@ -94,14 +106,15 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
     // RIVER_GGML_POLL=1..100 turns polling back on for dedicated machines.
     tpp.poll = 0;
     if (const char* poll = std::getenv("RIVER_GGML_POLL")) tpp.poll = static_cast<uint32_t>(std::atoi(poll));
-    threadpool_ = ggml_threadpool_new(&tpp);
-    if (threadpool_) ggml_backend_cpu_set_threadpool(cpu_, threadpool_);
+    threadpool_.reset(ggml_threadpool_new(&tpp));
+    if (threadpool_) ggml_backend_cpu_set_threadpool(cpu, threadpool_.get());
+    fail_point("backend");
 
     // Offload the last n_gpu_layers layers (and the head once all layers are), as llama.cpp does.
-    std::vector<ggml_backend_t> layer_backend(hp_.n_layer, cpu_);
+    std::vector<ggml_backend_t> layer_backend(hp_.n_layer, cpu);
     if (cfg.n_gpu_layers > 0) {
         if (ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU)) {
-            gpu_ = ggml_backend_dev_init(dev, nullptr);
+            gpu_.reset(ggml_backend_dev_init(dev, nullptr));
         }
     }
     const int first_gpu = gpu_ ? std::max(0, hp_.n_layer - cfg.n_gpu_layers) : hp_.n_layer;
@@ -113,7 +126,7 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
     if (gpu_) {
         std::vector<ggml_tensor**> slots;
         for (int il = first_gpu; il < hp_.n_layer; ++il) {
-            layer_backend[il] = gpu_;
+            layer_backend[il] = gpu_.get();
             for (auto s : layer_slots(backbone_.layers[il])) slots.push_back(s);
             if (river_) for (auto s : layer_slots(river_->layers[il])) slots.push_back(s);
         }
@@ -122,7 +135,7 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
             slots.insert(slots.end(), heads.begin(), heads.end());
         }
         placed_weights_.push_back(std::make_unique<DeviceWeights>());
-        placed_weights_.back()->move(ggml_backend_get_default_buffer_type(gpu_), slots);
+        placed_weights_.back()->move(ggml_backend_get_default_buffer_type(gpu_.get()), slots);
     }
     if (cfg.repack) {
         // CPU mat-mul weights go to the first extra buffer type that takes them (repacked
@@ -136,7 +149,7 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
         std::vector<ggml_tensor**> cpu_matmuls;
         for (LayerWeights* w : cpu_layers) for (auto s : matmul_slots(*w)) cpu_matmuls.push_back(s);
         if (!head_on_gpu) cpu_matmuls.insert(cpu_matmuls.end(), heads.begin(), heads.end());
-        ggml_backend_dev_t cpu_dev = ggml_backend_get_device(cpu_);
+        ggml_backend_dev_t cpu_dev = ggml_backend_get_device(cpu);
         // Last, the plain CPU buffer type: layers no repacked type takes (F16, K-quants) are
         // still joined, in a copy; the mapping's pages they came from are then left unread.
         std::vector<ggml_backend_buffer_type_t> bufts = cpu_extra_buffer_types();
@@ -172,35 +185,26 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
         }
     }
 
-    if (gpu_) backends_.push_back(gpu_);
-    backends_.push_back(cpu_);
-    sched_ = ggml_backend_sched_new(backends_.data(), nullptr, static_cast<int>(backends_.size()), graph_size(hp_),
-                                    false, true);
+    fail_point("weights");
+    if (gpu_) backends_.push_back(gpu_.get());
+    backends_.push_back(cpu);
+    sched_.reset(ggml_backend_sched_new(backends_.data(), nullptr, static_cast<int>(backends_.size()),
+                                        graph_size(hp_), false, true));
     if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
     // An exit node stops the backbone graph right after itself: the CPU backend asks this
     // after every node, so the decision costs one flag read per node and no graph split.
-    ggml_backend_cpu_set_abort_callback(cpu_, &Engine::abort_requested, this);
+    ggml_backend_cpu_set_abort_callback(cpu, &Engine::abort_requested, this);
 
     cache_ = std::make_unique<KvCache>(hp_, cfg.n_ctx, GGML_TYPE_F16, layer_backend);
+    fail_point("cache");
 
     ggml_init_params sp{ggml_tensor_overhead() * 4, nullptr, /*no_alloc=*/true};
-    state_ctx_ = ggml_init(sp);
-    h_state_ = ggml_new_tensor_2d(state_ctx_, GGML_TYPE_F32, hp_.n_embd, n_batch_);
-    state_buf_ = ggml_backend_alloc_ctx_tensors(state_ctx_, cpu_);
+    state_ctx_.reset(ggml_init(sp));
+    if (!state_ctx_) throw std::runtime_error("cannot create the hidden-state context");
+    h_state_ = ggml_new_tensor_2d(state_ctx_.get(), GGML_TYPE_F32, hp_.n_embd, n_batch_);
+    state_buf_.reset(ggml_backend_alloc_ctx_tensors(state_ctx_.get(), cpu));
     if (!state_buf_) throw std::runtime_error("out of memory for the hidden-state buffer");
-}
-
-Engine::~Engine() {
-    graphs_.clear();
-    transient_.reset();
-    if (sched_) ggml_backend_sched_free(sched_);
-    cache_.reset();
-    placed_weights_.clear();
-    if (state_buf_) ggml_backend_buffer_free(state_buf_);
-    if (state_ctx_) ggml_free(state_ctx_);
-    if (gpu_) ggml_backend_free(gpu_);
-    if (cpu_) ggml_backend_free(cpu_);
-    if (threadpool_) ggml_threadpool_free(threadpool_);
+    fail_point("end");
 }
 
 void Engine::truncate(int n) {
@@ -291,6 +295,9 @@ struct Engine::Graph {
         if (ctx) ggml_free(ctx);
     }
 };
+
+// Members free themselves in reverse order of declaration (see engine.h); Graph is complete here.
+Engine::~Engine() = default;
 
 bool Engine::GraphSpec::operator==(const GraphSpec& o) const {
     if (n != o.n || n_kv != o.n_kv || from_tokens != o.from_tokens || river_embd != o.river_embd ||
@@ -462,13 +469,13 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     if (keep) {
         // A kept graph owns its compute buffer, so switching between kept graphs needs no
         // re-planning; only CPU-only engines keep graphs (see graph_for).
-        g->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(cpu_));
+        g->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(cpu_.get()));
         if (!g->galloc || !ggml_gallocr_alloc_graph(g->galloc, gf)) {
             throw std::runtime_error("cannot allocate the compute graph");
         }
     } else {
-        ggml_backend_sched_reset(sched_);
-        if (!ggml_backend_sched_alloc_graph(sched_, gf)) throw std::runtime_error("cannot allocate the compute graph");
+        ggml_backend_sched_reset(sched_.get());
+        if (!ggml_backend_sched_alloc_graph(sched_.get(), gf)) throw std::runtime_error("cannot allocate the compute graph");
     }
     return g;
 }
@@ -516,11 +523,11 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
     abort_ = false;
     ggml_status status;
     if (g.galloc) {
-        status = ggml_backend_graph_compute(cpu_, g.gf);
+        status = ggml_backend_graph_compute(cpu_.get(), g.gf);
     } else {
-        if (observer_) ggml_backend_sched_set_eval_callback(sched_, observer_, observer_data_);
-        status = ggml_backend_sched_graph_compute(sched_, g.gf);
-        if (observer_) ggml_backend_sched_set_eval_callback(sched_, nullptr, nullptr);
+        if (observer_) ggml_backend_sched_set_eval_callback(sched_.get(), observer_, observer_data_);
+        status = ggml_backend_sched_graph_compute(sched_.get(), g.gf);
+        if (observer_) ggml_backend_sched_set_eval_callback(sched_.get(), nullptr, nullptr);
     }
     if (abort_) {
         abort_ = false;

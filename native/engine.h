@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ggml-backend.h"
+#include "ggml-cpp.h"
 #include "ggml-cpu.h"
 #include "gguf_file.h"
 #include "hparams.h"
@@ -25,6 +26,7 @@ struct EngineConfig {
     bool repack = true;          // CPU mat-mul weights in the CPU's repacked buffer types, as llama.cpp does
     bool graph_reuse = true;     // keep single-token decode graphs (and their allocations) across steps
     bool fuse = true;            // repacked layers: Q/K/V and gate/up as one mul_mat each (same logits)
+    bool use_mmap = true;        // map the GGUF files; false (or RIVER_GGUF_NO_MMAP=1) reads them
 };
 
 enum class ExitMode {
@@ -132,18 +134,26 @@ private:
     BackboneWeights backbone_;
     std::unique_ptr<RiverWeights> river_;
 
-    ggml_backend_t cpu_ = nullptr;
-    ggml_backend_t gpu_ = nullptr;
-    ggml_threadpool_t threadpool_ = nullptr;
-    std::vector<ggml_backend_t> backends_;
-    ggml_backend_sched_t sched_ = nullptr;  // for graphs that are not kept (prompts)
-    std::vector<std::unique_ptr<DeviceWeights>> placed_weights_;  // GPU copies, repacked CPU copies
-    std::unique_ptr<KvCache> cache_;
+    // Every native resource is owned from the moment it is created, so a constructor that
+    // throws half-way frees what it made. Members are destroyed in reverse order: the scheduler
+    // before the buffers and backends it uses, buffers before their contexts, the CPU backend
+    // before its thread pool.
+    struct ThreadpoolFree {
+        void operator()(ggml_threadpool_t tp) const { ggml_threadpool_free(tp); }
+    };
+    std::unique_ptr<ggml_threadpool, ThreadpoolFree> threadpool_;
+    ggml_backend_ptr cpu_;
+    ggml_backend_ptr gpu_;
+    std::vector<ggml_backend_t> backends_;  // the scheduler's list: gpu_ (if any), cpu_; not owned
 
     // Hidden state handed from a stopped backbone graph to the river graph.
-    ggml_context* state_ctx_ = nullptr;
-    ggml_backend_buffer_t state_buf_ = nullptr;
+    ggml_context_ptr state_ctx_;
+    ggml_backend_buffer_ptr state_buf_;
     ggml_tensor* h_state_ = nullptr;    // F32 [n_embd, n_batch]
+
+    std::vector<std::unique_ptr<DeviceWeights>> placed_weights_;  // GPU copies, repacked CPU copies
+    std::unique_ptr<KvCache> cache_;
+    ggml_backend_sched_ptr sched_;      // for graphs that are not kept (prompts)
 
     ExitState exit_;
     bool abort_ = false;                // set by an exit node, read by the CPU backend after each node

@@ -14,8 +14,9 @@ KvCache::KvCache(const HParams& hp, int n_ctx, ggml_type type, const std::vector
         ggml_backend_t be = layer_backend[il];
         if (!by_backend.count(be)) {
             ggml_init_params params{ggml_tensor_overhead() * 2 * hp.n_layer, nullptr, /*no_alloc=*/true};
-            by_backend[be] = ggml_init(params);
-            ctxs_.push_back(by_backend[be]);
+            ctxs_.emplace_back(ggml_init(params));
+            if (!ctxs_.back()) throw std::runtime_error("cannot create a KV cache context");
+            by_backend[be] = ctxs_.back().get();
         }
         k_[il] = ggml_new_tensor_2d(by_backend[be], type, hp.n_embd_k_gqa(), n_ctx);
         v_[il] = ggml_new_tensor_2d(by_backend[be], type, hp.n_embd_v_gqa(), n_ctx);
@@ -23,22 +24,17 @@ KvCache::KvCache(const HParams& hp, int n_ctx, ggml_type type, const std::vector
         ggml_format_name(v_[il], "cache_v_l%d", il);
     }
     for (auto& [be, ctx] : by_backend) {
-        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, be);
+        buffers_.emplace_back(ggml_backend_alloc_ctx_tensors(ctx, be));
+        ggml_backend_buffer_t buf = buffers_.back().get();
         if (!buf) throw std::runtime_error("out of memory allocating the KV cache (n_ctx=" + std::to_string(n_ctx) + ")");
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_ANY);
-        buffers_.push_back(buf);
     }
     poison();
 }
 
-KvCache::~KvCache() {
-    for (auto b : buffers_) ggml_backend_buffer_free(b);
-    for (auto c : ctxs_) ggml_free(c);
-}
-
 void KvCache::poison() {
     // 0x7E7E as f16 and 0x7E7E7E7E as f32 are both NaN.
-    for (auto b : buffers_) ggml_backend_buffer_clear(b, 0x7E);
+    for (auto& b : buffers_) ggml_backend_buffer_clear(b.get(), 0x7E);
 }
 
 std::vector<float> KvCache::read(int il, bool values, int n) const {

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "ggml-backend.h"
+#include "ggml-cpp.h"
 #include "hparams.h"
 
 namespace river {
@@ -12,7 +13,7 @@ class KvCache {
 public:
     // layer_backend[l]: where layer l's cache lives (the backend that computes layer l).
     KvCache(const HParams& hp, int n_ctx, ggml_type type, const std::vector<ggml_backend_t>& layer_backend);
-    ~KvCache();
+    ~KvCache() = default;
     KvCache(const KvCache&) = delete;
     KvCache& operator=(const KvCache&) = delete;
 
@@ -29,8 +30,10 @@ public:
 private:
     int n_ctx_;
     std::vector<ggml_tensor*> k_, v_;
-    std::vector<ggml_context*> ctxs_;
-    std::vector<ggml_backend_buffer_t> buffers_;
+    // Owned from creation, so a constructor that fails half-way frees them; buffers are
+    // declared last so they are freed before the contexts that describe their tensors.
+    std::vector<ggml_context_ptr> ctxs_;
+    std::vector<ggml_backend_buffer_ptr> buffers_;
 };
 
 }  // namespace river

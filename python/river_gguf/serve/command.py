@@ -1,0 +1,70 @@
+"""The `serve` subcommand: parse, load the model, run uvicorn."""
+import argparse
+import sys
+from dataclasses import replace
+
+from .settings import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser("serve", parents=[common.model],
+                       help="serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                            "/v1/chat/completions, /v1/models)")
+    p.add_argument("--n-ctx", dest="ctx", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help="same as -c/--ctx")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else no key)")
+    p.add_argument("--alias", default=None, metavar="NAME",
+                   help="model name shown in /v1/models and in responses (default: the file name)")
+    p.add_argument("--preset", default=None, metavar="NAME",
+                   help="a River GGUF's stored setting: fast, balanced, quality (default: the file's own)")
+    from ..options import MODES  # tiny module, no native code
+
+    p.add_argument("--mode", choices=MODES, default=None, help="exit mode (default: the file's own)")
+    p.add_argument("--threshold", "--tau", dest="threshold", type=float, default=None, metavar="TAU",
+                   help="exit when cos(h_in, h_out) >= TAU")
+    p.add_argument("--tail", type=int, default=None, metavar="T",
+                   help="exited tokens rejoin the backbone for the last T layers")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default info: one line per request)")
+    p.set_defaults(func=run)
+
+
+def _web_stack():
+    from ..cli import UsageError
+
+    try:
+        import fastapi  # noqa: F401
+        import pydantic  # noqa: F401
+        import sse_starlette  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise UsageError(f"the server needs {e.name or 'its web libraries'}: "
+                         "pip install 'river_gguf[server]' (fastapi, uvicorn, sse-starlette, pydantic)") from None
+    return uvicorn
+
+
+def run(args) -> int:
+    uvicorn = _web_stack()
+    from . import loader
+    from .app import create_app
+    from .settings import ServerSettings, api_key_from
+
+    # Checked before the model spends time loading; the name comes from the loaded model.
+    settings = ServerSettings(args.alias or "-", host=args.host, port=args.port, api_key=api_key_from(args.api_key))
+    model = loader.load_model(args)
+    settings = replace(settings, model_id=loader.model_id(model, args.alias))
+    if not settings.is_local and settings.api_key is None:
+        print(f"river-gguf: warning: listening on {settings.host} without an API key; anyone who can reach "
+              f"this port can use the model (set --api-key or ${API_KEY_ENV})", file=sys.stderr)
+    print(f"river-gguf: serving {model.model_path} as {settings.model_id!r} on "
+          f"http://{settings.host}:{settings.port}/v1" + (" (API key required)" if settings.api_key else ""),
+          file=sys.stderr, flush=True)
+    app = create_app(model, settings)
+    # timeout_graceful_shutdown: Ctrl-C ends open streams after 5 s instead of waiting on them.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,1207 @@
+"""river_gguf.Llama: a drop-in for llama_cpp.Llama (llama-cpp-python 0.3.36) on the river_gguf engine.
+
+    from river_gguf.llama import Llama          # instead of: from llama_cpp import Llama
+    llm = Llama("model.river.gguf", n_ctx=2048, preset="fast")
+    llm("Q: Name the planets. A:", max_tokens=32, stop=["Q:"])
+    llm.create_chat_completion(messages=[...], response_format={"type": "json_object"})
+    llm.last_stats                              # River statistics of the last call
+
+What is llama_cpp's and what is ours:
+  - The logits come from river_gguf's engine (a river_gguf.Model, `llm.river_model`), with
+    River's early exit. Everything around them is llama.cpp's own: the tokenizer and metadata
+    come from a vocab-only libllama model of the same file (`llm._model`, llama_cpp's
+    LlamaModel, also the vocabulary the grammar sampler needs); sampling is libllama's sampler
+    chain, built in llama_cpp's order (river_gguf.llama_sampling); grammars, JSON schemas
+    (llama_cpp.llama_grammar.json_schema_to_gbnf) and chat handlers (templates, tools,
+    functions) are llama_cpp's, called with this object as their `llama`.
+  - The completion loop reproduces llama_cpp's observable behaviour: prompt tokens (BOS/EOS
+    rules), max_tokens <= 0 or None meaning "until the context is full", the default seed
+    sequence (each call without `seed` draws the next seed from the previous one), stop strings,
+    the delay on incomplete UTF-8, stream chunk boundaries, logprobs/echo offsets and the
+    prompt-prefix reuse of `generate`. Same logits, seed and parameters give the same text.
+
+Constructor: llama_cpp's parameters are all accepted.
+  - Used: model_path (None: the default SmolLM2 model), n_ctx (0: the model's training
+    context), n_batch, n_threads, n_gpu_layers, seed, logits_all, vocab_only, embedding,
+    last_n_tokens_size, chat_format, chat_handler, tokenizer, spm_infill, verbose.
+  - Accepted without effect, because they only tune llama.cpp's own context or memory and do
+    not change results here: n_ubatch, n_threads_batch (the engine has one thread count:
+    n_threads), split_mode, main_gpu, tensor_split, use_mmap, use_mlock, offload_kqv,
+    flash_attn, op_offload, swa_full, no_perf, numa, type_k/type_v (the engine keeps its own KV
+    type), draft_model (speculative decoding does not change the tokens), pooling_type,
+    attention_type, tfs_z and penalize_nl (ignored by llama_cpp 0.3.36 too).
+  - Refused with NotImplementedError when set, because silently ignoring them would change the
+    output: lora_path/lora_base, kv_overrides, rope_scaling_type, rope_freq_base/scale and the
+    yarn_* overrides.
+  - River exit options (keyword-only, passed to river_gguf.Model): river (a second GGUF as the
+    exit river), preset, mode, threshold, min_exit_layer, exit_layer, river_head, prefill, tail.
+    create_completion, __call__, create_chat_completion and generate take the same options per
+    call. Other unknown keyword arguments are ignored with a RuntimeWarning (llama_cpp ignores
+    them silently).
+
+Differences from llama_cpp.Llama (each for the reason given):
+  - Per-call River statistics are in `last_stats` (prefill/decode tokens and tok/s, tokens
+    reused from the KV cache, exit layers...), never in the OpenAI dicts.
+  - save_state()/load_state(): the engine's KV cache cannot be copied out, so a state holds the
+    tokens (and the logits llama_cpp keeps) and load_state recomputes the KV cache from them
+    on the next evaluation. Restored text equals what the tokens give; in River mode the
+    recomputed cache comes from a prompt pass, not from the decode steps that made it. A state
+    saved by llama_cpp.Llama (raw llama.cpp KV bytes) is refused with ValueError.
+  - logprobs also work with logits_all=False (llama_cpp raises ValueError): the call keeps the
+    rows it needs. Log-probabilities are Python floats (llama_cpp leaks numpy.float32).
+  - suffix: llama_cpp 0.3.36 builds infill prompts with token 0 as the FIM markers (its
+    "TODO: Fix") and never appends the suffix. Here a vocabulary with FIM tokens gets a real
+    prefix/suffix/middle prompt; otherwise the suffix is appended to the text, as documented.
+  - logit_bias together with logits_processor: llama_cpp drops both (list.extend returns None);
+    here both apply, the processors first.
+  - sample() always builds a fresh chain from its arguments (llama_cpp reuses the chain of the
+    last generate() once one ran). stopping_criteria receives the logits the token was sampled
+    from (llama_cpp passes an unrelated, usually uninitialized row).
+  - Argument errors of a streamed completion raise when it is created, not at the first next().
+  - Not available: embed/create_embedding (RuntimeError without embedding=True, as llama_cpp;
+    NotImplementedError with it: the engine computes no pooled embeddings), from_pretrained,
+    LoRA, multimodal chat handlers (they drive llama.cpp's context directly, `llama._ctx`).
+One Llama owns one KV cache: use it from one thread at a time (a server queues requests).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+import numpy as np
+
+import llama_cpp
+import llama_cpp.llama_chat_format as llama_chat_format
+from llama_cpp import llama_cpp as lib
+from llama_cpp import _internals as internals
+from llama_cpp.llama import Llama as _LlamaCpp
+from llama_cpp.llama import LlamaState, LogitsProcessorList, StoppingCriteriaList  # noqa: F401 (re-exported)
+from llama_cpp.llama_grammar import LlamaGrammar
+from llama_cpp.llama_tokenizer import LlamaTokenizer
+
+from .llama_sampling import (SamplerChain, apply_processors, check_grammar, grammar_text,
+                             logit_bias_processor, top_logprobs_order)
+from .options import is_int
+from .results import exit_stats
+
+__all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList",
+           "ModelPathError"]
+
+#: First bytes of a river_gguf state's `llama_state` (then the tokens as little-endian int32).
+STATE_MAGIC = b"RIVERGGUF-STATE1"
+
+#: River exit options the constructor and the calls accept, beside llama_cpp's own parameters.
+RIVER_OPTIONS = ("preset", "mode", "threshold", "min_exit_layer", "exit_layer", "river_head", "prefill", "tail")
+
+#: llama_cpp constructor parameters that change what llama.cpp computes and that the engine
+#: cannot honour: refused when given a non-default value. name -> default.
+_REFUSED = {
+    "lora_base": None, "lora_path": None, "kv_overrides": None,
+    "rope_scaling_type": lib.LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED, "rope_freq_base": 0.0, "rope_freq_scale": 0.0,
+    "yarn_ext_factor": -1.0, "yarn_attn_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0,
+    "yarn_orig_ctx": 0,
+}
+
+
+class ModelPathError(FileNotFoundError, ValueError):
+    """The model file does not exist. A FileNotFoundError (river_gguf's promise) that is also the
+    ValueError llama_cpp.Llama raises, so code written for either catches it."""
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _utf8_wait(text: bytes, current: int) -> int:
+    """How many more tokens llama_cpp waits before it looks at text that ends inside a UTF-8
+    sequence: for each of the last three bytes, counted 3, 2, 1 from the end, a lead byte of an
+    n-byte sequence closer to the end than n sets the wait to n minus that count."""
+    for i, byte in enumerate(text[-3:]):
+        dist = 3 - i
+        for need, lead in ((2, 0xC0), (3, 0xE0), (4, 0xF0)):
+            if need > dist and byte & lead == lead:
+                current = need - dist
+    return current
+
+
+def _stop_list(stop) -> List[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
+
+
+def _bool(name: str, v) -> bool:
+    if not isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {v!r}")
+    return bool(v)
+
+
+class Llama:
+    """A drop-in for llama_cpp.Llama on river_gguf's engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_path: Optional[str] = None,
+        *,
+        # Model params
+        n_gpu_layers: int = 0,
+        split_mode: int = lib.LLAMA_SPLIT_MODE_LAYER,
+        main_gpu: int = 0,
+        tensor_split: Optional[List[float]] = None,
+        vocab_only: bool = False,
+        use_mmap: bool = True,
+        use_mlock: bool = False,
+        kv_overrides: Optional[Dict[str, Union[bool, int, float, str]]] = None,
+        # Context params
+        seed: int = lib.LLAMA_DEFAULT_SEED,
+        n_ctx: int = 512,
+        n_batch: int = 512,
+        n_ubatch: int = 512,
+        n_threads: Optional[int] = None,
+        n_threads_batch: Optional[int] = None,
+        rope_scaling_type: Optional[int] = lib.LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED,
+        pooling_type: int = lib.LLAMA_POOLING_TYPE_UNSPECIFIED,
+        attention_type: int = lib.LLAMA_ATTENTION_TYPE_UNSPECIFIED,
+        rope_freq_base: float = 0.0,
+        rope_freq_scale: float = 0.0,
+        yarn_ext_factor: float = -1.0,
+        yarn_attn_factor: float = 1.0,
+        yarn_beta_fast: float = 32.0,
+        yarn_beta_slow: float = 1.0,
+        yarn_orig_ctx: int = 0,
+        logits_all: bool = False,
+        embedding: bool = False,
+        offload_kqv: bool = True,
+        flash_attn: bool = False,
+        op_offload: Optional[bool] = None,
+        swa_full: Optional[bool] = None,
+        # Sampling params
+        no_perf: bool = False,
+        last_n_tokens_size: int = 64,
+        # LoRA params
+        lora_base: Optional[str] = None,
+        lora_scale: float = 1.0,
+        lora_path: Optional[str] = None,
+        # Backend params
+        numa: Union[bool, int] = False,
+        # Chat format params
+        chat_format: Optional[str] = None,
+        chat_handler: Optional[Any] = None,
+        # Speculative decoding
+        draft_model: Optional[Any] = None,
+        # Tokenizer override
+        tokenizer: Optional[Any] = None,
+        # KV cache quantization
+        type_k: Optional[int] = None,
+        type_v: Optional[int] = None,
+        # Misc
+        spm_infill: bool = False,
+        verbose: bool = True,
+        # River (river_gguf.Model options)
+        river: Optional[str] = None,
+        preset: Optional[str] = None,
+        mode: Optional[str] = None,
+        threshold: Optional[float] = None,
+        min_exit_layer: Optional[int] = None,
+        exit_layer: Optional[int] = None,
+        river_head: Optional[bool] = None,
+        prefill: Optional[str] = None,
+        tail: Optional[int] = None,
+        **kwargs,
+    ):
+        self._closed = True  # until the end of __init__: close() and __del__ tolerate a half-made object
+        self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
+        given = dict(lora_base=lora_base, lora_path=lora_path, kv_overrides=kv_overrides,
+                     rope_scaling_type=rope_scaling_type, rope_freq_base=rope_freq_base,
+                     rope_freq_scale=rope_freq_scale, yarn_ext_factor=yarn_ext_factor,
+                     yarn_attn_factor=yarn_attn_factor, yarn_beta_fast=yarn_beta_fast,
+                     yarn_beta_slow=yarn_beta_slow, yarn_orig_ctx=yarn_orig_ctx)
+        for name, default in _REFUSED.items():
+            v = given[name]
+            if v is not None and v != default and not (name == "rope_scaling_type" and v is None):
+                raise NotImplementedError(
+                    f"river_gguf.Llama does not support {name}={v!r}: the river_gguf engine cannot apply it, and "
+                    "ignoring it would change the output. Bake it into the GGUF (merge the LoRA, edit the metadata) "
+                    "and load that file")
+        if kwargs:
+            warnings.warn(f"river_gguf.Llama: ignoring unknown keyword arguments {sorted(kwargs)}", RuntimeWarning,
+                          stacklevel=2)
+        self.verbose = _bool("verbose", verbose)
+        for name, v in (("logits_all", logits_all), ("embedding", embedding), ("vocab_only", vocab_only),
+                        ("spm_infill", spm_infill)):
+            _bool(name, v)
+        if not is_int(n_ctx) or n_ctx < 0:
+            raise ValueError(f"n_ctx must be an int >= 0 (0: the model's training context), got {n_ctx!r}")
+        if not is_int(n_batch) or n_batch < 1:
+            raise ValueError(f"n_batch must be an int >= 1, got {n_batch!r}")
+        if not is_int(last_n_tokens_size) or last_n_tokens_size < -1:
+            raise ValueError(f"last_n_tokens_size must be an int >= -1, got {last_n_tokens_size!r}")
+        if not is_int(seed):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+
+        if model_path is None:
+            from .default_model import default_model_path
+
+            model_path = default_model_path()
+        model_path = os.fsdecode(os.fspath(model_path))
+        if not os.path.exists(model_path):
+            raise ModelPathError(f"Model path does not exist: {model_path}")
+        self.model_path = model_path
+        self._lock = threading.RLock()
+
+        # llama.cpp's vocabulary and metadata of the same file: tokenizer, special tokens, chat
+        # templates, and the vocab pointer the grammar sampler needs.
+        params = lib.llama_model_default_params()
+        params.vocab_only = True
+        self._model = internals.LlamaModel(path_model=model_path, params=params, verbose=self.verbose)
+        self.tokenizer_ = tokenizer or LlamaTokenizer(self)
+        self._n_vocab = self._model.n_vocab()
+
+        self.metadata = self._model.metadata()
+        if n_ctx == 0:
+            n_ctx = self._n_ctx_train()
+        self.n_batch = min(n_ctx, n_batch)
+        self.n_threads = n_threads or max((os.cpu_count() or 2) // 2, 1)
+        self.n_threads_batch = n_threads_batch or (os.cpu_count() or 1)
+        self._seed = seed or lib.LLAMA_DEFAULT_SEED
+        self._logits_all = bool(logits_all)
+        self._embedding = bool(embedding)
+        self._vocab_only = bool(vocab_only)
+        self.last_n_tokens_size = last_n_tokens_size
+        self.spm_infill = bool(spm_infill)
+        self.draft_model = draft_model
+        self.lora_base, self.lora_path, self.lora_scale = lora_base, lora_path, lora_scale
+        self.cache = None
+
+        # The engine. River options left None take the file's defaults (a River GGUF's preset).
+        self._river_defaults = {} if exit_layer is None else {"exit_layer": exit_layer}
+        self.river_model = None
+        if not self._vocab_only:
+            from .model import Model
+
+            self.river_model = Model(model_path, river=river, n_ctx=n_ctx, n_threads=n_threads, n_batch=self.n_batch,
+                                     n_gpu_layers=n_gpu_layers, mode=mode, threshold=threshold,
+                                     min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill,
+                                     tail=tail, preset=preset, verbose=self.verbose)
+            if self.river_model.n_vocab != self._n_vocab:
+                raise ValueError(f"{model_path}: libllama's vocabulary has {self._n_vocab} tokens, the engine's "
+                                 f"{self.river_model.n_vocab}")
+            self._lock = getattr(self.river_model, "_lock", self._lock)
+            self._default_opts = self._resolve_options({})  # checks exit_layer now
+        elif river is not None or any(v is not None for v in (preset, mode, threshold, min_exit_layer, exit_layer,
+                                                                  river_head, prefill, tail)):
+            raise ValueError("River options need the engine; this Llama is vocab_only")
+        self._n_ctx = n_ctx
+
+        # llama_cpp's state: evaluated tokens and (when kept) their logits rows.
+        self.n_tokens = 0
+        self.input_ids = np.zeros((n_ctx,), dtype=np.intc)
+        self._scores_buf: Optional[np.ndarray] = None
+        self._rows_valid = 0            # rows [0, _rows_valid) of scores hold these tokens' logits
+        self._last_logits: Optional[np.ndarray] = None
+        self._last_logits_pos = -1
+        self._last_exit_layer = -1
+        self._requires_eval = True      # restored or truncated state must evaluate before sampling
+        # What the engine's KV cache holds: tokens, under which exit options, since which epoch.
+        self._kv_tokens: List[int] = []
+        self._kv_opts = None
+        self._kv_epoch = None
+        self._kv_owned = False
+        self._chat_river_options: Dict[str, Any] = {}
+        self._acc: Dict[str, Any] = {}
+        self.last_stats: Dict[str, Any] = {}
+
+        self.chat_format = chat_format
+        self.chat_handler = chat_handler
+        self._chat_handlers: Dict[str, Any] = {}
+        self._setup_chat_handlers()
+        self._closed = False
+        if self.verbose:
+            desc = "vocab only" if self.river_model is None else (
+                f"n_ctx={n_ctx}, threads={self.n_threads}, exit options {self._default_opts}")
+            print(f"river_gguf.Llama: {model_path} ({desc}); chat format {self.chat_format!r}", file=sys.stderr)
+
+    def _setup_chat_handlers(self) -> None:
+        """llama_cpp's choice: a handler per chat template in the metadata; chat_format guessed
+        from the default template, else that template itself, else "llama-2"."""
+        eos_id, bos_id = self.token_eos(), self.token_bos()
+        eos_token = self._model.token_get_text(eos_id) if eos_id != -1 else ""
+        bos_token = self._model.token_get_text(bos_id) if bos_id != -1 else ""
+        templates = {name[len("tokenizer."):]: t for name, t in self.metadata.items()
+                     if name.startswith("tokenizer.chat_template.")}
+        if "tokenizer.chat_template" in self.metadata:
+            templates["chat_template.default"] = self.metadata["tokenizer.chat_template"]
+        for name, template in templates.items():
+            self._chat_handlers[name] = llama_chat_format.Jinja2ChatFormatter(
+                template=template, eos_token=eos_token, bos_token=bos_token, stop_token_ids=[eos_id]).to_chat_handler()
+        if self.chat_format is None and self.chat_handler is None and "chat_template.default" in templates:
+            self.chat_format = (llama_chat_format.guess_chat_format_from_gguf_metadata(self.metadata)
+                                or "chat_template.default")
+        if self.chat_format is None and self.chat_handler is None:
+            self.chat_format = "llama-2"
+
+    # ----- state that llama_cpp exposes ---------------------------------------------------------
+    @property
+    def scores(self) -> np.ndarray:
+        """Logits rows [n_ctx, n_vocab]; rows of evaluated tokens are filled when kept
+        (logits_all=True, or a call with logprobs). Allocated on first use."""
+        if self._scores_buf is None:
+            self._scores_buf = np.zeros((self._n_ctx, self._n_vocab), dtype=np.single)
+        return self._scores_buf
+
+    @scores.setter
+    def scores(self, value: np.ndarray) -> None:
+        self._scores_buf = value
+
+    @property
+    def _input_ids(self) -> np.ndarray:
+        return self.input_ids[: self.n_tokens]
+
+    @property
+    def _scores(self) -> np.ndarray:
+        return self.scores[: self.n_tokens, :]
+
+    @property
+    def eval_tokens(self):
+        from collections import deque
+
+        return deque(self.input_ids[: self.n_tokens].tolist(), maxlen=self._n_ctx)
+
+    @property
+    def eval_logits(self):
+        from collections import deque
+
+        return deque(self.scores[: self._rows_valid, :].tolist(), maxlen=self._n_ctx if self._logits_all else 1)
+
+    @property
+    def exit_options(self):
+        """The River exit options calls use by default (river_gguf.options.ExitOptions)."""
+        self._require_engine()
+        return self._default_opts
+
+    # ----- vocabulary ------------------------------------------------------------------------
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> List[int]:
+        """Tokenize UTF-8 bytes (a str is encoded) with llama.cpp's tokenizer."""
+        self._vocab()
+        if isinstance(text, str):
+            text = text.encode("utf-8")
+        if not isinstance(text, (bytes, bytearray)):
+            raise TypeError(f"text must be bytes (or str), got {type(text).__name__}")
+        return self.tokenizer_.tokenize(bytes(text), _bool("add_bos", add_bos), _bool("special", special))
+
+    def detokenize(self, tokens: List[int], prev_tokens: Optional[List[int]] = None, special: bool = False) -> bytes:
+        """Token ids to bytes (llama.cpp's pieces; a leading BOS drops the first space)."""
+        self._vocab()
+        return self.tokenizer_.detokenize(self._check_tokens(tokens), prev_tokens=prev_tokens,
+                                          special=_bool("special", special))
+
+    def _check_tokens(self, tokens) -> List[int]:
+        if isinstance(tokens, (str, bytes, bytearray)) or not hasattr(tokens, "__iter__"):
+            raise TypeError(f"tokens must be a sequence of int token ids, got {type(tokens).__name__}")
+        out = list(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
+        for t in out:
+            if not is_int(t):
+                raise ValueError(f"token ids must be ints, got {t!r}")
+            if not 0 <= t < self._n_vocab:
+                # libllama aborts the process on an id outside the vocabulary.
+                raise ValueError(f"token id {t} is outside the vocabulary [0, {self._n_vocab})")
+        return [int(t) for t in out]
+
+    def tokenizer(self) -> LlamaTokenizer:
+        return LlamaTokenizer(self)
+
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    def n_embd(self) -> int:
+        if self.river_model is not None:
+            return int(self.river_model.hparams["n_embd"])
+        return int(self.metadata.get(f"{self.metadata.get('general.architecture', '')}.embedding_length", 0))
+
+    def _n_ctx_train(self) -> int:
+        """The training context from the metadata (a vocab-only libllama model reports 0)."""
+        value = self.metadata.get(f"{self.metadata.get('general.architecture', '')}.context_length", "")
+        if not value.isdigit() or int(value) <= 0:
+            raise ValueError("n_ctx=0 asks for the model's training context, but the file does not give one "
+                             "(<arch>.context_length); pass n_ctx")
+        return int(value)
+
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    def token_bos(self) -> int:
+        return self._vocab().token_bos()
+
+    def token_eos(self) -> int:
+        return self._vocab().token_eos()
+
+    def token_nl(self) -> int:
+        return self._vocab().token_nl()
+
+    def _vocab(self):
+        """llama_cpp's vocab-only LlamaModel of the file (RuntimeError once closed: its pointers
+        are freed, and libllama would read freed memory)."""
+        if self._model is None:
+            raise RuntimeError("this Llama is closed")
+        return self._model
+
+    def pooling_type(self) -> int:
+        return lib.LLAMA_POOLING_TYPE_NONE
+
+    def _is_eog(self, token: int) -> bool:
+        return bool(lib.llama_vocab_is_eog(self._vocab().vocab, token))
+
+    # ----- seeds, caches, state --------------------------------------------------------------
+    def set_seed(self, seed: int) -> None:
+        if not is_int(seed):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self._seed = int(seed)
+
+    def set_cache(self, cache) -> None:
+        """A llama_cpp cache (LlamaRAMCache, LlamaDiskCache): completions load the longest cached
+        prefix state and store their final state, as llama_cpp does."""
+        self.cache = cache
+
+    def reset(self) -> None:
+        """Forget the evaluated tokens (the KV cache is reused or cleared at the next eval)."""
+        self.n_tokens = 0
+        self._requires_eval = True
+
+    def save_state(self) -> LlamaState:
+        """The evaluated tokens, their kept logits and the seed, as a llama_cpp LlamaState.
+        `llama_state` holds the tokens (STATE_MAGIC + int32), not KV bytes: load_state
+        recomputes the KV cache from them."""
+        n = self.n_tokens
+        rows = (self.scores[:n].copy() if n > 0 and self._rows_valid >= n
+                else np.zeros((0, self._n_vocab), dtype=np.single))
+        blob = STATE_MAGIC + np.asarray(self.input_ids[:n], dtype="<i4").tobytes()
+        state = LlamaState(input_ids=self.input_ids.copy(), scores=rows, n_tokens=n, llama_state=blob,
+                           llama_state_size=len(blob), seed=self._seed)
+        # The logits of the last position, so sample() works right after load_state as in llama_cpp.
+        keep_last = n > 0 and self._last_logits is not None and self._last_logits_pos == n - 1
+        state.river_last_logits = self._last_logits.copy() if keep_last else None
+        return state
+
+    def load_state(self, state: LlamaState) -> None:
+        blob = getattr(state, "llama_state", None)
+        if not isinstance(blob, (bytes, bytearray)) or not bytes(blob).startswith(STATE_MAGIC):
+            raise ValueError("this state was not saved by river_gguf.Llama.save_state (llama_cpp's states hold "
+                             "llama.cpp KV bytes, which the river_gguf engine cannot load)")
+        n = state.n_tokens
+        if not is_int(n) or not 0 <= n <= self._n_ctx:
+            raise ValueError(f"the state holds {n!r} tokens, which does not fit n_ctx={self._n_ctx}")
+        tokens = np.frombuffer(bytes(blob)[len(STATE_MAGIC):], dtype="<i4")
+        if len(tokens) != n:
+            raise ValueError(f"corrupt state: {len(tokens)} stored tokens for n_tokens={n}")
+        self._check_tokens(tokens)
+        ids = np.zeros((self._n_ctx,), dtype=np.intc)
+        src = np.asarray(state.input_ids, dtype=np.intc)
+        m = min(len(src), self._n_ctx)
+        ids[:m] = src[:m]
+        ids[:n] = tokens
+        self.input_ids = ids
+        self.n_tokens = int(n)
+        rows = np.asarray(state.scores)
+        if n > 0 and rows.ndim == 2 and rows.shape == (n, self._n_vocab):
+            self.scores[:n] = rows
+            self._rows_valid = int(n)
+        else:
+            self._rows_valid = 0
+        last = getattr(state, "river_last_logits", None)
+        self._last_logits = None if last is None else np.array(last, dtype=np.single)
+        self._last_logits_pos = n - 1 if last is not None else -1
+        self._requires_eval = True
+        self._seed = state.seed
+
+    # ----- the engine ------------------------------------------------------------------------
+    def _require_engine(self):
+        if self._closed:
+            raise RuntimeError("this Llama is closed")
+        if self.river_model is None:
+            raise RuntimeError("this Llama was created with vocab_only=True: it can tokenize but not evaluate")
+        return self.river_model
+
+    def _resolve_options(self, river_options: Dict[str, Any]):
+        """Exit options of one call: the constructor's, with the call's overrides."""
+        m = self._require_engine() if self.river_model is None else self.river_model
+        unknown = sorted(set(river_options) - set(RIVER_OPTIONS))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r} (River options are: {', '.join(RIVER_OPTIONS)})")
+        merged = {**self._river_defaults, **{k: v for k, v in river_options.items() if v is not None}}
+        return m._options(**merged)
+
+    def _sync_kv(self, opts) -> None:
+        """Make the engine's KV cache hold exactly input_ids[:n_tokens], computed under `opts`:
+        keep the longest common prefix with what it holds and evaluate the rest. The cache is
+        rebuilt from scratch when another call on the same river_gguf.Model used it, or when the
+        exit options changed."""
+        m = self.river_model
+        eng = m._engine
+        if (not self._kv_owned or getattr(m, "_epoch", None) != self._kv_epoch
+                or eng.n_past != len(self._kv_tokens) or self._kv_opts != opts):
+            begin = getattr(m, "_begin", None)
+            if begin is not None:
+                begin()  # clears the cache and invalidates any stream of the Model on it
+            else:
+                eng.truncate(0)
+            self._kv_epoch = getattr(m, "_epoch", None)
+            self._kv_tokens, self._kv_opts, self._kv_owned = [], opts, True
+        target = self.input_ids[: self.n_tokens].tolist()
+        keep = _lcp(self._kv_tokens, target)
+        if keep < len(self._kv_tokens):
+            eng.truncate(keep)
+            del self._kv_tokens[keep:]
+        if keep < len(target):
+            rest = target[keep:]
+            t0 = time.perf_counter()
+            m._eval(rest, opts, prompt=True)
+            self._count("prefill", len(rest), time.perf_counter() - t0)
+            self._kv_tokens.extend(rest)
+            if self._acc:  # tokens the call counted as reused had to be computed after all
+                self._acc["cached"] = max(0, self._acc["cached"] - len(rest))
+
+    def _eval_tokens(self, tokens: List[int], prompt: bool, opts, want_rows: bool) -> None:
+        if not tokens:
+            return
+        m = self._require_engine()
+        n, k = self.n_tokens, len(tokens)
+        if n + k > self._n_ctx:
+            from ._loader import native
+
+            raise native.ContextOverflowError(
+                f"{k} new tokens after {n} evaluated need {n + k} positions, but n_ctx is {self._n_ctx}")
+        with self._lock:
+            self._sync_kv(opts)
+            t0 = time.perf_counter()
+            logits, exit_layer, _ = m._eval(tokens, opts, prompt=prompt, all_logits=want_rows)
+            self._count("prefill" if prompt else "decode", k, time.perf_counter() - t0)
+            self._kv_tokens.extend(tokens)
+        self.input_ids[n:n + k] = tokens
+        if want_rows:
+            self.scores[n:n + k] = logits
+            if self._rows_valid >= n:
+                self._rows_valid = n + k
+        else:
+            self._rows_valid = min(self._rows_valid, n)
+        self._last_logits = np.array(logits[-1], dtype=np.single)
+        self._last_logits_pos = n + k - 1
+        self._last_exit_layer = int(exit_layer)
+        self.n_tokens = n + k
+        self._requires_eval = False
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Evaluate `tokens` after the n_tokens already evaluated (a prompt pass: River's prefill
+        policy applies). Logits rows are kept when logits_all=True."""
+        self._require_engine()
+        self._eval_tokens(self._check_tokens(tokens), True, self._default_opts, self._logits_all)
+
+    def _logits_row(self, idx: Optional[int]) -> np.ndarray:
+        if self.n_tokens <= 0:
+            raise RuntimeError("nothing has been evaluated: call eval() before sample()")
+        pos = self.n_tokens - 1 if idx is None else idx
+        if not is_int(pos) or not 0 <= pos < self.n_tokens:
+            raise ValueError(f"idx must be an evaluated position in [0, {self.n_tokens}), got {idx!r}")
+        if pos == self._last_logits_pos and self._last_logits is not None:
+            return self._last_logits
+        if pos < self._rows_valid:
+            return self.scores[pos]
+        raise ValueError(f"the logits of position {pos} were not kept: create the Llama with logits_all=True "
+                         "to sample from any evaluated position")
+
+    def _sample_row(self, chain: SamplerChain, logits: np.ndarray, processors) -> int:
+        if processors:
+            logits = apply_processors(processors, self.input_ids[: self.n_tokens], np.array(logits, copy=True))
+        return chain.sample(logits)
+
+    def _chain(self, *, top_k, top_p, min_p, typical_p, temp, repeat_penalty, frequency_penalty, presence_penalty,
+               mirostat_mode, mirostat_tau, mirostat_eta, grammar) -> SamplerChain:
+        return SamplerChain(self._n_vocab, seed=self._seed, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                            typical_p=typical_p, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size,
+                            mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+                            grammar=grammar, vocab=self._model.vocab)
+
+    @staticmethod
+    def _processors(logits_processor, logit_bias, n_vocab) -> list:
+        procs = list(logits_processor) if logits_processor is not None else []
+        for p in procs:
+            if not callable(p):
+                raise TypeError(f"logits_processor entries must be callables (input_ids, scores) -> scores, got {p!r}")
+        if logit_bias:
+            if not isinstance(logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict token id -> bias, got {logit_bias!r}")
+            procs.append(logit_bias_processor(logit_bias, n_vocab))
+        return procs
+
+    def sample(self, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+               temp: float = 0.80, repeat_penalty: float = 1.0, frequency_penalty: float = 0.0,
+               presence_penalty: float = 0.0, tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_eta: float = 0.1,
+               mirostat_tau: float = 5.0, penalize_nl: bool = True, logits_processor=None, grammar=None,
+               idx: Optional[int] = None) -> int:
+        """Sample one token from the logits of position `idx` (default: the last evaluated) with
+        a fresh libllama chain of these parameters (seeded with the current seed)."""
+        self._require_engine()
+        logits = self._logits_row(idx)
+        procs = self._processors(logits_processor, None, self._n_vocab)
+        with self._chain(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
+                         repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                         presence_penalty=presence_penalty, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+                         mirostat_eta=mirostat_eta, grammar=grammar) as chain:
+            return self._sample_row(chain, logits, procs)
+
+    # ----- generation ------------------------------------------------------------------------
+    def _stats_begin(self) -> None:
+        self._acc = {"cached": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
+                     "exit_layers": []}
+
+    def _count(self, kind: str, n: int, seconds: float) -> None:
+        if self._acc:
+            self._acc[kind + "_tokens"] += n
+            self._acc[kind + "_s"] += seconds
+
+    def _stats_end(self, opts) -> None:
+        a = self._acc
+        if not a:
+            return
+        stats = {
+            "prompt_tokens_cached": a["cached"],
+            "prefill_tokens": a["prefill_tokens"],
+            "prefill_tok_s": a["prefill_tokens"] / a["prefill_s"] if a["prefill_s"] > 0 else 0.0,
+            "decode_tokens": a["decode_tokens"],
+            "decode_tok_s": a["decode_tokens"] / a["decode_s"] if a["decode_s"] > 0 else 0.0,
+            "mode": opts.mode if opts.exit_layer is None else f"exit_layer={opts.exit_layer}",
+            "threshold": opts.threshold,
+            "tail": opts.tail,
+        }
+        stats.update(exit_stats(a["exit_layers"], self.river_model.n_layer, opts.tail))
+        self.last_stats = stats
+
+    def _run(self, tokens: List[int], reset: bool, chain: SamplerChain, processors, stopping_criteria, opts,
+             want_rows: bool):
+        """llama_cpp's generate loop: reuse the evaluated prefix, evaluate, sample, yield, repeat."""
+        if reset and self.n_tokens > 0:
+            common = _lcp(self.input_ids[: self.n_tokens].tolist(), tokens)
+            if want_rows:
+                common = min(common, self._rows_valid)  # rows this call reads must be computed
+            consumed = common == len(tokens)
+            if (consumed and self.n_tokens == len(tokens) and not self._requires_eval
+                    and self._kv_opts == opts):
+                # The whole prompt is evaluated and its last logits are live: sample at once.
+                reset, tokens, reuse = False, [], 0
+                self._acc["cached"] = self.n_tokens
+            else:
+                # Re-evaluate at least one token so the logits to sample from are fresh.
+                reuse = common - 1 if consumed else common
+            if reuse > 0:
+                reset, tokens = False, tokens[reuse:]
+                self.n_tokens = reuse
+                self._requires_eval = True
+                self._acc["cached"] = reuse
+        if reset:
+            self.reset()
+        if not tokens and self.n_tokens == 0:
+            raise ValueError("no tokens to evaluate")
+        sample_idx = self.n_tokens + len(tokens) - 1
+        first = True
+        while True:
+            self._eval_tokens(tokens, first or len(tokens) > 1, opts, want_rows)
+            first = False
+            while sample_idx < self.n_tokens:
+                logits = self._logits_row(sample_idx)
+                token = self._sample_row(chain, logits, processors)
+                self._acc["exit_layers"].append(self._last_exit_layer)
+                sample_idx += 1
+                if stopping_criteria is not None and stopping_criteria(self.input_ids[:sample_idx], logits):
+                    return
+                more = yield token
+                tokens = [token] + (self._check_tokens(more) if more is not None else [])
+                if sample_idx < self.n_tokens and token != self.input_ids[sample_idx]:
+                    self.n_tokens = sample_idx
+                    self._requires_eval = True
+                    break
+
+    def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                 typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 penalize_nl: bool = True, logits_processor=None, stopping_criteria=None, grammar=None,
+                 **river_options) -> Iterator[int]:
+        """Generator of sampled tokens after `tokens` (llama_cpp.Llama.generate): the evaluated
+        prefix shared with `tokens` is reused; send() a list of tokens to append to the next
+        evaluation. Runs until the caller stops or the context is full (ContextOverflowError)."""
+        self._require_engine()
+        tokens = self._check_tokens(tokens)
+        opts = self._resolve_options(river_options)
+        procs = self._processors(logits_processor, None, self._n_vocab)
+        chain = self._chain(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
+                            repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, mirostat_mode=mirostat_mode,
+                            mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar)
+        return self._generate(tokens, _bool("reset", reset), chain, procs, stopping_criteria, opts)
+
+    def _generate(self, tokens, reset, chain, procs, stopping_criteria, opts):
+        self._stats_begin()
+        try:
+            yield from self._run(tokens, reset, chain, procs, stopping_criteria, opts, self._logits_all)
+        finally:
+            chain.close()
+            self._stats_end(opts)
+
+    # ----- completions -----------------------------------------------------------------------
+    def _completion_prompt(self, prompt, suffix) -> tuple:
+        """Prompt tokens as llama_cpp builds them, and the text to append to the output (None,
+        or the suffix when the vocabulary has no FIM tokens)."""
+        is_list = not isinstance(prompt, str)
+        if is_list:
+            body = self._check_tokens(prompt)
+        else:
+            body = self.tokenize(prompt.encode("utf-8"), add_bos=False, special=suffix is None) if prompt else []
+        cls_id, sep_id = self._model.token_cls(), self._model.token_sep()
+        bos_id = cls_id if cls_id != -1 else self.token_bos()
+        eos_id = sep_id if sep_id != -1 else self.token_eos()
+        head = [] if (is_list and suffix is None) or not self._model.add_bos_token() or bos_id == -1 else [bos_id]
+        tail = [] if (is_list and suffix is None) or (not self._model.add_eos_token() and sep_id == -1) else [eos_id]
+        append = None
+        if suffix is not None:
+            vocab = self._model.vocab
+            pre, suf, mid = (lib.llama_vocab_fim_pre(vocab), lib.llama_vocab_fim_suf(vocab),
+                             lib.llama_vocab_fim_mid(vocab))
+            if min(pre, suf, mid) >= 0:
+                stoks = self.tokenize(suffix.encode("utf-8"), add_bos=False, special=False) if suffix else []
+                body = ([suf] + stoks + [pre] + body + [mid]) if self.spm_infill else ([pre] + body + [suf] + stoks + [mid])
+            else:
+                append = suffix
+        return head + body + tail, append
+
+    def _logprob_entry(self, row: np.ndarray, token: int, n: int) -> tuple:
+        """(log p(token), top-n dict) from one logits row, as llama_cpp computes them."""
+        lp = _LlamaCpp.logits_to_logprobs(row)
+        top = {}
+        for i in top_logprobs_order(lp, n):
+            top[self.detokenize([int(i)]).decode("utf-8", errors="ignore")] = float(lp[i])
+        return float(lp[token]), top
+
+    def create_completion(
+        self,
+        prompt: Union[str, List[int]],
+        suffix: Optional[str] = None,
+        max_tokens: Optional[int] = 16,
+        temperature: float = 0.8,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        logprobs: Optional[int] = None,
+        echo: bool = False,
+        stop: Optional[Union[str, List[str]]] = [],
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        top_k: int = 40,
+        stream: bool = False,
+        seed: Optional[int] = None,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        model: Optional[str] = None,
+        stopping_criteria=None,
+        logits_processor=None,
+        grammar=None,
+        logit_bias: Optional[Dict[int, float]] = None,
+        **river_options,
+    ):
+        """llama_cpp.Llama.create_completion: a completion dict, or with stream=True an iterator
+        of chunk dicts. River options (mode=, threshold=, preset=, ...) apply to this call only;
+        its statistics land in `last_stats`."""
+        self._require_engine()
+        if not isinstance(prompt, str):
+            prompt = self._check_tokens(prompt)
+        if suffix is not None and not isinstance(suffix, str):
+            raise ValueError(f"suffix must be a str or None, got {suffix!r}")
+        if max_tokens is not None and not is_int(max_tokens):
+            raise ValueError(f"max_tokens must be an int or None, got {max_tokens!r}")
+        if logprobs is not None and (not is_int(logprobs) or logprobs < 0):
+            raise ValueError(f"logprobs must be an int >= 0 or None, got {logprobs!r}")
+        if seed is not None and not is_int(seed):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        echo, stream = _bool("echo", echo), _bool("stream", stream)
+        stops = _stop_list(stop)
+        opts = self._resolve_options({**self._chat_river_options, **river_options})
+        procs = self._processors(logits_processor, logit_bias, self._n_vocab)
+        if grammar is not None:
+            check_grammar(self._model.vocab, grammar)
+        # The chain checks its numbers now; the real one is built once the seed is drawn.
+        self._chain(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temperature,
+                    repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                    presence_penalty=presence_penalty, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+                    mirostat_eta=mirostat_eta, grammar=None).close()
+        prompt_tokens, append = self._completion_prompt(prompt, suffix)
+        if not prompt_tokens:
+            raise ValueError("the prompt is empty: it has no tokens (and this model adds no BOS token)")
+        if len(prompt_tokens) >= self._n_ctx:
+            raise ValueError(f"Requested tokens ({len(prompt_tokens)}) exceed context window of {self._n_ctx}")
+        sampling = dict(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temperature,
+                        repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                        presence_penalty=presence_penalty, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+                        mirostat_eta=mirostat_eta, grammar=grammar)
+        chunks = self._completion(prompt, prompt_tokens, append, max_tokens, logprobs, echo, stops, stream, seed,
+                                  model, stopping_criteria, procs, sampling, opts)
+        if stream:
+            return chunks
+        return next(chunks)
+
+    def _completion(self, prompt, prompt_tokens, append, max_tokens, logprobs, echo, stops, stream, seed, model,
+                    stopping_criteria, procs, sampling, opts):
+        cid = f"cmpl-{uuid.uuid4()}"
+        created = int(time.time())
+        name = model if model is not None else self.model_path
+        bos_id = self.token_bos()
+        detok = self.detokenize
+        completion_tokens: List[int] = [] if len(prompt) > 0 else [bos_id]
+        stop_bytes = [s.encode("utf-8") for s in stops]
+        want_rows = self._logits_all or logprobs is not None
+
+        def chunk(text, lp, finish):
+            return {"id": cid, "object": "text_completion", "created": created, "model": name,
+                    "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
+
+        if prompt_tokens[:2] == [bos_id] * 2:
+            warnings.warn(f'Detected duplicate leading "{self._model.token_get_text(bos_id)}" in prompt, this will '
+                          "likely reduce response quality, consider removing it...", RuntimeWarning)
+        if max_tokens is None or max_tokens <= 0:
+            max_tokens = self._n_ctx - len(prompt_tokens)  # until the context is full
+        max_tokens = min(max_tokens, self._n_ctx - len(prompt_tokens))
+
+        if self.cache:
+            try:
+                item = self.cache[prompt_tokens]
+                if (_LlamaCpp.longest_token_prefix(item.input_ids.tolist(), prompt_tokens)
+                        > _LlamaCpp.longest_token_prefix(self._input_ids.tolist(), prompt_tokens)):
+                    self.load_state(item)
+            except KeyError:
+                pass
+        self.set_seed(seed if seed is not None else random.Random(self._seed).randint(0, 2 ** 32))
+        chain = self._chain(**sampling)
+
+        finish_reason = "length"
+        text = b""
+        returned = 0
+        utf8_wait = 0
+        self._stats_begin()
+        gen = self._run(prompt_tokens, True, chain, procs, stopping_criteria, opts, want_rows)
+        try:
+            for token in gen:
+                if self._is_eog(token):
+                    text = detok(completion_tokens)
+                    finish_reason = "stop"
+                    break
+                completion_tokens.append(token)
+                all_text = detok(completion_tokens)
+                utf8_wait = _utf8_wait(all_text, utf8_wait)
+                if utf8_wait > 0:
+                    utf8_wait -= 1
+                    continue
+                hit = next((s for s in stop_bytes if s in all_text), None)
+                if hit is not None:
+                    text = all_text[: all_text.index(hit)]
+                    finish_reason = "stop"
+                    break
+                if stream:
+                    # Send what cannot be the start of a stop string; hold back the rest.
+                    pending = completion_tokens[returned:]
+                    pending_text = detok(pending)
+                    hold = 0
+                    for s in stop_bytes:
+                        for i in range(min(len(s), len(pending_text)), 0, -1):
+                            if pending_text.endswith(s[:i]):
+                                hold = max(hold, i)
+                                break
+                    sendable = len(pending_text) - hold
+                    end = 0
+                    if logprobs is not None:
+                        for tok in pending:
+                            if tok == bos_id:
+                                continue
+                            end += len(detok([tok]))
+                            if end > sendable:
+                                break
+                            token_str = detok([tok]).decode("utf-8", errors="ignore")
+                            offset = len(prompt) + len(detok(completion_tokens[:returned]).decode("utf-8", errors="ignore"))
+                            lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs)
+                            top[token_str] = lp
+                            returned += 1
+                            yield chunk(token_str, {"tokens": [token_str], "text_offset": [offset],
+                                                    "token_logprobs": [lp], "top_logprobs": [top]}, None)
+                    else:
+                        while pending:
+                            for i in range(1, len(pending) + 1):
+                                piece = detok(pending[:i])
+                                try:
+                                    piece_text = piece.decode("utf-8")
+                                    break
+                                except UnicodeError:
+                                    pass
+                            else:
+                                break  # no prefix of the pending tokens decodes yet
+                            end += len(piece)
+                            if end > sendable:
+                                break
+                            pending = pending[i:]
+                            returned += i
+                            yield chunk(piece_text, None, None)
+                if len(completion_tokens) >= max_tokens:
+                    text = detok(completion_tokens)
+                    finish_reason = "length"
+                    break
+        finally:
+            gen.close()
+            chain.close()
+            self._stats_end(opts)
+
+        if stopping_criteria is not None and stopping_criteria(self._input_ids, self._last_logits):
+            text = detok(completion_tokens)
+            finish_reason = "stop"
+
+        if stream:
+            pending = completion_tokens[returned:]
+            pending_text = detok(pending)
+            found = [s for s in stop_bytes if s in pending_text]
+            stop_at = min(pending_text.index(s) for s in found) if found else len(pending_text)
+            end = 0
+            for tok in pending:
+                end += len(detok([tok]))
+                lp_obj = None
+                if logprobs is not None:
+                    if tok == bos_id:
+                        continue
+                    token_str = detok([tok]).decode("utf-8", errors="ignore")
+                    offset = len(prompt) + len(detok(completion_tokens[:returned]))  # bytes, as llama_cpp
+                    lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs)
+                    top[token_str] = lp
+                    lp_obj = {"tokens": [token_str], "text_offset": [offset], "token_logprobs": [lp],
+                              "top_logprobs": [top]}
+                if end >= stop_at:
+                    last = detok([tok])
+                    returned += 1
+                    yield chunk(last[: len(last) - (end - stop_at)].decode("utf-8", errors="ignore"), lp_obj, None)
+                    break
+                returned += 1
+                yield chunk(detok([tok]).decode("utf-8", errors="ignore"), lp_obj, None)
+            yield chunk("", None, finish_reason)
+            if self.cache:
+                self.cache[prompt_tokens + completion_tokens] = self.save_state()
+            return
+
+        if self.cache:
+            self.cache[prompt_tokens + completion_tokens] = self.save_state()
+        text_str = text.decode("utf-8", errors="ignore")
+        if echo:
+            text_str = (prompt if isinstance(prompt, str) else detok(prompt).decode("utf-8", errors="ignore")) + text_str
+        if append is not None:
+            text_str += append
+
+        lp_obj = None
+        if logprobs is not None:
+            if echo:
+                skip = 1 if prompt_tokens[0] == bos_id else 0
+                all_tokens = prompt_tokens[skip:] + completion_tokens
+                base_offset, first_row = 0, 0
+            else:
+                all_tokens = completion_tokens
+                base_offset, first_row = len(prompt), len(prompt_tokens) - 1
+            rows = self.scores[first_row: self.n_tokens]
+            offsets, token_lps, strs, tops = [], [], [], []
+            for idx, (tok, row) in enumerate(zip(all_tokens, rows)):
+                if tok == bos_id:
+                    continue
+                token_str = detok([tok]).decode("utf-8", errors="ignore")
+                offsets.append(base_offset + len(detok(all_tokens[:idx]).decode("utf-8", errors="ignore")))
+                strs.append(token_str)
+                lp, top = self._logprob_entry(row, tok, logprobs)
+                token_lps.append(lp)
+                top[token_str] = lp
+                tops.append(top)
+            if echo and all_tokens:
+                # OpenAI's API gives no log-probability for the first token.
+                token_lps[0] = None
+                tops[0] = None
+            lp_obj = {"tokens": strs, "text_offset": offsets, "token_logprobs": token_lps, "top_logprobs": tops}
+
+        yield {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "choices": [{"text": text_str, "index": 0, "logprobs": lp_obj, "finish_reason": finish_reason}],
+            "usage": {
+                "prompt_tokens": len(prompt_tokens),
+                "completion_tokens": len(completion_tokens),
+                "total_tokens": len(prompt_tokens) + len(completion_tokens),
+            },
+        }
+
+    def __call__(self, prompt: Union[str, List[int]], suffix: Optional[str] = None, max_tokens: Optional[int] = 16,
+                 temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+                 logprobs: Optional[int] = None, echo: bool = False, stop: Optional[Union[str, List[str]]] = [],
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repeat_penalty: float = 1.0,
+                 top_k: int = 40, stream: bool = False, seed: Optional[int] = None, tfs_z: float = 1.0,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 model: Optional[str] = None, stopping_criteria=None, logits_processor=None, grammar=None,
+                 logit_bias: Optional[Dict[int, float]] = None, **river_options):
+        """create_completion (llama_cpp.Llama.__call__)."""
+        return self.create_completion(
+            prompt=prompt, suffix=suffix, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
+            typical_p=typical_p, logprobs=logprobs, echo=echo, stop=stop, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k, stream=stream, seed=seed,
+            tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+            model=model, stopping_criteria=stopping_criteria, logits_processor=logits_processor, grammar=grammar,
+            logit_bias=logit_bias, **river_options)
+
+    # ----- chat ------------------------------------------------------------------------------
+    def create_chat_completion(
+        self,
+        messages: List[Dict[str, Any]],
+        functions: Optional[List[Dict[str, Any]]] = None,
+        function_call=None,
+        tools: Optional[List[Dict[str, Any]]] = None,
+        tool_choice=None,
+        temperature: float = 0.2,
+        top_p: float = 0.95,
+        top_k: int = 40,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        stream: bool = False,
+        stop: Optional[Union[str, List[str]]] = [],
+        seed: Optional[int] = None,
+        response_format: Optional[Dict[str, Any]] = None,
+        max_tokens: Optional[int] = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        model: Optional[str] = None,
+        logits_processor=None,
+        grammar=None,
+        logit_bias: Optional[Dict[int, float]] = None,
+        logprobs: Optional[bool] = None,
+        top_logprobs: Optional[int] = None,
+        **river_options,
+    ):
+        """llama_cpp.Llama.create_chat_completion through llama_cpp's chat handlers (the file's
+        chat template, a named chat_format such as "chatml-function-calling", or chat_handler).
+
+        response_format: {"type": "json_object"} (optionally with "schema"), handled by
+        llama_cpp's handler; and {"type": "json_schema", "json_schema": {"schema": {...}}} (the
+        OpenAI form, which llama_cpp 0.3.36 ignores), turned into a grammar here with
+        llama_cpp.llama_grammar.json_schema_to_gbnf. River options apply to every completion the
+        handler makes."""
+        self._require_engine()
+        if not isinstance(messages, list):
+            raise ValueError(f"messages must be a list of message dicts, got {type(messages).__name__}")
+        if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+            spec = response_format.get("json_schema") or {}
+            schema = spec.get("schema", response_format.get("schema")) if isinstance(spec, dict) else None
+            if schema is None:
+                raise ValueError('response_format {"type": "json_schema"} needs a schema: '
+                                 '{"type": "json_schema", "json_schema": {"schema": {...}}}')
+            if grammar is None:
+                grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=self.verbose)
+            response_format = None
+        elif response_format is not None and (not isinstance(response_format, dict) or "type" not in response_format):
+            raise ValueError(f'response_format must be a dict with a "type", got {response_format!r}')
+        self._resolve_options(river_options)  # unknown or bad options raise before the handler runs
+        handler = (self.chat_handler or self._chat_handlers.get(self.chat_format)
+                   or llama_chat_format.get_chat_completion_handler(self.chat_format))
+        previous = self._chat_river_options
+        self._chat_river_options = dict(river_options)
+        try:
+            return handler(
+                llama=self, messages=messages, functions=functions, function_call=function_call, tools=tools,
+                tool_choice=tool_choice, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                typical_p=typical_p, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream, stop=stop,
+                seed=seed, response_format=response_format, max_tokens=max_tokens, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty, tfs_z=tfs_z,
+                mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
+                logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
+        finally:
+            self._chat_river_options = previous
+
+    def create_chat_completion_openai_v1(self, *args: Any, **kwargs: Any):
+        """create_chat_completion as openai.types.chat objects (needs the openai package)."""
+        try:
+            from openai.types.chat import ChatCompletion, ChatCompletionChunk
+        except ImportError:
+            raise ImportError("To use create_chat_completion_openai_v1, you must install the openai package. "
+                              "You can install it with `pip install openai`.") from None
+        if kwargs.get("stream", False):
+            return (ChatCompletionChunk(**chunk) for chunk in self.create_chat_completion(*args, **kwargs))
+        return ChatCompletion(**self.create_chat_completion(*args, **kwargs))
+
+    # ----- what a text model on this engine does not do -----------------------------------------
+    def create_embedding(self, input: Union[str, List[str]], model: Optional[str] = None):
+        self.embed(input)
+
+    def embed(self, input: Union[str, List[str]], normalize: bool = False, truncate: bool = True,
+              return_count: bool = False):
+        if not self._embedding:
+            raise RuntimeError("Llama model must be created with embedding=True to call this method")
+        raise NotImplementedError("river_gguf.Llama computes no embeddings: the river_gguf engine runs text "
+                                  "generation only (use llama_cpp.Llama(..., embedding=True) for embeddings)")
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: Optional[str], **kwargs):
+        raise NotImplementedError("river_gguf.Llama.from_pretrained is not available: download the GGUF "
+                                  "(huggingface_hub.hf_hub_download) and pass its path as model_path")
+
+    logits_to_logprobs = staticmethod(_LlamaCpp.logits_to_logprobs)
+    longest_token_prefix = staticmethod(_LlamaCpp.longest_token_prefix)
+
+    # ----- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the engine and the vocabulary now (later calls raise RuntimeError)."""
+        if getattr(self, "_closed", True) and getattr(self, "_model", None) is None:
+            return
+        self._closed = True
+        self.river_model = None  # the engine goes with its last reference
+        model, self._model = getattr(self, "_model", None), None
+        if model is not None:
+            model.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getstate__(self):
+        return dict(self._init_kwargs)
+
+    def __setstate__(self, state):
+        kwargs = dict(state)
+        self.__init__(**kwargs)

@@ -1,0 +1,242 @@
+"""libllama's own sampler chain, run on logits that the river_gguf engine computed.
+
+llama_cpp.Llama samples with a llama_sampler chain inside libllama (llama_sampler_sample on its
+context's logits). river_gguf.Llama computes logits with its own engine, so it builds the same
+chain through llama_cpp's ctypes bindings and applies it to a llama_token_data_array filled from
+those logits, then accepts the chosen token, as llama_sampler_sample does. Same logits, same seed
+and same parameters therefore give the same token, and the stateful samplers (penalties over the
+tokens accepted so far, the grammar's parse stacks, mirostat's mu, the RNG) advance as they do
+in llama_cpp.
+
+The chain order is llama_cpp.Llama._init_sampler's (llama-cpp-python 0.3.36):
+  penalties -> grammar -> greedy                         (temp == 0)
+                       -> dist                           (temp < 0)
+                       -> mirostat / mirostat_v2         (temp > 0, mirostat_mode 1 / 2)
+                       -> top_k, typical, top_p, min_p, temp, dist   (temp > 0 otherwise)
+Logits processors and logit_bias run before the chain, in Python, on the logits in token order:
+that is what llama_cpp's custom first sampler does with the same unsorted array.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import numpy as np
+
+import llama_cpp.llama_cpp as lib
+
+#: llama_token_data {id: int32, logit: float, p: float}, laid out as the C struct.
+TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
+
+#: Mirostat v1's m (tokens used to estimate s_hat), the value llama_cpp passes.
+MIROSTAT_M = 100
+
+
+class SamplingError(RuntimeError):
+    """The chain selected no token, or one that every constraint had ruled out (for example a
+    grammar that no token with a finite logit can continue)."""
+
+
+def grammar_text(grammar) -> tuple:
+    """(GBNF text, root rule) of a llama_cpp.LlamaGrammar, or of a GBNF string."""
+    if isinstance(grammar, str):
+        return grammar, "root"
+    text = getattr(grammar, "_grammar", None)
+    root = getattr(grammar, "_root", "root")
+    if not isinstance(text, str) or not isinstance(root, str):
+        raise TypeError(f"grammar must be a llama_cpp.LlamaGrammar or a GBNF string, got {type(grammar).__name__}")
+    return text, root
+
+
+def _grammar_sampler(vocab, grammar):
+    text, root = grammar_text(grammar)
+    if not text.strip():
+        raise ValueError("the grammar is empty")
+    smpl = lib.llama_sampler_init_grammar(vocab, text.encode("utf-8"), root.encode("utf-8"))
+    if not smpl:
+        # libllama logs the parse error; it returns NULL instead of raising.
+        raise ValueError(f"libllama could not parse the GBNF grammar (root rule {root!r}); see its log for the "
+                         "line. Grammar text starts: " + repr(text[:120]))
+    return smpl
+
+
+def check_grammar(vocab, grammar) -> None:
+    """Parse `grammar` with libllama now (ValueError if it does not parse), so a stream fails
+    before it starts rather than at its first token."""
+    lib.llama_sampler_free(_grammar_sampler(vocab, grammar))
+
+
+def _finite(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {v!r}")
+    return int(v)
+
+
+class SamplerChain:
+    """One llama_sampler chain, built as llama_cpp.Llama builds it for one generation.
+
+    `vocab` (a llama_vocab pointer) is needed only for a grammar. `seed` is a uint32 as
+    libllama takes it (LLAMA_DEFAULT_SEED, 0xFFFFFFFF, draws a random one)."""
+
+    def __init__(self, n_vocab: int, *, seed: int, temp: float = 0.8, top_k: int = 40, top_p: float = 0.95,
+                 min_p: float = 0.05, typical_p: float = 1.0, repeat_penalty: float = 1.0,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, penalty_last_n: int = 64,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 grammar=None, vocab=None):
+        temp = _finite("temperature", temp)
+        top_k = _int("top_k", top_k)
+        top_p, min_p, typical_p = (_finite(n, v) for n, v in
+                                   (("top_p", top_p), ("min_p", min_p), ("typical_p", typical_p)))
+        repeat_penalty = _finite("repeat_penalty", repeat_penalty)
+        frequency_penalty = _finite("frequency_penalty", frequency_penalty)
+        presence_penalty = _finite("presence_penalty", presence_penalty)
+        penalty_last_n = _int("last_n_tokens_size", penalty_last_n)
+        mirostat_mode = _int("mirostat_mode", mirostat_mode)
+        if mirostat_mode not in (0, 1, 2):
+            raise ValueError(f"mirostat_mode must be 0, 1 or 2, got {mirostat_mode}")
+        mirostat_tau, mirostat_eta = _finite("mirostat_tau", mirostat_tau), _finite("mirostat_eta", mirostat_eta)
+        seed = _int("seed", seed)
+        if grammar is not None and vocab is None:
+            raise ValueError("a grammar needs the model's vocabulary")
+
+        self.n_vocab = int(n_vocab)
+        self._chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if not self._chain:
+            raise MemoryError("llama_sampler_chain_init failed")
+        try:
+            # The chain owns every sampler added to it and frees them with itself.
+            self._add(lib.llama_sampler_init_penalties(self.n_vocab, penalty_last_n, repeat_penalty,
+                                                       frequency_penalty, presence_penalty))
+            if grammar is not None:
+                self._add(_grammar_sampler(vocab, grammar))
+            if temp < 0.0:
+                self._add(lib.llama_sampler_init_dist(seed))
+            elif temp == 0.0:
+                self._add(lib.llama_sampler_init_greedy())
+            elif mirostat_mode == 1:
+                self._add(lib.llama_sampler_init_mirostat(self.n_vocab, seed, mirostat_tau, mirostat_eta, MIROSTAT_M))
+            elif mirostat_mode == 2:
+                self._add(lib.llama_sampler_init_mirostat_v2(seed, mirostat_tau, mirostat_eta))
+            else:
+                min_keep = 1  # llama_cpp: max(1, n_probs) with n_probs = 0
+                self._add(lib.llama_sampler_init_top_k(top_k))
+                self._add(lib.llama_sampler_init_typical(typical_p, min_keep))
+                self._add(lib.llama_sampler_init_top_p(top_p, min_keep))
+                self._add(lib.llama_sampler_init_min_p(min_p, min_keep))
+                self._add(lib.llama_sampler_init_temp(temp))
+                self._add(lib.llama_sampler_init_dist(seed))
+        except BaseException:
+            self.close()
+            raise
+        # One candidate buffer per chain, refilled for every token (as libllama's chain keeps `cur`).
+        self._cur = np.zeros(self.n_vocab, dtype=TOKEN_DATA)
+        self._ids = np.arange(self.n_vocab, dtype=np.intc)
+        self._array = lib.llama_token_data_array(
+            data=self._cur.ctypes.data_as(lib.llama_token_data_p), size=self.n_vocab, selected=-1, sorted=False)
+
+    def _add(self, smpl) -> None:
+        if not smpl:
+            raise MemoryError("libllama returned no sampler")
+        lib.llama_sampler_chain_add(self._chain, smpl)
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Apply the chain to `logits` (float32 [n_vocab], token order), accept the chosen token
+        into every sampler's state, and return it: llama_sampler_sample on our logits."""
+        if self._chain is None:
+            raise RuntimeError("this sampler chain is closed")
+        logits = np.asarray(logits, dtype=np.single)
+        if logits.shape != (self.n_vocab,):
+            raise ValueError(f"logits must have shape ({self.n_vocab},), got {logits.shape}")
+        cur = self._cur
+        cur["id"] = self._ids
+        cur["logit"] = logits
+        cur["p"] = 0.0
+        arr = self._array
+        arr.data = cur.ctypes.data_as(lib.llama_token_data_p)
+        arr.size = self.n_vocab
+        arr.selected = -1
+        arr.sorted = False
+        lib.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        sel = arr.selected
+        if not 0 <= sel < arr.size:
+            raise SamplingError(f"the sampler chain selected no token (index {sel} of {arr.size})")
+        chosen = arr.data[sel]
+        if chosen.logit == -math.inf:
+            # Every candidate was ruled out (a grammar no finite-logit token can continue, or
+            # logit_bias/-inf everywhere). libllama's grammar would abort the process on accept.
+            raise SamplingError("no token is allowed: every candidate's logit is -inf after the constraints "
+                                "(grammar, logit_bias, logits_processor)")
+        token = int(chosen.id)
+        lib.llama_sampler_accept(self._chain, token)
+        return token
+
+    def accept(self, token: int) -> None:
+        """Record `token` as generated without sampling it (penalties, grammar, RNG state)."""
+        if self._chain is None:
+            raise RuntimeError("this sampler chain is closed")
+        lib.llama_sampler_accept(self._chain, int(token))
+
+    def close(self) -> None:
+        chain, self._chain = getattr(self, "_chain", None), None
+        if chain:
+            lib.llama_sampler_free(chain)
+
+    def __del__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def apply_processors(processors, input_ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """Run llama_cpp-style logits processors (callables (input_ids, scores) -> scores) in order."""
+    scores = logits
+    for proc in processors:
+        out = proc(input_ids, scores)
+        if out is None:
+            raise TypeError(f"logits processor {proc!r} returned None; it must return the scores array")
+        scores = np.asarray(out, dtype=np.single)
+    return scores
+
+
+def logit_bias_processor(logit_bias: dict, n_vocab: int):
+    """llama_cpp's logit_bias: add bias[token] to that token's logit (keys may be str, as in JSON)."""
+    bias = {}
+    for k, v in logit_bias.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+        if not 0 <= tok < n_vocab:
+            raise ValueError(f"logit_bias token id {tok} is outside the vocabulary [0, {n_vocab})")
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or math.isnan(v):
+            raise ValueError(f"logit_bias[{k!r}] must be a number, got {v!r}")
+        bias[tok] = float(v)
+    ids = np.fromiter(bias.keys(), dtype=np.intp, count=len(bias))
+    vals = np.fromiter(bias.values(), dtype=np.single, count=len(bias))
+
+    def process(input_ids, scores):
+        out = np.array(scores, dtype=np.single, copy=True)
+        out[ids] = out[ids] + vals
+        return out
+
+    return process
+
+
+def top_logprobs_order(logprobs: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the n largest log-probabilities, ties broken toward the larger token id: the
+    order of llama_cpp's sorted(zip(logprobs, range(n_vocab)), reverse=True)[:n]."""
+    if n <= 0:
+        return np.zeros(0, dtype=np.intp)
+    lp = np.asarray(logprobs, dtype=np.float64)
+    ids = np.arange(lp.shape[0])
+    return np.lexsort((-ids, -lp))[:n]
+

@@ -63,9 +63,23 @@ def _common(req, method) -> Dict[str, Any]:
     if not kw.get("mirostat_mode"):
         kw.pop("mirostat_tau", None)  # they only tune mirostat
         kw.pop("mirostat_eta", None)
+    if "logit_bias" in kw:
+        kw["logit_bias"] = _token_bias(kw["logit_bias"])
     if req.stream:
         kw["stream"] = True
     return kw
+
+
+def _token_bias(bias: Dict[str, float]) -> Dict[int, float]:
+    """OpenAI sends token ids as JSON object keys (strings); llama_cpp takes int keys."""
+    out = {}
+    for k, v in bias.items():
+        try:
+            out[int(k)] = v
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias",
+                           code="invalid_value") from None
+    return out
 
 
 def _checked(kw: Dict[str, Any], method) -> Dict[str, Any]:

@@ -147,3 +147,16 @@ def test_read_copy_is_released_with_the_engine(monkeypatch, q4_0_path):
     freed = held - (rss() - base)
     assert held > 0.8 * size  # the whole file was read into memory
     assert freed > 0.8 * size  # and all of it given back
+
+
+def test_model_use_mmap_false_reads_the_file_and_gives_identical_logits(q4_0_path):
+    # The Model-level switch, as llama_cpp.Llama(use_mmap=False): same logits (that the file is
+    # then read, not mapped, is checked on the native engine above).
+    from river_gguf import Model
+
+    toks = [1, 504, 3058, 314, 253, 1326, 30]
+    mapped = Model(q4_0_path, n_ctx=64, n_threads=1).logits(toks)
+    m = Model(q4_0_path, n_ctx=64, n_threads=1, use_mmap=False)
+    assert np.array_equal(mapped, m.logits(toks))
+    with pytest.raises(ValueError, match="use_mmap"):
+        Model(q4_0_path, n_ctx=64, n_threads=1, use_mmap="no")

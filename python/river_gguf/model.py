@@ -81,7 +81,8 @@ class Model:
     model_path: a GGUF file (plain or River GGUF); None loads the default SmolLM2-135M-Instruct.
     river: a second GGUF of the same model at lower precision, used as the exit river.
     n_ctx, n_batch: ints in [1, 2**20]; n_threads: an int in [1, max_threads()] (None: half the
-    CPUs); n_gpu_layers: an int (negative: all).
+    CPUs); n_gpu_layers: an int (negative: all). use_mmap: map the file (default) or read it into
+    memory (also RIVER_GGUF_NO_MMAP=1), as llama.cpp's use_mmap.
     mode, threshold, min_exit_layer, river_head, prefill, tail: defaults for every call; a River
     GGUF supplies its own, and each call may override them. River options given to a model
     without a river raise ValueError.
@@ -114,6 +115,7 @@ class Model:
         n_threads: Optional[int] = None,
         n_batch: int = 512,
         n_gpu_layers: int = 0,
+        use_mmap: bool = True,
         mode: Optional[str] = None,
         threshold: Optional[float] = None,
         min_exit_layer: Optional[int] = None,
@@ -140,6 +142,7 @@ class Model:
         # -1 (any negative): everything, as in llama.cpp; clamped so it fits the native int.
         n_gpu_layers = 1 << 30 if n_gpu_layers < 0 else min(int(n_gpu_layers), 1 << 30)
         verbose = _bool_arg("verbose", verbose)
+        self._use_mmap = _bool_arg("use_mmap", use_mmap)
         if preset is not None and not isinstance(preset, str):
             raise ValueError(f"preset must be a str, got {preset!r}")
 
@@ -154,7 +157,8 @@ class Model:
         self._n_gpu_layers = n_gpu_layers
         self._lock = threading.RLock()
         self._epoch = 0  # bumped whenever a call clears the KV cache; a stream keeps the value it made
-        self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers)
+        self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
+                                     use_mmap=self._use_mmap)
         self._vocab = native.Vocab(model_path)
         self.hparams = self._engine.hparams
         self.metadata = self._engine.metadata
@@ -393,7 +397,7 @@ class Model:
         if not toks:
             raise ValueError("no tokens to profile")
         engine = native.Engine(self.model_path, "", len(toks), self.n_threads, min(self._n_batch, len(toks)),
-                               self._n_gpu_layers)
+                               self._n_gpu_layers, use_mmap=self._use_mmap)
         try:
             return self._trace_on(engine, toks, ExitOptions(mode="backbone"))
         finally:

@@ -97,7 +97,7 @@ PYBIND11_MODULE(_native, m) {
 
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& path, const std::string& river_path, int n_ctx, int n_threads,
-                         int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse) {
+                         int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse, bool use_mmap) {
                  EngineConfig cfg;
                  cfg.path = path;
                  cfg.river_path = river_path;
@@ -108,12 +108,13 @@ PYBIND11_MODULE(_native, m) {
                  cfg.repack = repack;
                  cfg.graph_reuse = graph_reuse;
                  cfg.fuse = fuse;
+                 cfg.use_mmap = use_mmap;
                  py::gil_scoped_release release;
                  return std::make_unique<Engine>(cfg);
              }),
              py::arg("path"), py::arg("river_path") = "", py::arg("n_ctx") = 2048, py::arg("n_threads") = 1,
              py::arg("n_batch") = 512, py::arg("n_gpu_layers") = 0, py::arg("repack") = true,
-             py::arg("graph_reuse") = true, py::arg("fuse") = true)
+             py::arg("graph_reuse") = true, py::arg("fuse") = true, py::arg("use_mmap") = true)
         .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
              py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0)

@@ -447,6 +447,8 @@ def test_river_options_and_last_stats(f16_path, q4_0_path):
         # Another option set rebuilds the KV cache rather than reusing one computed otherwise.
         assert m.last_stats["prompt_tokens_cached"] == 0
         assert isinstance(only["choices"][0]["text"], str) and isinstance(back["choices"][0]["text"], str)
+        m(COLORS, max_tokens=3, temperature=0.0, exit_layer=10)
+        assert m.last_stats["mode"] == "exit_layer=10" and m.last_stats["exit_layers"] == [10, 10, 10]
         chat = m.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=3, mode="river-only")
         assert m.last_stats["mode"] == "river-only" and "river" not in chat
         with pytest.raises(TypeError, match="unexpected keyword argument 'nonsense'"):
@@ -455,6 +457,17 @@ def test_river_options_and_last_stats(f16_path, q4_0_path):
             m(COLORS, max_tokens=2, mode="sideways")
     with Llama(f16_path, n_ctx=128, n_threads=1, verbose=False) as plain:
         assert plain(COLORS, max_tokens=6, temperature=0.0)["choices"][0]["text"] == back["choices"][0]["text"]
+
+
+def test_river_gguf_file(river_gguf_path):
+    """A River GGUF: libllama reads its vocabulary and metadata, the engine its river; the file's
+    exit settings apply by default."""
+    with Llama(river_gguf_path, n_ctx=128, n_threads=1, verbose=False) as m:
+        r = m(COLORS, max_tokens=6, temperature=0.0)
+        assert r["usage"]["completion_tokens"] == 6 and r["choices"][0]["text"]
+        assert m.last_stats["mode"] == m.exit_options.mode == "river"
+        assert m.last_stats["threshold"] == pytest.approx(m.exit_options.threshold)
+        assert m.chat_format == "chat_template.default"
 
 
 # ----- the object ------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ Constructor: llama_cpp's parameters are all accepted.
     n_threads), split_mode, main_gpu, tensor_split, use_mlock, offload_kqv,
     flash_attn, op_offload, swa_full, no_perf, numa, type_k/type_v (the engine keeps its own KV
     type), draft_model (speculative decoding does not change the tokens), pooling_type,
-    attention_type, tfs_z and penalize_nl (ignored by llama_cpp 0.3.36 too).
+    attention_type. Per call, tfs_z and penalize_nl are accepted and ignored, as in llama_cpp
+    0.3.36.
   - Refused with NotImplementedError when set, because silently ignoring them would change the
     output: lora_path/lora_base, kv_overrides, rope_scaling_type, rope_freq_base/scale and the
     yarn_* overrides.
@@ -58,6 +59,10 @@ Differences from llama_cpp.Llama (each for the reason given):
     last generate() once one ran). stopping_criteria receives the logits the token was sampled
     from (llama_cpp passes an unrelated, usually uninitialized row).
   - Argument errors of a streamed completion raise when it is created, not at the first next().
+    A prompt without tokens ("" on a model that adds no BOS) raises ValueError (llama_cpp fails
+    an assert). echo with a token-list prompt echoes its text (llama_cpp raises TypeError).
+    A grammar may also be a GBNF string; one libllama cannot parse raises ValueError (llama_cpp
+    hands libllama's NULL sampler on).
   - Not available: embed/create_embedding (RuntimeError without embedding=True, as llama_cpp;
     NotImplementedError with it: the engine computes no pooled embeddings), from_pretrained,
     LoRA, multimodal chat handlers (they drive llama.cpp's context directly, `llama._ctx`).
@@ -66,7 +71,6 @@ One Llama owns one KV cache: use it from one thread at a time (a server queues r
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import sys
@@ -87,8 +91,7 @@ from llama_cpp.llama import LlamaState, LogitsProcessorList, StoppingCriteriaLis
 from llama_cpp.llama_grammar import LlamaGrammar
 from llama_cpp.llama_tokenizer import LlamaTokenizer
 
-from .llama_sampling import (SamplerChain, apply_processors, check_grammar, grammar_text,
-                             logit_bias_processor, top_logprobs_order)
+from .llama_sampling import SamplerChain, apply_processors, check_grammar, logit_bias_processor, top_logprobs_order
 from .options import is_int
 from .results import exit_stats
 
@@ -394,6 +397,12 @@ class Llama:
         from collections import deque
 
         return deque(self.scores[: self._rows_valid, :].tolist(), maxlen=self._n_ctx if self._logits_all else 1)
+
+    @property
+    def model(self):
+        """libllama's llama_model pointer of the vocab-only model (vocabulary and metadata only;
+        llama_cpp's `model` is the full model)."""
+        return self._vocab().model
 
     @property
     def exit_options(self):
@@ -870,7 +879,8 @@ class Llama:
                                   model, stopping_criteria, procs, sampling, opts)
         if stream:
             return chunks
-        return next(chunks)
+        with self._lock:  # a whole completion at a time (the state below is this object's)
+            return next(chunks)
 
     def _completion(self, prompt, prompt_tokens, append, max_tokens, logprobs, echo, stops, stream, seed, model,
                     stopping_criteria, procs, sampling, opts):

@@ -505,6 +505,17 @@ def test_constructor_parameters(q4_1_path, tmp_path):
     assert issubclass(ModelPathError, ValueError) and issubclass(ModelPathError, FileNotFoundError)
 
 
+def test_pickle_round_trip(llm):
+    """Pickling keeps the constructor's arguments and loads the model again, as llama_cpp does."""
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(llm))
+    assert clone is not llm and clone.n_ctx() == llm.n_ctx() and clone.n_threads == llm.n_threads
+    assert clone(COLORS, max_tokens=4, temperature=0.0)["choices"][0]["text"] == \
+        llm(COLORS, max_tokens=4, temperature=0.0)["choices"][0]["text"]
+    clone.close()
+
+
 def test_bad_call_arguments(llm):
     for kw in (dict(max_tokens=2.5), dict(logprobs=-1), dict(stop=[1]), dict(temperature="hot"),
                dict(stream="yes"), dict(logit_bias={"x": 1.0}), dict(grammar="root ::= (")):

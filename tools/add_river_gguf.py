@@ -9,7 +9,7 @@
 The default river is q4_0 quantized with an importance matrix collected from the backbone's
 activations on the calibration split, and the file stores measured fast/balanced/quality
 presets (see river_gguf/convert.py and river_gguf/presets.py). Errors print a message to
-stderr and exit with status 2.
+stderr and exit with status 2; Ctrl-C exits with status 130 and leaves no file behind.
 Same as ``river-gguf convert``.
 """
 import os
@@ -20,7 +20,11 @@ try:
 except ImportError:  # a checkout without an install: use ../python
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
 
-from river_gguf.convert import main  # noqa: E402
-
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        from river_gguf.convert import main
+
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C before the conversion started (main() handles it after)
+        print("add_river_gguf.py: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -311,7 +311,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        sys.stdout.flush()
+        # Ctrl-C: one line on stderr and the shell's status for SIGINT (128 + 2), no traceback.
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (`| head`); point stdout at /dev/null so the exit flush is quiet.

@@ -29,10 +29,11 @@ import contextlib
 import hashlib
 import math
 import os
+import signal
 import sys
-import uuid
+import threading
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 FORMAT_VERSION = 1
 DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
@@ -227,14 +228,16 @@ def _same_file(a: str, b: str) -> bool:
 
 @contextlib.contextmanager
 def _temp_path(near: str, suffix: str):
-    """A private temp file name next to ``near``, removed on exit whatever happens."""
-    d = os.path.dirname(os.path.abspath(near))
-    os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{os.path.basename(near)}.{os.getpid()}.{uuid.uuid4().hex[:8]}{suffix}")
+    """A private temp file name next to ``near`` (``.<name>.<pid>.<random><suffix>``), removed on
+    every exit Python sees: an error, KeyboardInterrupt, SystemExit. One that a killed process
+    left behind is removed by the next conversion to ``near`` (default_model.remove_stale_temp_files)."""
+    from .default_model import temp_name
+
+    tmp = temp_name(near, suffix)
     try:
         yield tmp
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
 
 
@@ -320,6 +323,7 @@ def build_river_gguf(
     backbone_type: Optional[str] = None,
     presets: bool = True,
     river_head_type: Optional[str] = None,
+    finalize: Optional[Callable[[str], Optional[dict]]] = None,
 ) -> dict:
     """Write ``out_path``: the backbone GGUF plus a river; return the river.* metadata written.
 
@@ -340,19 +344,32 @@ def build_river_gguf(
         presets (river.presets) in the file.
     river_head_type: the river head's type (e.g. "q4_0"); None keeps llama.cpp's choice for
         river_type (Q8_0 for q4_0 on SmolLM2: a third of the river's bytes).
+    finalize: called with the path of the complete staged file (presets stored) before it is
+        renamed to ``out_path``, e.g. to calibrate it; it may rewrite that file atomically
+        (gguf_meta.set_river_metadata) and return metadata to add to the result.
 
     Raises GGUFFormatError (not GGUF / truncated), UnsupportedModelError (architecture),
-    RiverMismatchError (river is another model) or ValueError (bad options, River GGUF input)
-    before anything is written. The inputs are never modified; the output appears only when
-    complete (a temp file in its directory is renamed into place).
+    RiverMismatchError (river is another model), ValueError (bad options, River GGUF input, an
+    output path that is a folder or an input), FileNotFoundError (missing input or output folder)
+    or PermissionError (output folder not writable) before anything is written. The inputs are
+    never modified. The output path only ever holds a complete file: everything, presets
+    included, is written to a hidden temp file in its folder, which is renamed into place at the
+    end; intermediate and temp files are removed on every exit Python sees (KeyboardInterrupt
+    included), and ones a killed conversion left behind are removed by the next one.
     """
-    from .gguf_io import FTYPES, atomic_output
+    from .default_model import remove_stale_temp_files
+    from .gguf_io import FTYPES, check_output_path
 
     backbone_path = os.fspath(backbone_path)
     out_path = os.fspath(out_path)
     river_path = os.fspath(river_path) if river_path is not None else None
-    if _same_file(out_path, backbone_path) or (river_path is not None and _same_file(out_path, river_path)):
-        raise ValueError(f"output {out_path} would overwrite an input file; choose another name")
+    if not os.path.exists(backbone_path):
+        raise FileNotFoundError(f"model file not found: {backbone_path}")
+    # The output first: a folder, an input, or a folder we cannot write to fails here, before
+    # minutes of work (llama.cpp's quantizer would only say "failed with code 1").
+    imatrix_file = None if imatrix in (None, IMATRIX_AUTO) else os.fspath(imatrix)
+    check_output_path(out_path, inputs=[backbone_path, river_path, imatrix_file])
+    remove_stale_temp_files(os.path.dirname(os.path.abspath(out_path)), os.path.basename(out_path))
     if river_path is None:
         river_type = str(river_type).lower()
         if river_type not in FTYPES:
@@ -374,11 +391,8 @@ def build_river_gguf(
             raise ValueError(f"backbone_type must be one of {', '.join(BACKBONE_TYPES)}, got {backbone_type!r}")
         if backbone_type == "f16":
             backbone_type = None
-    if imatrix is not None and imatrix != IMATRIX_AUTO and not os.path.isfile(os.fspath(imatrix)):
+    if imatrix_file is not None and not os.path.isfile(imatrix_file):
         raise FileNotFoundError(f"imatrix file not found: {imatrix}")
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    if os.path.isdir(out_path):
-        raise ValueError(f"output {out_path} is a directory; give a file name")
 
     # Engine checks first: a truncated or foreign file is refused before the gguf package reads it.
     n_layer = int(_check_loadable(backbone_path)["n_layer"])
@@ -396,112 +410,118 @@ def build_river_gguf(
         )
 
     imatrix_meta = []
-    with contextlib.ExitStack() as stack:
-        if river_path is not None:
-            rv = _reader(river_path)
-            if is_river_gguf(rv):
-                raise ValueError(
-                    f"river {river_path} is itself a River GGUF; pass a plain GGUF (or build from the backbone)"
-                )
-            compare_models(bb, rv)
-            river_src, type_label = river_path, "from-file"
-        else:
-            src = backbone_path
-            if bb_has_river:  # quantize the plain backbone, not the old river
-                src = stack.enter_context(_temp_path(out_path, ".backbone.tmp"))
-                _write_plain_copy(bb, src)
-            requant = any(_type_name(t) not in _FLOAT_TYPE_NAMES for t in _plain_tensors(bb) if len(t.shape) >= 2)
-            if requant:
-                warnings.warn(f"{backbone_path} is already quantized; the river is requantized from it", stacklevel=2)
-            river_src = stack.enter_context(_temp_path(out_path, ".river.tmp"))
-            _quantize_river(src, river_src, river_type, n_threads, requant, head_type=river_head_type)
-            type_label = river_type if river_head_type is None else f"{river_type} (head {river_head_type})"
-            if imatrix is not None:
-                from . import imatrix as imx
+    with _temp_path(out_path, ".tmp") as staged:  # the output, complete before it gets its name
+        # Intermediate files (river quantizations, stripped copies) are gone before the presets are
+        # measured: only the staged output stays on disk while that runs.
+        with contextlib.ExitStack() as stack:
+            if river_path is not None:
+                rv = _reader(river_path)
+                if is_river_gguf(rv):
+                    raise ValueError(
+                        f"river {river_path} is itself a River GGUF; pass a plain GGUF (or build from the backbone)"
+                    )
+                compare_models(bb, rv)
+                river_src, type_label = river_path, "from-file"
+            else:
+                src = backbone_path
+                if bb_has_river:  # quantize the plain backbone, not the old river
+                    src = stack.enter_context(_temp_path(out_path, ".backbone.tmp"))
+                    _write_plain_copy(bb, src)
+                requant = any(_type_name(t) not in _FLOAT_TYPE_NAMES for t in _plain_tensors(bb) if len(t.shape) >= 2)
+                if requant:
+                    warnings.warn(f"{backbone_path} is already quantized; the river is requantized from it", stacklevel=2)
+                river_src = stack.enter_context(_temp_path(out_path, ".river.tmp"))
+                _quantize_river(src, river_src, river_type, n_threads, requant, head_type=river_head_type)
+                type_label = river_type if river_head_type is None else f"{river_type} (head {river_head_type})"
+                if imatrix is not None:
+                    from . import imatrix as imx
 
-                if imatrix == IMATRIX_AUTO:
-                    imat = imx.collect_imatrix(src, imx.calibration_texts(), n_threads=n_threads, progress=progress,
-                                               dataset="calibration split (gsm8k, humaneval; item % 5 == 0)")
-                    imatrix_label = f"collected: {imat.datasets[0] if imat.datasets else 'calibration split'}"
-                else:
-                    imat = imx.read_imatrix_gguf(imatrix)
-                    imatrix_label = f"file: {os.path.basename(os.fspath(imatrix))}"
-                weighted = stack.enter_context(_temp_path(out_path, ".river-imatrix.tmp"))
-                imx.quantize_with_imatrix(src, river_src, weighted, imat, progress=progress, n_threads=n_threads)
-                river_src = weighted
-                imatrix_meta = [("river.imatrix", imatrix_label, "s"), ("river.imatrix_tokens", int(imat.n_tokens), "u")]
-                type_label = f"{river_type}+imatrix"
-            rv = _reader(river_src)
-            compare_models(bb, rv)
+                    if imatrix == IMATRIX_AUTO:
+                        imat = imx.collect_imatrix(src, imx.calibration_texts(), n_threads=n_threads, progress=progress,
+                                                   dataset="calibration split (gsm8k, humaneval; item % 5 == 0)")
+                        imatrix_label = f"collected: {imat.datasets[0] if imat.datasets else 'calibration split'}"
+                    else:
+                        imat = imx.read_imatrix_gguf(imatrix)
+                        imatrix_label = f"file: {os.path.basename(os.fspath(imatrix))}"
+                    weighted = stack.enter_context(_temp_path(out_path, ".river-imatrix.tmp"))
+                    imx.quantize_with_imatrix(src, river_src, weighted, imat, progress=progress, n_threads=n_threads)
+                    river_src = weighted
+                    imatrix_meta = [("river.imatrix", imatrix_label, "s"), ("river.imatrix_tokens", int(imat.n_tokens), "u")]
+                    type_label = f"{river_type}+imatrix"
+                rv = _reader(river_src)
+                compare_models(bb, rv)
 
-        if backbone_type is not None:
-            # The stored backbone is a quantization of the input; the river came from the input.
-            stored = stack.enter_context(_temp_path(out_path, ".backbone-q.tmp"))
-            src_bb = backbone_path
-            if bb_has_river:
-                src_bb = stack.enter_context(_temp_path(out_path, ".backbone-plain.tmp"))
-                _write_plain_copy(bb, src_bb)
-            _quantize_river(src_bb, stored, backbone_type, n_threads,
-                            any(_type_name(t) not in _FLOAT_TYPE_NAMES for t in _plain_tensors(bb) if len(t.shape) >= 2))
-            bb = _reader(stored)
+            if backbone_type is not None:
+                # The stored backbone is a quantization of the input; the river came from the input.
+                stored = stack.enter_context(_temp_path(out_path, ".backbone-q.tmp"))
+                src_bb = backbone_path
+                if bb_has_river:
+                    src_bb = stack.enter_context(_temp_path(out_path, ".backbone-plain.tmp"))
+                    _write_plain_copy(bb, src_bb)
+                _quantize_river(src_bb, stored, backbone_type, n_threads,
+                                any(_type_name(t) not in _FLOAT_TYPE_NAMES for t in _plain_tensors(bb) if len(t.shape) >= 2))
+                bb = _reader(stored)
 
-        meta: Dict[str, Any] = {}
-        if threshold is None:
-            from .model import Model
-            from .profile import default_threshold
+            meta: Dict[str, Any] = {}
+            if threshold is None:
+                from .model import Model
+                from .profile import default_threshold
 
-            model = Model(backbone_path, n_threads=n_threads)
-            prof = default_threshold(model)
-            del model
-            meta_threshold = float(prof["threshold"])
-            source = f"profile-q{prof['quantile']:.2f}"
-        else:
-            prof, meta_threshold, source = None, float(threshold), "user"
+                model = Model(backbone_path, n_threads=n_threads)
+                prof = default_threshold(model)
+                del model
+                meta_threshold = float(prof["threshold"])
+                source = f"profile-q{prof['quantile']:.2f}"
+            else:
+                prof, meta_threshold, source = None, float(threshold), "user"
 
-        import gguf
+            import gguf
 
-        VT = gguf.GGUFValueType
-        entries = [
-            ("river.format_version", FORMAT_VERSION, VT.UINT32),
-            ("river.type", type_label, VT.STRING),
-            ("river.threshold", meta_threshold, VT.FLOAT32),
-            ("river.threshold_source", source, VT.STRING),
-            ("river.min_exit_layer", int(min_exit_layer), VT.UINT32),
-            ("river.prefill", prefill, VT.STRING),
-            ("river.head", bool(river_head), VT.BOOL),
-            ("river.backbone_file", os.path.basename(backbone_path), VT.STRING),
-            ("river.backbone_sha256", sha256_file(backbone_path), VT.STRING),
-            ("river.river_file", os.path.basename(river_path) if river_path else f"(quantized {type_label})",
-             VT.STRING),
-            ("river.river_sha256", sha256_file(river_src), VT.STRING),
-            ("river.tail", int(tail), VT.UINT32),
-            ("river.backbone_type", backbone_type or "as input", VT.STRING),
-        ]
-        entries += [(k, v, VT.STRING if t == "s" else VT.UINT32) for k, v, t in imatrix_meta]
-        if prof is not None:
-            entries.append(("river.profile_predicted_mean_exit_layer", float(prof["predicted_mean_exit_layer"]),
-                            VT.FLOAT32))
+            VT = gguf.GGUFValueType
+            entries = [
+                ("river.format_version", FORMAT_VERSION, VT.UINT32),
+                ("river.type", type_label, VT.STRING),
+                ("river.threshold", meta_threshold, VT.FLOAT32),
+                ("river.threshold_source", source, VT.STRING),
+                ("river.min_exit_layer", int(min_exit_layer), VT.UINT32),
+                ("river.prefill", prefill, VT.STRING),
+                ("river.head", bool(river_head), VT.BOOL),
+                ("river.backbone_file", os.path.basename(backbone_path), VT.STRING),
+                ("river.backbone_sha256", sha256_file(backbone_path), VT.STRING),
+                ("river.river_file", os.path.basename(river_path) if river_path else f"(quantized {type_label})",
+                 VT.STRING),
+                ("river.river_sha256", sha256_file(river_src), VT.STRING),
+                ("river.tail", int(tail), VT.UINT32),
+                ("river.backbone_type", backbone_type or "as input", VT.STRING),
+            ]
+            entries += [(k, v, VT.STRING if t == "s" else VT.UINT32) for k, v, t in imatrix_meta]
+            if prof is not None:
+                entries.append(("river.profile_predicted_mean_exit_layer", float(prof["predicted_mean_exit_layer"]),
+                                VT.FLOAT32))
 
-        rv_by_name = {t.name: t for t in rv.tensors}
-        plan = [(t.name, t) for t in _plain_tensors(bb)]
-        plan += [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
-        plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
-        if "output.weight" in rv_by_name:
-            plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
+            rv_by_name = {t.name: t for t in rv.tensors}
+            plan = [(t.name, t) for t in _plain_tensors(bb)]
+            plan += [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
+            plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
+            if "output.weight" in rv_by_name:
+                plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
 
-        with atomic_output(out_path) as tmp, contextlib.closing(_new_writer(tmp, bb)) as w:
-            for key, value, vtype in entries:
-                w.add_key_value(key, value, vtype)
-                meta[key] = value
-            _write_tensors(w, plan, progress, desc=f"river {os.path.basename(out_path)}")
-        # float32 as stored, so callers compare against what Model(out).metadata reads
-        import numpy as np
+            with contextlib.closing(_new_writer(staged, bb)) as w:
+                for key, value, vtype in entries:
+                    w.add_key_value(key, value, vtype)
+                    meta[key] = value
+                _write_tensors(w, plan, progress, desc=f"river {os.path.basename(out_path)}")
+            # float32 as stored, so callers compare against what Model(out).metadata reads
+            import numpy as np
 
-        meta["river.threshold"] = float(np.float32(meta_threshold))
-        if prof is not None:
-            meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
-    if presets:
-        meta.update(calibrate_presets_file(out_path, n_threads=n_threads, progress=progress))
+            meta["river.threshold"] = float(np.float32(meta_threshold))
+            if prof is not None:
+                meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
+        if presets:
+            meta.update(calibrate_presets_file(staged, n_threads=n_threads, progress=progress))
+        if finalize is not None:
+            meta.update(finalize(staged) or {})
+        os.replace(staged, out_path)
     return meta
 
 
@@ -600,7 +620,39 @@ def _mib(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Handler for parsed ``add_arguments`` options; errors go to stderr with exit status 2."""
+    """Handler for parsed ``add_arguments`` options; errors go to stderr with exit status 2.
+
+    Ctrl-C (or SIGTERM) stops the conversion with exit status 130 (143) and leaves nothing
+    behind: no output, no temp files."""
+    with _sigterm_as_exit():
+        try:
+            return _run(args)
+        except KeyboardInterrupt:
+            out = f"; {args.output} was not written" if getattr(args, "output", None) else ""
+            print(f"convert: interrupted{out}", file=sys.stderr)
+            return 130
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """While the command runs, SIGTERM raises SystemExit(143) instead of killing the process at once,
+    so the temp files are removed as on Ctrl-C (a desktop app's "cancel" sends SIGTERM)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield  # someone else handles SIGTERM (or cannot here): leave it alone
+        return
+
+    def on_term(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _run(args: argparse.Namespace) -> int:
     native = _errors()
     if args.backbone is None:
         from .default_model import default_river_path, derived_model
@@ -611,6 +663,18 @@ def run(args: argparse.Namespace) -> int:
     elif args.output is None:
         print("error: -o/--output is required when BACKBONE is given", file=sys.stderr)
         return 2
+    calibration: Dict[str, Any] = {}
+    stage = {"calibrating": False}
+
+    def finalize(staged: str) -> dict:
+        # --calibrate runs on the staged file too: the output appears calibrated, or not at all.
+        from .evaluate import calibration_metadata
+
+        stage["calibrating"] = True
+        calibration.update(calibrate_file(staged, args.budget, args.threads, progress=not args.quiet))
+        stage["calibrating"] = False
+        return calibration_metadata(calibration)
+
     try:
         meta = build_river_gguf(
             args.backbone, args.output, river_type=args.river_type, river_path=args.river,
@@ -619,14 +683,15 @@ def run(args: argparse.Namespace) -> int:
             n_threads=args.threads, tail=args.tail,
             imatrix=None if str(args.imatrix).lower() == "none" else args.imatrix,
             backbone_type=args.backbone_type, presets=args.presets, river_head_type=args.river_head_type,
+            finalize=finalize if args.calibrate else None,
         )
     except (ValueError, OSError, RuntimeError, native.GGUFFormatError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {'calibration failed: ' if stage['calibrating'] else ''}{e}", file=sys.stderr)
         return 2
     out_size = os.path.getsize(args.output)
     src = meta["river.threshold_source"]
     extra = ""
-    if "river.profile_predicted_mean_exit_layer" in meta:
+    if src.startswith("profile") and "river.profile_predicted_mean_exit_layer" in meta:
         extra = f", predicted mean exit after layer {meta['river.profile_predicted_mean_exit_layer']:.1f}"
     print(f"wrote {args.output}")
     print(f"  river:     {meta['river.type']}" + (f" ({args.river})" if args.river else ""))
@@ -641,12 +706,8 @@ def run(args: argparse.Namespace) -> int:
 
         for line in presets_mod.describe(presets_mod.parse(meta), meta.get("river.default_preset")):
             print(f"  preset     {line}")
-    if args.calibrate:
-        try:
-            res = calibrate_file(args.output, args.budget, args.threads, progress=not args.quiet)
-        except (ValueError, OSError, RuntimeError) as e:
-            print(f"error: calibration failed: {e}", file=sys.stderr)
-            return 2
+    if calibration:
+        res = calibration
         verdict = "within" if res["feasible"] else "no tau within"
         print(f"  calibrated: tau={res['threshold']:g} ({verdict} {100 * res['budget']:g}% of the backbone's "
               f"calibration ppl {res['backbone_ppl']:.4f}: {res['calibration_ppl']:.4f}, "

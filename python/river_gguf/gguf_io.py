@@ -1,15 +1,19 @@
 """Reading/writing GGUF files with the ``gguf`` package, plus llama.cpp quantization.
 
-Everything that produces a file writes to a temporary file in the destination
+Everything that produces a file writes to a hidden temporary file in the destination
 directory first and then ``os.replace``-s it, so a crash or a concurrent writer
-never leaves a half-written file under the final name.
+never leaves a half-written file under the final name. The temp file is removed on every
+exit Python sees; one left by a killed process is removed by the next writer of that name
+(``default_model.remove_stale_temp_files``).
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
-import uuid
+import signal
+import threading
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -46,18 +50,101 @@ _INT_TYPES = {QT.I8, QT.I16, QT.I32, QT.I64}
 
 @contextlib.contextmanager
 def atomic_output(dst_path: str | os.PathLike) -> Iterator[str]:
-    """Yield a temp path next to ``dst_path``; move it into place only on success."""
+    """Yield a temp path next to ``dst_path``; move it into place only on success.
+
+    The temp file is removed whatever ends the block (an error, KeyboardInterrupt, SystemExit);
+    temp files of ``dst_path`` that killed writers left behind are removed first."""
+    from .default_model import remove_stale_temp_files, temp_name
+
     dst_path = os.fspath(dst_path)
-    os.makedirs(os.path.dirname(os.path.abspath(dst_path)), exist_ok=True)
+    folder = os.path.dirname(os.path.abspath(dst_path))
+    os.makedirs(folder, exist_ok=True)
+    remove_stale_temp_files(folder, os.path.basename(dst_path))
     # A unique name per writer, not created here: the writer creates it with
     # normal umask permissions (mkstemp would leave the final file 0600).
-    tmp = f"{dst_path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp = temp_name(dst_path)
     try:
         yield tmp
         os.replace(tmp, dst_path)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+def check_output_path(dst_path: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = ()) -> str:
+    """Refuse an output path that cannot work, before any work starts: a folder (or a name
+    ending in a separator), something that is not a regular file, one of ``inputs``, or a path
+    whose folder is missing (FileNotFoundError) or not writable (PermissionError). Writability is
+    probed by creating and removing a hidden temp file, which also covers read-only file systems
+    and ACLs that permission bits do not show. Returns the path as a string."""
+    from .default_model import temp_name
+
+    dst = os.fspath(dst_path)
+    if not dst:
+        raise ValueError("the output path is empty")
+    if os.path.isdir(dst) or dst.endswith(os.sep) or (os.altsep and dst.endswith(os.altsep)):
+        raise ValueError(f"output {dst} is a folder; give a file name")
+    if os.path.lexists(dst) and not os.path.isfile(dst):
+        raise ValueError(f"output {dst} exists and is not a regular file")
+    for src in inputs:
+        if src is not None and _same_file(dst, os.fspath(src)):
+            raise ValueError(f"output {dst} would overwrite the input {os.fspath(src)}; choose another name")
+    folder = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"output folder does not exist: {folder}")
+    probe = temp_name(dst, ".probe.tmp")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        cls = PermissionError if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else OSError
+        raise cls(f"cannot write to the output folder {folder} ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return dst
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Hold SIGINT (and SIGTERM, where Python handles it) during a native call that calls back into
+    Python, and deliver it to the original handler once the call has returned.
+
+    Why: llama.cpp's quantizer logs through a ctypes callback. Python runs signal handlers whenever
+    it executes bytecode, so Ctrl-C during quantization raised KeyboardInterrupt inside that
+    callback, where ctypes prints and drops it, and the conversion went on to exit 0. Here the
+    handlers only record the signal while the call runs; the default handler then raises
+    KeyboardInterrupt in the caller's frame, as if the signal had arrived just after the call.
+    The native call itself cannot be stopped: it finishes its file first (seconds on small models).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python runs handlers on the main thread only: nothing can be swallowed here
+        return
+    pending: list[int] = []
+    saved = {}
+
+    def record(signum, _frame):
+        if signum not in pending:
+            pending.append(signum)
+
+    for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
+        if sig is None:
+            continue
+        handler = signal.getsignal(sig)
+        if callable(handler):  # SIG_DFL / SIG_IGN act in C and never reach a callback
+            saved[sig] = handler
+            signal.signal(sig, record)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        for sig in pending:
+            saved[sig](sig, None)
 
 
 def metadata_items(reader: gguf.GGUFReader, skip: Iterable[str] = ()) -> Iterator[tuple[str, Any, VT, VT | None]]:
@@ -99,6 +186,7 @@ def _f16_target(t: gguf.ReaderTensor) -> QT | None:
 
 def write_f16(src_path: str | os.PathLike, dst_path: str | os.PathLike, progress: bool = True) -> str:
     """Write an F16 copy of a GGUF: dequantize 2-D weights to F16, keep 1-D as F32."""
+    check_output_path(dst_path, inputs=[src_path])
     reader = gguf.GGUFReader(src_path)
     arch = reader.fields["general.architecture"].contents()
 
@@ -153,6 +241,9 @@ def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: st
     key = ftype.lower()
     if key not in FTYPES:
         raise ValueError(f"unknown ftype {ftype!r}; valid: {', '.join(sorted(FTYPES))}")
+    if not os.path.isfile(os.fspath(src_path)):
+        raise FileNotFoundError(f"model file not found: {os.fspath(src_path)}")
+    check_output_path(dst_path, inputs=[src_path])
     head = None
     if head_type is not None:
         try:
@@ -176,9 +267,10 @@ def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: st
         params.token_embedding_type = int(head)
         params.output_tensor_type = int(head)
     with atomic_output(dst_path) as tmp:
-        rc = llama_cpp.llama_model_quantize(
-            os.fsencode(os.fspath(src_path)), os.fsencode(tmp), ctypes.byref(params)
-        )
+        with deferred_interrupts():
+            rc = llama_cpp.llama_model_quantize(
+                os.fsencode(os.fspath(src_path)), os.fsencode(tmp), ctypes.byref(params)
+            )
         if rc != 0:
             raise RuntimeError(f"llama_model_quantize({src_path!s} -> {ftype}) failed with code {rc}")
     return os.fspath(dst_path)

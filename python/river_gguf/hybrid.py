@@ -31,11 +31,12 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
     Norms and rope_freqs come from the backbone, and so does all metadata (river.* keys dropped).
     Either input may be a River GGUF: the backbone's plain tensors / the river's ``river.*`` ones are used.
     """
-    from .gguf_io import atomic_output
+    from .gguf_io import atomic_output, check_output_path
 
     backbone_path, river_path, out_path = os.fspath(backbone_path), os.fspath(river_path), os.fspath(out_path)
     if _same_file(out_path, backbone_path) or _same_file(out_path, river_path):
         raise ValueError(f"output {out_path} would overwrite an input file")
+    check_output_path(out_path)  # a folder, or a folder we cannot write to: refused before any work
     _check_loadable(backbone_path)
     _check_loadable(river_path)
     bb = _reader(backbone_path)

@@ -425,11 +425,14 @@ def llama_quantize(
     ffn_down tensors become Q4_1), so this file's types can differ from a plain quantization's."""
     import llama_cpp
 
-    from .gguf_io import FTYPES, atomic_output
+    from .gguf_io import FTYPES, atomic_output, check_output_path, deferred_interrupts
 
     key = ftype.lower()
     if key not in FTYPES:
         raise ValueError(f"unknown ftype {ftype!r}; valid: {', '.join(sorted(FTYPES))}")
+    if not os.path.isfile(os.fspath(src_path)):
+        raise FileNotFoundError(f"model file not found: {os.fspath(src_path)}")
+    check_output_path(dst_path, inputs=[src_path])
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, FTYPES[key])
     params.nthread = n_threads
@@ -449,7 +452,9 @@ def llama_quantize(
         keep.append(entries)
         params.imatrix = entries
     with atomic_output(dst_path) as tmp:
-        rc = llama_cpp.llama_model_quantize(os.fsencode(os.fspath(src_path)), os.fsencode(tmp), ctypes.byref(params))
+        with deferred_interrupts():  # Ctrl-C would be dropped in llama.cpp's log callback otherwise
+            rc = llama_cpp.llama_model_quantize(os.fsencode(os.fspath(src_path)), os.fsencode(tmp),
+                                                ctypes.byref(params))
         if rc != 0:
             raise RuntimeError(f"llama_model_quantize({src_path!s} -> {ftype}) failed with code {rc}")
     del keep

@@ -3,12 +3,13 @@ import os
 
 
 def model_class():
-    """The class `river-gguf serve` loads. To serve the llama_cpp-compatible class (grammar,
-    response_format, tools), return it here instead; the server needs only what
-    protocol.ServedModel names, and refuses (400) parameters the class does not take."""
-    from ..model import Model
+    """The class `river-gguf serve` loads: the llama_cpp-compatible Llama, so grammar,
+    response_format, tools and llama-cpp-python's sampling parameters work as on its server. The
+    server needs only what protocol.ServedModel names, and refuses (400) parameters the class
+    does not take."""
+    from ..llama import Llama
 
-    return Model
+    return Llama
 
 
 def load_model(args):

@@ -159,6 +159,39 @@ def test_deferred_interrupts_without_a_signal_changes_nothing():
     assert errors == []
 
 
+@pytest.fixture
+def sigint_from_llama_log(monkeypatch):
+    """libllama's log callback sends SIGINT at its first message (as a Ctrl-C during a load would
+    arrive), then llama-cpp-python's own callback is put back."""
+    import llama_cpp
+    import llama_cpp._logger as llama_logger
+
+    calls = [0]
+
+    @llama_cpp.llama_log_callback
+    def cb(level, text, user_data):
+        calls[0] += 1
+        if calls[0] == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    llama_cpp.llama_log_set(cb, ctypes.c_void_p(0))
+    yield calls
+    llama_cpp.llama_log_set(llama_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+def test_sigint_during_a_model_load_is_lost_without_deferral(tiny, sigint_from_llama_log, dropped):
+    from river_gguf import Model
+
+    m = Model(tiny, n_ctx=16, n_threads=1)  # loads to the end; the interrupt went nowhere
+    assert m.n_layer == 4 and sigint_from_llama_log[0] > 1 and dropped == [KeyboardInterrupt]
+
+
+def test_converter_model_loads_keep_the_interrupt(tiny, sigint_from_llama_log, dropped):
+    with pytest.raises(KeyboardInterrupt):
+        convert._open_model(tiny, n_ctx=16, n_threads=1)
+    assert sigint_from_llama_log[0] > 1 and dropped == []
+
+
 # ----- Ctrl-C / SIGTERM on the converter process --------------------------------------------------
 def _temps(folder, name="out.gguf"):
     """Hidden temp files of the output ``name``, temps of temps included."""

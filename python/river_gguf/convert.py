@@ -87,11 +87,25 @@ def _check_loadable(path: str) -> dict:
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"model file not found: {path}")
+    from .gguf_io import deferred_interrupts
+
     native = _errors()
-    engine = native.Engine(path, "", 8, 1, 8, 0)  # n_ctx=8: a tiny KV cache, opens in milliseconds
+    with deferred_interrupts():  # libllama's vocab loader logs through a ctypes callback (see _open_model)
+        engine = native.Engine(path, "", 8, 1, 8, 0)  # n_ctx=8: a tiny KV cache, opens in milliseconds
     hparams = dict(engine.hparams)
     del engine
     return hparams
+
+
+def _open_model(*args, **kwargs):
+    """``Model(*args, **kwargs)`` with Ctrl-C held until the load returns: libllama's vocab loader
+    logs through llama-cpp-python's ctypes callback, which would drop a KeyboardInterrupt raised in
+    it, so Ctrl-C during a load would otherwise be lost and the conversion run on."""
+    from .gguf_io import deferred_interrupts
+    from .model import Model
+
+    with deferred_interrupts():
+        return Model(*args, **kwargs)
 
 
 def _reader(path: str):
@@ -464,10 +478,9 @@ def build_river_gguf(
 
             meta: Dict[str, Any] = {}
             if threshold is None:
-                from .model import Model
                 from .profile import default_threshold
 
-                model = Model(backbone_path, n_threads=n_threads)
+                model = _open_model(backbone_path, n_threads=n_threads)
                 prof = default_threshold(model)
                 del model
                 meta_threshold = float(prof["threshold"])
@@ -589,9 +602,8 @@ def calibrate_file(path: str, budget: float, n_threads: int = 2, progress: bool 
     """Calibrate tau of a River GGUF in place (atomic rewrite of its metadata)."""
     from . import evaluate
     from .gguf_meta import set_river_metadata
-    from .model import Model
 
-    m = Model(path, n_ctx=1024, n_threads=n_threads)
+    m = _open_model(path, n_ctx=1024, n_threads=n_threads)
     items = evaluate.calibration_items(per_domain=items_per_domain)
     res = evaluate.calibrate(m, budget=budget, items=items, score_tokens=score_tokens, progress=progress)
     del m  # release the mapping before the file is replaced
@@ -606,9 +618,8 @@ def calibrate_presets_file(path: str, n_threads: int = 2, progress: bool = True,
     from . import evaluate
     from . import presets as presets_mod
     from .gguf_meta import set_river_metadata
-    from .model import Model
 
-    m = Model(path, n_ctx=1024, n_threads=n_threads, threshold=2.0)
+    m = _open_model(path, n_ctx=1024, n_threads=n_threads, threshold=2.0)
     items = evaluate.calibration_items(per_domain=items_per_domain)
     res = presets_mod.calibrate_presets(m, items=items, score_tokens=score_tokens, progress=progress)
     del m  # release the mapping before the file is replaced

@@ -134,7 +134,10 @@ def collect_imatrix(
     if not isinstance(n_ctx, int) or n_ctx < 2:
         raise ValueError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
 
-    model = Model(os.fspath(backbone_path), n_ctx=n_ctx, n_threads=n_threads, mode="backbone")
+    from .gguf_io import deferred_interrupts
+
+    with deferred_interrupts():  # Ctrl-C would be dropped in libllama's log callback during the load
+        model = Model(os.fspath(backbone_path), n_ctx=n_ctx, n_threads=n_threads, mode="backbone")
     engine = model._engine
     stats = native.ActivationStats()
     n_tokens = n_texts = 0

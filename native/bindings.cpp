@@ -84,10 +84,36 @@ void bind_imatrix(py::module_& m);
 PYBIND11_MODULE(_native, m) {
     m.doc() = "river_gguf native engine (ggml)";
 
-    auto base = py::register_exception<GgufFormatError>(m, "GGUFFormatError", PyExc_ValueError);
-    py::register_exception<UnsupportedModelError>(m, "UnsupportedModelError", PyExc_ValueError);
-    py::register_exception<RiverMismatchError>(m, "RiverMismatchError", PyExc_ValueError);
-    py::register_exception<ContextOverflowError>(m, "ContextOverflowError", PyExc_ValueError);
+    static PyObject* format_error =
+        py::register_exception<GgufFormatError>(m, "GGUFFormatError", PyExc_ValueError).ptr();
+    static PyObject* unsupported_error =
+        py::register_exception<UnsupportedModelError>(m, "UnsupportedModelError", PyExc_ValueError).ptr();
+    static PyObject* mismatch_error =
+        py::register_exception<RiverMismatchError>(m, "RiverMismatchError", PyExc_ValueError).ptr();
+    static PyObject* overflow_error =
+        py::register_exception<ContextOverflowError>(m, "ContextOverflowError", PyExc_ValueError).ptr();
+    // Messages quote names, keys and paths, whose bytes need not be UTF-8; pybind's own
+    // translation would then raise UnicodeDecodeError in place of the error. Tried before it.
+    py::register_exception_translator([](std::exception_ptr p) {
+        auto set = [](PyObject* type, const char* what) {
+            PyObject* msg = PyUnicode_DecodeUTF8(what, static_cast<Py_ssize_t>(std::strlen(what)), "replace");
+            PyErr_SetObject(type, msg);
+            Py_XDECREF(msg);
+        };
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const GgufFormatError& e) {
+            set(format_error, e.what());
+        } catch (const UnsupportedModelError& e) {
+            set(unsupported_error, e.what());
+        } catch (const RiverMismatchError& e) {
+            set(mismatch_error, e.what());
+        } catch (const ContextOverflowError& e) {
+            set(overflow_error, e.what());
+        } catch (const std::invalid_argument& e) {
+            set(PyExc_ValueError, e.what());
+        }
+    });
 
     m.attr("BUILT_LLAMA_CPP_PYTHON") = RIVER_LLAMA_CPP_PYTHON_VERSION;
     m.attr("BUILT_GGML_COMMIT") = RIVER_GGML_COMMIT;

@@ -134,6 +134,7 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
             slots.push_back(&backbone_.output_norm);
             slots.insert(slots.end(), heads.begin(), heads.end());
         }
+        check_device_matmul(ggml_backend_get_device(gpu_.get()), ggml_backend_get_default_buffer_type(gpu_.get()), slots);
         placed_weights_.push_back(std::make_unique<DeviceWeights>());
         placed_weights_.back()->move(ggml_backend_get_default_buffer_type(gpu_.get()), slots);
     }

@@ -112,6 +112,17 @@ std::string GgufFile::get_str(const std::string& key, const std::string& def) co
     return gguf_get_val_str(gguf_, id);
 }
 
+// The key's type, for messages: "of type str", "an array of f32", ...
+static std::string type_phrase(gguf_context* g, int64_t id) {
+    auto name = [](gguf_type t) {
+        const char* n = gguf_type_name(t);
+        return std::string(n ? n : "?");
+    };
+    const gguf_type t = gguf_get_kv_type(g, id);
+    if (t == GGUF_TYPE_ARRAY) return "an array of " + name(gguf_get_arr_type(g, id));
+    return "of type " + name(t);
+}
+
 static int64_t int_value(gguf_context* g, int64_t id, const std::string& key) {
     switch (gguf_get_kv_type(g, id)) {
         case GGUF_TYPE_UINT8: return gguf_get_val_u8(g, id);
@@ -120,10 +131,14 @@ static int64_t int_value(gguf_context* g, int64_t id, const std::string& key) {
         case GGUF_TYPE_INT16: return gguf_get_val_i16(g, id);
         case GGUF_TYPE_UINT32: return gguf_get_val_u32(g, id);
         case GGUF_TYPE_INT32: return gguf_get_val_i32(g, id);
-        case GGUF_TYPE_UINT64: return static_cast<int64_t>(gguf_get_val_u64(g, id));
+        case GGUF_TYPE_UINT64: {
+            const uint64_t v = gguf_get_val_u64(g, id);
+            if (v > uint64_t(INT64_MAX)) throw GgufFormatError("GGUF key '" + key + "' = " + std::to_string(v) + " is out of range");
+            return static_cast<int64_t>(v);
+        }
         case GGUF_TYPE_INT64: return gguf_get_val_i64(g, id);
         case GGUF_TYPE_BOOL: return gguf_get_val_bool(g, id) ? 1 : 0;
-        default: throw GgufFormatError("GGUF key '" + key + "' is not an integer");
+        default: throw GgufFormatError("GGUF key '" + key + "' is " + type_phrase(g, id) + ", expected an integer");
     }
 }
 
@@ -138,6 +153,10 @@ float GgufFile::get_float(const std::string& key, float def) const {
     switch (gguf_get_kv_type(gguf_, id)) {
         case GGUF_TYPE_FLOAT32: return gguf_get_val_f32(gguf_, id);
         case GGUF_TYPE_FLOAT64: return static_cast<float>(gguf_get_val_f64(gguf_, id));
+        case GGUF_TYPE_STRING:
+        case GGUF_TYPE_ARRAY:
+        case GGUF_TYPE_BOOL:
+            throw GgufFormatError("GGUF key '" + key + "' is " + type_phrase(gguf_, id) + ", expected a number");
         default: return static_cast<float>(int_value(gguf_, id, key));
     }
 }
@@ -146,15 +165,41 @@ std::vector<int64_t> GgufFile::get_int_array(const std::string& key) const {
     const int64_t id = gguf_find_key(gguf_, key.c_str());
     if (id < 0) return {};
     if (gguf_get_kv_type(gguf_, id) != GGUF_TYPE_ARRAY) return {int_value(gguf_, id, key)};
+    // The element type is checked before any element is read: gguf aborts when the data of
+    // a string array is asked for.
+    const gguf_type type = gguf_get_arr_type(gguf_, id);
     const size_t n = gguf_get_arr_n(gguf_, id);
-    const void* data = gguf_get_arr_data(gguf_, id);
-    std::vector<int64_t> out(n);
-    switch (gguf_get_arr_type(gguf_, id)) {
-        case GGUF_TYPE_INT32: for (size_t i = 0; i < n; ++i) out[i] = static_cast<const int32_t*>(data)[i]; break;
-        case GGUF_TYPE_UINT32: for (size_t i = 0; i < n; ++i) out[i] = static_cast<const uint32_t*>(data)[i]; break;
-        default: throw GgufFormatError("GGUF key '" + key + "' is an array of an unsupported type");
+    if (n == 0) throw GgufFormatError("GGUF key '" + key + "' is an empty array");
+    auto read = [&](auto* typed) {
+        std::vector<int64_t> out(n);
+        for (size_t i = 0; i < n; ++i) out[i] = static_cast<int64_t>(typed[i]);
+        return out;
+    };
+    const void* data = nullptr;
+    switch (type) {
+        case GGUF_TYPE_UINT8: case GGUF_TYPE_INT8: case GGUF_TYPE_UINT16: case GGUF_TYPE_INT16:
+        case GGUF_TYPE_UINT32: case GGUF_TYPE_INT32: case GGUF_TYPE_UINT64: case GGUF_TYPE_INT64:
+            data = gguf_get_arr_data(gguf_, id);
+            break;
+        default:
+            throw GgufFormatError("GGUF key '" + key + "' is " + type_phrase(gguf_, id) + ", expected integers");
     }
-    return out;
+    switch (type) {
+        case GGUF_TYPE_UINT8: return read(static_cast<const uint8_t*>(data));
+        case GGUF_TYPE_INT8: return read(static_cast<const int8_t*>(data));
+        case GGUF_TYPE_UINT16: return read(static_cast<const uint16_t*>(data));
+        case GGUF_TYPE_INT16: return read(static_cast<const int16_t*>(data));
+        case GGUF_TYPE_UINT32: return read(static_cast<const uint32_t*>(data));
+        case GGUF_TYPE_INT32: return read(static_cast<const int32_t*>(data));
+        case GGUF_TYPE_INT64: return read(static_cast<const int64_t*>(data));
+        default: {  // UINT64: values past INT64_MAX would turn negative
+            const uint64_t* u = static_cast<const uint64_t*>(data);
+            for (size_t i = 0; i < n; ++i) {
+                if (u[i] > uint64_t(INT64_MAX)) throw GgufFormatError("GGUF key '" + key + "' holds an out-of-range value");
+            }
+            return read(u);
+        }
+    }
 }
 
 }  // namespace river

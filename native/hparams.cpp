@@ -1,6 +1,9 @@
 #include "hparams.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <set>
 
 #include "errors.h"
 
@@ -10,19 +13,177 @@ const char* supported_architectures() { return "llama, qwen2, qwen3"; }
 
 namespace {
 
+// Upper bounds on the integer hyperparameters. Far above any released model, low enough that
+// every product the engine forms (rows x columns, heads x head size, cache sizes) fits in 64 bits
+// and every value fits in an int.
+constexpr int64_t kMaxLayers = 4096;
+constexpr int64_t kMaxEmbd = int64_t(1) << 20;
+constexpr int64_t kMaxFF = int64_t(1) << 22;
+constexpr int64_t kMaxHeads = int64_t(1) << 14;
+constexpr int64_t kMaxHeadDim = int64_t(1) << 14;
+constexpr int64_t kMaxContext = int64_t(1) << 30;
+constexpr int64_t kMaxVocab = int64_t(1) << 30;
+
+std::string num(double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", v);
+    return buf;
+}
+
+[[noreturn]] void bad_value(const GgufFile& f, const std::string& key, const std::string& value, const std::string& rule) {
+    throw GgufFormatError("'" + f.path() + "': " + key + " = " + value + " is invalid (" + rule + ")");
+}
+
+int in_range(const GgufFile& f, const std::string& key, int64_t v, int64_t lo, int64_t hi) {
+    if (v < lo || v > hi) bad_value(f, key, std::to_string(v), "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    return static_cast<int>(v);
+}
+
+// An integer key; `def` when absent (a negative def marks a required key).
+int bounded_int(const GgufFile& f, const std::string& key, int64_t def, int64_t lo, int64_t hi) {
+    if (!f.has_key(key)) {
+        if (def < 0) throw GgufFormatError("'" + f.path() + "' lacks the required key " + key);
+        return static_cast<int>(def);
+    }
+    return in_range(f, key, f.get_int(key, def), lo, hi);
+}
+
 // llama.cpp lets some counts vary per layer; this engine needs them uniform.
-int uniform_int(const GgufFile& f, const std::string& key, int def) {
+int uniform_int(const GgufFile& f, const std::string& key, int64_t def, int64_t lo, int64_t hi) {
     std::vector<int64_t> v = f.get_int_array(key);
-    if (v.empty()) return def;
+    if (v.empty()) {
+        if (def < 0) throw GgufFormatError("'" + f.path() + "' lacks the required key " + key);
+        return static_cast<int>(def);
+    }
     if (std::any_of(v.begin(), v.end(), [&](int64_t x) { return x != v[0]; })) {
         throw UnsupportedModelError("per-layer values of '" + key + "' differ; only uniform layers are supported");
     }
-    return static_cast<int>(v[0]);
+    return in_range(f, key, v[0], lo, hi);
+}
+
+float finite_float(const GgufFile& f, const std::string& key, float def, bool allow_zero) {
+    const float v = f.get_float(key, def);
+    if (!std::isfinite(v) || v < 0.0f || (!allow_zero && v == 0.0f)) {
+        bad_value(f, key, num(v), allow_zero ? "must be finite and >= 0" : "must be finite and > 0");
+    }
+    return v;
+}
+
+// The layer index of "blk.N.*" (after `prefix`), or -1 for other names. Indices too long to
+// be a layer count come back as kMaxLayers, which no block_count reaches.
+int64_t layer_index(const std::string& name, const std::string& prefix) {
+    const std::string head = prefix + "blk.";
+    if (name.compare(0, head.size(), head) != 0) return -1;
+    int64_t n = 0;
+    size_t i = head.size(), digits = 0;
+    for (; i < name.size() && name[i] >= '0' && name[i] <= '9'; ++i, ++digits) {
+        n = std::min<int64_t>(n * 10 + (name[i] - '0'), kMaxLayers);
+    }
+    if (digits == 0 || i >= name.size() || name[i] != '.') return -1;
+    return n;
+}
+
+// The layers present as tensors (blk.N.*, and river.blk.N.* when any) must be exactly
+// 0..block_count-1: more would be ignored, fewer would run missing layers.
+void check_layer_tensors(const GgufFile& f, int n_layer, const std::string& block_key) {
+    for (const char* prefix : {"", "river."}) {
+        std::set<int64_t> present;
+        std::string example;
+        for (const std::string& name : f.tensor_names()) {
+            const int64_t il = layer_index(name, prefix);
+            if (il < 0) continue;
+            if (il >= n_layer) {
+                throw GgufFormatError("'" + f.path() + "': tensor '" + name + "' belongs to layer " + std::to_string(il) +
+                                      " but " + block_key + " is " + std::to_string(n_layer));
+            }
+            present.insert(il);
+        }
+        if (present.empty() && *prefix) continue;  // no river in this file
+        if (static_cast<int>(present.size()) != n_layer) {
+            int64_t missing = 0;
+            while (present.count(missing)) ++missing;
+            throw GgufFormatError("'" + f.path() + "': " + block_key + " is " + std::to_string(n_layer) +
+                                  " but the file has no " + prefix + "blk." + std::to_string(missing) + ".* tensors");
+        }
+    }
+}
+
+// The token list is read by this engine (river checks) and by libllama; both need strings.
+void check_token_list(const GgufFile& f, int n_vocab) {
+    gguf_context* g = f.meta();
+    const int64_t id = gguf_find_key(g, "tokenizer.ggml.tokens");
+    if (id < 0) return;  // the vocabulary loader reports it
+    if (gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(g, id) != GGUF_TYPE_STRING) {
+        throw GgufFormatError("'" + f.path() + "': tokenizer.ggml.tokens is not an array of strings");
+    }
+    const size_t n = gguf_get_arr_n(g, id);
+    if (n != static_cast<size_t>(n_vocab)) {
+        throw GgufFormatError("'" + f.path() + "': tokenizer.ggml.tokens has " + std::to_string(n) +
+                              " tokens but token_embd.weight has " + std::to_string(n_vocab) + " rows");
+    }
+}
+
+bool valid_utf8(const std::string& s) {
+    const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+    const size_t n = s.size();
+    for (size_t i = 0; i < n;) {
+        const unsigned char c = p[i];
+        size_t len = 0;
+        unsigned char lo = 0x80, hi = 0xBF;  // the allowed range of the second byte
+        if (c < 0x80) len = 1;
+        else if (c >= 0xC2 && c <= 0xDF) len = 2;
+        else if (c >= 0xE0 && c <= 0xEF) len = 3, lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+        else if (c >= 0xF0 && c <= 0xF4) len = 4, lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+        else return false;
+        if (i + len > n) return false;
+        for (size_t k = 1; k < len; ++k) {
+            const unsigned char b = p[i + k];
+            if (k == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) return false;
+        }
+        i += len;
+    }
+    return true;
+}
+
+// GGUF text is UTF-8. Keys, string values and tensor names reach Python as str (metadata, the
+// chat template, error messages), where other bytes would raise UnicodeDecodeError instead.
+void check_text(const GgufFile& f) {
+    gguf_context* g = f.meta();
+    for (int64_t i = 0; i < gguf_get_n_kv(g); ++i) {
+        const std::string key = gguf_get_key(g, i);
+        if (!valid_utf8(key)) throw GgufFormatError("'" + f.path() + "': metadata key " + std::to_string(i) + " is not UTF-8 text");
+        if (gguf_get_kv_type(g, i) == GGUF_TYPE_STRING && !valid_utf8(gguf_get_val_str(g, i))) {
+            throw GgufFormatError("'" + f.path() + "': the value of " + key + " is not UTF-8 text");
+        }
+    }
+    for (int64_t i = 0; i < gguf_get_n_tensors(g); ++i) {
+        if (!valid_utf8(gguf_get_tensor_name(g, i))) {
+            throw GgufFormatError("'" + f.path() + "': the name of tensor " + std::to_string(i) + " is not UTF-8 text");
+        }
+    }
+}
+
+// The exit defaults a River GGUF stores (written by convert.py, read by model.py): their types
+// and ranges, so that a damaged value is a format error rather than whatever Python's float()
+// or int() makes of it.
+void check_river_metadata(const GgufFile& f, int n_layer) {
+    if (f.has_key("river.threshold")) {
+        const float tau = f.get_float("river.threshold", 2.0f);
+        if (!std::isfinite(tau)) bad_value(f, "river.threshold", num(tau), "must be finite");
+    }
+    bounded_int(f, "river.min_exit_layer", 0, 0, n_layer - 1);
+    bounded_int(f, "river.tail", 0, 0, n_layer - 1);
+    if (f.has_key("river.head")) f.get_int("river.head", 0);  // a bool (or an integer)
+    const std::string prefill = f.get_str("river.prefill", "backbone");
+    if (prefill != "backbone" && prefill != "river") bad_value(f, "river.prefill", "'" + prefill + "'", "backbone or river");
+    f.get_str("river.presets");
+    f.get_str("river.default_preset");
 }
 
 }  // namespace
 
 HParams read_hparams(const GgufFile& f) {
+    check_text(f);
     HParams hp;
     hp.arch_name = f.get_str("general.architecture");
     if (hp.arch_name == "llama") hp.arch = Arch::Llama;
@@ -34,38 +195,53 @@ HParams read_hparams(const GgufFile& f) {
     }
     const std::string a = hp.arch_name + ".";
 
-    hp.n_layer = static_cast<int>(f.get_int(a + "block_count", 0));
-    hp.n_embd = static_cast<int>(f.get_int(a + "embedding_length", 0));
-    hp.n_ff = uniform_int(f, a + "feed_forward_length", 0);
-    hp.n_head = uniform_int(f, a + "attention.head_count", 0);
-    hp.n_head_kv = uniform_int(f, a + "attention.head_count_kv", hp.n_head);
-    hp.n_ctx_train = static_cast<int>(f.get_int(a + "context_length", 2048));
-    if (hp.n_layer <= 0 || hp.n_embd <= 0 || hp.n_head <= 0 || hp.n_head_kv <= 0 || hp.n_ff <= 0) {
-        throw GgufFormatError("'" + f.path() + "' lacks required " + hp.arch_name +
-                              " hyperparameters (block_count, embedding_length, feed_forward_length, attention.head_count)");
+    // Every integer is range-checked as the 64-bit value the file holds, before it becomes an int.
+    hp.n_layer = bounded_int(f, a + "block_count", -1, 1, kMaxLayers);
+    hp.n_embd = bounded_int(f, a + "embedding_length", -1, 1, kMaxEmbd);
+    hp.n_ff = uniform_int(f, a + "feed_forward_length", -1, 1, kMaxFF);
+    hp.n_head = uniform_int(f, a + "attention.head_count", -1, 1, kMaxHeads);
+    hp.n_head_kv = uniform_int(f, a + "attention.head_count_kv", hp.n_head, 1, hp.n_head);
+    hp.n_ctx_train = bounded_int(f, a + "context_length", 2048, 1, kMaxContext);
+    if (hp.n_head % hp.n_head_kv != 0) {
+        bad_value(f, a + "attention.head_count_kv", std::to_string(hp.n_head_kv),
+                  "must divide attention.head_count = " + std::to_string(hp.n_head));
     }
-    if (hp.n_head % hp.n_head_kv != 0) throw UnsupportedModelError("head_count is not a multiple of head_count_kv");
-    hp.head_dim_k = static_cast<int>(f.get_int(a + "attention.key_length", hp.n_embd / hp.n_head));
-    hp.head_dim_v = static_cast<int>(f.get_int(a + "attention.value_length", hp.n_embd / hp.n_head));
-    hp.n_rot = static_cast<int>(f.get_int(a + "rope.dimension_count", hp.head_dim_k));
-    hp.rms_eps = f.get_float(a + "attention.layer_norm_rms_epsilon", 1e-5f);
-    hp.rope_freq_base = f.get_float(a + "rope.freq_base", 10000.0f);
+    const int64_t default_head_dim = hp.n_embd / hp.n_head;
+    if (!f.has_key(a + "attention.key_length") && default_head_dim < 1) {
+        bad_value(f, a + "attention.head_count", std::to_string(hp.n_head),
+                  "exceeds embedding_length = " + std::to_string(hp.n_embd));
+    }
+    hp.head_dim_k = bounded_int(f, a + "attention.key_length", default_head_dim, 1, kMaxHeadDim);
+    hp.head_dim_v = bounded_int(f, a + "attention.value_length", std::max<int64_t>(default_head_dim, 1), 1, kMaxHeadDim);
+    // ggml's rope rotates dimension pairs: an odd count, none, or more than a head holds
+    // asserts or never finishes.
+    hp.n_rot = bounded_int(f, a + "rope.dimension_count", hp.head_dim_k, 2, hp.head_dim_k);
+    if (hp.n_rot % 2 != 0) bad_value(f, a + "rope.dimension_count", std::to_string(hp.n_rot), "must be even");
+    hp.rms_eps = finite_float(f, a + "attention.layer_norm_rms_epsilon", 1e-5f, /*allow_zero=*/true);
+    hp.rope_freq_base = finite_float(f, a + "rope.freq_base", 10000.0f, /*allow_zero=*/false);
 
     // Linear scaling may be given as a factor (new key) or directly as a scale (old key).
     const std::string scaling = f.get_str(a + "rope.scaling.type", "none");
-    float factor = f.get_float(a + "rope.scaling.factor", 0.0f);
     if (scaling != "none" && scaling != "linear" && !(scaling == "llama3")) {
         throw UnsupportedModelError("rope scaling type '" + scaling + "' is not supported (none, linear, llama3 via rope_freqs)");
     }
-    if (scaling == "linear" && factor > 0.0f) hp.rope_freq_scale = 1.0f / factor;
-    const float scale_linear = f.get_float(a + "rope.scale_linear", 0.0f);
-    if (scale_linear > 0.0f) hp.rope_freq_scale = 1.0f / scale_linear;
+    if (f.has_key(a + "rope.scaling.factor")) {
+        const float factor = finite_float(f, a + "rope.scaling.factor", 1.0f, /*allow_zero=*/false);
+        if (scaling == "linear") hp.rope_freq_scale = 1.0f / factor;
+    }
+    if (f.has_key(a + "rope.scale_linear")) {
+        hp.rope_freq_scale = 1.0f / finite_float(f, a + "rope.scale_linear", 1.0f, /*allow_zero=*/false);
+    }
 
     hp.rope_type = hp.arch == Arch::Llama ? GGML_ROPE_TYPE_NORMAL : GGML_ROPE_TYPE_NEOX;
 
     const ggml_tensor* emb = f.tensor("token_embd.weight");
     if (!emb) throw UnsupportedModelError("'" + f.path() + "' has no token_embd.weight");
-    hp.n_vocab = static_cast<int>(emb->ne[1]);
+    hp.n_vocab = in_range(f, "token_embd.weight rows", emb->ne[1], 1, kMaxVocab);
+
+    check_layer_tensors(f, hp.n_layer, a + "block_count");
+    check_token_list(f, hp.n_vocab);
+    check_river_metadata(f, hp.n_layer);
     return hp;
 }
 

@@ -8,6 +8,11 @@ struct llama_vocab;
 
 namespace river {
 
+// Checks what libllama's vocabulary loader asserts on or crashes over, before it sees the
+// file: a supported tokenizer model, a token list of strings, no token with a NUL byte and no
+// duplicate tokens. Throws GgufFormatError (UnsupportedModelError for another tokenizer).
+void check_vocabulary(const std::string& path);
+
 class Vocab {
 public:
     explicit Vocab(const std::string& path);
@@ -27,6 +32,9 @@ public:
     std::string meta(const std::string& key) const;
 
 private:
+    std::vector<int32_t> tokenize_unguarded(const std::string& text, bool add_special, bool parse_special) const;
+
+    std::string path_;
     llama_model* model_ = nullptr;
     const llama_vocab* vocab_ = nullptr;
 };

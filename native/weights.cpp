@@ -4,6 +4,7 @@
 #include <map>
 
 #include "ggml-alloc.h"
+#include "ggml-cpu.h"
 
 #include "errors.h"
 
@@ -17,65 +18,158 @@ std::string shape_str(const int64_t* ne, int n) {
     return s + "]";
 }
 
-// Look a tensor up and check its shape; `required` false returns nullptr when absent.
-ggml_tensor* get(const GgufFile& f, const std::string& name, std::vector<int64_t> shape, bool required = true) {
+std::string type_name(ggml_type t) {
+    const char* n = ggml_type_name(t);
+    return n ? n : "type " + std::to_string(int(t));
+}
+
+// Look a tensor up and check its shape and type; `required` false returns nullptr when absent.
+// `river`: a shape that differs from the backbone's means the river is another model.
+ggml_tensor* get(const GgufFile& f, const std::string& name, std::vector<int64_t> shape, WeightUse use, bool required = true,
+                 bool river = false) {
     ggml_tensor* t = f.tensor(name);
     if (!t) {
-        if (required) throw UnsupportedModelError("'" + f.path() + "' has no tensor '" + name + "'");
+        if (required) throw GgufFormatError("'" + f.path() + "' has no tensor '" + name + "'");
         return nullptr;
     }
     bool ok = ggml_n_dims(t) <= static_cast<int>(shape.size());
     for (size_t i = 0; ok && i < 4; ++i) ok = t->ne[i] == (i < shape.size() ? shape[i] : 1);
     if (!ok) {
-        throw RiverMismatchError("tensor '" + name + "' in '" + f.path() + "' has shape " + shape_str(t->ne, ggml_n_dims(t)) +
-                                 ", expected " + shape_str(shape.data(), static_cast<int>(shape.size())));
+        const std::string msg = "tensor '" + name + "' in '" + f.path() + "' has shape " + shape_str(t->ne, ggml_n_dims(t)) +
+                                ", expected " + shape_str(shape.data(), static_cast<int>(shape.size()));
+        if (river) throw RiverMismatchError(msg);
+        throw GgufFormatError(msg);
     }
+    check_weight_type(f, t, use);
     return t;
 }
 
-LayerWeights load_layer(const GgufFile& f, const HParams& hp, const std::string& prefix, int il) {
+LayerWeights load_layer(const GgufFile& f, const HParams& hp, const std::string& prefix, int il, bool river) {
     const std::string p = prefix + "blk." + std::to_string(il) + ".";
     const int64_t e = hp.n_embd, q = int64_t(hp.n_head) * hp.head_dim_k;
     const int64_t k = hp.n_embd_k_gqa(), v = hp.n_embd_v_gqa(), o = int64_t(hp.n_head) * hp.head_dim_v;
+    auto vec = [&](const std::string& n, int64_t len, bool required = true) {
+        return get(f, p + n, {len}, WeightUse::Vector, required, river);
+    };
+    auto mat = [&](const std::string& n, int64_t in, int64_t out) { return get(f, p + n, {in, out}, WeightUse::MatMul, true, river); };
     LayerWeights w;
-    w.attn_norm = get(f, p + "attn_norm.weight", {e});
-    w.wq = get(f, p + "attn_q.weight", {e, q});
-    w.wk = get(f, p + "attn_k.weight", {e, k});
-    w.wv = get(f, p + "attn_v.weight", {e, v});
-    w.wo = get(f, p + "attn_output.weight", {o, e});
+    w.attn_norm = vec("attn_norm.weight", e);
+    w.wq = mat("attn_q.weight", e, q);
+    w.wk = mat("attn_k.weight", e, k);
+    w.wv = mat("attn_v.weight", e, v);
+    w.wo = mat("attn_output.weight", o, e);
     const bool biased = hp.arch == Arch::Qwen2;
-    w.bq = get(f, p + "attn_q.bias", {q}, biased);
-    w.bk = get(f, p + "attn_k.bias", {k}, biased);
-    w.bv = get(f, p + "attn_v.bias", {v}, biased);
+    w.bq = vec("attn_q.bias", q, biased);
+    w.bk = vec("attn_k.bias", k, biased);
+    w.bv = vec("attn_v.bias", v, biased);
     if (hp.arch == Arch::Qwen3) {
-        w.q_norm = get(f, p + "attn_q_norm.weight", {hp.head_dim_k});
-        w.k_norm = get(f, p + "attn_k_norm.weight", {hp.head_dim_k});
+        w.q_norm = vec("attn_q_norm.weight", hp.head_dim_k);
+        w.k_norm = vec("attn_k_norm.weight", hp.head_dim_k);
     }
-    w.ffn_norm = get(f, p + "ffn_norm.weight", {e});
-    w.ffn_gate = get(f, p + "ffn_gate.weight", {e, hp.n_ff});
-    w.ffn_up = get(f, p + "ffn_up.weight", {e, hp.n_ff});
-    w.ffn_down = get(f, p + "ffn_down.weight", {hp.n_ff, e});
+    w.ffn_norm = vec("ffn_norm.weight", e);
+    w.ffn_gate = mat("ffn_gate.weight", e, hp.n_ff);
+    w.ffn_up = mat("ffn_up.weight", e, hp.n_ff);
+    w.ffn_down = mat("ffn_down.weight", hp.n_ff, e);
     return w;
+}
+
+bool has_prefix(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// The name of some river.* tensor of `f`, or "" when it has none.
+std::string any_river_tensor(const GgufFile& f) {
+    for (const std::string& name : f.tensor_names()) if (has_prefix(name, "river.")) return name;
+    return "";
 }
 
 }  // namespace
 
+bool cpu_can_matmul(const ggml_tensor* w) {
+    // The CPU device answers yes for any weight type with an F32 input, but its kernels
+    // need a dot product for the type (F64 and integer types have none) and a converter
+    // for the input's side of it.
+    const ggml_type_traits_cpu* tr = ggml_get_type_traits_cpu(w->type);
+    if (!tr || !tr->vec_dot) return false;
+    if (tr->vec_dot_type != GGML_TYPE_F32 && !ggml_get_type_traits_cpu(tr->vec_dot_type)->from_float) return false;
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    return dev && buft_supports_matmul(dev, ggml_backend_cpu_buffer_type(), w);
+}
+
+bool cpu_can_get_rows(const ggml_tensor* w) {
+    // The CPU's get_rows reads floats directly and dequantizes the rest row by row; it has
+    // no path for F64 or the integer types (I32 rows would be copied as raw bits).
+    const ggml_type t = w->type;
+    if (t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16) return true;
+    return ggml_is_quantized(t) && ggml_get_type_traits(t)->to_float != nullptr;
+}
+
+void check_weight_type(const GgufFile& f, const ggml_tensor* t, WeightUse use) {
+    auto refuse = [&](const std::string& why) {
+        throw GgufFormatError("tensor '" + std::string(ggml_get_name(t)) + "' in '" + f.path() + "' has type " +
+                              type_name(t->type) + ", but " + why);
+    };
+    switch (use) {
+        case WeightUse::Vector:
+            if (t->type != GGML_TYPE_F32) refuse("1-D tensors must be F32");
+            break;
+        case WeightUse::TiedTable:
+        case WeightUse::Embedding:
+            if (!cpu_can_get_rows(t)) refuse("an embedding table must be a float or quantized type");
+            if (use == WeightUse::Embedding) break;
+            [[fallthrough]];
+        case WeightUse::MatMul:
+            if (!cpu_can_matmul(t)) refuse("the CPU backend has no matrix multiplication for that type");
+            break;
+    }
+}
+
+void check_device_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor**>& slots) {
+    for (ggml_tensor** slot : slots) {
+        const ggml_tensor* t = *slot;
+        // 1-D tensors are F32 (checked at load) and feed only element-wise ops.
+        if (!t || ggml_n_dims(t) < 2) continue;
+        if (!buft_supports_matmul(dev, buft, t)) {
+            throw UnsupportedModelError("weight '" + std::string(ggml_get_name(t)) + "' of type " + type_name(t->type) +
+                                        " cannot be multiplied on " + ggml_backend_dev_name(dev) +
+                                        "; load it with n_gpu_layers=0");
+        }
+    }
+}
+
 BackboneWeights load_backbone(const GgufFile& f, const HParams& hp) {
+    // A River GGUF holds its whole river or none of it: a partial one would load as a plain
+    // model and silently drop the rest. (A complete one is loaded by load_river.)
+    if (const std::string some = any_river_tensor(f); !some.empty() && !f.tensor("river.blk.0.attn_q.weight")) {
+        throw GgufFormatError("'" + f.path() + "' holds river tensors (e.g. '" + some +
+                              "') but not all of them: it has no tensor 'river.blk.0.attn_q.weight'");
+    }
     BackboneWeights w;
-    w.tok_embd = get(f, "token_embd.weight", {hp.n_embd, hp.n_vocab});
-    w.output_norm = get(f, "output_norm.weight", {hp.n_embd});
-    w.output = get(f, "output.weight", {hp.n_embd, hp.n_vocab}, false);
+    const bool tied = !f.tensor("output.weight");
+    w.tok_embd = get(f, "token_embd.weight", {hp.n_embd, hp.n_vocab}, tied ? WeightUse::TiedTable : WeightUse::Embedding);
+    w.output_norm = get(f, "output_norm.weight", {hp.n_embd}, WeightUse::Vector);
+    w.output = get(f, "output.weight", {hp.n_embd, hp.n_vocab}, WeightUse::MatMul, false);
     if (!w.output) w.output = w.tok_embd;
-    w.rope_freqs = get(f, "rope_freqs.weight", {hp.n_rot / 2}, false);
-    for (int il = 0; il < hp.n_layer; ++il) w.layers.push_back(load_layer(f, hp, "", il));
+    w.rope_freqs = get(f, "rope_freqs.weight", {hp.n_rot / 2}, WeightUse::Vector, false);
+    for (int il = 0; il < hp.n_layer; ++il) w.layers.push_back(load_layer(f, hp, "", il, false));
     return w;
 }
 
 RiverWeights load_river(const GgufFile& f, const HParams& hp, const std::string& prefix) {
+    // A river passed as its own file must be a plain GGUF: a River GGUF's own tensors are its
+    // F16 backbone, which would then run as the "river".
+    if (prefix.empty()) {
+        if (const std::string some = any_river_tensor(f); !some.empty()) {
+            throw RiverMismatchError("'" + f.path() + "' is a River GGUF (it holds '" + some +
+                                     "'); pass a plain GGUF of the same model as the river, or load this file by itself");
+        }
+    }
     RiverWeights r;
-    for (int il = 0; il < hp.n_layer; ++il) r.layers.push_back(load_layer(f, hp, prefix, il));
-    r.tok_embd = get(f, prefix + "token_embd.weight", {hp.n_embd, hp.n_vocab}, false);
-    r.head = get(f, prefix + "output.weight", {hp.n_embd, hp.n_vocab}, false);
+    for (int il = 0; il < hp.n_layer; ++il) r.layers.push_back(load_layer(f, hp, prefix, il, true));
+    const bool tied = !f.tensor(prefix + "output.weight");
+    // Required: a river's embedding table is part of every river (the converter always writes
+    // it), so a River GGUF without it is damaged.
+    r.tok_embd = get(f, prefix + "token_embd.weight", {hp.n_embd, hp.n_vocab}, tied ? WeightUse::TiedTable : WeightUse::Embedding,
+                     true, true);
+    r.head = get(f, prefix + "output.weight", {hp.n_embd, hp.n_vocab}, WeightUse::MatMul, false, true);
     if (!r.head) r.head = r.tok_embd;  // a tied river head is its embedding table
     return r;
 }

@@ -90,6 +90,24 @@ std::vector<ggml_tensor**> layer_slots(LayerWeights& w);
 // The slots used only as mul_mat weights (candidates for repacked CPU buffers).
 std::vector<ggml_tensor**> matmul_slots(LayerWeights& w);
 
+// How a weight is used, which decides the types it may have.
+enum class WeightUse {
+    Vector,     // 1-D: norm weights, biases, rope factors; read by element-wise ops in F32
+    MatMul,     // the weight of a mul_mat
+    Embedding,  // the table of a get_rows
+    TiedTable,  // an embedding table that is also the head's mul_mat weight
+};
+// Throws GgufFormatError naming the tensor when the CPU backend cannot run `use` on its type
+// (ggml would abort or crash at the first graph otherwise).
+void check_weight_type(const GgufFile& f, const ggml_tensor* t, WeightUse use);
+// Whether the CPU backend has a mul_mat kernel for weight w's type / a get_rows for it.
+bool cpu_can_matmul(const ggml_tensor* w);
+bool cpu_can_get_rows(const ggml_tensor* w);
+// Throws UnsupportedModelError when `dev` cannot multiply by one of the 2-D weights in
+// `slots` held in a buffer of type `buft`; call before moving them there (the scheduler
+// would abort on a weight no backend can use).
+void check_device_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor**>& slots);
+
 // The CPU device's extra buffer types (repacked layouts), in preference order.
 std::vector<ggml_backend_buffer_type_t> cpu_extra_buffer_types();
 // Whether `buft` can hold `w` as the weight of a mul_mat on `dev` (llama.cpp's test too).

@@ -1,0 +1,263 @@
+"""Malformed GGUF files end in a clear error at load, naming the key or tensor: one test per finding
+of issue 8 (each crashed, hung or silently misbehaved before), plus controls that the rules do not
+refuse valid files."""
+import math
+
+import numpy as np
+import pytest
+
+import river_gguf
+from river_gguf import Model
+from river_gguf.fuzz import (ARRAY, F32, F64, I32, STRING, TINY, U32, U64, Gguf, _build_river, _encode, _type_id,
+                             _values)
+from river_gguf.testing import write_tiny_model
+
+GGUFFormatError = river_gguf.GGUFFormatError
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bases")
+    llama = write_tiny_model(d / "llama.gguf", "llama", seed=5, **TINY)
+    tied = write_tiny_model(d / "tied.gguf", "qwen2", tied=True, seed=5, **TINY)
+    river = str(d / "llama.river.gguf")
+    _build_river(llama, river)
+    return {"llama": llama, "tied": tied, "river": river}
+
+
+def damaged(tmp_path, base: str, edit, name="bad.gguf") -> str:
+    """A copy of `base` changed by edit(Gguf)."""
+    with open(base, "rb") as f:
+        g = Gguf.parse(f.read())
+    edit(g)
+    out = tmp_path / name
+    out.write_bytes(g.to_bytes())
+    return str(out)
+
+
+def retype(name: str, tname: str):
+    """An edit giving tensor `name` the ggml type `tname`, its values converted."""
+    def edit(g: Gguf):
+        t = g.tensor(name)
+        rng = np.random.default_rng(0)
+        blob = _encode(_values(g, t, rng), tname, rng)
+        t.ttype = _type_id(tname)
+        g.relayout({name: blob})
+    return edit
+
+
+def load_and_run(path, **kw):
+    m = Model(path, n_ctx=64, n_threads=1, **kw)
+    g = m.generate([1, 2, 3], max_tokens=2)
+    assert len(g.tokens) == 2
+    return m
+
+
+def refused(path, match, error=GGUFFormatError, **kw):
+    with pytest.raises(error, match=match):
+        Model(path, n_ctx=64, n_threads=1, **kw)
+
+
+# --- tensor types -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tname", ["F16", "Q8_0", "BF16"])
+def test_norm_weight_must_be_f32(bases, tmp_path, tname):
+    p = damaged(tmp_path, bases["llama"], retype("blk.0.attn_norm.weight", tname))
+    refused(p, r"blk\.0\.attn_norm\.weight.*1-D tensors must be F32")
+
+
+@pytest.mark.parametrize("tname", ["F64", "I8", "I16", "I32", "I64"])
+def test_matmul_weight_of_a_type_without_kernel(bases, tmp_path, tname):
+    p = damaged(tmp_path, bases["llama"], retype("blk.1.ffn_up.weight", tname))
+    refused(p, rf"blk\.1\.ffn_up\.weight.*type {tname.lower()}.*no matrix multiplication")
+
+
+@pytest.mark.parametrize("tname", ["I32", "F64", "I8"])
+@pytest.mark.parametrize("which", ["llama", "tied"])
+def test_token_embd_of_integer_or_f64_type(bases, tmp_path, which, tname):
+    p = damaged(tmp_path, bases[which], retype("token_embd.weight", tname))
+    refused(p, r"token_embd\.weight.*embedding table must be a float or quantized type")
+
+
+@pytest.mark.parametrize("tname", ["Q8_0", "Q4_0", "BF16", "F32"])
+def test_supported_weight_types_still_load(bases, tmp_path, tname):
+    # Controls: the type rules refuse only what the CPU cannot run.
+    p = damaged(tmp_path, bases["llama"], retype("blk.0.attn_q.weight", tname))
+    load_and_run(p)
+    p = damaged(tmp_path, bases["tied"], retype("token_embd.weight", tname), name="tied.gguf")
+    load_and_run(p)
+
+
+def test_river_tensor_types_are_checked(bases, tmp_path):
+    p = damaged(tmp_path, bases["river"], retype("river.blk.0.ffn_norm.weight", "F16"))
+    refused(p, r"river\.blk\.0\.ffn_norm\.weight.*1-D tensors must be F32")
+    p = damaged(tmp_path, bases["river"], retype("river.blk.1.attn_v.weight", "I16"))
+    refused(p, r"river\.blk\.1\.attn_v\.weight.*no matrix multiplication")
+    p = damaged(tmp_path, bases["river"], retype("river.token_embd.weight", "I32"))
+    refused(p, r"river\.token_embd\.weight")
+
+
+# --- hyperparameter values ----------------------------------------------------------------
+
+@pytest.mark.parametrize("vtype,value", [(U32, 7), (U32, 0), (I32, -2), (U32, 16), (U32, 2**32 - 2)])
+def test_rope_dimension_count_even_and_within_the_head(bases, tmp_path, vtype, value):
+    # odd or too large hit a rope assert; 0, negative and 2^32-2 looped forever in ggml's rope
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("llama.rope.dimension_count", vtype, value))
+    refused(p, r"llama\.rope\.dimension_count")
+
+
+def test_rope_dimension_count_below_the_head_size_loads(bases, tmp_path):
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("llama.rope.dimension_count", U32, 4))
+    load_and_run(p)
+
+
+@pytest.mark.parametrize("value", [-1e-5, math.nan, math.inf])
+def test_rms_epsilon_finite_and_not_negative(bases, tmp_path, value):
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("llama.attention.layer_norm_rms_epsilon", F32, value))
+    refused(p, r"layer_norm_rms_epsilon.*finite and >= 0")
+
+
+@pytest.mark.parametrize("value", [0.0, -10000.0, math.nan, -math.inf])
+def test_rope_freq_base_finite_and_positive(bases, tmp_path, value):
+    # these gave all-NaN logits: generate() returned '' with finish_reason='stop'
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("llama.rope.freq_base", F32, value))
+    refused(p, r"rope\.freq_base.*finite and > 0")
+
+
+@pytest.mark.parametrize("key", ["rope.scaling.factor", "rope.scale_linear"])
+@pytest.mark.parametrize("value", [0.0, -2.0, math.nan])
+def test_rope_scale_factors_finite_and_positive(bases, tmp_path, key, value):
+    def edit(g):
+        g.set("llama.rope.scaling.type", STRING, "linear")
+        g.set(f"llama.{key}", F32, value)
+    refused(damaged(tmp_path, bases["llama"], edit), rf"llama\.{key}.*finite and > 0")
+
+
+def test_array_element_type_checked_before_reading(bases, tmp_path):
+    # a string array here aborted inside gguf (its data was asked for before its type was checked)
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("llama.feed_forward_length", ARRAY, (STRING, [b"64", b"64"])))
+    refused(p, r"llama\.feed_forward_length.*array of str.*expected integers")
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("llama.attention.head_count", ARRAY, (F32, [4.0, 4.0])))
+    refused(p, r"llama\.attention\.head_count.*array of f32")
+
+
+def test_per_layer_integer_arrays_of_any_integer_type_load(bases, tmp_path):
+    from river_gguf.fuzz import U16
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("llama.feed_forward_length", ARRAY, (U16, [64, 64])))
+    load_and_run(p)
+
+
+@pytest.mark.parametrize("key,vtype,value", [
+    ("block_count", U64, 2**33 + 4),          # loaded as 4 layers before
+    ("embedding_length", U64, 2**32 + 32),
+    ("feed_forward_length", U64, 2**32 + 64),
+    ("attention.head_count", U64, 2**32 + 4),
+    ("context_length", U64, 2**63 + 5),
+    ("block_count", I32, -2),
+    ("attention.head_count_kv", U32, 0),
+])
+def test_integer_hyperparameters_fit_their_range(bases, tmp_path, key, vtype, value):
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set(f"llama.{key}", vtype, value))
+    refused(p, rf"llama\.{key}")
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_block_count_must_match_the_layers_present(bases, tmp_path, n):
+    # 1 silently ran one layer of two before
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("llama.block_count", U32, n))
+    refused(p, r"block_count is %d" % n if n > 2 else r"blk\.1\..*block_count is 1")
+
+
+def test_layer_tensors_beyond_block_count(bases, tmp_path):
+    def edit(g):
+        g.tensor("blk.1.attn_q.weight").name = "blk.9.attn_q.weight"
+    refused(damaged(tmp_path, bases["llama"], edit), r"blk\.9\.attn_q\.weight.*belongs to layer 9")
+
+
+# --- vocabulary ---------------------------------------------------------------------------
+
+def _edit_tokens(fn):
+    def edit(g):
+        toks = g.strings("tokenizer.ggml.tokens")
+        fn(toks)
+        g.set("tokenizer.ggml.tokens", ARRAY, (STRING, toks))
+    return edit
+
+
+def test_token_with_a_nul_byte(bases, tmp_path):
+    # aborted inside libllama's vocabulary loader
+    def nul(toks):
+        toks[300] = toks[300][:1] + b"\0" + toks[300][1:]
+    refused(damaged(tmp_path, bases["llama"], _edit_tokens(nul)), r"token 300 .*contains a NUL byte")
+
+
+def test_duplicate_tokens(bases, tmp_path):
+    def dup(toks):
+        toks[1000] = toks[999]
+    refused(damaged(tmp_path, bases["llama"], _edit_tokens(dup)), r"token 1000 .*repeats token 999")
+
+
+def test_token_list_of_wrong_type_or_length(bases, tmp_path):
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("tokenizer.ggml.tokens", ARRAY, (I32, [1, 2, 3])))
+    refused(p, r"tokenizer\.ggml\.tokens is not an array of strings")
+    p = damaged(tmp_path, bases["llama"], _edit_tokens(lambda toks: toks.pop()))
+    refused(p, r"tokenizer\.ggml\.tokens has 49151 tokens but token_embd\.weight has 49152 rows")
+
+
+@pytest.mark.parametrize("model", ["rwkv", "bert", "none"])
+def test_unsupported_tokenizer_model(bases, tmp_path, model):
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("tokenizer.ggml.model", STRING, model))
+    refused(p, rf"tokenizer '{model}' is not supported", error=river_gguf.UnsupportedModelError)
+
+
+# --- rivers ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tensor", ["river.blk.0.attn_q.weight", "river.blk.1.ffn_down.weight"])
+def test_river_gguf_missing_one_river_tensor(bases, tmp_path, tensor):
+    # without river.blk.0.attn_q.weight the file loaded as a plain model, ignoring its river
+    p = damaged(tmp_path, bases["river"], lambda g: g.remove_tensors(lambda n: n == tensor))
+    refused(p, rf"'{tensor}'")
+
+
+def test_river_gguf_as_the_river_of_another_file_is_refused(bases):
+    # it was accepted, and its F16 backbone ran as the "river"
+    with pytest.raises(river_gguf.RiverMismatchError, match=r"is a River GGUF .*river\.blk\..*plain GGUF"):
+        Model(bases["llama"], river=bases["river"], n_ctx=64, n_threads=1, threshold=0.9)
+
+
+def test_river_tensor_of_the_wrong_shape(bases, tmp_path):
+    def edit(g):
+        t = g.tensor("river.blk.0.ffn_up.weight")
+        t.dims = list(reversed(t.dims))
+    refused(damaged(tmp_path, bases["river"], edit), r"river\.blk\.0\.ffn_up\.weight.*has shape \[64, 32\], expected \[32, 64\]",
+            error=river_gguf.RiverMismatchError)
+
+
+def test_intact_river_gguf_loads_and_runs(bases):
+    m = load_and_run(bases["river"])
+    assert m.has_river
+    assert len(m.generate([1, 2, 3], max_tokens=2, mode="river-only").tokens) == 2
+
+
+# --- bytes ----------------------------------------------------------------------------------
+
+def test_tensor_data_past_the_end_of_the_file(bases, tmp_path):
+    with open(bases["llama"], "rb") as f:
+        data = f.read()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[:-4096])
+    refused(str(p), r"truncated: tensor '")
+
+
+@pytest.mark.parametrize("key,vtype,value,match", [
+    ("river.threshold", STRING, "high", r"river\.threshold.*expected a number"),
+    ("river.threshold", F64, math.inf, r"river\.threshold.*must be finite"),
+    ("river.min_exit_layer", F64, -math.inf, r"river\.min_exit_layer.*expected an integer"),
+    ("river.min_exit_layer", U32, 2, r"river\.min_exit_layer = 2 is invalid"),
+    ("river.tail", I32, -1, r"river\.tail = -1 is invalid"),
+    ("river.prefill", STRING, "sideways", r"river\.prefill = 'sideways' is invalid"),
+    ("river.prefill", U32, 1, r"river\.prefill' is not a string"),
+])
+def test_river_exit_defaults_are_checked(bases, tmp_path, key, vtype, value, match):
+    # these raised plain ValueError/OverflowError from Python's float()/int() before
+    refused(damaged(tmp_path, bases["river"], lambda g: g.set(key, vtype, value)), match)

@@ -136,3 +136,51 @@ def test_create_chat_completion_with_a_hostile_template(tmp_path):
     with pytest.raises(ValueError, match="(step|time) limit"):
         m.create_chat_completion(MSGS, max_tokens=2)
     assert time.monotonic() - t0 < 10
+
+
+RICH_TEMPLATE = """
+{%- macro show(m, depth) -%}[{{ depth }}:{{ m.role }}]{% endmacro -%}
+{%- set ns = namespace(n=0, seen='') -%}
+{%- for m in messages -%}
+  {%- set ns.n = ns.n + 1 -%}{%- set ns.seen = ns.seen ~ m.role[0] -%}
+  {{ show(m, loop.index0) }}{{ m['content'] | trim | replace('x', 'y') }}{% if not loop.last %}|{% endif %}
+  {%- if loop.first %}({{ loop.length }} msgs, next {{ loop.nextitem.role }}){% endif -%}
+{%- endfor -%}
+{%- for k, v in {'a': 1, 'b': [1, 2]}.items() recursive %}{{ k }}={{ v | tojson }};{% endfor -%}
+{%- for i in range(3) | reverse %}{{ i }}{% else %}none{% endfor -%}
+{{ ns.n }}{{ ns.seen }}{{ '%s-%d' % ('z', 7) }}{{ '{}/{}'.format(1, 2) }}{{ [1, 2] + [3] }}{{ 7 // 2 }}{{ 'ab' ~ 'cd' }}
+{%- if tools %}{{ tools | tojson(indent=2) }}{% endif -%}
+{%- if add_generation_prompt %}<gen>{% endif %}"""
+
+
+def _plain_render(template, msgs, **kw):
+    """The same environment without the limits (what format_chat rendered before)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[chat._GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = chat._tojson
+    env.globals["raise_exception"] = chat._raise_exception
+    env.globals["strftime_now"] = chat._strftime_now
+    v = dict(tools=None, messages=msgs, bos_token="<s>", eos_token="</s>", add_generation_prompt=True)
+    v.update(kw)
+    return env.from_string(template).render(**v)
+
+
+def test_limits_change_no_output_of_real_templates():
+    import gguf
+
+    from river_gguf.default_model import default_model_path
+
+    f = gguf.GGUFReader(default_model_path()).fields["tokenizer.chat_template"]
+    smol = bytes(f.parts[f.data[0]]).decode("utf-8")
+    msgs = [{"role": "system", "content": " s x "}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more x"}]
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
+    for template in (smol, RICH_TEMPLATE, chat.CHATML_TEMPLATE):
+        for kw in ({}, {"tools": tools}):
+            ours = format_chat(template, msgs, "<s>", "</s>", **kw)
+            assert ours == _plain_render(template, msgs, **kw)
+    assert "[0:system]s y|(4 msgs, next user)" in format_chat(RICH_TEMPLATE, msgs)

@@ -407,6 +407,17 @@ def test_output_checks_in_the_cli(tiny, tmp_path, capsys):
     assert _files(tmp_path / "d") == set()
 
 
+def test_output_checked_before_the_default_backbone_is_made(tmp_path, capsys, monkeypatch):
+    from river_gguf import cli
+
+    def fail(kind):
+        raise AssertionError("the default backbone was made before the output was checked")
+
+    monkeypatch.setattr(default_model, "derived_model", fail)
+    rc = cli.main(["convert", "-o", str(tmp_path), "-q"])  # no BACKBONE: the default model's F16
+    assert rc == 2 and "is a folder" in capsys.readouterr().err
+
+
 def _readonly_run(fn) -> tuple:
     """Run ``fn()`` where the file system's permission bits apply: in this process, or, as root
     (who may write anywhere), in a forked child that drops to the nobody user. Returns

@@ -667,8 +667,15 @@ def _run(args: argparse.Namespace) -> int:
     native = _errors()
     if args.backbone is None:
         from .default_model import default_river_path, derived_model
+        from .gguf_io import check_output_path
 
-        args.backbone = derived_model("f16")
+        try:
+            if args.output is not None:
+                check_output_path(args.output)  # before the default F16 is made (once, into the cache)
+            args.backbone = derived_model("f16")
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if args.output is None:
             args.output = default_river_path(args.river_type)
     elif args.output is None:

@@ -323,7 +323,8 @@ def default_river_gguf(model: str = DEFAULT_MODEL, rebuild: bool = False, n_thre
         build_river_gguf(model_zoo.derived(model, "f16", progress=progress), path, progress=progress,
                          n_threads=n_threads)
     elif PRESET_KEY not in _metadata(path, (PRESET_KEY,)):
-        # An interrupted build: the file is written before its presets are measured.
+        # A file from before build_river_gguf stored presets in the staged file (its output is
+        # now complete or absent).
         from .convert import calibrate_presets_file
 
         calibrate_presets_file(path, n_threads=n_threads, progress=progress)

@@ -157,9 +157,14 @@ class Model:
         self._n_gpu_layers = n_gpu_layers
         self._lock = threading.RLock()
         self._epoch = 0  # bumped whenever a call clears the KV cache; a stream keeps the value it made
-        self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
-                                     use_mmap=self._use_mmap)
-        self._vocab = native.Vocab(model_path)
+        from .gguf_io import deferred_interrupts
+
+        # libllama logs through llama-cpp-python's ctypes callback, which drops a KeyboardInterrupt
+        # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
+        with deferred_interrupts():
+            self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
+                                         use_mmap=self._use_mmap)
+            self._vocab = native.Vocab(model_path)
         self.hparams = self._engine.hparams
         self.metadata = self._engine.metadata
         if self._vocab.n_tokens != self.n_vocab:
@@ -396,8 +401,11 @@ class Model:
         toks = self._check_tokens(tokens)
         if not toks:
             raise ValueError("no tokens to profile")
-        engine = native.Engine(self.model_path, "", len(toks), self.n_threads, min(self._n_batch, len(toks)),
-                               self._n_gpu_layers, use_mmap=self._use_mmap)
+        from .gguf_io import deferred_interrupts
+
+        with deferred_interrupts():
+            engine = native.Engine(self.model_path, "", len(toks), self.n_threads, min(self._n_batch, len(toks)),
+                                   self._n_gpu_layers, use_mmap=self._use_mmap)
         try:
             return self._trace_on(engine, toks, ExitOptions(mode="backbone"))
         finally:

@@ -27,6 +27,8 @@ py::dict metadata(const GgufFile& f) {
             case GGUF_TYPE_FLOAT32: d[key] = gguf_get_val_f32(g, i); break;
             case GGUF_TYPE_FLOAT64: d[key] = gguf_get_val_f64(g, i); break;
             case GGUF_TYPE_BOOL: d[key] = gguf_get_val_bool(g, i); break;
+            // Exact: get_int refuses values past INT64_MAX, which only hyperparameters must fit.
+            case GGUF_TYPE_UINT64: d[key] = py::int_(gguf_get_val_u64(g, i)); break;
             case GGUF_TYPE_ARRAY: break;  // vocab-sized arrays; read them with the gguf package if needed
             default: d[key] = f.get_int(key, 0); break;
         }

@@ -261,3 +261,18 @@ def test_tensor_data_past_the_end_of_the_file(bases, tmp_path):
 def test_river_exit_defaults_are_checked(bases, tmp_path, key, vtype, value, match):
     # these raised plain ValueError/OverflowError from Python's float()/int() before
     refused(damaged(tmp_path, bases["river"], lambda g: g.set(key, vtype, value)), match)
+
+
+def test_unrelated_64_bit_keys_keep_their_values(bases, tmp_path):
+    # Only hyperparameters must fit an int64; other keys load as they are.
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("general.checksum", U64, 2**64 - 1))
+    assert load_and_run(p).metadata["general.checksum"] == 2**64 - 1
+
+
+def test_text_that_is_not_utf8(bases, tmp_path):
+    # reached Python as UnicodeDecodeError (metadata, messages) before
+    p = damaged(tmp_path, bases["llama"], lambda g: g.set("general.name", STRING, b"tiny \xff\xfe"))
+    refused(p, r"the value of general\.name is not UTF-8 text")
+    def rename(g):
+        g.tensor("blk.0.ffn_up.weight").name = "blk.0.ffn_up.weight\udcff"  # the byte 0xff
+    refused(damaged(tmp_path, bases["llama"], rename), r"the name of tensor \d+ is not UTF-8 text")

@@ -125,7 +125,7 @@ class Gguf:
             (t,) = struct.unpack_from("<I", buf, pos)
             pos += 4
             end = skip_value(t, pos)
-            kvs.append([key.decode(), t, bytes(buf[pos:end])])
+            kvs.append([key.decode("utf-8", "surrogateescape"), t, bytes(buf[pos:end])])
             if t != ARRAY:
                 spans.append((start, end))
             if key == b"general.alignment" and t == U32:
@@ -140,7 +140,7 @@ class Gguf:
             pos += 4 + 8 * nd
             ttype, offset = struct.unpack_from("<IQ", buf, pos)
             pos += 12
-            tensors.append(Tensor(name.decode(), dims, ttype, offset))
+            tensors.append(Tensor(name.decode("utf-8", "surrogateescape"), dims, ttype, offset))
         data_start = (pos + alignment - 1) // alignment * alignment
         g = cls(version, kvs, tensors, alignment, bytes(buf[data_start:]))
         g.spans = spans + [(infos_start, pos)]
@@ -153,9 +153,9 @@ class Gguf:
     def header(self) -> bytes:
         parts = [b"GGUF", struct.pack("<IQQ", self.version, len(self.tensors), len(self.kvs))]
         for key, t, raw in self.kvs:
-            parts += [_pack_str(key.encode()), struct.pack("<I", t), raw]
+            parts += [_pack_str(key.encode("utf-8", "surrogateescape")), struct.pack("<I", t), raw]
         for t in self.tensors:
-            parts += [_pack_str(t.name.encode()), struct.pack("<I", len(t.dims)),
+            parts += [_pack_str(t.name.encode("utf-8", "surrogateescape")), struct.pack("<I", len(t.dims)),
                       struct.pack(f"<{len(t.dims)}Q", *t.dims), struct.pack("<IQ", t.ttype, t.offset)]
         head = b"".join(parts)
         return head + b"\0" * (-len(head) % self.alignment)
@@ -324,7 +324,8 @@ _TYPE_POOL = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64", "Q4_0", "Q
               "Q2_K", "Q4_K", "Q6_K", "Q8_K", "IQ4_NL", "IQ2_XXS", "TQ1_0", "MXFP4")
 INT_VALUES = (0, 1, 2, 3, 4, 6, 7, 8, 9, 16, 64, -1, -2, 2**31 - 1, 2**32 - 2, 2**33 + 4, 2**63 - 1, -2**63)
 FLOAT_VALUES = (0.0, -0.0, -1.0, 1e-30, 0.5, 1.0, 1e30, math.nan, math.inf, -math.inf, -1e-5)
-STRING_VALUES = ("", "abc", "llama", "qwen2", "none", "linear", "yarn", "llama3", "gpt2", "\u00e9t\u00e9")
+STRING_VALUES = ("", "abc", "llama", "qwen2", "none", "linear", "yarn", "llama3", "gpt2", "\u00e9t\u00e9",
+                 b"\xff\xfe not UTF-8")
 
 
 def _type_id(name: str) -> int:
@@ -346,6 +347,7 @@ def make_case(seed: int, index: int, bases: Bases) -> Case:
     kind = rng.choices([k for k, _ in KINDS], weights=[w for _, w in KINDS])[0]
     make = globals()[f"_case_{kind}"]
     case = make(rng, index, bases)
+    case.desc = case.desc.encode("utf-8", "backslashreplace").decode()  # printable (names may hold lone surrogates)
     # A fifth of the plain llama cases load the damaged file as an intact backbone's river.
     if case.base == "llama" and not case.as_river and case.river_base is None and kind != "river" and rng.random() < 0.2:
         case.as_river = True
@@ -620,7 +622,7 @@ def _case_tensor_layout(rng, index, bases):
             ht.name = new
         return Case(index, "tensor_layout", base, f"{base}: rename {t.name} -> {new}", new != t.name, edit(fn))
     if op == "rename":
-        new = t.name + rng.choice(("x", ".bak", "\u00e9"))
+        new = t.name + rng.choice(("x", ".bak", "\u00e9", "\udcff"))  # the last: the byte 0xff
 
         def fn(h, ht):
             ht.name = new

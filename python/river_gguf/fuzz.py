@@ -1006,6 +1006,18 @@ class _Worker:
         self.log.close()
 
 
+def prepare_bases(bases_dir: str) -> Dict[str, str]:
+    """The base models in `bases_dir` (with a bases.json listing), built unless already there."""
+    listing = os.path.join(bases_dir, "bases.json")
+    if os.path.isfile(listing):  # a kept workdir: its bases are reused
+        with open(listing) as f:
+            return json.load(f)
+    paths = build_bases(bases_dir)
+    with open(listing, "w") as f:
+        json.dump(paths, f)
+    return paths
+
+
 def run_fuzz(n_cases: int, seed: int = 0, workdir: Optional[str] = None, timeout: float = 30.0,
              progress: Optional[Callable[[Result], None]] = None, start_timeout: float = 180.0) -> Report:
     """Generate and run cases 0..n_cases-1 of `seed`; see the module docstring."""
@@ -1014,15 +1026,7 @@ def run_fuzz(n_cases: int, seed: int = 0, workdir: Optional[str] = None, timeout
     t0 = time.perf_counter()
     try:
         bases_dir = os.path.join(workdir, "bases")
-        listing = os.path.join(bases_dir, "bases.json")
-        if os.path.isfile(listing):  # a kept workdir: its bases are reused
-            with open(listing) as f:
-                paths = json.load(f)
-        else:
-            paths = build_bases(bases_dir)
-            with open(listing, "w") as f:
-                json.dump(paths, f)
-        bases = Bases(paths)
+        bases = Bases(prepare_bases(bases_dir))
         scratch = os.path.join(workdir, "scratch")
         os.makedirs(scratch, exist_ok=True)
         results: List[Result] = []
@@ -1078,7 +1082,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0, help="seconds one case may take before it counts as a hang")
     p.add_argument("--workdir", help="keep the bases, scratch files and worker logs here")
-    p.add_argument("--show", type=int, metavar="INDEX", help="print case INDEX's description and exit")
+    p.add_argument("--write", nargs=2, metavar=("INDEX", "PATH"),
+                   help="write case INDEX's file to PATH, print how it is loaded, and exit (to reproduce a failure)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every case's outcome")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bases", help=argparse.SUPPRESS)
@@ -1090,6 +1095,18 @@ def main(argv=None) -> int:
     def show(r: Result):
         if args.verbose or r.failed:
             print(f"case {r.index} [{r.outcome}] {r.desc} {r.detail}"[:400], flush=True)
+
+    if args.write:
+        workdir = args.workdir or tempfile.mkdtemp(prefix="river-fuzz-")
+        bases = Bases(prepare_bases(os.path.join(workdir, "bases")))
+        case = make_case(args.seed, int(args.write[0]), bases)
+        with open(args.write[1], "wb") as f:
+            f.write(case.build())
+        how = (f"Model({bases.paths['llama']!r}, river={args.write[1]!r}, threshold=0.9)" if case.as_river else
+               f"Model({args.write[1]!r}" + (f", river={bases.paths[case.river_base]!r}, threshold=0.9)"
+                                              if case.river_base else ")"))
+        print(f"case {case.index} ({case.kind}): {case.desc}\nexpect an error: {case.expect_error}\nload: {how}")
+        return 0
 
     report = run_fuzz(args.cases, args.seed, args.workdir, args.timeout, progress=show)
     print(report.summary())

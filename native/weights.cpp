@@ -138,9 +138,16 @@ void check_device_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft
 BackboneWeights load_backbone(const GgufFile& f, const HParams& hp) {
     // A River GGUF holds its whole river or none of it: a partial one would load as a plain
     // model and silently drop the rest. (A complete one is loaded by load_river.)
-    if (const std::string some = any_river_tensor(f); !some.empty() && !f.tensor("river.blk.0.attn_q.weight")) {
+    const std::string some = any_river_tensor(f);
+    if (!some.empty() && !f.tensor("river.blk.0.attn_q.weight")) {
         throw GgufFormatError("'" + f.path() + "' holds river tensors (e.g. '" + some +
                               "') but not all of them: it has no tensor 'river.blk.0.attn_q.weight'");
+    }
+    // A river index that yields no tensors (e.g. under a format version that has no index)
+    // would otherwise leave the file a plain model without a word.
+    if (some.empty() && f.has_key("river.tensor_names")) {
+        throw GgufFormatError("'" + f.path() + "' has a river index (river.tensor_names) but no river tensors were read "
+                              "from it (river.format_version = " + std::to_string(f.get_int("river.format_version", 2)) + ")");
     }
     BackboneWeights w;
     const bool tied = !f.tensor("output.weight");

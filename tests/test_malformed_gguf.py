@@ -22,7 +22,14 @@ def bases(tmp_path_factory):
     tied = write_tiny_model(d / "tied.gguf", "qwen2", tied=True, seed=5, **TINY)
     river = str(d / "llama.river.gguf")
     _build_river(llama, river)
-    return {"llama": llama, "tied": tied, "river": river}
+    # The same River GGUF in format 1 (river tensors in the GGUF index), which is still read.
+    river1 = d / "llama.river1.gguf"
+    with open(river, "rb") as f:
+        river1.write_bytes(Gguf.parse(f.read()).to_format1().to_bytes())
+    return {"llama": llama, "tied": tied, "river": river, "river1": str(river1)}
+
+
+rivers = pytest.mark.parametrize("river", ["river", "river1"])
 
 
 def damaged(tmp_path, base: str, edit, name="bad.gguf") -> str:
@@ -30,6 +37,8 @@ def damaged(tmp_path, base: str, edit, name="bad.gguf") -> str:
     with open(base, "rb") as f:
         g = Gguf.parse(f.read())
     edit(g)
+    if g.river is not None:  # a River GGUF of format 2: its river's tensors are listed in metadata
+        g.sync_river_index()
     out = tmp_path / name
     out.write_bytes(g.to_bytes())
     return str(out)
@@ -88,12 +97,13 @@ def test_supported_weight_types_still_load(bases, tmp_path, tname):
     load_and_run(p)
 
 
-def test_river_tensor_types_are_checked(bases, tmp_path):
-    p = damaged(tmp_path, bases["river"], retype("river.blk.0.ffn_norm.weight", "F16"))
+@rivers
+def test_river_tensor_types_are_checked(bases, tmp_path, river):
+    p = damaged(tmp_path, bases[river], retype("river.blk.0.ffn_norm.weight", "F16"))
     refused(p, r"river\.blk\.0\.ffn_norm\.weight.*1-D tensors must be F32")
-    p = damaged(tmp_path, bases["river"], retype("river.blk.1.attn_v.weight", "I16"))
+    p = damaged(tmp_path, bases[river], retype("river.blk.1.attn_v.weight", "I16"))
     refused(p, r"river\.blk\.1\.attn_v\.weight.*no matrix multiplication")
-    p = damaged(tmp_path, bases["river"], retype("river.token_embd.weight", "I32"))
+    p = damaged(tmp_path, bases[river], retype("river.token_embd.weight", "I32"))
     refused(p, r"river\.token_embd\.weight")
 
 
@@ -212,29 +222,33 @@ def test_unsupported_tokenizer_model(bases, tmp_path, model):
 
 # --- rivers ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tensor", ["river.blk.0.attn_q.weight", "river.blk.1.ffn_down.weight"])
-def test_river_gguf_missing_one_river_tensor(bases, tmp_path, tensor):
+@rivers
+@pytest.mark.parametrize("tensor", ["river.blk.0.attn_q.weight", "river.blk.1.ffn_down.weight", "river.token_embd.weight"])
+def test_river_gguf_missing_one_river_tensor(bases, tmp_path, tensor, river):
     # without river.blk.0.attn_q.weight the file loaded as a plain model, ignoring its river
-    p = damaged(tmp_path, bases["river"], lambda g: g.remove_tensors(lambda n: n == tensor))
+    p = damaged(tmp_path, bases[river], lambda g: g.remove_tensors(lambda n: n == tensor))
     refused(p, rf"'{tensor}'")
 
 
-def test_river_gguf_as_the_river_of_another_file_is_refused(bases):
+@rivers
+def test_river_gguf_as_the_river_of_another_file_is_refused(bases, river):
     # it was accepted, and its F16 backbone ran as the "river"
     with pytest.raises(river_gguf.RiverMismatchError, match=r"is a River GGUF .*river\.blk\..*plain GGUF"):
-        Model(bases["llama"], river=bases["river"], n_ctx=64, n_threads=1, threshold=0.9)
+        Model(bases["llama"], river=bases[river], n_ctx=64, n_threads=1, threshold=0.9)
 
 
-def test_river_tensor_of_the_wrong_shape(bases, tmp_path):
+@rivers
+def test_river_tensor_of_the_wrong_shape(bases, tmp_path, river):
     def edit(g):
         t = g.tensor("river.blk.0.ffn_up.weight")
-        t.dims = list(reversed(t.dims))
-    refused(damaged(tmp_path, bases["river"], edit), r"river\.blk\.0\.ffn_up\.weight.*has shape \[64, 32\], expected \[32, 64\]",
+        t.dims = [t.dims[1], t.dims[0]] + t.dims[2:]
+    refused(damaged(tmp_path, bases[river], edit), r"river\.blk\.0\.ffn_up\.weight.*has shape \[64, 32\], expected \[32, 64\]",
             error=river_gguf.RiverMismatchError)
 
 
-def test_intact_river_gguf_loads_and_runs(bases):
-    m = load_and_run(bases["river"])
+@rivers
+def test_intact_river_gguf_loads_and_runs(bases, river):
+    m = load_and_run(bases[river])
     assert m.has_river
     assert len(m.generate([1, 2, 3], max_tokens=2, mode="river-only").tokens) == 2
 
@@ -276,3 +290,14 @@ def test_text_that_is_not_utf8(bases, tmp_path):
     def rename(g):
         g.tensor("blk.0.ffn_up.weight").name = "blk.0.ffn_up.weight\udcff"  # the byte 0xff
     refused(damaged(tmp_path, bases["llama"], rename), r"the name of tensor \d+ is not UTF-8 text")
+
+
+def test_river_index_under_a_format_without_one(bases, tmp_path):
+    # A format-2 river index read as format 1 would leave a plain model without a word.
+    with open(bases["river"], "rb") as f:
+        g = Gguf.parse(f.read())
+    p = damaged(tmp_path, bases["river"], lambda g: g.set("river.format_version", U32, 1))
+    if g.river is not None:  # the converter writes format 2
+        refused(p, r"has a river index \(river\.tensor_names\) but no river tensors were read .*format_version = 1")
+    else:
+        assert load_and_run(p).has_river

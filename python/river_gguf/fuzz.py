@@ -84,12 +84,24 @@ class Tensor:
     offset: int       # into the data section
 
 
+RIVER_INDEX_KEYS = ("river.tensor_names", "river.tensor_types", "river.tensor_shapes", "river.tensor_offsets",
+                    "river.data_size")
+
+
 class Gguf:
-    """A GGUF file as a list of raw key-values, tensor descriptions and one data blob."""
+    """A GGUF file as a list of raw key-values, tensor descriptions and its data.
+
+    A River GGUF of format 2 (python/river_gguf/river_format.py) keeps its river's tensors out of
+    the GGUF index, after the backbone's data, listed in river.tensor_* arrays: those are parsed
+    into `river` (offsets from the start of `river_data`), and `tensor()`, `relayout()` and
+    `remove_tensors()` treat both kinds alike; `sync_river_index()` writes the arrays back."""
 
     def __init__(self, version: int, kvs: List[list], tensors: List[Tensor], alignment: int, data: bytes):
         self.version, self.kvs, self.tensors, self.alignment, self.data = version, kvs, tensors, alignment, data
         self.spans: List[Tuple[int, int]] = []  # set by parse(): where scalar keys and tensor infos lie
+        self.river: Optional[List[Tensor]] = None  # format 2: the river's tensors
+        self.river_data = b""
+        self.trailer = b""  # bytes after the river's data (padding)
 
     @classmethod
     def parse(cls, buf: bytes) -> "Gguf":
@@ -144,11 +156,33 @@ class Gguf:
         data_start = (pos + alignment - 1) // alignment * alignment
         g = cls(version, kvs, tensors, alignment, bytes(buf[data_start:]))
         g.spans = spans + [(infos_start, pos)]
+        if g.kv("river.tensor_names") is not None:
+            g._split_river()
         return g
 
+    def _split_river(self) -> None:
+        names = [n.decode("utf-8", "surrogateescape") for n in self.strings("river.tensor_names")]
+        types = self.ints("river.tensor_types")
+        shapes = self.ints("river.tensor_shapes")
+        offsets = self.ints("river.tensor_offsets")
+        size = self.scalar("river.data_size")
+        self.river = [Tensor(n, list(shapes[4 * i:4 * i + 4]), types[i], offsets[i]) for i, n in enumerate(names)]
+        start = self._backbone_end()
+        self.river_data = self.data[start:start + size]
+        self.trailer = self.data[start + size:]
+        self.data = self.data[:start]
+
+    def _backbone_end(self) -> int:
+        end = max((t.offset + tensor_nbytes(t.ttype, t.dims) for t in self.tensors), default=0)
+        return end + (-end % self.alignment)
+
     def clone(self) -> "Gguf":
-        return Gguf(self.version, [list(kv) for kv in self.kvs], [dataclasses.replace(t) for t in self.tensors],
-                    self.alignment, self.data)
+        g = Gguf(self.version, [list(kv) for kv in self.kvs], [dataclasses.replace(t) for t in self.tensors],
+                 self.alignment, self.data)
+        if self.river is not None:
+            g.river = [dataclasses.replace(t) for t in self.river]
+        g.river_data, g.trailer = self.river_data, self.trailer
+        return g
 
     def header(self) -> bytes:
         parts = [b"GGUF", struct.pack("<IQQ", self.version, len(self.tensors), len(self.kvs))]
@@ -161,7 +195,10 @@ class Gguf:
         return head + b"\0" * (-len(head) % self.alignment)
 
     def to_bytes(self) -> bytes:
-        return self.header() + self.data
+        if self.river is None:
+            return self.header() + self.data
+        pad = b"\0" * (-len(self.data) % self.alignment)
+        return self.header() + self.data + pad + self.river_data + self.trailer
 
     # --- keys ---
     def kv(self, key: str) -> Optional[list]:
@@ -196,31 +233,91 @@ class Gguf:
             p += 8 + ln
         return out
 
-    # --- tensors ---
+    def ints(self, key: str) -> List[int]:
+        """The items of an integer array key."""
+        _, t, raw = self.kv(key)
+        et, n = struct.unpack_from("<IQ", raw, 0)
+        assert t == ARRAY and et in INT_TYPES
+        return list(struct.unpack_from("<%d%s" % (n, _SCALAR_FMT[et][1]), raw, 12))
+
+    # --- tensors (the GGUF index's, then a format-2 river's) ---
+    def all_tensors(self) -> List[Tensor]:
+        return self.tensors + (self.river or [])
+
     def tensor(self, name: str) -> Optional[Tensor]:
-        return next((t for t in self.tensors if t.name == name), None)
+        return next((t for t in self.all_tensors() if t.name == name), None)
+
+    def is_indexed_river(self, t: Tensor) -> bool:
+        return self.river is not None and any(r is t for r in self.river)
 
     def tensor_bytes(self, t: Tensor) -> bytes:
-        return self.data[t.offset:t.offset + tensor_nbytes(t.ttype, t.dims)]
+        data = self.river_data if self.is_indexed_river(t) else self.data
+        return data[t.offset:t.offset + tensor_nbytes(t.ttype, t.dims)]
 
     def relayout(self, blobs: Dict[str, bytes]) -> None:
-        """Rewrite the data section with `blobs` replacing those tensors' bytes."""
-        parts, off = [], 0
-        for t in self.tensors:
-            b = blobs[t.name] if t.name in blobs else self.tensor_bytes(t)
-            t.offset = off
-            parts += [b, b"\0" * (-len(b) % self.alignment)]
-            off += len(b) + (-len(b) % self.alignment)
-        self.data = b"".join(parts)
+        """Rewrite the data with `blobs` replacing those tensors' bytes (and the river index)."""
+        def lay(tensors):
+            parts, off = [], 0
+            for t in tensors:
+                b = blobs[t.name] if t.name in blobs else self.tensor_bytes(t)
+                t.offset = off
+                parts += [b, b"\0" * (-len(b) % self.alignment)]
+                off += len(b) + (-len(b) % self.alignment)
+            return b"".join(parts)
+
+        data = lay(self.tensors)
+        if self.river is not None:
+            self.river_data = lay(self.river)
+            self.trailer = b""
+            self.sync_river_index()
+        self.data = data
 
     def remove_tensors(self, which: Callable[[str], bool]) -> None:
         self.tensors = [t for t in self.tensors if not which(t.name)]
+        if self.river is not None:
+            self.river = [t for t in self.river if not which(t.name)]
         self.relayout({})
+
+    def sync_river_index(self) -> None:
+        """Write `river` into the river.tensor_* arrays (format 2)."""
+        self.set("river.tensor_names", ARRAY, (STRING, [t.name.encode("utf-8", "surrogateescape") for t in self.river]))
+        self.set("river.tensor_types", ARRAY, (U32, [t.ttype for t in self.river]))
+        self.set("river.tensor_shapes", ARRAY, (U64, [d for t in self.river for d in (t.dims + [1] * 4)[:4]]))
+        self.set("river.tensor_offsets", ARRAY, (U64, [t.offset for t in self.river]))
+        self.set("river.data_size", U64, len(self.river_data))
+
+    def to_format1(self) -> "Gguf":
+        """A copy in River format 1: the river's tensors listed in the GGUF index, no river index."""
+        g = self.clone()
+        if g.river is None:
+            return g
+        base = len(g.data) + (-len(g.data) % g.alignment)
+        g.data += b"\0" * (base - len(g.data)) + g.river_data
+        g.tensors += [dataclasses.replace(t, dims=_trim_dims(t.dims), offset=base + t.offset) for t in g.river]
+        g.river, g.river_data, g.trailer = None, b"", b""
+        for key in RIVER_INDEX_KEYS:
+            g.delete(key)
+        g.set("river.format_version", U32, 1)
+        return g
+
+    def river_tensors(self) -> List[Tensor]:
+        """The river's tensors, in either format."""
+        return self.river if self.river is not None else [t for t in self.tensors if t.name.startswith("river.")]
 
     def data_end(self) -> int:
         """Where the last byte of tensor data lies in the file, plus one."""
         head = len(self.header())
+        if self.river is not None:
+            return head + len(self.data) + (-len(self.data) % self.alignment) + len(self.river_data)
         return head + max((t.offset + tensor_nbytes(t.ttype, t.dims) for t in self.tensors), default=0)
+
+
+def _trim_dims(dims: List[int]) -> List[int]:
+    """Dimensions without trailing 1s (at least one), as a GGUF tensor description lists them."""
+    out = list(dims)
+    while len(out) > 1 and out[-1] == 1:
+        out.pop()
+    return out
 
 
 def _unpack_str(raw: bytes) -> bytes:
@@ -251,7 +348,7 @@ def tensor_nbytes(ttype: int, dims: List[int]) -> int:
 # Small enough that a case is written and loaded in milliseconds; n_embd and n_ff are
 # multiples of 32 so the 32-element block quants (Q4_0, Q8_0, ...) are valid weight types.
 TINY = dict(n_layer=2, n_embd=32, n_head=4, n_head_kv=2, n_ff=64, dtype="f16")
-BASE_NAMES = ("llama", "qwen2", "qwen3", "river")
+BASE_NAMES = ("llama", "qwen2", "qwen3", "river", "river1")
 
 
 def build_bases(folder: str) -> Dict[str, str]:
@@ -264,6 +361,12 @@ def build_bases(folder: str) -> Dict[str, str]:
         paths[arch] = write_tiny_model(os.path.join(folder, f"{arch}.gguf"), arch, tied=tied, seed=3, **TINY)
     paths["river"] = os.path.join(folder, "llama.river.gguf")
     _build_river(paths["llama"], paths["river"])
+    # The same River GGUF in format 1 (river tensors in the GGUF index), which is still read.
+    paths["river1"] = os.path.join(folder, "llama.river1.gguf")
+    with open(paths["river"], "rb") as f:
+        g = Gguf.parse(f.read())
+    with open(paths["river1"], "wb") as f:
+        f.write(g.to_format1().to_bytes())
     return paths
 
 
@@ -359,7 +462,7 @@ def make_case(seed: int, index: int, bases: Bases) -> Case:
 
 
 def _plain_base(rng) -> str:
-    return rng.choice(("llama", "llama", "qwen2", "qwen3", "river"))
+    return rng.choice(("llama", "llama", "qwen2", "qwen3", "river", "river", "river1"))
 
 
 def _case_truncate(rng, index, bases):
@@ -513,7 +616,7 @@ def _case_hparam(rng, index, bases):
     base = _plain_base(rng)
     g = bases.files[base]
     arch = bases.arch(base)
-    key = rng.choice(_hparam_keys(g, arch, base == "river"))
+    key = rng.choice(_hparam_keys(g, arch, base.startswith("river")))
     orig = g.scalar(key)
     if rng.random() < 0.08:
         def build():
@@ -563,7 +666,7 @@ def _encode(values: np.ndarray, tname: str, rng: np.random.Generator) -> bytes:
 
 
 def _tensor_use(g: Gguf, t: Tensor) -> str:
-    if len(t.dims) == 1:
+    if all(d == 1 for d in t.dims[1:]):
         return "vector"
     if t.name.endswith("token_embd.weight"):
         prefix = t.name[: -len("token_embd.weight")]
@@ -574,7 +677,7 @@ def _tensor_use(g: Gguf, t: Tensor) -> str:
 def _case_tensor_type(rng, index, bases):
     base = _plain_base(rng)
     g = bases.files[base]
-    t = rng.choice(g.tensors)
+    t = rng.choice(g.all_tensors())
     tname = rng.choice(_TYPE_POOL)
     blck, _ = QUANT_SIZES[_type_id(tname)]
     use = _tensor_use(g, t)
@@ -596,43 +699,39 @@ def _case_tensor_type(rng, index, bases):
 def _case_tensor_layout(rng, index, bases):
     base = _plain_base(rng)
     g = bases.files[base]
-    t = rng.choice(g.tensors)
-    op = rng.choice(("remove", "rename_layer", "rename", "swap_dims", "extra_dim", "double_dim", "duplicate",
-                     "misalign", "offset_past_end"))
+    t = rng.choice(g.all_tensors())
+    indexed = g.is_indexed_river(t)  # listed in a format-2 river index: always 4 dims there
+    ops = ["remove", "rename_layer", "rename", "swap_dims", "double_dim", "duplicate", "misalign", "offset_past_end"]
+    op = rng.choice(ops if indexed else ops + ["extra_dim"])
     # Without output.weight the head is tied to token_embd; the rest must be there.
     required = t.name not in ("output.weight", "river.output.weight")
+    where = " (river index)" if indexed else ""
 
     def edit(fn):
         def build():
             h = g.clone()
             fn(h, h.tensor(t.name))
+            if h.river is not None:
+                h.sync_river_index()
             return h.to_bytes()
         return build
 
+    def case(desc, expect, fn):
+        return Case(index, "tensor_layout", base, f"{base}: {desc}{where}", expect, edit(fn))
+
     if op == "remove":
-        def fn(h, ht):
-            h.tensors.remove(ht)
-            h.relayout({})
-        return Case(index, "tensor_layout", base, f"{base}: remove {t.name}", required, edit(fn))
+        return case(f"remove {t.name}", required, lambda h, ht: h.remove_tensors(lambda name: name == t.name))
     if op == "rename_layer":
         n = rng.choice((2, 3, 7, 1000, 99999999999))
         new = t.name.replace("blk.0.", f"blk.{n}.").replace("blk.1.", f"blk.{n}.")
-
-        def fn(h, ht):
-            ht.name = new
-        return Case(index, "tensor_layout", base, f"{base}: rename {t.name} -> {new}", new != t.name, edit(fn))
+        return case(f"rename {t.name} -> {new}", new != t.name, lambda h, ht: setattr(ht, "name", new))
     if op == "rename":
         new = t.name + rng.choice(("x", ".bak", "\u00e9", "\udcff"))  # the last: the byte 0xff
-
-        def fn(h, ht):
-            ht.name = new
-        return Case(index, "tensor_layout", base, f"{base}: rename {t.name} -> {new}", required, edit(fn))
+        return case(f"rename {t.name} -> {new}", required, lambda h, ht: setattr(ht, "name", new))
     if op == "swap_dims":
-        def fn(h, ht):
-            ht.dims = list(reversed(ht.dims))
-        square = len(set(t.dims)) == 1
-        return Case(index, "tensor_layout", base, f"{base}: reverse the dims of {t.name} {t.dims}", not square,
-                    edit(fn))
+        same = list(reversed(t.dims)) == t.dims
+        return case(f"reverse the dims of {t.name} {t.dims}", not same,
+                    lambda h, ht: setattr(ht, "dims", list(reversed(ht.dims))))
     if op == "extra_dim":
         d = rng.choice((1, 2))
 
@@ -640,29 +739,28 @@ def _case_tensor_layout(rng, index, bases):
             ht.dims = ht.dims + [d]
             if d != 1:
                 h.relayout({ht.name: g.tensor_bytes(t) * d})
-        return Case(index, "tensor_layout", base, f"{base}: {t.name} dims {t.dims} + [{d}]", d != 1, edit(fn))
+        return case(f"{t.name} dims {t.dims} + [{d}]", d != 1, fn)
     if op == "double_dim":
         def fn(h, ht):
             ht.dims = [ht.dims[0] * 2] + ht.dims[1:]
             h.relayout({ht.name: g.tensor_bytes(t) * 2})
-        return Case(index, "tensor_layout", base, f"{base}: {t.name} ne0 doubled", True, edit(fn))
+        return case(f"{t.name} ne0 doubled", True, fn)
     if op == "duplicate":
         def fn(h, ht):
-            h.tensors.append(dataclasses.replace(ht))
+            (h.river if indexed else h.tensors).append(dataclasses.replace(ht))
             h.relayout({})
-        return Case(index, "tensor_layout", base, f"{base}: {t.name} described twice", True, edit(fn))
+        return case(f"{t.name} described twice", True, fn)
     if op == "misalign":
         shift = rng.choice((1, 2, 16))
 
         def fn(h, ht):
             ht.offset += shift
-        return Case(index, "tensor_layout", base, f"{base}: {t.name} offset +{shift}", True, edit(fn))
+        return case(f"{t.name} offset +{shift}", True, fn)
     blocks = rng.choice((0, 1, 1 << 20, 1 << 40))
 
     def fn(h, ht):
-        ht.offset = (len(h.data) // 32 + blocks) * 32
-    return Case(index, "tensor_layout", base, f"{base}: {t.name} offset past the end (+{blocks} blocks)", True,
-                edit(fn))
+        ht.offset = (len(h.river_data if indexed else h.data) // 32 + blocks) * 32
+    return case(f"{t.name} offset past the end (+{blocks} blocks)", True, fn)
 
 
 def _case_vocab(rng, index, bases):
@@ -770,10 +868,67 @@ def _case_vocab(rng, index, bases):
 
 
 def _case_river(rng, index, bases):
-    g = bases.files["river"]
-    river_tensors = [t for t in g.tensors if t.name.startswith("river.")]
-    op = rng.choice(("remove_one", "remove_one", "remove_layer", "remove_all", "shape", "metadata", "pair_river",
-                     "pair_other_arch", "pair_self"))
+    name = rng.choice(("river", "river", "river1"))
+    g = bases.files[name]
+    river_tensors = g.river_tensors()
+    ops = ["remove_one", "remove_one", "remove_layer", "remove_all", "shape", "metadata", "pair_river",
+           "pair_other_arch", "pair_self"]
+    if g.river is not None:
+        ops += ["index"] * 4
+
+    def edit(fn):
+        def build():
+            h = g.clone()
+            fn(h)
+            if h.river is not None:
+                h.sync_river_index()
+            return h.to_bytes()
+        return build
+
+    op = rng.choice(ops)
+    if op == "remove_one":
+        t = rng.choice(river_tensors)
+        return Case(index, "river", name, f"{name}: remove {t.name}", t.name != "river.output.weight",
+                    edit(lambda h: h.remove_tensors(lambda name: name == t.name)))
+    if op == "remove_layer":
+        il = rng.randrange(TINY["n_layer"])
+        return Case(index, "river", name, f"{name}: remove river.blk.{il}.*", True,
+                    edit(lambda h: h.remove_tensors(lambda name: name.startswith(f"river.blk.{il}."))))
+    if op == "remove_all":
+        # In format 2 an empty river index remains, which is refused; in format 1 a plain model remains.
+        return Case(index, "river", name, f"{name}: remove every river tensor (metadata stays)", g.river is not None,
+                    edit(lambda h: h.remove_tensors(lambda name: name.startswith("river."))))
+    if op == "shape":
+        t = rng.choice([t for t in river_tensors if len(t.dims) > 1 and t.dims[1] > 1 and t.dims[0] != t.dims[1]])
+
+        def fn(h):
+            ht = h.tensor(t.name)
+            ht.dims = [ht.dims[1], ht.dims[0]] + ht.dims[2:]
+        return Case(index, "river", name, f"{name}: swap the first two dims of {t.name}", True, edit(fn))
+    if op == "metadata":
+        keys = [k for k, _, _ in g.kvs if k.startswith("river.") and k not in RIVER_INDEX_KEYS]
+        key = rng.choice(keys)
+        vtype, value, text = _random_value(rng, g.scalar(key))
+        return Case(index, "river", name, f"{name}: {key} = {text}", False, edit(lambda h: h.set(key, vtype, value)))
+    if op == "index":
+        return _river_index_case(rng, index, g)
+    if op == "pair_river":
+        return Case(index, "river", "llama", "llama with the River GGUF as its river", True,
+                    lambda: bases.bytes["llama"], river_base="river")
+    if op == "pair_other_arch":
+        other = rng.choice(("qwen2", "qwen3"))
+        return Case(index, "river", "llama", f"llama with the {other} base as its river", True,
+                    lambda: bases.bytes["llama"], river_base=other)
+    return Case(index, "river", name, f"{name}: the River GGUF with itself as its river", True,
+                lambda: bases.bytes[name], river_base=name)
+
+
+def _river_index_case(rng, index, g: Gguf) -> Case:
+    """Damage to a format-2 river index (river.tensor_* arrays, river.data_size, the format version)."""
+    n = len(g.river)
+    i, j = rng.randrange(n), rng.randrange(n)
+    op = rng.choice(("array_type", "short", "dup_name", "backbone_name", "bad_type", "offset_misaligned",
+                     "offset_past", "data_size", "version", "delete_key", "swap_offsets"))
 
     def edit(fn):
         def build():
@@ -782,38 +937,75 @@ def _case_river(rng, index, bases):
             return h.to_bytes()
         return build
 
-    if op == "remove_one":
-        t = rng.choice(river_tensors)
-        return Case(index, "river", "river", f"river: remove {t.name}", t.name != "river.output.weight",
-                    edit(lambda h: h.remove_tensors(lambda name: name == t.name)))
-    if op == "remove_layer":
-        il = rng.randrange(TINY["n_layer"])
-        return Case(index, "river", "river", f"river: remove river.blk.{il}.*", True,
-                    edit(lambda h: h.remove_tensors(lambda name: name.startswith(f"river.blk.{il}."))))
-    if op == "remove_all":
-        return Case(index, "river", "river", "river: remove every river.* tensor (metadata stays)", False,
-                    edit(lambda h: h.remove_tensors(lambda name: name.startswith("river."))))
-    if op == "shape":
-        t = rng.choice([t for t in river_tensors if len(t.dims) == 2 and t.dims[0] != t.dims[1]])
+    def case(desc, expect, fn):
+        return Case(index, "river", "river", f"river index: {desc}", expect, edit(fn))
+
+    def with_ints(key, fn):
+        def apply(h):
+            vals = h.ints(key)
+            fn(vals)
+            h.set(key, ARRAY, (U64 if key != "river.tensor_types" else U32, vals))
+        return apply
+
+    if op == "array_type":
+        key = rng.choice(RIVER_INDEX_KEYS[:4])
+        et = rng.choice((I32, U16, I64, F32) if key == "river.tensor_names" else (I32, U16, I64, F32, STRING))
 
         def fn(h):
-            ht = h.tensor(t.name)
-            ht.dims = list(reversed(ht.dims))
-        return Case(index, "river", "river", f"river: reverse the dims of {t.name}", True, edit(fn))
-    if op == "metadata":
-        keys = [k for k, _, _ in g.kvs if k.startswith("river.")]
-        key = rng.choice(keys)
-        vtype, value, text = _random_value(rng, g.scalar(key))
-        return Case(index, "river", "river", f"river: {key} = {text}", False, edit(lambda h: h.set(key, vtype, value)))
-    if op == "pair_river":
-        return Case(index, "river", "llama", "llama with the River GGUF as its river", True,
-                    lambda: bases.bytes["llama"], river_base="river")
-    if op == "pair_other_arch":
-        other = rng.choice(("qwen2", "qwen3"))
-        return Case(index, "river", "llama", f"llama with the {other} base as its river", True,
-                    lambda: bases.bytes["llama"], river_base=other)
-    return Case(index, "river", "river", "River GGUF with itself as its river", True,
-                lambda: bases.bytes["river"], river_base="river")
+            vals = h.strings(key) if key == "river.tensor_names" else h.ints(key)
+            if et == STRING:
+                vals = [str(v).encode() for v in vals]
+            elif key == "river.tensor_names":
+                vals = list(range(len(vals)))
+            h.set(key, ARRAY, (et, vals))
+        return case(f"{key} as an array of {_VT_NAMES[et]}", True, fn)
+    if op == "short":
+        key = rng.choice(RIVER_INDEX_KEYS[1:4])
+        return case(f"{key} one element short", True, with_ints(key, lambda v: v.pop()))
+    if op == "dup_name":
+        def fn(h):
+            h.river[i].name = h.river[j].name
+            h.sync_river_index()
+        return case(f"tensor {i} named like tensor {j}", i != j, fn)
+    if op == "backbone_name":
+        other = rng.choice(g.tensors).name
+
+        def fn(h):
+            h.river[i].name = other
+            h.sync_river_index()
+        return case(f"tensor {i} named {other}", True, fn)
+    if op == "bad_type":
+        v = rng.choice((4, 5, 37, 43, 99, 2**32 - 1))  # removed types, past the last, nonsense
+        return case(f"tensor {i} of type id {v}", True, with_ints("river.tensor_types", lambda t: t.__setitem__(i, v)))
+    if op == "offset_misaligned":
+        d = rng.choice((1, 4, 16))
+        return case(f"tensor {i} offset +{d}", True,
+                    with_ints("river.tensor_offsets", lambda o: o.__setitem__(i, o[i] + d)))
+    if op == "offset_past":
+        size = len(g.river_data)
+        v = rng.choice((size, size + 32 * 1024, 2**63, 2**64 - 32))
+        return case(f"tensor {i} offset {v}", True, with_ints("river.tensor_offsets", lambda o: o.__setitem__(i, v)))
+    if op == "data_size":
+        size = len(g.river_data)
+        v = rng.choice((0, size - 1, size - 4096, size + 1, 2**40, 2**64 - 1))
+        needed = max(t.offset + tensor_nbytes(t.ttype, t.dims) for t in g.river)
+        return case(f"river.data_size = {v} (holds {size})", v < needed or v > size + len(g.trailer),
+                    lambda h: h.set("river.data_size", U64, v))
+    if op == "version":
+        vtype, v = rng.choice(((U32, 1), (U32, 0), (U32, 3), (U32, 99), (I32, -1), (STRING, "2"), (F32, 2.0)))
+        return case(f"river.format_version = {v!r} ({_VT_NAMES[vtype]})", True,
+                    lambda h: h.set("river.format_version", vtype, v))
+    if op == "delete_key":
+        key = rng.choice(RIVER_INDEX_KEYS)
+        return case(f"{key} deleted", True, lambda h: h.delete(key))
+
+    # Two tensors' data swapped: a wrong but readable index (no crash, no promise of an error).
+    def fn(h):
+        a, b = h.river[i], h.river[j]
+        if tensor_nbytes(a.ttype, a.dims) == tensor_nbytes(b.ttype, b.dims):
+            a.offset, b.offset = b.offset, a.offset
+            h.sync_river_index()
+    return case(f"offsets of tensors {i} and {j} swapped", False, fn)
 
 
 # ----------------------------------------------------------------------------------------

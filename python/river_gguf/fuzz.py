@@ -417,6 +417,7 @@ class Case:
     build: Callable[[], bytes]              # the damaged file's bytes
     as_river: bool = False                  # load it as the river of the intact llama base
     river_base: Optional[str] = None        # load it with this base file as its river
+    use_mmap: bool = True                   # False: the engine reads the file instead of mapping it
 
 
 KINDS = (("truncate", 8), ("byteflip", 14), ("hparam", 26), ("tensor_type", 16), ("tensor_layout", 10),
@@ -451,6 +452,9 @@ def make_case(seed: int, index: int, bases: Bases) -> Case:
     make = globals()[f"_case_{kind}"]
     case = make(rng, index, bases)
     case.desc = case.desc.encode("utf-8", "backslashreplace").decode()  # printable (names may hold lone surrogates)
+    if rng.random() < 0.2:
+        case.use_mmap = False
+        case.desc += " [read, not mapped]"
     # A fifth of the plain llama cases load the damaged file as an intact backbone's river.
     if case.base == "llama" and not case.as_river and case.river_base is None and kind != "river" and rng.random() < 0.2:
         case.as_river = True
@@ -1021,11 +1025,13 @@ def allowed_exceptions() -> tuple:
     return (FileNotFoundError,) + tuple(c for c in exported if isinstance(c, type) and issubclass(c, Exception))
 
 
-def run_case(path: str, river: Optional[str]) -> None:
+def run_case(path: str, river: Optional[str], use_mmap: bool = True) -> None:
     """Load and run one file: raises whatever the API raises."""
     from .model import Model
 
     kwargs = {"threshold": 0.9} if river else {}
+    if not use_mmap:
+        kwargs["use_mmap"] = False  # the read-into-memory path
     m = Model(path, river=river, n_ctx=64, n_threads=1, **kwargs)
     n = m.n_vocab
     toks = [t % n for t in (1, 2, 3, 4, 5)]
@@ -1069,7 +1075,7 @@ def _worker(seed: int, bases_dir: str, scratch: str) -> int:
                 target, river = bases.paths["llama"], path
             else:
                 target, river = path, bases.paths[case.river_base] if case.river_base else None
-            run_case(target, river)
+            run_case(target, river, case.use_mmap)
             result = {"outcome": "ran"}
         except allowed as e:
             result = {"outcome": "error", "type": type(e).__name__, "message": str(e)[:300]}

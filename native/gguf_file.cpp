@@ -1,5 +1,6 @@
 #include "gguf_file.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -74,6 +75,7 @@ GgufFile::GgufFile(const std::string& path, bool use_mmap) : path_(path) {
             char* addr = static_cast<char*>(map_->data()) + data_offset + gguf_get_tensor_offset(gguf_, i);
             ggml_backend_tensor_alloc(buffer_, t, addr);
         }
+        load_river_index();
     } catch (...) {
         release();
         throw;
@@ -87,20 +89,109 @@ void GgufFile::release() {
     if (buffer_) ggml_backend_buffer_free(buffer_);
     map_.reset();
     if (tensors_) ggml_free(tensors_);
+    if (river_tensors_) ggml_free(river_tensors_);
     if (gguf_) gguf_free(gguf_);
     buffer_ = nullptr;
     tensors_ = nullptr;
+    river_tensors_ = nullptr;
     gguf_ = nullptr;
 }
 
 ggml_tensor* GgufFile::tensor(const std::string& name) const {
-    return ggml_get_tensor(tensors_, name.c_str());
+    ggml_tensor* t = ggml_get_tensor(tensors_, name.c_str());
+    if (!t && river_tensors_) t = ggml_get_tensor(river_tensors_, name.c_str());
+    return t;
 }
 
 std::vector<std::string> GgufFile::tensor_names() const {
     std::vector<std::string> names;
     for (int64_t i = 0; i < gguf_get_n_tensors(gguf_); ++i) names.emplace_back(gguf_get_tensor_name(gguf_, i));
+    if (river_tensors_) {
+        for (ggml_tensor* t = ggml_get_first_tensor(river_tensors_); t; t = ggml_get_next_tensor(river_tensors_, t)) {
+            names.emplace_back(ggml_get_name(t));
+        }
+    }
     return names;
+}
+
+namespace {
+
+constexpr int64_t kRiverFormat = 2;
+
+// An array key of one integer type, element type checked before any element is read.
+template <typename T>
+const T* typed_array(gguf_context* g, const std::string& key, gguf_type want, size_t n, const std::string& path) {
+    const int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0) throw GgufFormatError("'" + path + "' is a River GGUF of format 2 without '" + key + "'");
+    if (gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(g, id) != want) {
+        throw GgufFormatError("GGUF key '" + key + "' is not an array of " + gguf_type_name(want));
+    }
+    if (gguf_get_arr_n(g, id) != n) throw GgufFormatError("GGUF key '" + key + "' has the wrong length for the river index");
+    return static_cast<const T*>(gguf_get_arr_data(g, id));
+}
+
+}  // namespace
+
+void GgufFile::load_river_index() {
+    const int64_t names_id = gguf_find_key(gguf_, "river.tensor_names");
+    const int64_t version = get_int("river.format_version", names_id >= 0 ? kRiverFormat : 1);
+    if (version > kRiverFormat) {
+        throw GgufFormatError("'" + path_ + "' is a River GGUF of format " + std::to_string(version) +
+                              "; this river_gguf reads formats 1 and 2 (upgrade river_gguf)");
+    }
+    if (version < kRiverFormat) return;  // format 1 lists the river in the GGUF index
+    if (names_id < 0) throw GgufFormatError("'" + path_ + "' is a River GGUF of format 2 without 'river.tensor_names'");
+    if (gguf_get_kv_type(gguf_, names_id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(gguf_, names_id) != GGUF_TYPE_STRING) {
+        throw GgufFormatError("GGUF key 'river.tensor_names' is not an array of strings");
+    }
+    const size_t n = gguf_get_arr_n(gguf_, names_id);
+    const auto* types = typed_array<uint32_t>(gguf_, "river.tensor_types", GGUF_TYPE_UINT32, n, path_);
+    const auto* shapes = typed_array<uint64_t>(gguf_, "river.tensor_shapes", GGUF_TYPE_UINT64, 4 * n, path_);
+    const auto* offsets = typed_array<uint64_t>(gguf_, "river.tensor_offsets", GGUF_TYPE_UINT64, n, path_);
+    const int64_t data_size = get_int("river.data_size", -1);
+    if (data_size < 0) throw GgufFormatError("'" + path_ + "' is a River GGUF of format 2 without 'river.data_size'");
+
+    // The river's data starts at the first aligned offset after the backbone's last tensor.
+    const size_t align = gguf_get_alignment(gguf_);
+    size_t end = gguf_get_data_offset(gguf_);
+    for (int64_t i = 0; i < gguf_get_n_tensors(gguf_); ++i) {
+        end = std::max(end, gguf_get_data_offset(gguf_) + gguf_get_tensor_offset(gguf_, i) + gguf_get_tensor_size(gguf_, i));
+    }
+    const size_t start = (end + align - 1) / align * align;
+    const size_t size = map_->size();
+    if (start > size || uint64_t(data_size) > size - start) {
+        throw GgufFormatError("'" + path_ + "' is truncated: its river data (" + std::to_string(data_size) +
+                              " bytes at " + std::to_string(start) + ") runs past the end of the file (" +
+                              std::to_string(size) + " bytes)");
+    }
+
+    ggml_init_params params{ggml_tensor_overhead() * (n + 1), nullptr, /*no_alloc=*/true};
+    river_tensors_ = ggml_init(params);
+    if (!river_tensors_) throw std::runtime_error("out of memory for the river index");
+    for (size_t i = 0; i < n; ++i) {
+        const std::string name = gguf_get_arr_str(gguf_, names_id, i);
+        const std::string what = "river tensor '" + name + "' in '" + path_ + "'";
+        if (name.empty() || name.size() >= GGML_MAX_NAME) throw GgufFormatError(what + ": bad name length");
+        if (tensor(name)) throw GgufFormatError(what + " is listed twice");
+        if (types[i] >= GGML_TYPE_COUNT || ggml_type_size(ggml_type(types[i])) == 0 || ggml_blck_size(ggml_type(types[i])) <= 0) {
+            throw GgufFormatError(what + " has an unknown type " + std::to_string(types[i]));
+        }
+        const ggml_type type = ggml_type(types[i]);
+        int64_t ne[4];
+        for (int d = 0; d < 4; ++d) {
+            const uint64_t v = shapes[4 * i + d];
+            if (v < 1 || v > (uint64_t(1) << 40)) throw GgufFormatError(what + " has a bad shape");
+            ne[d] = int64_t(v);
+        }
+        if (ne[0] % ggml_blck_size(type) != 0) throw GgufFormatError(what + " has a row length its type cannot hold");
+        ggml_tensor* t = ggml_new_tensor(river_tensors_, type, 4, ne);
+        ggml_set_name(t, name.c_str());
+        const size_t bytes = ggml_nbytes(t);
+        if (offsets[i] > uint64_t(data_size) || bytes > uint64_t(data_size) - offsets[i] || offsets[i] % align != 0) {
+            throw GgufFormatError(what + " lies outside the river data or is misaligned");
+        }
+        ggml_backend_tensor_alloc(buffer_, t, static_cast<char*>(map_->data()) + start + offsets[i]);
+    }
 }
 
 bool GgufFile::has_key(const std::string& key) const { return gguf_find_key(gguf_, key.c_str()) >= 0; }

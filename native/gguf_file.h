@@ -26,7 +26,9 @@ public:
     bool mapped() const { return map_ && map_->mapped(); }
     gguf_context* meta() const { return gguf_; }
 
-    // Tensor by name, with its data pointing into the mapped file; nullptr if absent.
+    // Tensor by name, with its data pointing into the mapped file; nullptr if absent. A River
+    // GGUF of format 2 keeps its river's tensors outside the GGUF index (so that llama.cpp
+    // opens the file as the plain backbone); they are found here all the same.
     ggml_tensor* tensor(const std::string& name) const;
     std::vector<std::string> tensor_names() const;
 
@@ -40,10 +42,13 @@ public:
 
 private:
     void release();  // frees everything; used by the destructor and by a failing constructor
+    // Format 2: the river's tensors, after the backbone's data, from the river.tensor_* index.
+    void load_river_index();
 
     std::string path_;
     gguf_context* gguf_ = nullptr;
     ggml_context* tensors_ = nullptr;       // descriptions only; data lives in the mapping
+    ggml_context* river_tensors_ = nullptr; // format 2: the river's, from the river index
     std::unique_ptr<FileMap> map_;          // the file's bytes, mapped or read
     ggml_backend_buffer_t buffer_ = nullptr; // CPU buffer over the mapping
 };

@@ -62,7 +62,7 @@ def test_round_trip_metadata(river_gguf_path, f16_path):
         assert out.fields[key].types == field.types, key
         assert out.fields[key].contents() == field.contents(), key
     md = {k: f.contents() for k, f in out.fields.items() if k.startswith("river.")}
-    assert md["river.format_version"] == 1
+    assert md["river.format_version"] == 2
     assert md["river.type"] == "q4_0"
     assert md["river.threshold_source"] == "profile-q0.70"
     assert 0.5 < md["river.threshold"] < 1.0
@@ -80,14 +80,16 @@ def test_round_trip_metadata(river_gguf_path, f16_path):
 
 
 def test_round_trip_tensors(river_gguf_path, f16_path, q4_0_path):
+    from river_gguf.river_format import river_tensors
+
     out, bb, q4 = _reader(river_gguf_path), _reader(f16_path), _reader(q4_0_path)
-    n_bb = len(bb.tensors)
-    # The backbone first, in its order, with its types and bytes.
-    for a, b in zip(out.tensors[:n_bb], bb.tensors):
+    # The GGUF index is the backbone's, in its order, with its types and bytes (format 2).
+    assert len(out.tensors) == len(bb.tensors)
+    for a, b in zip(out.tensors, bb.tensors):
         assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, list(b.shape))
         assert np.array_equal(a.data, b.data), a.name
-    # Then the river: llama.cpp's Q4_0 of the backbone, byte for byte (quantizing is deterministic).
-    river = {t.name: t for t in out.tensors[n_bb:]}
+    # After it, the river: llama.cpp's Q4_0 of the backbone, byte for byte (quantizing is deterministic).
+    river = {t.name: t for t in river_tensors(out)}
     q4_by_name = {t.name: t for t in q4.tensors}
     expected = {"river." + n for n in q4_by_name if n.startswith("blk.")} | {"river.token_embd.weight"}
     assert "output.weight" not in q4_by_name  # SmolLM2 is tied: no river.output.weight
@@ -109,12 +111,14 @@ def test_round_trip_loads_in_engine(river_gguf_path):
     assert m.exit_options.prefill == "backbone" and m.exit_options.min_exit_layer == 0
 
 
-def test_stock_llama_cpp_refuses_river_gguf(river_gguf_path):
-    """Known limitation: llama.cpp requires every tensor in a file to be used by the model
-    ("done_getting_tensors: wrong number of tensors"), so it refuses the extra river.* tensors.
-    If this starts to pass, llama.cpp changed and River GGUFs run there too."""
-    with pytest.raises(ValueError):
-        llama_cpp.Llama(river_gguf_path, n_ctx=128, verbose=False)
+def test_stock_llama_cpp_opens_river_gguf_as_the_backbone(river_gguf_path, f16_path):
+    """Format 2 keeps the river out of the GGUF tensor index, so llama.cpp loads the file as its
+    backbone: the same logits as the backbone file, bit for bit."""
+    from river_gguf.testing import LlamaCppOracle
+
+    toks = Model(f16_path, n_ctx=128, n_threads=2).tokenize(PROSE)[:48]
+    a = LlamaCppOracle(river_gguf_path, n_ctx=128).logits(toks)
+    assert np.array_equal(a, LlamaCppOracle(f16_path, n_ctx=128).logits(toks))
 
 
 # ----- validation -------------------------------------------------------------------------
@@ -198,10 +202,12 @@ def test_options_written_and_inputs_unchanged(tmp_path):
     assert meta["river.type"] == "from-file" and meta["river.threshold_source"] == "user"
     assert meta["river.river_file"] == "rv.gguf" and meta["river.river_sha256"] == before[rv]
     assert "river.profile_predicted_mean_exit_layer" not in meta
+    from river_gguf.river_format import river_tensors
+
     r = gguf.GGUFReader(out)
-    names = [t.name for t in r.tensors]
-    assert "river.output.weight" in names and "river.token_embd.weight" in names  # untied river
-    assert r.get_tensor(names.index("river.blk.1.ffn_up.weight")).tensor_type == QT.F32
+    river = {t.name: t for t in river_tensors(r)}
+    assert "river.output.weight" in river and "river.token_embd.weight" in river  # untied river
+    assert river["river.blk.1.ffn_up.weight"].tensor_type == QT.F32
     m = Model(str(out), n_ctx=64, n_threads=1)
     o = m.exit_options
     assert m.has_river and (o.threshold, o.min_exit_layer, o.river_head, o.prefill) == (
@@ -248,10 +254,12 @@ def test_river_gguf_input_refused_then_replaced(tmp_path):
     assert [t.name for t in plain] == [t.name for t in b.tensors]
     for x, y in zip(plain, b.tensors):
         assert x.tensor_type == y.tensor_type and np.array_equal(x.data, y.data)
-    river = [t for t in r.tensors if t.name.startswith("river.")]
+    from river_gguf.river_format import river_tensors
+
+    river = river_tensors(r)
     n_layer_tensors = sum(t.name.startswith("blk.") for t in b.tensors)
     assert len(river) == n_layer_tensors + 2  # + river.token_embd + river.output (untied)
-    assert r.get_tensor(names.index("river.blk.0.attn_q.weight")).tensor_type == QT.Q4_0
+    assert {t.name: t for t in river}["river.blk.0.attn_q.weight"].tensor_type == QT.Q4_0
     assert r.fields["river.threshold"].contents() == pytest.approx(0.7)
     assert r.fields["river.type"].contents() == "q4_0"
     leftovers = sorted(p.name for p in tmp_path.iterdir())
@@ -339,7 +347,9 @@ def test_river_head_type(tmp_path):
     bb = _tiny(tmp_path, n_embd=64, tied=True)
     out = tmp_path / "h.river.gguf"
     _build_tiny(bb, out, river_type="q4_0", river_head_type="q8_0")
-    types = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    from river_gguf.river_format import river_tensors
+
+    types = {t.name: t.tensor_type for t in river_tensors(gguf.GGUFReader(out))}
     assert types["river.token_embd.weight"] == QT.Q8_0 and types["river.blk.0.attn_q.weight"] == QT.Q4_0
     # A type whose block does not divide the head's rows is refused before llama.cpp sees it.
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -366,5 +376,6 @@ def test_q8_0_backbone_parity(tmp_path, f16_path, oracle_factory):
     ours = m.logits(toks, mode="backbone")
     ref = oracle_factory(q8, 256).logits(toks)
     assert np.abs(ours - ref).max() < 2e-3 and (ours.argmax(1) == ref.argmax(1)).all()
-    plain = _reader(str(out))
-    assert any(t.name.startswith("river.blk.") and t.tensor_type == QT.Q4_0 for t in plain.tensors)
+    from river_gguf.river_format import river_tensors
+
+    assert any(t.name.startswith("river.blk.") and t.tensor_type == QT.Q4_0 for t in river_tensors(_reader(str(out))))

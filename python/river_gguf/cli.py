@@ -260,6 +260,7 @@ SUBCOMMANDS = [
     _register_chat,
     _register_info,
     "river_gguf.convert:register",
+    "river_gguf.convert:register_upgrade",
     "river_gguf.eval_cli:register_eval",
     "river_gguf.eval_cli:register_calibrate",
     "river_gguf.serve:register",

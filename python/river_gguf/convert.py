@@ -4,15 +4,15 @@
     build_river_gguf("model.f16.gguf", "model.river.gguf")             # river = Q4_0 of the backbone
     build_river_gguf("model.f16.gguf", "out.gguf", river_path="model.q4_k_m.gguf")
 
-The output holds every backbone tensor and metadata key unchanged (same order, same types,
-same bytes), followed by the river's per-layer tensors as ``river.blk.N.<name>``, the river's
-embedding table as ``river.token_embd.weight`` and, for untied models, its head as
-``river.output.weight``. ``river.*`` metadata keys record the exit defaults (threshold,
-min exit layer, head, prefill) and where the river came from.
-
-Stock llama.cpp does NOT load a River GGUF: its loader insists that it creates every tensor in
-the file ("done_getting_tensors: wrong number of tensors"). Run River GGUFs with river_gguf;
-``hybrid.write_hybrid_gguf`` writes plain files for llama.cpp.
+The output is the backbone GGUF, every tensor and metadata key unchanged (same order, same
+types, same bytes), plus ``river.*`` metadata: the exit defaults (threshold, min exit layer,
+head, prefill, tail, presets), where the river came from, and the river's index. The river's
+tensors (per-layer ``river.blk.N.<name>``, the embedding table ``river.token_embd.weight`` and,
+for untied models, the head ``river.output.weight``) follow the backbone's data, outside the GGUF
+tensor index (river_format, format version 2; docs/format.md). Stock llama.cpp therefore opens a
+River GGUF as its plain backbone, bit-identical to the backbone file; river_gguf finds the river.
+Files of format 1 (river tensors in the GGUF index, which llama.cpp refuses) are still read, and
+``upgrade_river_gguf`` (``river-gguf upgrade``) rewrites them as format 2.
 
 Why the default river type is q4_0: it is the fastest 4-bit type in llama.cpp on the machines
 this project measures (180 tok/s vs 134 for Q4_K_M on SmolLM2-135M), and SmolLM2's width of
@@ -35,7 +35,7 @@ import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-FORMAT_VERSION = 1
+from .river_format import FORMAT_VERSION  # noqa: E402  (2: the river after the backbone's data)
 DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
 IMATRIX_AUTO = "auto"     # collect the importance matrix on the calibration split
 RIVER_PREFIX = "river."
@@ -146,8 +146,14 @@ def _plain_tensors(reader) -> List[Any]:
 
 
 def _river_tensors(reader, prefix: str) -> Dict[str, Any]:
-    """The river's tensors of ``reader`` by plain name (``prefix`` stripped)."""
-    return {t.name[len(prefix):]: t for t in reader.tensors if t.name.startswith(prefix)}
+    """The river's tensors of ``reader`` by plain name (``prefix`` stripped): from the GGUF index
+    (format 1) or the river index (format 2)."""
+    from .river_format import river_tensors
+
+    try:
+        return {t.name[len(prefix):]: t for t in river_tensors(reader) if t.name.startswith(prefix)}
+    except ValueError as e:
+        raise _errors().GGUFFormatError(str(e)) from None
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
@@ -282,6 +288,51 @@ def _write_tensors(w, plan: Sequence[Tuple[str, Any]], progress: bool, desc: str
     w.write_ti_data_to_file()
     for _name, t in tqdm(plan, desc=desc, unit="tensor", disable=not progress, file=sys.stderr):
         _write_one(w, t)
+
+
+def _write_river_file(path: str, reader, entries, plan, river_plan, progress: bool, desc: str) -> None:
+    """Write a format-2 River GGUF: ``reader``'s metadata (river.* left out) plus ``entries``, the
+    backbone ``plan`` in the GGUF index, and ``river_plan`` after the backbone's data with its
+    index in the metadata."""
+    from . import river_format
+
+    with contextlib.closing(_new_writer(path, reader)) as w:
+        for key, value, vtype in entries:
+            if key != river_format.VERSION_KEY:  # add_index writes it
+                w.add_key_value(key, value, vtype)
+        offsets = river_format.add_index(w, river_plan)
+        alignment = int(w.data_alignment)
+        _write_tensors(w, plan, progress, desc=desc)
+    river_format.append_river_data(path, river_plan, offsets, alignment, progress=progress)
+
+
+def upgrade_river_gguf(src: str, dst: str, progress: bool = True) -> dict:
+    """Rewrite a River GGUF of format 1 (river tensors in the GGUF index) as format 2, which stock
+    llama.cpp opens as its plain backbone. Same tensors, same bytes, same river.* settings.
+    Returns {"from": old version, "to": FORMAT_VERSION}."""
+    from . import river_format
+    from .gguf_io import atomic_output, check_output_path
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    if not os.path.isfile(src):
+        raise FileNotFoundError(f"model file not found: {src}")
+    check_output_path(dst, inputs=[src])
+    reader = _reader(src)
+    version = river_format.format_version(reader)
+    if version == 0:
+        raise ValueError(f"{src} is not a River GGUF (no river tensors or river.* keys)")
+    if version >= FORMAT_VERSION:
+        raise ValueError(f"{src} already is a River GGUF of format {version}")
+    import gguf
+
+    entries = [(k, f.contents(), f.types[0]) for k, f in reader.fields.items()
+               if k.startswith(RIVER_PREFIX) and f.types and f.types[0] != gguf.GGUFValueType.ARRAY]
+    entries = [(k, v, t) for k, v, t in entries if k != river_format.VERSION_KEY]
+    plan = [(t.name, t) for t in _plain_tensors(reader)]
+    river_plan = [(t.name, t) for t in reader.tensors if t.name.startswith(RIVER_PREFIX)]
+    with atomic_output(dst) as tmp:
+        _write_river_file(tmp, reader, entries, plan, river_plan, progress, f"upgrade {os.path.basename(dst)}")
+    return {"from": version, "to": FORMAT_VERSION}
 
 
 def _write_one(w, t) -> None:
@@ -514,16 +565,12 @@ def build_river_gguf(
 
             rv_by_name = {t.name: t for t in rv.tensors}
             plan = [(t.name, t) for t in _plain_tensors(bb)]
-            plan += [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
-            plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
+            river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
+            river_plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
             if "output.weight" in rv_by_name:
-                plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
-
-            with contextlib.closing(_new_writer(staged, bb)) as w:
-                for key, value, vtype in entries:
-                    w.add_key_value(key, value, vtype)
-                    meta[key] = value
-                _write_tensors(w, plan, progress, desc=f"river {os.path.basename(out_path)}")
+                river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
+            _write_river_file(staged, bb, entries, plan, river_plan, progress, f"river {os.path.basename(out_path)}")
+            meta.update({k: v for k, v, _ in entries})
             # float32 as stored, so callers compare against what Model(out).metadata reads
             import numpy as np
 
@@ -739,6 +786,30 @@ def register(subparsers, common=None) -> None:
                               description=__doc__.split("\n\n")[0])
     add_arguments(p)
     p.set_defaults(func=run)
+
+
+def register_upgrade(subparsers, common=None) -> None:
+    """``river-gguf upgrade OLD NEW``: rewrite a format-1 River GGUF as format 2."""
+    p = subparsers.add_parser("upgrade", help="rewrite an old (format 1) River GGUF so llama.cpp opens it too",
+                              description=upgrade_river_gguf.__doc__.split("\n\n")[0])
+    p.add_argument("old", metavar="OLD.river.gguf")
+    p.add_argument("new", metavar="NEW.river.gguf")
+    p.add_argument("-q", "--quiet", action="store_true")
+
+    def run_upgrade(args) -> int:
+        native = _errors()
+        try:
+            r = upgrade_river_gguf(args.old, args.new, progress=not args.quiet)
+        except KeyboardInterrupt:
+            print(f"upgrade: interrupted; {args.new} was not written", file=sys.stderr)
+            return 130
+        except (OSError, ValueError, native.GGUFFormatError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.new}: River GGUF format {r['from']} -> {r['to']}")
+        return 0
+
+    p.set_defaults(func=run_upgrade)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -47,7 +47,8 @@ def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = Fals
     """Set (add or replace) scalar metadata keys of a GGUF, normally `river.*` ones.
 
     All other metadata (with its exact types and order) and every tensor (raw bytes, same
-    types, same alignment) are copied to a temp file next to `path`, which then replaces it.
+    types, same alignment; a format-2 River GGUF's river data too) are copied to a temp file next
+    to `path`, which then replaces it.
     Returns the values as written (floats rounded to float32 where the key is FLOAT32).
     """
     import gguf
@@ -59,6 +60,12 @@ def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = Fals
         if not isinstance(k, str) or not k or k.startswith("GGUF.") or k == "general.architecture":
             raise ValueError(f"cannot set metadata key {k!r}")
     reader = gguf.GGUFReader(path)
+    from . import river_format
+
+    # A format-2 River GGUF keeps its river after the backbone's data: carried over as it is, at
+    # the same offsets from the river's start (the index in the metadata does not change).
+    river = river_format.river_tensors(reader) if river_format.format_version(reader) >= 2 else []
+    river_start = river_format.river_data_start(reader) if river else 0
     arch = reader.fields["general.architecture"].contents()
     align_field = reader.fields.get("general.alignment")
     written: Dict[str, Any] = {}
@@ -91,7 +98,11 @@ def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = Fals
             w.write_ti_data_to_file()
             for t in tqdm(reader.tensors, desc="rewrite", unit="tensor", disable=not progress):
                 w.write_tensor_data(np.ascontiguousarray(t.data))
-    del reader
+            alignment = int(w.data_alignment)
+        if river:
+            river_format.append_river_data(tmp, [(t.name, t) for t in river],
+                                           [t.data_offset - river_start for t in river], alignment)
+    del reader, river
     for k in f32_keys:
         written[k] = float(np.float32(written[k]))
     return written

@@ -124,8 +124,9 @@ def weight_bytes(model) -> tuple:
     if model.river_path:
         rv_sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(model.river_path).tensors}
     else:
-        rv_sizes = {t.name[len("river."):]: n for t, n in ((t, int(t.n_bytes)) for t in bb.tensors)
-                    if t.name.startswith("river.")}
+        from .river_format import river_tensors
+
+        rv_sizes = {t.name[len("river."):]: int(t.n_bytes) for t in river_tensors(bb)}
     L = model.n_layer
 
     def layer(sizes, l):

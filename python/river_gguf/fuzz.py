@@ -14,6 +14,8 @@ the loader must refuse (``expect_error``). One worker runs case after case; only
 hang costs a fresh one.
 
     python -m river_gguf.fuzz --cases 2000 --seed 1        # a longer run, on demand
+    python -m river_gguf.fuzz --api both                    # also through river_gguf.Llama
+    python -m river_gguf.fuzz --seed 1 --write 123 c.gguf   # one case's file, to reproduce it
 
 Exit status 1 when any case failed; each failure is printed with its case description.
 """
@@ -1043,7 +1045,24 @@ def run_case(path: str, river: Optional[str], use_mmap: bool = True) -> None:
         m.generate(toks, max_tokens=2, mode="river", threshold=0.0)
 
 
-def _worker(seed: int, bases_dir: str, scratch: str) -> int:
+def run_case_llama(path: str, river: Optional[str], use_mmap: bool = True) -> None:
+    """The same through river_gguf.Llama, the llama_cpp.Llama drop-in (libllama reads its vocabulary)."""
+    from .llama import Llama
+
+    kwargs = {"threshold": 0.9} if river else {}
+    llm = Llama(path, river=river, n_ctx=64, n_threads=1, use_mmap=use_mmap, verbose=False, **kwargs)
+    try:
+        toks = llm.tokenize(b"Hi there")
+        llm.detokenize(toks)
+        llm.create_completion("Hi there", max_tokens=2, temperature=0.0)
+    finally:
+        llm.close()
+
+
+APIS = ("model", "llama", "both")
+
+
+def _worker(seed: int, bases_dir: str, scratch: str, api: str = "model") -> int:
     # The protocol goes to the original stdout; anything native code prints goes to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -1075,7 +1094,10 @@ def _worker(seed: int, bases_dir: str, scratch: str) -> int:
                 target, river = bases.paths["llama"], path
             else:
                 target, river = path, bases.paths[case.river_base] if case.river_base else None
-            run_case(target, river, case.use_mmap)
+            if api == "llama" or (api == "both" and index % 2):
+                run_case_llama(target, river, case.use_mmap)
+            else:
+                run_case(target, river, case.use_mmap)
             result = {"outcome": "ran"}
         except allowed as e:
             result = {"outcome": "error", "type": type(e).__name__, "message": str(e)[:300]}
@@ -1138,7 +1160,7 @@ class Report:
 
 
 class _Worker:
-    def __init__(self, seed: int, bases_dir: str, scratch: str, log_path: str):
+    def __init__(self, seed: int, bases_dir: str, scratch: str, log_path: str, api: str = "model"):
         env = dict(os.environ)
         # The worker imports this very package, wherever it was imported from.
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1147,7 +1169,7 @@ class _Worker:
         self.log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "river_gguf.fuzz", "--worker", "--seed", str(seed), "--bases", bases_dir,
-             "--scratch", scratch],
+             "--scratch", scratch, "--api", api],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1)
         self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -1217,8 +1239,12 @@ def prepare_bases(bases_dir: str) -> Dict[str, str]:
 
 
 def run_fuzz(n_cases: int, seed: int = 0, workdir: Optional[str] = None, timeout: float = 30.0,
-             progress: Optional[Callable[[Result], None]] = None, start_timeout: float = 180.0) -> Report:
-    """Generate and run cases 0..n_cases-1 of `seed`; see the module docstring."""
+             progress: Optional[Callable[[Result], None]] = None, start_timeout: float = 180.0,
+             api: str = "model") -> Report:
+    """Generate and run cases 0..n_cases-1 of `seed`; see the module docstring. api: "model" loads
+    each case with Model, "llama" with river_gguf.Llama, "both" alternates."""
+    if api not in APIS:
+        raise ValueError(f"api must be one of {APIS}, got {api!r}")
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="river-fuzz-")
     t0 = time.perf_counter()
@@ -1232,7 +1258,7 @@ def run_fuzz(n_cases: int, seed: int = 0, workdir: Optional[str] = None, timeout
         i = 0
         while i < n_cases:
             workers += 1
-            w = _Worker(seed, bases_dir, scratch, os.path.join(workdir, f"worker{workers}.log"))
+            w = _Worker(seed, bases_dir, scratch, os.path.join(workdir, f"worker{workers}.log"), api)
             try:
                 ready = w.next_line(start_timeout)
             except queue.Empty:
@@ -1283,12 +1309,14 @@ def main(argv=None) -> int:
     p.add_argument("--write", nargs=2, metavar=("INDEX", "PATH"),
                    help="write case INDEX's file to PATH, print how it is loaded, and exit (to reproduce a failure)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every case's outcome")
+    p.add_argument("--api", choices=APIS, default=os.environ.get("RIVER_FUZZ_API", "model"),
+                   help="load with Model (default), with river_gguf.Llama, or both (alternating)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bases", help=argparse.SUPPRESS)
     p.add_argument("--scratch", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return _worker(args.seed, args.bases, args.scratch)
+        return _worker(args.seed, args.bases, args.scratch, args.api)
 
     def show(r: Result):
         if args.verbose or r.failed:
@@ -1306,7 +1334,7 @@ def main(argv=None) -> int:
         print(f"case {case.index} ({case.kind}): {case.desc}\nexpect an error: {case.expect_error}\nload: {how}")
         return 0
 
-    report = run_fuzz(args.cases, args.seed, args.workdir, args.timeout, progress=show)
+    report = run_fuzz(args.cases, args.seed, args.workdir, args.timeout, progress=show, api=args.api)
     print(report.summary())
     return 1 if report.failures else 0
 

@@ -23,7 +23,9 @@ try:  # an installed (or dev-overlay) river_gguf; the checkout's python/ has no 
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-from river_gguf import evaluate, model_zoo  # noqa: E402
+from river_gguf.eval import report as evaluate  # noqa: E402
+
+from river_gguf.eval import model_zoo  # noqa: E402
 
 CAVEATS = {
     "smollm2": (

@@ -25,8 +25,12 @@ try:  # an installed river_gguf (the checkout's python/ has no native module)
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-from river_gguf import Model, evaluate, model_zoo, presets  # noqa: E402
-from river_gguf.llama_decode import LlamaDecoder  # noqa: E402
+from river_gguf import Model, presets  # noqa: E402
+
+from river_gguf.eval import report as evaluate
+
+from river_gguf.eval import model_zoo
+from river_gguf.eval.llama_decode import LlamaDecoder  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 N_CTX = 1024

@@ -81,7 +81,7 @@ class RiverRun:
 
 class LlamaRun:
     def __init__(self, path, threads):
-        from river_gguf.llama_decode import LlamaDecoder
+        from river_gguf.eval.llama_decode import LlamaDecoder
 
         self.dec = LlamaDecoder(path, N_CTX, threads)
         self.toks = self.dec.tokenize(PROMPT)
@@ -100,7 +100,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    from river_gguf.convert import build_river_gguf
+    from river_gguf.convert.build import build_river_gguf
     from river_gguf.default_model import cache_dir, derived_model
 
     f16 = derived_model("f16")

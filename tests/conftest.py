@@ -47,7 +47,7 @@ def oracle_factory():
 @pytest.fixture(scope="session")
 def river_gguf_path(f16_path):
     """SmolLM2 F16 backbone + Q4_0 river, profiled tau: a cached River GGUF (built once if missing)."""
-    from river_gguf.convert import FORMAT_VERSION, build_river_gguf
+    from river_gguf.convert.build import FORMAT_VERSION, build_river_gguf
     from river_gguf.default_model import cache_dir
 
     stem = pathlib.Path(f16_path).name.removesuffix(".gguf")  # carries the source model's tag

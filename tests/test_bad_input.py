@@ -116,7 +116,7 @@ def test_mismatched_river_files_are_refused(tmp_path):
 
 
 def test_river_gguf_with_a_second_river_is_refused(tmp_path):
-    from river_gguf.convert import build_river_gguf
+    from river_gguf.convert.build import build_river_gguf
     from river_gguf.testing import write_tiny_model
 
     bb = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, seed=1)

@@ -7,7 +7,7 @@ import pytest
 
 from river_gguf import Model
 from river_gguf.cli import main as cli_main
-from river_gguf.convert import build_river_gguf, calibrate_file
+from river_gguf.convert.build import build_river_gguf, calibrate_file
 from river_gguf.testing import write_tiny_model
 
 

@@ -1,4 +1,4 @@
-"""River GGUF writer (convert.py), hybrid oracle files (hybrid.py) and tools/add_river_gguf.py."""
+"""River GGUF writer (convert/build.py), hybrid oracle files (convert/hybrid.py) and tools/add_river_gguf.py."""
 from __future__ import annotations
 
 import functools
@@ -15,9 +15,10 @@ import gguf
 import llama_cpp
 
 import river_gguf  # noqa: E402
-from river_gguf import Model, convert  # noqa: E402
-from river_gguf.convert import build_river_gguf  # noqa: E402
-from river_gguf.hybrid import write_hybrid_gguf  # noqa: E402
+from river_gguf import Model  # noqa: E402
+from river_gguf.convert import build as convert
+from river_gguf.convert.build import build_river_gguf  # noqa: E402
+from river_gguf.convert.hybrid import write_hybrid_gguf  # noqa: E402
 from river_gguf.testing import truncate_copy, write_tiny_model, write_unsupported_arch  # noqa: E402
 
 from conftest import PROSE  # noqa: E402

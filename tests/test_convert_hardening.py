@@ -30,8 +30,9 @@ import pytest
 import gguf
 
 import river_gguf
-from river_gguf import convert, default_model, gguf_io
-from river_gguf.convert import build_river_gguf
+from river_gguf import default_model, gguf_io
+from river_gguf.convert import build as convert
+from river_gguf.convert.build import build_river_gguf
 from river_gguf.gguf_io import deferred_interrupts
 from river_gguf.testing import write_tiny_model
 

@@ -7,8 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from river_gguf import eval_data, evaluate
-from river_gguf.evaluate import Setup, Settings
+from river_gguf.eval import data as eval_data
+
+from river_gguf.eval import report as evaluate
+from river_gguf.eval.report import Setup, Settings
 
 
 # ----- data ----------------------------------------------------------------------------
@@ -204,7 +206,8 @@ def test_analyse_targets_and_dynamic_vs_static(tmp_path):
 
 
 def test_parse_budget_and_cli_parsers():
-    from river_gguf import cli, eval_cli
+    from river_gguf import cli
+    from river_gguf.eval import cli as eval_cli
 
     assert eval_cli.parse_budget("2%") == pytest.approx(0.02)
     assert eval_cli.parse_budget("0.05") == pytest.approx(0.05)
@@ -324,7 +327,7 @@ def small_river_gguf(f16_path, tmp_path_factory):
     """A River GGUF of SmolLM2 with hand-written presets (no imatrix, no preset calibration, so
     it builds in seconds): one dynamic preset with a tail, one static river-only + tail."""
     from river_gguf import presets
-    from river_gguf.convert import build_river_gguf
+    from river_gguf.convert.build import build_river_gguf
     from river_gguf.gguf_meta import set_river_metadata
 
     path = tmp_path_factory.mktemp("rg") / "smollm2.river.gguf"

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from river_gguf import GGUFFormatError, Model, _native
-from river_gguf import eval_data, evaluate
+from river_gguf.eval import data as eval_data
+from river_gguf.eval import report as evaluate
 from river_gguf.gguf_io import copy_metadata
-from river_gguf.imatrix import (
+from river_gguf.convert.imatrix import (
     Imatrix,
     calibration_texts,
     collect_imatrix,

@@ -10,7 +10,9 @@ import zipfile
 
 import pytest
 
-from river_gguf import Model, model_zoo
+from river_gguf import Model
+
+from river_gguf.eval import model_zoo
 from river_gguf.testing import write_tiny_model
 
 QWEN = "qwen2.5-coder-0.5b"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from river_gguf import Model, presets
-from river_gguf.convert import build_river_gguf
+from river_gguf.convert.build import build_river_gguf
 from river_gguf.gguf_meta import set_river_metadata
 from river_gguf.testing import write_tiny_model
 
@@ -58,7 +58,9 @@ def test_malformed_presets_refused(tiny_river, tmp_path):
     path = tmp_path / "bad.gguf"
     path.write_bytes(open(tiny_river, "rb").read())
     set_river_metadata(str(path), {presets.PRESET_KEY: json.dumps({"fast": {"options": {"warp": 9}}})})
-    with pytest.raises(ValueError, match="unknown options"):
+    from river_gguf import GGUFFormatError
+
+    with pytest.raises(GGUFFormatError, match="unknown options"):  # a damaged file, named as such
         Model(str(path), n_ctx=64, n_threads=1)
 
 
@@ -119,7 +121,7 @@ def test_static_settings_scored_in_one_pass_match_decode(tiny_river):
     # The batched shortcut for river-only settings computes what teacher-forced decoding does, up
     # to summation order (batched mat-mul and tiled attention kernels vs the single-token ones):
     # ~1e-4 relative on this random model's huge perplexity, far below the gaps between settings.
-    from river_gguf import evaluate
+    from river_gguf.eval import report as evaluate
     from river_gguf.presets import _static_perplexity
 
     m = Model(tiny_river, n_ctx=128, n_threads=1)

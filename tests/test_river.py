@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from river_gguf import Model
-from river_gguf.hybrid import write_hybrid_gguf
+from river_gguf.convert.hybrid import write_hybrid_gguf
 
 from conftest import PROSE
 from test_engine_parity import LOGIT_TOL

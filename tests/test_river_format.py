@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from river_gguf import GGUFFormatError, Model, river_format
-from river_gguf.convert import (FORMAT_VERSION, RIVER_PREFIX, _new_writer, _plain_tensors, _write_tensors,
+from river_gguf.convert.build import (FORMAT_VERSION, RIVER_PREFIX, _new_writer, _plain_tensors, _write_tensors,
                                 build_river_gguf, upgrade_river_gguf)
 from river_gguf.gguf_meta import set_river_metadata
 from river_gguf.testing import LlamaCppOracle, write_tiny_model
@@ -62,7 +62,7 @@ def test_the_river_lies_outside_the_gguf_index(files):
 def test_river_gguf_finds_the_river(files):
     bb, river, d = files
     # river-only with the river's head equals a plain GGUF of the river's tensors in llama.cpp
-    from river_gguf.hybrid import write_hybrid_gguf
+    from river_gguf.convert.hybrid import write_hybrid_gguf
 
     plain_river = d / "river-as-plain.gguf"
     write_hybrid_gguf(river, river, plain_river, exit_layer=-1, river_head=True)

@@ -13,7 +13,7 @@ os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().p
 
 import llama_cpp  # noqa: E402,F401
 
-from river_gguf import model_zoo  # noqa: E402
+from river_gguf.eval import model_zoo  # noqa: E402
 from river_gguf.testing import oracles  # noqa: E402
 
 QWEN = "qwen2.5-coder-0.5b"
@@ -37,7 +37,7 @@ def qwen_q4_0(qwen_f16):
 @pytest.fixture(scope="session")
 def qwen_river(qwen_f16):
     """Qwen F16 backbone + Q4_0 river with the profiled tau: a cached River GGUF."""
-    from river_gguf.convert import FORMAT_VERSION, build_river_gguf
+    from river_gguf.convert.build import FORMAT_VERSION, build_river_gguf
 
     # The F16's name carries the source file's tag, so a re-fetched source gets a new River GGUF.
     stem = pathlib.Path(qwen_f16).name.removesuffix(".gguf")

@@ -10,7 +10,9 @@ import gguf
 import numpy as np
 import pytest
 
-from river_gguf import Model, model_zoo
+from river_gguf import Model
+
+from river_gguf.eval import model_zoo
 
 from conftest import QWEN
 

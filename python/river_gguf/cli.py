@@ -259,10 +259,10 @@ SUBCOMMANDS = [
     _register_generate,
     _register_chat,
     _register_info,
-    "river_gguf.convert:register",
-    "river_gguf.convert:register_upgrade",
-    "river_gguf.eval_cli:register_eval",
-    "river_gguf.eval_cli:register_calibrate",
+    "river_gguf.convert.build:register",
+    "river_gguf.convert.build:register_upgrade",
+    "river_gguf.eval.cli:register_eval",
+    "river_gguf.eval.cli:register_calibrate",
     "river_gguf.serve:register",
 ]
 

@@ -376,7 +376,7 @@ def _build_river(backbone: str, out: str) -> None:
     import contextlib
     import io
 
-    from .convert import build_river_gguf
+    from .convert.build import build_river_gguf
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         build_river_gguf(backbone, out, river_type="q8_0", threshold=0.9, progress=False, imatrix=None,

@@ -273,7 +273,15 @@ class Llama:
         # templates, and the vocab pointer the grammar sampler needs.
         params = lib.llama_model_default_params()
         params.vocab_only = True
-        self._model = internals.LlamaModel(path_model=model_path, params=params, verbose=self.verbose)
+        from ._loader import native
+
+        # The engine's own checks first: libllama aborts the process on some malformed
+        # vocabularies (a token with a NUL byte) that the engine refuses with GGUFFormatError.
+        native.Vocab(model_path)
+        try:
+            self._model = internals.LlamaModel(path_model=model_path, params=params, verbose=self.verbose)
+        except ValueError as e:
+            raise native.GGUFFormatError(f"libllama could not load {model_path}: {e}") from None
         self.tokenizer_ = tokenizer or LlamaTokenizer(self)
         self._n_vocab = self._model.n_vocab()
 

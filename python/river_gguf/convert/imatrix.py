@@ -34,7 +34,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from ._loader import native
+from .._loader import native
 
 IMATRIX_TYPE = "imatrix"  # general.type of an imatrix GGUF
 KEY_DATASETS = "imatrix.datasets"
@@ -100,7 +100,7 @@ def calibration_texts(domains: Sequence[str] = ("gsm8k", "humaneval")) -> List[s
     """Prompt + completion of every **calibration** item of each domain (eval_data's split:
     index % 5 == 0). Evaluation items are never returned, so a river tuned on these is judged
     on text it has not seen."""
-    from . import eval_data
+    from ..eval import data as eval_data
 
     out: List[str] = []
     for d in domains:
@@ -122,7 +122,7 @@ def collect_imatrix(
     the LM head included. ``dataset`` describes the texts in the result (and in the file)."""
     from tqdm import tqdm
 
-    from .model import Model
+    from ..model import Model
 
     if isinstance(texts, str):
         raise ValueError("texts must be a sequence of strings, not one string")
@@ -134,7 +134,7 @@ def collect_imatrix(
     if not isinstance(n_ctx, int) or n_ctx < 2:
         raise ValueError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
 
-    from .gguf_io import deferred_interrupts
+    from ..gguf_io import deferred_interrupts
 
     with deferred_interrupts():  # Ctrl-C would be dropped in libllama's log callback during the load
         model = Model(os.fspath(backbone_path), n_ctx=n_ctx, n_threads=n_threads, mode="backbone")
@@ -175,7 +175,7 @@ def write_imatrix_gguf(imatrix: Imatrix, path: Union[str, os.PathLike]) -> str:
     [n_cols, 1] (raw sums) and ``<name>.counts`` [1, 1]. Written atomically."""
     import gguf
 
-    from .gguf_io import atomic_output
+    from ..gguf_io import atomic_output
 
     if not isinstance(imatrix, Imatrix):
         raise ValueError("imatrix must be an Imatrix")
@@ -321,7 +321,7 @@ def quantize_with_imatrix(
     from gguf import GGMLQuantizationType as QT
     from tqdm import tqdm
 
-    from .gguf_io import atomic_output, copy_metadata
+    from ..gguf_io import atomic_output, copy_metadata
 
     src_path, typed_path, out_path = os.fspath(src_path), os.fspath(typed_path), os.fspath(out_path)
     for p in (src_path, typed_path):
@@ -428,7 +428,7 @@ def llama_quantize(
     ffn_down tensors become Q4_1), so this file's types can differ from a plain quantization's."""
     import llama_cpp
 
-    from .gguf_io import FTYPES, atomic_output, check_output_path, deferred_interrupts
+    from ..gguf_io import FTYPES, atomic_output, check_output_path, deferred_interrupts
 
     key = ftype.lower()
     if key not in FTYPES:

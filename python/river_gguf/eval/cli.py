@@ -1,5 +1,5 @@
 """`river-gguf eval` and `river-gguf calibrate` (wired into cli.py's SUBCOMMANDS as
-"river_gguf.eval_cli:register_eval" and "river_gguf.eval_cli:register_calibrate").
+"river_gguf.eval.cli:register_eval" and "river_gguf.eval.cli:register_calibrate").
 
 Heavy imports stay inside the handlers: this module is imported whenever the parser is built.
 """
@@ -27,7 +27,7 @@ def _floats(s: str):
 
 # ----- eval ----------------------------------------------------------------------------
 def _cmd_eval(args) -> int:
-    from . import evaluate
+    from . import report as evaluate
 
     s = evaluate.quick_settings(args.model) if args.quick else evaluate.full_settings(args.model)
     domains = [d for d in args.domains.split(",") if d.strip()] + list(args.text or [])
@@ -84,8 +84,8 @@ def register_eval(subparsers, common=None) -> None:
 def _cmd_calibrate(args) -> int:
     import json
 
-    from . import evaluate
-    from .cli import UsageError, load_model
+    from . import report as evaluate
+    from ..cli import UsageError, load_model
 
     if args.model is None:
         raise UsageError("calibrate needs a River GGUF (or a backbone with --river)")
@@ -113,7 +113,7 @@ def _cmd_calibrate(args) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(evaluate.json_safe(res), f, indent=1)
     if args.write:
-        from .gguf_meta import set_river_metadata
+        from ..gguf_meta import set_river_metadata
 
         path = m.model_path
         del m

@@ -30,7 +30,7 @@ compares, in one run:
 analyse() then checks the presets against the ladder (the issue's two targets) and the dynamic
 exit against the static tail hybrids at equal measured speed.
 
-    PYTHONPATH=python python -m river_gguf.evaluate --quick          # CI sanity, < 2 min
+    PYTHONPATH=python python -m river_gguf.eval.report --quick          # CI sanity, < 2 min
     PYTHONPATH=python python benchmarks/pareto_report.py --model smollm2   # full report
 """
 from __future__ import annotations
@@ -46,9 +46,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .results import json_safe, log_softmax_at
+from ..results import json_safe, log_softmax_at
 
-from . import eval_data
+from . import data as eval_data
 
 # Dense where SmolLM2's mid-layer similarities live: mean exit layer moves from ~2 to ~28 here.
 DEFAULT_TAUS = (0.96, 0.97, 0.975, 0.98, 0.9825, 0.985, 0.9875, 0.99, 0.995)
@@ -302,7 +302,7 @@ def _zoo(model: str):
 
 def river_gguf_path(model: str = DEFAULT_MODEL) -> str:
     """Where the report keeps the model's default River GGUF (one name per model, in the cache)."""
-    from .default_model import cache_dir
+    from ..default_model import cache_dir
 
     return str(cache_dir() / f"{_zoo(model).stem}.f16+q4_0-imatrix.presets.river.gguf")
 
@@ -314,18 +314,18 @@ def default_river_gguf(model: str = DEFAULT_MODEL, rebuild: bool = False, n_thre
     and cached (`rebuild` builds it again, e.g. after the converter changed)."""
     from . import model_zoo
 
-    from .presets import PRESET_KEY
+    from ..presets import PRESET_KEY
 
     path = river_gguf_path(model)
     if rebuild or not os.path.isfile(path):
-        from .convert import build_river_gguf
+        from ..convert.build import build_river_gguf
 
         build_river_gguf(model_zoo.derived(model, "f16", progress=progress), path, progress=progress,
                          n_threads=n_threads)
     elif PRESET_KEY not in _metadata(path, (PRESET_KEY,)):
         # A file from before build_river_gguf stored presets in the staged file (its output is
         # now complete or absent).
-        from .convert import calibrate_presets_file
+        from ..convert.build import calibrate_presets_file
 
         calibrate_presets_file(path, n_threads=n_threads, progress=progress)
     return path
@@ -345,7 +345,7 @@ def control_path(model: str, tail: int, river_file: Optional[str] = None) -> str
     and kept beside it."""
     import hashlib
 
-    from .hybrid import write_hybrid_gguf
+    from ..convert.hybrid import write_hybrid_gguf
 
     river_file = river_file or default_river_gguf(model)
     md = _metadata(river_file, ("river.backbone_sha256", "river.river_sha256"))
@@ -492,7 +492,7 @@ def _plan(settings: Settings, ladder: Optional[Sequence[str]] = None,
           preset_names: Optional[Dict[str, Sequence[str]]] = None) -> List[Row]:
     """The rows of a run. ladder: derived kinds (default settings.ladder, else ()); preset_names:
     per setup with presets=True, the presets its file stores (default: fast, balanced, quality)."""
-    from . import presets as presets_mod
+    from .. import presets as presets_mod
 
     rows: List[Row] = []
     ladder = (settings.ladder or ()) if ladder is None else ladder
@@ -543,7 +543,7 @@ def _setup_of(settings: Settings, name: str) -> Setup:
 
 
 def _ordered_presets(names) -> List[str]:
-    from . import presets as presets_mod
+    from .. import presets as presets_mod
 
     return sorted(names, key=lambda n: (presets_mod.NAMES.index(n) if n in presets_mod.NAMES else 99, n))
 
@@ -567,7 +567,7 @@ def run_eval(settings: Settings) -> dict:
     from tqdm import tqdm
 
     from . import model_zoo
-    from .model import Model
+    from ..model import Model
 
     t_start = time.perf_counter()
     name = _zoo(settings.model).name

@@ -11,7 +11,7 @@ import contextlib
 import os
 import re
 
-from .convert import RIVER_PREFIX, _check_loadable, _field, _new_writer, _plain_tensors, _reader, \
+from .build import RIVER_PREFIX, _check_loadable, _field, _new_writer, _plain_tensors, _reader, \
     _river_tensors, _same_file, _write_tensors, _arch, compare_models
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
@@ -31,7 +31,7 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
     Norms and rope_freqs come from the backbone, and so does all metadata (river.* keys dropped).
     Either input may be a River GGUF: the backbone's plain tensors / the river's ``river.*`` ones are used.
     """
-    from .gguf_io import atomic_output, check_output_path
+    from ..gguf_io import atomic_output, check_output_path
 
     backbone_path, river_path, out_path = os.fspath(backbone_path), os.fspath(river_path), os.fspath(out_path)
     if _same_file(out_path, backbone_path) or _same_file(out_path, river_path):

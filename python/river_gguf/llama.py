@@ -280,12 +280,14 @@ class Llama:
         native.Vocab(model_path)
         try:
             self._model = internals.LlamaModel(path_model=model_path, params=params, verbose=self.verbose)
+            # llama-cpp-python decodes every key and string value as UTF-8 (UnicodeDecodeError
+            # is a ValueError too): a damaged file is named as such.
+            self.metadata = self._model.metadata()
         except ValueError as e:
             raise native.GGUFFormatError(f"libllama could not load {model_path}: {e}") from None
         self.tokenizer_ = tokenizer or LlamaTokenizer(self)
         self._n_vocab = self._model.n_vocab()
 
-        self.metadata = self._model.metadata()
         if n_ctx == 0:
             n_ctx = self._n_ctx_train()
         self.n_batch = min(n_ctx, n_batch)

@@ -10,6 +10,7 @@
 #include "errors.h"
 #include "ggml.h"
 #include "imatrix.h"
+#include "rpc.h"
 #include "vocab.h"
 
 namespace py = pybind11;
@@ -94,6 +95,8 @@ PYBIND11_MODULE(_native, m) {
         py::register_exception<RiverMismatchError>(m, "RiverMismatchError", PyExc_ValueError).ptr();
     static PyObject* overflow_error =
         py::register_exception<ContextOverflowError>(m, "ContextOverflowError", PyExc_ValueError).ptr();
+    // An RPC server refused, reset, timed out or failed mid-generation (rpc.h).
+    static PyObject* rpc_error = py::register_exception<RpcError>(m, "RpcError", PyExc_ConnectionError).ptr();
     // Messages quote names, keys and paths, whose bytes need not be UTF-8; pybind's own
     // translation would then raise UnicodeDecodeError in place of the error. Tried before it.
     py::register_exception_translator([](std::exception_ptr p) {
@@ -112,6 +115,8 @@ PYBIND11_MODULE(_native, m) {
             set(mismatch_error, e.what());
         } catch (const ContextOverflowError& e) {
             set(overflow_error, e.what());
+        } catch (const RpcError& e) {
+            set(rpc_error, e.what());
         } catch (const std::invalid_argument& e) {
             set(PyExc_ValueError, e.what());
         }
@@ -122,10 +127,27 @@ PYBIND11_MODULE(_native, m) {
     m.def("loaded_ggml_commit", [] { return std::string(ggml_commit()); });
     m.def("loaded_ggml_version", [] { return std::string(ggml_version()); });
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
+    // ggml's RPC backend: compiled in (HAS_RPC), present in the loaded ggml (rpc_available).
+    m.attr("HAS_RPC") = rpc_compiled();
+    m.attr("RPC_PROTOCOL") = rpc_protocol_version();
+    m.def("rpc_available", &rpc_available);
+    m.def(
+        "rpc_serve",
+        [](const std::string& host, int port, int n_threads, const std::string& cache_dir,
+           const std::vector<std::string>& devices) {
+            py::gil_scoped_release release;  // it serves until the process ends
+            return rpc_serve(host, port, n_threads, cache_dir, devices);
+        },
+        py::arg("host"), py::arg("port"), py::arg("n_threads") = 1, py::arg("cache_dir") = "",
+        py::arg("devices") = std::vector<std::string>{},
+        "Serve this machine's devices with ggml's RPC server (ggml_backend_rpc_start_server). Blocks while it "
+        "serves; returns a message when it could not start.");
 
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& path, const std::string& river_path, int n_ctx, int n_threads,
-                         int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse, bool use_mmap) {
+                         int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse, bool use_mmap,
+                         std::vector<std::string> rpc_servers, int rpc_n_layers, std::vector<int> rpc_layers,
+                         std::vector<float> rpc_split, int rpc_weights, double rpc_timeout) {
                  EngineConfig cfg;
                  cfg.path = path;
                  cfg.river_path = river_path;
@@ -137,12 +159,22 @@ PYBIND11_MODULE(_native, m) {
                  cfg.graph_reuse = graph_reuse;
                  cfg.fuse = fuse;
                  cfg.use_mmap = use_mmap;
+                 cfg.rpc_servers = std::move(rpc_servers);
+                 cfg.rpc_n_layers = rpc_n_layers;
+                 cfg.rpc_layers = std::move(rpc_layers);
+                 cfg.rpc_split = std::move(rpc_split);
+                 if (rpc_weights < 0 || rpc_weights > 2) throw std::invalid_argument("rpc_weights must be 0, 1 or 2");
+                 cfg.rpc_weights = rpc_weights;
+                 cfg.rpc_timeout = rpc_timeout;
                  py::gil_scoped_release release;
                  return std::make_unique<Engine>(cfg);
              }),
              py::arg("path"), py::arg("river_path") = "", py::arg("n_ctx") = 2048, py::arg("n_threads") = 1,
              py::arg("n_batch") = 512, py::arg("n_gpu_layers") = 0, py::arg("repack") = true,
-             py::arg("graph_reuse") = true, py::arg("fuse") = true, py::arg("use_mmap") = true)
+             py::arg("graph_reuse") = true, py::arg("fuse") = true, py::arg("use_mmap") = true,
+             py::arg("rpc_servers") = std::vector<std::string>{}, py::arg("rpc_n_layers") = -1,
+             py::arg("rpc_layers") = std::vector<int>{}, py::arg("rpc_split") = std::vector<float>{},
+             py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0)
         .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
              py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0)
@@ -152,6 +184,8 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("has_river", &Engine::has_river)
         .def_property_readonly("river_has_head", &Engine::river_has_head)
         .def_property_readonly("gpu_offload", &Engine::gpu_offload)
+        .def_property_readonly("layer_devices", &Engine::layer_devices,
+                               "Where each layer and its KV cache live: 'CPU', 'GPU' or an RPC server's host:port.")
         .def_property_readonly("kept_graphs", &Engine::kept_graphs)
         .def_property_readonly("hparams", [](const Engine& e) { return hparams(e.hparams()); })
         .def_property_readonly("metadata", [](const Engine& e) { return metadata(e.file()); })

@@ -10,6 +10,9 @@
 #include "errors.h"
 #include "ggml-alloc.h"
 #include "layer_graph.h"
+#ifdef RIVER_HAVE_RPC
+#include "ggml-rpc.h"
+#endif
 
 namespace river {
 
@@ -73,6 +76,17 @@ void fail_point(const char* stage) {
 }  // namespace
 
 Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch_(cfg.n_batch) {
+    try {
+        load(cfg);
+    } catch (const RpcError&) {
+        throw;
+    } catch (...) {
+        check_links();  // whatever failed while a server was failing is reported as that failure
+        throw;
+    }
+}
+
+void Engine::load(const EngineConfig& cfg) {
     if (cfg.n_ctx <= 0) throw std::invalid_argument("n_ctx must be positive");
     if (cfg.n_threads <= 0) throw std::invalid_argument("n_threads must be positive");
     if (cfg.n_batch <= 0) throw std::invalid_argument("n_batch must be positive");
@@ -110,7 +124,26 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
     if (threadpool_) ggml_backend_cpu_set_threadpool(cpu, threadpool_.get());
     fail_point("backend");
 
-    // Offload the last n_gpu_layers layers (and the head once all layers are), as llama.cpp does.
+    // RPC servers: each server's devices through ggml-rpc, reached through a guarded link.
+    for (const std::string& endpoint : cfg.rpc_servers) {
+        links_.push_back(std::make_unique<RpcLink>(endpoint, cfg.rpc_timeout));  // throws without RPC
+#ifdef RIVER_HAVE_RPC
+        ggml_backend_reg_t reg = ggml_backend_rpc_add_server(links_.back()->local_endpoint().c_str());
+        check_links();
+        const size_t n_dev = reg ? ggml_backend_reg_dev_count(reg) : 0;
+        if (n_dev == 0) throw RpcError("RPC server '" + endpoint + "' offers no devices");
+        for (size_t i = 0; i < n_dev; ++i) {
+            remote_.emplace_back(ggml_backend_dev_init(ggml_backend_reg_dev_get(reg, i), nullptr));
+            check_links();
+            if (!remote_.back()) throw RpcError("cannot start a backend on RPC server '" + endpoint + "'");
+            remote_name_.push_back(n_dev > 1 ? endpoint + "#" + std::to_string(i) : endpoint);
+        }
+#endif
+    }
+    const std::vector<int> remote_of = place_remote_layers(cfg);
+
+    // Offload the last n_gpu_layers layers (and the head once all layers are), as llama.cpp does;
+    // layers placed on RPC servers stay there.
     std::vector<ggml_backend_t> layer_backend(hp_.n_layer, cpu);
     if (cfg.n_gpu_layers > 0) {
         if (ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU)) {
@@ -123,9 +156,27 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
     // which stays in the mapping for get_rows.
     std::vector<ggml_tensor**> heads = {&backbone_.output};
     if (river_ && river_->head) heads.push_back(&river_->head);
+    // Whose weights of a remote layer live with it; the others stay local and the scheduler
+    // runs them here, reading the layer's cache there.
+    auto backbone_remote = [&](int il) { return remote_of[il] >= 0 && cfg.rpc_weights != 2; };
+    auto river_remote = [&](int il) { return remote_of[il] >= 0 && cfg.rpc_weights != 1; };
+    for (size_t d = 0; d < remote_.size(); ++d) {
+        std::vector<ggml_tensor**> slots;
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            if (remote_of[il] != static_cast<int>(d)) continue;
+            layer_backend[il] = remote_[d].get();
+            if (backbone_remote(il)) for (auto s : layer_slots(backbone_.layers[il])) slots.push_back(s);
+            if (river_ && river_remote(il)) for (auto s : layer_slots(river_->layers[il])) slots.push_back(s);
+        }
+        if (slots.empty()) continue;
+        placed_weights_.push_back(std::make_unique<DeviceWeights>());
+        placed_weights_.back()->move(ggml_backend_get_default_buffer_type(remote_[d].get()), slots);
+        check_links();
+    }
     if (gpu_) {
         std::vector<ggml_tensor**> slots;
         for (int il = first_gpu; il < hp_.n_layer; ++il) {
+            if (remote_of[il] >= 0) continue;
             layer_backend[il] = gpu_.get();
             for (auto s : layer_slots(backbone_.layers[il])) slots.push_back(s);
             if (river_) for (auto s : layer_slots(river_->layers[il])) slots.push_back(s);
@@ -143,9 +194,10 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
         // Q4_0/Q8_0/... layouts), where the CPU kernels read them faster than from the mapping.
         // They are copied there anyway, so Q/K/V and gate/up are joined on the way (cfg.fuse).
         std::vector<LayerWeights*> cpu_layers;
-        for (int il = 0; il < first_gpu; ++il) {
-            cpu_layers.push_back(&backbone_.layers[il]);
-            if (river_) cpu_layers.push_back(&river_->layers[il]);
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            if (il >= first_gpu && remote_of[il] < 0) continue;  // on the GPU
+            if (!backbone_remote(il)) cpu_layers.push_back(&backbone_.layers[il]);
+            if (river_ && !river_remote(il)) cpu_layers.push_back(&river_->layers[il]);
         }
         std::vector<ggml_tensor**> cpu_matmuls;
         for (LayerWeights* w : cpu_layers) for (auto s : matmul_slots(*w)) cpu_matmuls.push_back(s);
@@ -188,6 +240,7 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
 
     fail_point("weights");
     if (gpu_) backends_.push_back(gpu_.get());
+    for (auto& r : remote_) backends_.push_back(r.get());
     backends_.push_back(cpu);
     sched_.reset(ggml_backend_sched_new(backends_.data(), nullptr, static_cast<int>(backends_.size()),
                                         graph_size(hp_), false, true));
@@ -197,7 +250,12 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
     ggml_backend_cpu_set_abort_callback(cpu, &Engine::abort_requested, this);
 
     cache_ = std::make_unique<KvCache>(hp_, cfg.n_ctx, GGML_TYPE_F16, layer_backend);
+    check_links();
     fail_point("cache");
+    for (int il = 0; il < hp_.n_layer; ++il) {
+        layer_device_.push_back(remote_of[il] >= 0 ? remote_name_[remote_of[il]]
+                                : layer_backend[il] == cpu ? "CPU" : "GPU");
+    }
 
     ggml_init_params sp{ggml_tensor_overhead() * 4, nullptr, /*no_alloc=*/true};
     state_ctx_.reset(ggml_init(sp));
@@ -206,6 +264,73 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
     state_buf_.reset(ggml_backend_alloc_ctx_tensors(state_ctx_.get(), cpu));
     if (!state_buf_) throw std::runtime_error("out of memory for the hidden-state buffer");
     fail_point("end");
+}
+
+std::vector<int> Engine::place_remote_layers(const EngineConfig& cfg) const {
+    const int n_layer = hp_.n_layer;
+    std::vector<int> remote_of(n_layer, -1);
+    if (remote_.empty()) return remote_of;
+    std::vector<int> layers = cfg.rpc_layers;
+    if (layers.empty()) {
+        const int n = cfg.rpc_n_layers < 0 ? n_layer : std::min(cfg.rpc_n_layers, n_layer);
+        for (int il = n_layer - n; il < n_layer; ++il) layers.push_back(il);
+    }
+    std::sort(layers.begin(), layers.end());
+    for (size_t i = 0; i < layers.size(); ++i) {
+        if (layers[i] < 0 || layers[i] >= n_layer) {
+            throw std::invalid_argument("rpc_layers: layer " + std::to_string(layers[i]) + " is outside [0, " +
+                                        std::to_string(n_layer - 1) + "]");
+        }
+        if (i > 0 && layers[i] == layers[i - 1]) {
+            throw std::invalid_argument("rpc_layers: layer " + std::to_string(layers[i]) + " is listed twice");
+        }
+    }
+    // Each device's share: given, or its free memory (llama.cpp's default tensor_split).
+    std::vector<double> share(remote_.size(), 0.0);
+    if (!cfg.rpc_split.empty()) {
+        if (cfg.rpc_split.size() != remote_.size()) {
+            std::string names;
+            for (const auto& n : remote_name_) names += (names.empty() ? "" : ", ") + n;
+            throw std::invalid_argument("rpc_split has " + std::to_string(cfg.rpc_split.size()) + " shares but there are " +
+                                        std::to_string(remote_.size()) + " remote devices (" + names + ")");
+        }
+        for (size_t d = 0; d < share.size(); ++d) {
+            if (!(cfg.rpc_split[d] >= 0) || !std::isfinite(cfg.rpc_split[d])) {
+                throw std::invalid_argument("rpc_split shares must be finite and >= 0");
+            }
+            share[d] = cfg.rpc_split[d];
+        }
+    } else {
+        for (size_t d = 0; d < share.size(); ++d) {
+            size_t free = 0, total = 0;
+            ggml_backend_dev_memory(ggml_backend_get_device(remote_[d].get()), &free, &total);
+            share[d] = static_cast<double>(free);
+        }
+    }
+    double sum = 0;
+    for (double x : share) sum += x;
+    if (sum <= 0) std::fill(share.begin(), share.end(), 1.0), sum = double(share.size());
+    // Contiguous runs in device order, as llama.cpp splits layers: the k-th remote layer goes to
+    // the first device whose cumulative share passes k / count.
+    std::vector<double> cum(share.size());
+    double acc = 0;
+    for (size_t d = 0; d < share.size(); ++d) cum[d] = (acc += share[d]) / sum;
+    for (size_t k = 0; k < layers.size(); ++k) {
+        const double at = double(k) / double(layers.size());
+        size_t d = std::upper_bound(cum.begin(), cum.end(), at) - cum.begin();
+        remote_of[layers[k]] = static_cast<int>(std::min(d, share.size() - 1));
+    }
+    return remote_of;
+}
+
+void Engine::check_links() {
+    if (!broken_.empty()) throw RpcError(broken_);
+    for (const auto& link : links_) {
+        if (link->failed()) {
+            broken_ = link->failure() + "; this model cannot go on: close it and load it again";
+            throw RpcError(broken_);
+        }
+    }
 }
 
 void Engine::truncate(int n) {
@@ -244,15 +369,25 @@ void Engine::check_request(const EvalRequest& req) const {
 }
 
 EvalResult Engine::eval(const EvalRequest& req) {
+    check_links();
     check_request(req);
     EvalResult out;
     out.exit_layer = hp_.n_layer - 1;
     const int n = static_cast<int>(req.tokens.size());
-    for (int start = 0; start < n; start += n_batch_) {
-        const int len = std::min(n_batch_, n - start);
-        eval_chunk(req.tokens.data() + start, len, req, out);
-        n_past_ += len;
+    try {
+        for (int start = 0; start < n; start += n_batch_) {
+            const int len = std::min(n_batch_, n - start);
+            eval_chunk(req.tokens.data() + start, len, req, out);
+            n_past_ += len;
+        }
+    } catch (const RpcError&) {
+        throw;
+    } catch (...) {
+        check_links();  // a step that failed because a server did reports the server
+        throw;
     }
+    // After a server failed, the step read placeholders (rpc.h): never return them.
+    check_links();
     return out;
 }
 
@@ -476,15 +611,21 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
         }
     } else {
         ggml_backend_sched_reset(sched_.get());
+        // Exit decisions run here: they read h through the CPU, and stop the CPU backend. (An
+        // RPC device claims to support every op, a custom op included.)
+        for (int i = 0; i < ggml_graph_n_nodes(gf); ++i) {
+            ggml_tensor* node = ggml_graph_node(gf, i);
+            if (node->op == GGML_OP_CUSTOM) ggml_backend_sched_set_tensor_backend(sched_.get(), node, cpu_.get());
+        }
         if (!ggml_backend_sched_alloc_graph(sched_.get(), gf)) throw std::runtime_error("cannot allocate the compute graph");
     }
     return g;
 }
 
 Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
-    // Kept: single-token graphs on a CPU-only engine. With a GPU the scheduler splits the graph
+    // Kept: single-token graphs on a CPU-only engine. With a GPU (or RPC devices) the scheduler splits the graph
     // across backends, and one scheduler per kept graph would cost too much memory.
-    const bool keep = graph_reuse_ && spec.n == 1 && !gpu_ && !observer_;
+    const bool keep = graph_reuse_ && spec.n == 1 && !gpu_ && remote_.empty() && !observer_;
     if (!keep) {
         transient_.reset();
         transient_ = build(spec, false);

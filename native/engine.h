@@ -12,6 +12,7 @@
 #include "gguf_file.h"
 #include "hparams.h"
 #include "kv_cache.h"
+#include "rpc.h"
 #include "weights.h"
 
 namespace river {
@@ -27,6 +28,13 @@ struct EngineConfig {
     bool graph_reuse = true;     // keep single-token decode graphs (and their allocations) across steps
     bool fuse = true;            // repacked layers: Q/K/V and gate/up as one mul_mat each (same logits)
     bool use_mmap = true;        // map the GGUF files; false (or RIVER_GGUF_NO_MMAP=1) reads them
+    // Layers on other machines through ggml-rpc (rpc.h). Layer l's KV cache lives on its device.
+    std::vector<std::string> rpc_servers;  // host:port of each server
+    int rpc_n_layers = -1;                 // the last n layers go remote (-1: all); ignored when rpc_layers is set
+    std::vector<int> rpc_layers;           // exactly these layers go remote
+    std::vector<float> rpc_split;          // share of the remote layers per remote device; empty: by free memory
+    int rpc_weights = 0;                   // whose weights of a remote layer go with it: 0 both, 1 backbone, 2 river
+    double rpc_timeout = 120;              // seconds a server may take to answer; <= 0: no limit
 };
 
 enum class ExitMode {
@@ -76,6 +84,8 @@ public:
     int n_ctx() const { return cache_->n_ctx(); }
     int n_past() const { return n_past_; }
     bool gpu_offload() const { return gpu_ != nullptr; }
+    // Where each layer (and its KV cache) lives: "CPU", "GPU" or an RPC server's host:port.
+    const std::vector<std::string>& layer_devices() const { return layer_device_; }
 
     // Forget cache rows n.. (keeps a shared prefix for the next prompt).
     void truncate(int n);
@@ -120,13 +130,23 @@ private:
     static void exit_node_op(ggml_tensor* dst, int ith, int nth, void* node);
     static bool abort_requested(void* engine);
 
+    void load(const EngineConfig& cfg);  // the constructor's work
     void check_request(const EvalRequest& req) const;
+    // Throws RpcError (and keeps refusing work) once a server has failed; see rpc.h.
+    void check_links();
+    // Give each remote device its share of the remote layers (-1: local).
+    std::vector<int> place_remote_layers(const EngineConfig& cfg) const;
     // One chunk of at most n_batch tokens, all at positions n_past_..
     void eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, EvalResult& out);
     // Run `spec` on `tokens` (or on h_state_); false when an exit node stopped it.
     bool run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out);
     std::unique_ptr<Graph> build(const GraphSpec& spec, bool own_sched);
     Graph& graph_for(const GraphSpec& spec);
+
+    // Declared first, so destroyed last: each relays for ggml-rpc objects (backends, buffers,
+    // the scheduler's compute buffers) until they are all freed.
+    std::vector<std::unique_ptr<RpcLink>> links_;
+    std::string broken_;                    // why this engine refuses work after a server failed
 
     std::unique_ptr<GgufFile> file_;
     std::unique_ptr<GgufFile> river_file_;
@@ -144,7 +164,10 @@ private:
     std::unique_ptr<ggml_threadpool, ThreadpoolFree> threadpool_;
     ggml_backend_ptr cpu_;
     ggml_backend_ptr gpu_;
-    std::vector<ggml_backend_t> backends_;  // the scheduler's list: gpu_ (if any), cpu_; not owned
+    std::vector<ggml_backend_ptr> remote_;  // one per device of the RPC servers, in order
+    std::vector<std::string> remote_name_;  // the server's host:port (#device when it has several)
+    std::vector<std::string> layer_device_;
+    std::vector<ggml_backend_t> backends_;  // the scheduler's list: gpu_ (if any), remote_, cpu_; not owned
 
     // Hidden state handed from a stopped backbone graph to the river graph.
     ggml_context_ptr state_ctx_;

@@ -11,10 +11,25 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36   # keep in step with pyproject.toml
 python -m pip install -q --upgrade pip
 
 # llama-cpp-python compiles llama.cpp (about 5 minutes on 2 cores the first time; pip caches
-# the wheel afterwards). The engine links the ggml it ships.
-if ! python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON_VERSION')" 2>/dev/null; then
-  echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION (first time: ~5 min)"
-  CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} python -m pip install "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+# the wheel afterwards). The engine links the ggml it ships, with ggml's RPC backend on
+# (layers on other machines: river-gguf rpc-server, Model(rpc_servers=...)); your own
+# CMAKE_ARGS (e.g. -DGGML_CUDA=on) are kept.
+LLAMA_CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON"
+llama_cpp_ready() {  # the pinned version, with ggml's RPC library
+  python -c "import glob, os, sys, llama_cpp; d = os.path.join(os.path.dirname(llama_cpp.__file__), 'lib'); \
+sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON_VERSION' or not glob.glob(os.path.join(d, 'libggml-rpc.*')))" 2>/dev/null
+}
+if ! llama_cpp_ready; then
+  echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC (first time: ~5 min)"
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+    python -m pip install "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+  if ! llama_cpp_ready; then
+    # pip reused (or kept) a wheel built without RPC: drop it from pip's cache and build again.
+    python -m pip cache remove 'llama_cpp_python*' >/dev/null 2>&1 || true
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+      python -m pip install --force-reinstall --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+  fi
+  llama_cpp_ready || { echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION built without ggml's RPC library" >&2; exit 1; }
 fi
 python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy gguf tqdm jinja2 pytest matplotlib
 # The server extra (river-gguf serve) and the official openai client its tests talk to it with.

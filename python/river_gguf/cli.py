@@ -27,6 +27,44 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngl", type=int, default=0, metavar="N", help="layers to offload to the GPU (-1: all)")
     p.add_argument("--river", default=None, metavar="PATH", help="separate lower-precision GGUF used as river")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp/ggml log output")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
+                   help="put layers on these RPC servers (river-gguf rpc-server; trusted networks only)")
+    p.add_argument("--rpc-layers", default=None, metavar="N|LIST",
+                   help="layers on the RPC servers: N (the last N, -1: all; default all) or a list like 0-3,8")
+    p.add_argument("--rpc-split", default=None, metavar="S1,S2,...",
+                   help="each remote device's share of those layers (default: by free memory)")
+    p.add_argument("--rpc-weights", choices=("all", "backbone", "river"), default="all",
+                   help="whose weights of a remote layer go with it (default all; its KV cache always does)")
+    p.add_argument("--rpc-timeout", type=float, default=None, metavar="S",
+                   help="seconds an RPC server may take to answer (default 120)")
+
+
+def rpc_model_kwargs(args) -> dict:
+    """Model's rpc_* arguments from --rpc and friends (ValueError when ggml has no RPC)."""
+    from . import rpc
+
+    kw = {}
+    if getattr(args, "rpc", None) is not None:
+        from ._loader import HAS_RPC, require_rpc
+
+        if not HAS_RPC:  # a ValueError, reported as a usage error (Model raises RuntimeError)
+            try:
+                require_rpc("--rpc")
+            except RuntimeError as e:
+                raise ValueError(str(e)) from None
+        kw["rpc_servers"] = args.rpc
+    if getattr(args, "rpc_layers", None) is not None:
+        kw["rpc_layers"] = rpc.parse_layers_spec(args.rpc_layers)
+    if getattr(args, "rpc_split", None) is not None:
+        try:
+            kw["rpc_split"] = [float(x) for x in args.rpc_split.split(",")]
+        except ValueError:
+            raise ValueError(f"--rpc-split {args.rpc_split!r}: give numbers separated by commas") from None
+    if getattr(args, "rpc_weights", "all") != "all":
+        kw["rpc_weights"] = args.rpc_weights
+    if getattr(args, "rpc_timeout", None) is not None:
+        kw["rpc_timeout"] = args.rpc_timeout
+    return kw
 
 
 def add_exit_args(p: argparse.ArgumentParser) -> None:
@@ -78,7 +116,8 @@ def load_model(args):
     return Model(args.model or default_model_for_cli(), river=args.river, n_ctx=args.ctx, n_threads=args.threads,
                  n_gpu_layers=args.ngl, mode=getattr(args, "mode", None),
                  threshold=getattr(args, "threshold", None), river_head=getattr(args, "river_head", None),
-                 preset=getattr(args, "preset", None), tail=getattr(args, "tail", None), verbose=args.verbose)
+                 preset=getattr(args, "preset", None), tail=getattr(args, "tail", None), verbose=args.verbose,
+                 **rpc_model_kwargs(args))
 
 
 def sampling_kwargs(args) -> dict:
@@ -264,6 +303,7 @@ SUBCOMMANDS = [
     "river_gguf.eval.cli:register_eval",
     "river_gguf.eval.cli:register_calibrate",
     "river_gguf.serve:register",
+    "river_gguf.rpc_server:register",
 ]
 
 

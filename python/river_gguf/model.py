@@ -16,6 +16,7 @@ from . import presets
 from .options import ExitOptions, check_river_options, is_bool, is_int
 from .results import Generation, ScoreResult, log_softmax_at
 from . import completions, generation
+from . import rpc
 from .generation import StreamInvalidatedError  # noqa: F401  (re-exported by river_gguf)
 from .chat import format_chat
 
@@ -89,6 +90,17 @@ class Model:
     preset: one of the River GGUF's named settings ("fast", "balanced", "quality"; default: the
     file's default preset, "balanced"); explicit options override it.
 
+    rpc_servers: layers on other machines through ggml's RPC backend: "host:port" strings (or
+    one comma-separated string) of `river-gguf rpc-server`s or llama.cpp rpc-servers, trusted
+    networks only. rpc_layers: which layers go there: None (all), n (the last n) or a list of
+    layer indices; each layer keeps its KV cache on its device, so an exit never moves it.
+    rpc_split: each remote device's share of those layers (default: by free memory, as
+    llama.cpp's tensor_split). rpc_weights: "all" (a remote layer's backbone and river weights
+    go with it), "backbone" or "river" (only that model's; the other's layer runs here on the
+    remote cache). rpc_timeout: seconds a server may take to answer (None: no limit). A server
+    that is down, busy with another client, stops answering or dies raises ConnectionError
+    naming it; after a failure mid-generation the Model refuses work: load it again.
+
     Bad arguments (wrong type, bools for numbers, out of range, unknown options) raise ValueError.
 
     Threads and streams. A Model owns one KV cache. Every call that runs the engine (generate,
@@ -124,6 +136,11 @@ class Model:
         tail: Optional[int] = None,
         preset: Optional[str] = None,
         verbose: bool = False,
+        rpc_servers: Optional[Union[str, Sequence[str]]] = None,
+        rpc_layers: Optional[Union[int, Sequence[int]]] = None,
+        rpc_split: Optional[Sequence[float]] = None,
+        rpc_weights: str = "all",
+        rpc_timeout: Optional[float] = rpc.DEFAULT_TIMEOUT,
     ):
         if model_path is None:
             from .default_model import default_model_path
@@ -142,6 +159,7 @@ class Model:
         # -1 (any negative): everything, as in llama.cpp; clamped so it fits the native int.
         n_gpu_layers = 1 << 30 if n_gpu_layers < 0 else min(int(n_gpu_layers), 1 << 30)
         verbose = _bool_arg("verbose", verbose)
+        rpc_kw = rpc.engine_kwargs(rpc_servers, rpc_layers, rpc_split, rpc_weights, rpc_timeout)
         self._use_mmap = _bool_arg("use_mmap", use_mmap)
         if preset is not None and not isinstance(preset, str):
             raise ValueError(f"preset must be a str, got {preset!r}")
@@ -163,7 +181,7 @@ class Model:
         # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
         with deferred_interrupts():
             self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
-                                         use_mmap=self._use_mmap)
+                                         use_mmap=self._use_mmap, **rpc_kw)
             self._vocab = native.Vocab(model_path)
         self.hparams = self._engine.hparams
         self.metadata = self._engine.metadata
@@ -210,6 +228,11 @@ class Model:
     @property
     def has_river(self) -> bool:
         return self._engine.has_river
+
+    @property
+    def layer_devices(self) -> List[str]:
+        """Where each layer and its KV cache live: "CPU", "GPU" or an RPC server's host:port."""
+        return list(self._engine.layer_devices)
 
     def _file_exit_options(self, profile: bool) -> ExitOptions:
         """Defaults stored in a River GGUF (river.* keys); plain files never exit by default."""

@@ -291,8 +291,9 @@ std::vector<int> Engine::place_remote_layers(const EngineConfig& cfg) const {
         if (cfg.rpc_split.size() != remote_.size()) {
             std::string names;
             for (const auto& n : remote_name_) names += (names.empty() ? "" : ", ") + n;
-            throw std::invalid_argument("rpc_split has " + std::to_string(cfg.rpc_split.size()) + " shares but there are " +
-                                        std::to_string(remote_.size()) + " remote devices (" + names + ")");
+            throw std::invalid_argument("rpc_split has " + std::to_string(cfg.rpc_split.size()) +
+                                        " shares but there are " + std::to_string(remote_.size()) +
+                                        " remote devices (" + names + ")");
         }
         for (size_t d = 0; d < share.size(); ++d) {
             if (!(cfg.rpc_split[d] >= 0) || !std::isfinite(cfg.rpc_split[d])) {
@@ -623,8 +624,8 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
 }
 
 Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
-    // Kept: single-token graphs on a CPU-only engine. With a GPU (or RPC devices) the scheduler splits the graph
-    // across backends, and one scheduler per kept graph would cost too much memory.
+    // Kept: single-token graphs on a CPU-only engine. With a GPU or RPC devices the scheduler
+    // splits the graph across backends, and one scheduler per kept graph would cost too much memory.
     const bool keep = graph_reuse_ && spec.n == 1 && !gpu_ && remote_.empty() && !observer_;
     if (!keep) {
         transient_.reset();

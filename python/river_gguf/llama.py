@@ -227,6 +227,12 @@ class Llama:
         river_head: Optional[bool] = None,
         prefill: Optional[str] = None,
         tail: Optional[int] = None,
+        # Layers on other machines (ggml RPC; newer llama-cpp-python takes rpc_servers too)
+        rpc_servers: Optional[Union[str, List[str]]] = None,
+        rpc_layers: Optional[Union[int, List[int]]] = None,
+        rpc_split: Optional[List[float]] = None,
+        rpc_weights: str = "all",
+        rpc_timeout: Optional[float] = 120.0,
         **kwargs,
     ):
         self._closed = True  # until the end of __init__: close() and __del__ tolerate a half-made object
@@ -317,7 +323,9 @@ class Llama:
             self.river_model = Model(model_path, river=river, n_ctx=n_ctx, n_threads=n_threads, n_batch=self.n_batch,
                                      n_gpu_layers=n_gpu_layers, mode=mode, threshold=threshold,
                                      min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill,
-                                     tail=tail, preset=preset, verbose=self.verbose, **extra)
+                                     tail=tail, preset=preset, verbose=self.verbose, rpc_servers=rpc_servers,
+                                     rpc_layers=rpc_layers, rpc_split=rpc_split, rpc_weights=rpc_weights,
+                                     rpc_timeout=rpc_timeout, **extra)
             if self.river_model.n_vocab != self._n_vocab:
                 raise ValueError(f"{model_path}: libllama's vocabulary has {self._n_vocab} tokens, the engine's "
                                  f"{self.river_model.n_vocab}")

@@ -14,12 +14,12 @@ def model_class():
 
 def load_model(args):
     """The model for `river-gguf serve`'s arguments."""
-    from ..cli import default_model_for_cli
+    from ..cli import default_model_for_cli, rpc_model_kwargs
 
     path = args.model or default_model_for_cli()
     river = dict(mode=args.mode, threshold=args.threshold, preset=args.preset, tail=args.tail)
     return model_class()(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads,
-                         n_gpu_layers=args.ngl, verbose=args.verbose, **river)
+                         n_gpu_layers=args.ngl, verbose=args.verbose, **river, **rpc_model_kwargs(args))
 
 
 def model_id(model, alias=None) -> str:

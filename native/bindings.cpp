@@ -10,7 +10,7 @@
 #include "errors.h"
 #include "ggml.h"
 #include "imatrix.h"
-#include "rpc.h"
+#include "rpc_link.h"
 #include "vocab.h"
 
 namespace py = pybind11;
@@ -95,7 +95,7 @@ PYBIND11_MODULE(_native, m) {
         py::register_exception<RiverMismatchError>(m, "RiverMismatchError", PyExc_ValueError).ptr();
     static PyObject* overflow_error =
         py::register_exception<ContextOverflowError>(m, "ContextOverflowError", PyExc_ValueError).ptr();
-    // An RPC server refused, reset, timed out or failed mid-generation (rpc.h).
+    // An RPC server refused, reset, timed out or failed mid-generation (rpc_link.h).
     static PyObject* rpc_error = py::register_exception<RpcError>(m, "RpcError", PyExc_ConnectionError).ptr();
     // Messages quote names, keys and paths, whose bytes need not be UTF-8; pybind's own
     // translation would then raise UnicodeDecodeError in place of the error. Tried before it.

@@ -387,7 +387,7 @@ EvalResult Engine::eval(const EvalRequest& req) {
         check_links();  // a step that failed because a server did reports the server
         throw;
     }
-    // After a server failed, the step read placeholders (rpc.h): never return them.
+    // After a server failed, the step read placeholders (rpc_link.h): never return them.
     check_links();
     return out;
 }

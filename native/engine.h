@@ -12,7 +12,7 @@
 #include "gguf_file.h"
 #include "hparams.h"
 #include "kv_cache.h"
-#include "rpc.h"
+#include "rpc_link.h"
 #include "weights.h"
 
 namespace river {
@@ -28,7 +28,7 @@ struct EngineConfig {
     bool graph_reuse = true;     // keep single-token decode graphs (and their allocations) across steps
     bool fuse = true;            // repacked layers: Q/K/V and gate/up as one mul_mat each (same logits)
     bool use_mmap = true;        // map the GGUF files; false (or RIVER_GGUF_NO_MMAP=1) reads them
-    // Layers on other machines through ggml-rpc (rpc.h). Layer l's KV cache lives on its device.
+    // Layers on other machines through ggml-rpc (rpc_link.h). Layer l's KV cache lives on its device.
     std::vector<std::string> rpc_servers;  // host:port of each server
     int rpc_n_layers = -1;                 // the last n layers go remote (-1: all); ignored when rpc_layers is set
     std::vector<int> rpc_layers;           // exactly these layers go remote
@@ -132,7 +132,7 @@ private:
 
     void load(const EngineConfig& cfg);  // the constructor's work
     void check_request(const EvalRequest& req) const;
-    // Throws RpcError (and keeps refusing work) once a server has failed; see rpc.h.
+    // Throws RpcError (and keeps refusing work) once a server has failed; see rpc_link.h.
     void check_links();
     // Give each remote device its share of the remote layers (-1: local).
     std::vector<int> place_remote_layers(const EngineConfig& cfg) const;

@@ -57,7 +57,7 @@ int wmain(int argc, wchar_t** argv) {
 int main(int argc, char** argv) { return argc < 2 ? 2 : run(argv[1]); }
 #endif
 CPP
-flags=(-std=c++17 -O2 -Wall -Wextra -Werror -Inative)
+flags=(-std=c++17 -O2 -Wall -Wextra -Werror -iquote native)
 "$CXX" "${flags[@]}" -municode native/file_map.cpp "$out/driver.cpp" -static -o "$out/check.exe"
 echo "ok: native/file_map.cpp compiles and links for Windows with $CXX ($("$CXX" -dumpversion))"
 

@@ -52,7 +52,7 @@ public:
     RpcLink& operator=(const RpcLink&) = delete;
 
     const std::string& endpoint() const { return endpoint_; }
-    // What ggml connects to. Unique per link (see rpc.cpp), as ggml caches per endpoint name.
+    // What ggml connects to. Unique per link (see rpc_link.cpp), as ggml caches per endpoint name.
     const std::string& local_endpoint() const { return local_endpoint_; }
     bool failed() const { return failed_.load(); }
     std::string failure() const;

@@ -1,4 +1,4 @@
-#include "rpc.h"
+#include "rpc_link.h"
 
 #include <algorithm>
 #include <cerrno>

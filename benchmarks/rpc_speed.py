@@ -23,14 +23,8 @@ import time
 
 import numpy as np
 
-N_CTX = 1024
-PROMPT_TOKENS = 200
-PARAGRAPH = (
-    "The river rose in the hills above the town. Every spring it carried snow water down past the mill, "
-    "and the miller's children counted the days until the ice broke. One year the flood came early; "
-    "the bridge held, but the road to the market was closed for a week, and the town lived on what "
-    "the cellars and the smokehouse had kept through the winter. "
-)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_speed import N_CTX, PROMPT_TOKENS, prompt_tokens  # noqa: E402  (decode_speed.py's prompt and context)
 
 
 def model_path(name):
@@ -127,8 +121,7 @@ def bench_model(label, path, server, args):
             s.load()  # one at a time: the server serves one client
             load.setdefault(s.name, s.load_s)
             if toks is None:
-                text = PARAGRAPH * (PROMPT_TOKENS // 40 + 2)
-                toks = s.m.tokenize(text)[:PROMPT_TOKENS]
+                toks = prompt_tokens(s)
             s.decode(toks, 4)  # warm-up
             pre[s.name].append(len(toks) / s.prefill(toks)[0])
             dt, outs[s.name] = s.decode(toks, args.tokens)

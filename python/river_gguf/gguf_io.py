@@ -238,12 +238,7 @@ def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: st
     allow_requantize: accept an already quantized source (e.g. Q8_0).
     head_type: a GGML type name ("q4_0", "q8_0", ...) for the token embedding and output tensors
         (the head), instead of llama.cpp's choice for ``ftype``."""
-    key = ftype.lower()
-    if key not in FTYPES:
-        raise ValueError(f"unknown ftype {ftype!r}; valid: {', '.join(sorted(FTYPES))}")
-    if not os.path.isfile(os.fspath(src_path)):
-        raise FileNotFoundError(f"model file not found: {os.fspath(src_path)}")
-    check_output_path(dst_path, inputs=[src_path])
+    params = quantize_params(src_path, dst_path, ftype, n_threads)
     head = None
     if head_type is not None:
         try:
@@ -257,15 +252,35 @@ def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: st
         if width % block:
             raise ValueError(f"head type {head.name} needs rows that are a multiple of {block}, "
                              f"but this model's rows have {width} values")
+    params.allow_requantize = bool(allow_requantize)
+    if head is not None:
+        params.token_embedding_type = int(head)
+        params.output_tensor_type = int(head)
+    return run_quantize(src_path, dst_path, ftype, params)
+
+
+def quantize_params(src_path, dst_path, ftype: str, n_threads: int):
+    """llama.cpp's default quantize parameters for ``ftype``, after checking the inputs and the
+    output path (before any work starts)."""
+    key = ftype.lower()
+    if key not in FTYPES:
+        raise ValueError(f"unknown ftype {ftype!r}; valid: {', '.join(sorted(FTYPES))}")
+    if not os.path.isfile(os.fspath(src_path)):
+        raise FileNotFoundError(f"model file not found: {os.fspath(src_path)}")
+    check_output_path(dst_path, inputs=[src_path])
     import llama_cpp  # imported lazily: loading the shared library is slow
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, FTYPES[key])
     params.nthread = n_threads
-    params.allow_requantize = bool(allow_requantize)
-    if head is not None:
-        params.token_embedding_type = int(head)
-        params.output_tensor_type = int(head)
+    return params
+
+
+def run_quantize(src_path, dst_path, ftype: str, params) -> str:
+    """Run ``llama_model_quantize`` into a temp file renamed to ``dst_path``; Ctrl-C is held until
+    it returns (llama.cpp's ctypes log callback would drop it)."""
+    import llama_cpp
+
     with atomic_output(dst_path) as tmp:
         with deferred_interrupts():
             rc = llama_cpp.llama_model_quantize(

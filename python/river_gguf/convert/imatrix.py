@@ -428,17 +428,9 @@ def llama_quantize(
     ffn_down tensors become Q4_1), so this file's types can differ from a plain quantization's."""
     import llama_cpp
 
-    from ..gguf_io import FTYPES, atomic_output, check_output_path, deferred_interrupts
+    from ..gguf_io import quantize_params, run_quantize
 
-    key = ftype.lower()
-    if key not in FTYPES:
-        raise ValueError(f"unknown ftype {ftype!r}; valid: {', '.join(sorted(FTYPES))}")
-    if not os.path.isfile(os.fspath(src_path)):
-        raise FileNotFoundError(f"model file not found: {os.fspath(src_path)}")
-    check_output_path(dst_path, inputs=[src_path])
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, FTYPES[key])
-    params.nthread = n_threads
+    params = quantize_params(src_path, dst_path, ftype, n_threads)
     keep = []  # the ctypes objects llama.cpp reads through pointers, alive until it returns
     if imatrix is not None:
         if not isinstance(imatrix, Imatrix) or not len(imatrix):
@@ -454,11 +446,6 @@ def llama_quantize(
             entries[i].size = imp.size
         keep.append(entries)
         params.imatrix = entries
-    with atomic_output(dst_path) as tmp:
-        with deferred_interrupts():  # Ctrl-C would be dropped in llama.cpp's log callback otherwise
-            rc = llama_cpp.llama_model_quantize(os.fsencode(os.fspath(src_path)), os.fsencode(tmp),
-                                                ctypes.byref(params))
-        if rc != 0:
-            raise RuntimeError(f"llama_model_quantize({src_path!s} -> {ftype}) failed with code {rc}")
+    out = run_quantize(src_path, dst_path, ftype, params)
     del keep
-    return os.fspath(dst_path)
+    return out

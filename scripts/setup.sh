@@ -14,22 +14,31 @@ python -m pip install -q --upgrade pip
 # the wheel afterwards). The engine links the ggml it ships, with ggml's RPC backend on
 # (layers on other machines: river-gguf rpc-server, Model(rpc_servers=...)); your own
 # CMAKE_ARGS (e.g. -DGGML_CUDA=on) are kept.
-LLAMA_CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON"
-llama_cpp_ready() {  # the pinned version, with ggml's RPC library
+#
+# AMX is left out of ggml's CPU kernels (-mno-amx-*: explicit ISA flags win over -march=native).
+# Virtual machines can report AMX in CPUID without enabling its tile state; there ggml's AMX
+# matrix multiply dies with SIGILL on the first batched Q4_0/Q8_0 product (stock llama.cpp
+# too). Decode at batch 1, which this project measures, never takes the AMX path anyway.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
+llama_cpp_ready() {  # the pinned version, with ggml's RPC library and without AMX kernels
   python -c "import glob, os, sys, llama_cpp; d = os.path.join(os.path.dirname(llama_cpp.__file__), 'lib'); \
-sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON_VERSION' or not glob.glob(os.path.join(d, 'libggml-rpc.*')))" 2>/dev/null
+cpu = glob.glob(os.path.join(d, 'libggml-cpu.*')); \
+amx = any(b'ggml_backend_amx_mul_mat' in open(f, 'rb').read() for f in cpu); \
+sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON_VERSION' or not glob.glob(os.path.join(d, 'libggml-rpc.*')) or not cpu or amx)" 2>/dev/null
 }
 if ! llama_cpp_ready; then
-  echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC (first time: ~5 min)"
+  echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC, without AMX (first time: ~12 min)"
   CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
     python -m pip install "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
   if ! llama_cpp_ready; then
-    # pip reused (or kept) a wheel built without RPC: drop it from pip's cache and build again.
+    # pip reused (or kept) a wheel built without RPC or with AMX: drop it from pip's cache and
+    # build again.
     python -m pip cache remove 'llama_cpp_python*' >/dev/null 2>&1 || true
     CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
       python -m pip install --force-reinstall --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
   fi
-  llama_cpp_ready || { echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION built without ggml's RPC library" >&2; exit 1; }
+  llama_cpp_ready || { echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION built without ggml's RPC library or with AMX" >&2; exit 1; }
 fi
 python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy gguf tqdm jinja2 pytest matplotlib
 # The server extra (river-gguf serve) and the official openai client its tests talk to it with.

@@ -134,6 +134,7 @@ class Model:
         river_head: Optional[bool] = None,
         prefill: Optional[str] = None,
         tail: Optional[int] = None,
+        river_attention: Optional[str] = None,
         preset: Optional[str] = None,
         verbose: bool = False,
         rpc_servers: Optional[Union[str, Sequence[str]]] = None,
@@ -190,7 +191,8 @@ class Model:
                 f"{model_path}: vocabulary has {self._vocab.n_tokens} tokens but token_embd has {self.n_vocab} rows"
             )
         check_river_options(self.has_river, model_path, threshold=threshold, min_exit_layer=min_exit_layer,
-                            river_head=river_head, prefill=prefill, tail=tail, preset=preset)
+                            river_head=river_head, prefill=prefill, tail=tail, river_attention=river_attention,
+                            preset=preset)
         self.exit_options = ExitOptions()  # backbone-only while the file's defaults are worked out
         try:
             self.presets = presets.parse(self.metadata) if self.has_river else {}
@@ -204,12 +206,12 @@ class Model:
         # Check the caller's options before a profile spends time on the defaults.
         ExitOptions(mode="river" if self.has_river else "backbone").with_overrides(
             mode=mode, threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill,
-            tail=tail,
+            tail=tail, river_attention=river_attention,
         ).validate(self.n_layer, self.has_river)
         self._base_options = self._file_exit_options(profile=threshold is None and not self.presets)
         self.exit_options = self._with_preset(self._base_options, self.preset).with_overrides(
             mode=mode, threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill,
-            tail=tail,
+            tail=tail, river_attention=river_attention,
         ).validate(self.n_layer, self.has_river)
 
     # ----- properties -------------------------------------------------------------------
@@ -380,9 +382,12 @@ class Model:
         return out
 
     @_locked
-    def score(self, tokens: Sequence[int], prefix: int = 1, **options) -> ScoreResult:
+    def score(self, tokens: Sequence[int], prefix: int = 1, keep_logits: bool = False, **options) -> ScoreResult:
         """Teacher-forced scoring through the decode path: prefill tokens[:prefix], then feed the
-        rest one at a time, with exits, and report log p of each actual next token."""
+        rest one at a time, with exits, and report log p of each actual next token. keep_logits:
+        also return the logits that predicted each scored token (float32 [n_scored, n_vocab]),
+        for divergence from a reference model."""
+        keep_logits = _bool_arg("keep_logits", keep_logits)
         toks = self._check_tokens(tokens)
         if not is_int(prefix) or not 1 <= prefix < len(toks):
             raise ValueError(f"prefix must be an int in [1, {len(toks) - 1}], got {prefix!r}")
@@ -391,13 +396,16 @@ class Model:
         opts = self._options(**options)
         self._begin()
         logits, exit_layer, _ = self._eval(toks[:prefix], opts, prompt=True)
-        logprobs, exits = [], []
+        logprobs, exits, kept = [], [], []
         for i in range(prefix, len(toks)):
             logprobs.append(log_softmax_at(logits[-1], toks[i]))
             exits.append(exit_layer)
+            if keep_logits:
+                kept.append(np.array(logits[-1], dtype=np.float32))
             if i + 1 < len(toks):
                 logits, exit_layer, _ = self._eval([toks[i]], opts, prompt=False)
-        return ScoreResult(np.array(logprobs), np.array(exits, dtype=np.int32))
+        return ScoreResult(np.array(logprobs), np.array(exits, dtype=np.int32),
+                           np.stack(kept) if keep_logits else None)
 
     @_locked
     def similarity_trace(self, tokens: Sequence[int], **options) -> List[List[float]]:

@@ -1,7 +1,7 @@
 """What generation and scoring return, and the exit statistics both report."""
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -34,6 +34,7 @@ class Generation:
 class ScoreResult:
     logprobs: np.ndarray        # log p(actual next token), one per scored token
     exit_layers: np.ndarray     # exit layer of the pass that predicted each token
+    logits: Optional[np.ndarray] = None  # with keep_logits: the logits that predicted each token
 
     @property
     def perplexity(self) -> float:

@@ -1,0 +1,118 @@
+"""KL divergence from the F16 backbone (eval/divergence.py): the measure the Pareto report and
+`river-gguf eval` judge every configuration by."""
+import numpy as np
+import pytest
+
+from river_gguf import Model
+from river_gguf.eval import divergence
+from river_gguf.eval import report as evaluate
+from river_gguf.eval import data as eval_data
+
+
+@pytest.fixture(scope="module")
+def ref(f16_path):
+    return Model(f16_path, n_ctx=512, n_threads=2)
+
+
+@pytest.fixture(scope="module")
+def river(river_gguf_path):
+    return Model(river_gguf_path, n_ctx=512, n_threads=2)
+
+
+@pytest.fixture(scope="module")
+def prepared(ref):
+    items = [it for d in eval_data.DOMAINS for it in eval_data.select(eval_data.load_domain(d), "evaluation", 2)]
+    return evaluate.prepare(ref, items, score_tokens=24, prompt_tokens=128)
+
+
+def test_compare_is_kl_divergence():
+    rng = np.random.default_rng(0)
+    ref_logits, q_logits = rng.normal(size=(4, 50)), rng.normal(size=(4, 50))
+    d = divergence.compare(divergence.log_softmax(ref_logits), q_logits, [1, 2, 3, 4])
+    p, q = np.exp(divergence.log_softmax(ref_logits)), np.exp(divergence.log_softmax(q_logits))
+    np.testing.assert_allclose(d.kld, (p * np.log(p / q)).sum(-1), rtol=1e-12)
+    assert (d.kld > 0).all()
+    np.testing.assert_array_equal(d.same_top, ref_logits.argmax(-1) == q_logits.argmax(-1))
+    np.testing.assert_allclose(d.nll, -np.log(q[np.arange(4), [1, 2, 3, 4]]), rtol=1e-12)
+    with pytest.raises(ValueError):
+        divergence.compare(divergence.log_softmax(ref_logits), q_logits[:3], [1, 2, 3])
+
+
+def test_kld_of_a_file_against_itself_is_zero(ref, prepared):
+    runs = divergence.score_configs(ref, {"self": (ref, dict(mode="backbone"))}, prepared)
+    s = divergence.summarize(runs["self"])
+    assert s["n_tokens"] == sum(len(t) - p for t, p in prepared)
+    assert s["kld"] == 0.0 and s["kld_p99"] == 0.0 and s["same_top"] == 1.0
+    assert s["kld_ci"] == [0.0, 0.0]
+
+
+def test_batched_scoring_equals_the_decode_path_for_a_static_f16_setting(ref, prepared):
+    """For F16 weights one batched pass computes what teacher-forced decoding computes, up to
+    float summation order."""
+    b = divergence.score_configs(ref, {"x": (ref, dict(mode="backbone"))}, prepared, batched_static=True)["x"]
+    d = divergence.score_configs(ref, {"x": (ref, dict(mode="backbone"))}, prepared, batched_static=False)["x"]
+    assert divergence.summarize(b)["kld"] == 0.0 == divergence.summarize(d)["kld"]
+    for (toks, prefix), x, y in zip(prepared, b.items, d.items):
+        np.testing.assert_allclose(x.nll, y.nll, rtol=1e-2, atol=1e-2)
+        batched, _ = divergence.config_logits(ref, toks, prefix, batched=True, mode="backbone")
+        decoded, _ = divergence.config_logits(ref, toks, prefix, batched=False, mode="backbone")
+        assert np.abs(batched - decoded).max() < 0.2
+
+
+def test_batched_and_decode_differ_for_q4_0_exactly_as_in_llama_cpp(q4_0_path, prepared):
+    """Why reports score every row through decode: for Q4_0 weights ggml's batched and
+    single-token kernels give different logits. Stock llama.cpp on the same file shows the very
+    same difference, so it is ggml's, not the engine's."""
+    import llama_cpp
+
+    toks, prefix = prepared[0]
+    m = Model(q4_0_path, n_ctx=512, n_threads=2)
+    ours_b, _ = divergence.config_logits(m, toks, prefix, batched=True, mode="backbone")
+    ours_d, _ = divergence.config_logits(m, toks, prefix, batched=False, mode="backbone")
+    del m
+    kw = dict(n_ctx=512, n_threads=2, n_threads_batch=2, logits_all=True, flash_attn=True, verbose=False)
+    a = llama_cpp.Llama(q4_0_path, **kw)
+    try:
+        a.eval(toks)
+        ref_b = np.array(a.scores[prefix - 1:len(toks) - 1])
+    finally:
+        a.close()
+    a = llama_cpp.Llama(q4_0_path, **kw)  # a fresh context: an empty KV cache
+    try:
+        a.eval(toks[:prefix])
+        rows = [np.array(a.scores[prefix - 1])]
+        for t in toks[prefix:-1]:
+            a.eval([t])
+            rows.append(np.array(a.scores[a.n_tokens - 1]))
+    finally:
+        a.close()
+    ref_d = np.stack(rows)
+    np.testing.assert_array_equal(ours_b, ref_b)
+    np.testing.assert_array_equal(ours_d, ref_d)
+    assert np.abs(ref_b - ref_d).max() == np.abs(ours_b - ours_d).max() > 0
+
+
+def test_dynamic_settings_are_never_batched(river, prepared):
+    toks, prefix = prepared[0]
+    with pytest.raises(ValueError, match="static"):
+        divergence.config_logits(river, toks, prefix, batched=True, mode="river", threshold=0.98)
+    logits, exits = divergence.config_logits(river, toks, prefix, mode="river", threshold=0.9, tail=0)
+    assert logits.shape == (len(toks) - prefix, river.n_vocab) and len(exits) == len(toks) - prefix - 1
+    # The decode path is what Model.score computes: the same log p of each actual token.
+    r = river.score(toks, prefix=prefix, mode="river", threshold=0.9, tail=0)
+    lp = divergence.log_softmax(logits)[np.arange(len(toks) - prefix), toks[prefix:]]
+    np.testing.assert_allclose(lp, r.logprobs, rtol=0, atol=1e-9)
+    assert list(r.exit_layers[1:]) == exits and min(exits) < river.n_layer - 1  # tau 0.9 exits
+
+
+def test_bootstrap_interval_is_deterministic_and_covers_the_mean(ref, river, prepared):
+    cfg = {"rq": (river, dict(mode="river-only", river_head=True, tail=0)), "bb": (ref, dict(mode="backbone"))}
+    runs = divergence.score_configs(ref, cfg, prepared)
+    a, b = divergence.summarize(runs["rq"]), divergence.summarize(runs["rq"])
+    assert a == b
+    assert a["kld_ci"][0] <= a["kld"] <= a["kld_ci"][1] and a["kld_ci"][0] < a["kld_ci"][1]
+    assert a["kld_median"] <= a["kld_p99"]
+    d = divergence.paired_delta(runs["rq"], runs["bb"])
+    assert d["kld"] == pytest.approx(a["kld"]) and d["kld_ci"][0] > 0  # the river is further from F16
+    with pytest.raises(ValueError):
+        divergence.paired_delta(runs["rq"], divergence.merge([runs["bb"], runs["bb"]]))

@@ -56,7 +56,7 @@ py::dict hparams(const HParams& hp) {
 }
 
 py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold, int min_exit_layer,
-               int exit_layer, bool river_head, bool all_logits, bool trace, int tail) {
+               int exit_layer, bool river_head, bool all_logits, bool trace, int tail, bool backbone_attention) {
     if (mode < 0 || mode > 3) throw std::invalid_argument("bad mode");
     EvalRequest req;
     req.tokens = std::move(tokens);
@@ -68,6 +68,7 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold
     req.all_logits = all_logits;
     req.trace = trace;
     req.tail = tail;
+    req.backbone_attention = backbone_attention;
     EvalResult res;
     {
         py::gil_scoped_release release;
@@ -177,7 +178,8 @@ PYBIND11_MODULE(_native, m) {
              py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0)
         .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
-             py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0)
+             py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0,
+             py::arg("backbone_attention") = false)
         .def("truncate", &Engine::truncate)
         .def_property_readonly("n_past", &Engine::n_past)
         .def_property_readonly("n_ctx", &Engine::n_ctx)

@@ -239,6 +239,11 @@ void Engine::load(const EngineConfig& cfg) {
     }
 
     fail_point("weights");
+    if (river_ && !gpu_ && remote_.empty()) {
+        // Placement is final: the mixed layers point at the placed (joined, repacked) tensors.
+        for (int il = 0; il < hp_.n_layer; ++il) river_mixed_.push_back(with_attention_of(river_->layers[il],
+                                                                                      backbone_.layers[il]));
+    }
     if (gpu_) backends_.push_back(gpu_.get());
     for (auto& r : remote_) backends_.push_back(r.get());
     backends_.push_back(cpu);
@@ -359,6 +364,11 @@ void Engine::check_request(const EvalRequest& req) const {
     if (req.mode == ExitMode::Fixed && (req.exit_layer < -1 || req.exit_layer >= hp_.n_layer)) {
         throw std::invalid_argument("exit_layer must be in [-1, " + std::to_string(hp_.n_layer - 1) + "]");
     }
+    if (req.backbone_attention && needs_river && !river_mixed_.size()) {
+        throw std::invalid_argument(
+            "backbone_attention needs the backbone's and the river's weights of every layer on one device "
+            "(the CPU): not available with GPU or RPC layers");
+    }
     if (req.river_head && needs_river && !river_->head) {
         throw std::invalid_argument("river_head=True but the river has no output head");
     }
@@ -438,7 +448,8 @@ Engine::~Engine() = default;
 
 bool Engine::GraphSpec::operator==(const GraphSpec& o) const {
     if (n != o.n || n_kv != o.n_kv || from_tokens != o.from_tokens || river_embd != o.river_embd ||
-        exits != o.exits || head != o.head || all_logits != o.all_logits || spans.size() != o.spans.size()) {
+        exits != o.exits || head != o.head || all_logits != o.all_logits ||
+        backbone_attention != o.backbone_attention || spans.size() != o.spans.size()) {
         return false;
     }
     for (size_t i = 0; i < spans.size(); ++i) {
@@ -460,6 +471,7 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     // graph stays the same for 256 positions; prompts attend over exactly what they need.
     spec.n_kv = n == 1 ? std::min(cache_->n_ctx(), std::max(256, (n_past_ + 1 + 255) / 256 * 256)) : n_past_ + n;
     spec.all_logits = req.all_logits;
+    spec.backbone_attention = req.backbone_attention;
 
     int fixed = -2;  // fixed exit depth, when the whole depth is known before running
     if (req.mode == ExitMode::Backbone && !req.trace) fixed = last;
@@ -581,7 +593,9 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     if (spec.exits) g->exit_nodes.reserve(hp_.n_layer);
     for (const Span& s : spec.spans) {
         for (int il = s.first; il <= s.last; ++il) {
-            const LayerWeights& w = s.river ? river_->layers[il] : backbone_.layers[il];
+            const LayerWeights& w = !s.river                 ? backbone_.layers[il]
+                                    : spec.backbone_attention ? river_mixed_[il]
+                                                              : river_->layers[il];
             ggml_tensor* h_in = h;
             h = build_decoder_layer(ctx, gf, hp_, w, backbone_.rope_freqs, *cache_, il, in, h);
             if (spec.exits) {

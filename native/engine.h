@@ -52,6 +52,9 @@ struct EvalRequest {
     int exit_layer = -1;         // for ExitMode::Fixed
     int tail = 0;                // an exited token rejoins the backbone for the last `tail` layers
     bool river_head = false;     // exited tokens use the river's quantized head
+    // River layers run the backbone's attention weights (Q/K/V/O, their biases and norms) and
+    // the river's FFN: precision where the KV cache and the sensitivity are, at a FFN's price.
+    bool backbone_attention = false;
     bool all_logits = false;     // logits for every token, else for the last one only
     bool trace = false;          // run layer by layer and record every similarity
 };
@@ -113,6 +116,7 @@ private:
         bool exits = false;          // an exit-decision node after every backbone layer
         Head head = Head::Backbone;
         bool all_logits = false;
+        bool backbone_attention = false;  // river spans use river_mixed_
         bool operator==(const GraphSpec& o) const;
     };
     struct ExitNode;
@@ -153,6 +157,9 @@ private:
     HParams hp_;
     BackboneWeights backbone_;
     std::unique_ptr<RiverWeights> river_;
+    // Per layer: the river's weights with the backbone's attention group (backbone_attention);
+    // pointers into backbone_ and river_, set once their placement is final.
+    std::vector<LayerWeights> river_mixed_;
 
     // Every native resource is owned from the moment it is created, so a constructor that
     // throws half-way frees what it made. Members are destroyed in reverse order: the scheduler

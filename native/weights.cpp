@@ -300,4 +300,20 @@ void DeviceWeights::move(ggml_backend_buffer_type_t buft, const std::vector<ggml
     }
 }
 
+LayerWeights with_attention_of(const LayerWeights& ffn_from, const LayerWeights& attention_from) {
+    LayerWeights w = ffn_from;
+    w.attn_norm = attention_from.attn_norm;
+    w.wq = attention_from.wq;
+    w.wk = attention_from.wk;
+    w.wv = attention_from.wv;
+    w.wo = attention_from.wo;
+    w.bq = attention_from.bq;
+    w.bk = attention_from.bk;
+    w.bv = attention_from.bv;
+    w.q_norm = attention_from.q_norm;
+    w.k_norm = attention_from.k_norm;
+    w.wqkv = attention_from.wqkv;
+    return w;
+}
+
 }  // namespace river

@@ -87,6 +87,9 @@ std::vector<std::string> joined_parts(const std::string& name);
 
 // Every tensor slot of a layer, for placement.
 std::vector<ggml_tensor**> layer_slots(LayerWeights& w);
+// `ffn_from`'s weights with the attention group (norm, Q/K/V/O and their joins, biases, q/k
+// norms) of `attention_from`: a layer of the same shape.
+LayerWeights with_attention_of(const LayerWeights& ffn_from, const LayerWeights& attention_from);
 // The slots used only as mul_mat weights (candidates for repacked CPU buffers).
 std::vector<ggml_tensor**> matmul_slots(LayerWeights& w);
 

@@ -68,7 +68,7 @@ def rpc_model_kwargs(args) -> dict:
 
 
 def add_exit_args(p: argparse.ArgumentParser) -> None:
-    from .options import MODES  # tiny module, no native code
+    from .options import MODES, RIVER_ATTENTION  # tiny module, no native code
 
     p.add_argument("--mode", choices=MODES, default=None, help="exit mode (default: the file's own)")
     p.add_argument("--threshold", "--tau", dest="threshold", type=float, default=None, metavar="TAU",
@@ -82,6 +82,9 @@ def add_exit_args(p: argparse.ArgumentParser) -> None:
                         "default, balanced); the options above override it")
     p.add_argument("--tail", type=int, default=None, metavar="T",
                    help="exited tokens rejoin the backbone for the last T layers")
+    p.add_argument("--river-attention", choices=RIVER_ATTENTION, default=None,
+                   help="whose attention weights river layers run: their own, or the backbone's (with the "
+                        "river's FFN)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, n_default: Optional[int], temp_default: float) -> None:
@@ -116,7 +119,8 @@ def load_model(args):
     return Model(args.model or default_model_for_cli(), river=args.river, n_ctx=args.ctx, n_threads=args.threads,
                  n_gpu_layers=args.ngl, mode=getattr(args, "mode", None),
                  threshold=getattr(args, "threshold", None), river_head=getattr(args, "river_head", None),
-                 preset=getattr(args, "preset", None), tail=getattr(args, "tail", None), verbose=args.verbose,
+                 preset=getattr(args, "preset", None), tail=getattr(args, "tail", None),
+                 river_attention=getattr(args, "river_attention", None), verbose=args.verbose,
                  **rpc_model_kwargs(args))
 
 

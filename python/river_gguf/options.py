@@ -10,11 +10,13 @@ import numpy as np
 _BACKBONE, _RIVER, _RIVER_ONLY, _FIXED = 0, 1, 2, 3
 
 MODES = ("river", "backbone", "river-only")
+# Whose attention weights a river layer runs: its own, or the backbone's (with its own FFN).
+RIVER_ATTENTION = ("river", "backbone")
 PREFILL_POLICIES = ("backbone", "river")
 
 #: Options that only mean something when the model has a river; given to a plain model they
 #: raise instead of being silently ignored. (`mode` and `exit_layer` are checked by what they ask.)
-RIVER_OPTIONS = ("threshold", "min_exit_layer", "river_head", "prefill", "tail", "preset")
+RIVER_OPTIONS = ("threshold", "min_exit_layer", "river_head", "prefill", "tail", "river_attention", "preset")
 
 
 def is_int(x) -> bool:
@@ -40,6 +42,7 @@ class ExitOptions:
     river_head: bool = False
     prefill: str = "backbone"       # "backbone": prompts never exit; "river": sequence-level exit
     tail: int = 0                   # exited tokens rejoin the backbone for the last `tail` layers
+    river_attention: str = "river"  # "backbone": river layers run the backbone's attention weights
 
     def validate(self, n_layer: int, has_river: bool) -> "ExitOptions":
         if not isinstance(self.mode, str) or self.mode not in MODES:
@@ -54,6 +57,8 @@ class ExitOptions:
             raise ValueError(f"exit_layer must be an int in [-1, {n_layer - 1}] or None, got {self.exit_layer!r}")
         if not is_bool(self.river_head):
             raise ValueError(f"river_head must be a bool, got {self.river_head!r}")
+        if not isinstance(self.river_attention, str) or self.river_attention not in RIVER_ATTENTION:
+            raise ValueError(f"river_attention must be one of {RIVER_ATTENTION}, got {self.river_attention!r}")
         if not is_int(self.tail) or not 0 <= self.tail < n_layer:
             raise ValueError(f"tail must be an int in [0, {n_layer - 1}], got {self.tail!r}")
         uses_river = self.mode != "backbone" or (self.exit_layer is not None and self.exit_layer < n_layer - 1)
@@ -76,7 +81,8 @@ class ExitOptions:
     def engine_args(self, prompt: bool) -> dict:
         """Arguments of _native.Engine.eval for a prompt batch or a decode step."""
         args = dict(threshold=float(self.threshold), min_exit_layer=int(self.min_exit_layer),
-                    river_head=bool(self.river_head), exit_layer=-1, tail=int(self.tail))
+                    river_head=bool(self.river_head), exit_layer=-1, tail=int(self.tail),
+                    backbone_attention=self.river_attention == "backbone")
         if self.exit_layer is not None:
             args.update(mode=_FIXED, exit_layer=int(self.exit_layer))
         elif self.mode == "river-only":

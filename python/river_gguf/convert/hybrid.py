@@ -79,3 +79,34 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
     with atomic_output(out_path) as tmp, contextlib.closing(_new_writer(tmp, bb)) as w:
         _write_tensors(w, plan, progress, desc=f"hybrid {os.path.basename(out_path)}")
     return out_path
+
+
+def write_mixed_gguf(base_path, out_path, sources, pick, progress: bool = False) -> str:
+    """Write a plain GGUF whose tensors come from `base_path`, except that each tensor for which
+    `pick(name)` returns a key of `sources` comes from that file instead (the same name, any
+    type): e.g. a Q4_K_M file with every attention tensor from a Q8_0 file of the same model.
+    Metadata is the base's. All files must be plain GGUFs of one model (same names and shapes)."""
+    from ..gguf_io import atomic_output, check_output_path
+
+    base_path, out_path = os.fspath(base_path), os.fspath(out_path)
+    paths = {k: os.fspath(p) for k, p in sources.items()}
+    if any(_same_file(out_path, p) for p in [base_path, *paths.values()]):
+        raise ValueError(f"output {out_path} would overwrite an input file")
+    check_output_path(out_path)
+    _check_loadable(base_path)
+    base = _reader(base_path)
+    readers = {}
+    for k, p in paths.items():
+        _check_loadable(p)
+        readers[k] = _reader(p)
+        compare_models(base, readers[k])
+    tensors = {k: {t.name: t for t in _plain_tensors(r)} for k, r in readers.items()}
+    plan = []
+    for t in _plain_tensors(base):
+        src = pick(t.name)
+        if src is not None and src not in tensors:
+            raise ValueError(f"pick({t.name!r}) returned {src!r}, which is not one of {sorted(tensors)}")
+        plan.append((t.name, t if src is None else tensors[src][t.name]))
+    with atomic_output(out_path) as tmp, contextlib.closing(_new_writer(tmp, base)) as w:
+        _write_tensors(w, plan, progress, desc=f"mix {os.path.basename(out_path)}")
+    return out_path

@@ -108,7 +108,8 @@ def test_plan_full_settings():
     assert len([x for x in evaluate._plan(evaluate.full_settings("smollm2"), ())
                 if x.setup == "F16+Q4_0" and x.kind == "river"]) == len(evaluate.DEFAULT_TAUS)  # SmolLM2: full
     qwen = evaluate.full_settings("qwen2.5-coder-0.5b")
-    assert qwen.score_items < s.score_items and max(qwen.controls) < 23
+    assert s.score_items is None and qwen.score_items is None  # the whole evaluation split
+    assert qwen.score_tokens < s.score_tokens and max(qwen.controls) < 23
     assert len([x for x in evaluate._plan(qwen, ()) if x.setup == "F16+Q4_0" and x.kind == "river"]) == 4
     full = evaluate._plan(evaluate.full_settings("qwen2.5-coder-0.5b", plain_sweep="full"), ())
     assert len([x for x in full if x.setup == "F16+Q4_0" and x.kind == "river"]) == len(evaluate.DEFAULT_TAUS)
@@ -122,87 +123,99 @@ def test_plan_full_settings():
     assert evaluate.quick_settings("qwen2.5-coder-0.5b").model == "qwen2.5-coder-0.5b"
 
 
-def _row(setup, kind, label, tok_s, ppl, tail=None, preset=None, preset_options=None, tau=None):
+def _row(setup, kind, label, tok_s, kld, tail=None, preset=None, preset_options=None, tau=None):
     return {"setup": setup, "kind": kind, "label": label, "tail": tail, "preset": preset, "tau": tau,
             "preset_options": preset_options, "options": {}, "of": None,
             "engine": "llama.cpp" if kind in ("ladder", "control") else "river_gguf",
-            "domains": {"d": {"ppl": ppl, "decode_tok_s": tok_s}}, "overall": {"ppl": ppl, "decode_tok_s": tok_s}}
+            "domains": {"d": {"kld": kld, "decode_tok_s": tok_s}}, "overall": {"kld": kld, "decode_tok_s": tok_s}}
 
 
 def _synthetic_report(ladder=("Q8_0", "Q4_K_M", "Q4_0")):
-    lad = {"Q8_0": (130.0, 4.00), "Q4_K_M": (140.0, 4.25), "Q4_0": (180.0, 4.80)}
+    lad = {"Q8_0": (130.0, 0.005), "Q4_K_M": (140.0, 0.07), "Q4_0": (180.0, 0.30)}
     rows = [_row("ladder", "ladder", q, *lad[q]) for q in ladder]
-    rows += [_row("static", "control", "imatrix Q4_0", 200.0, 4.40, tail=0),
-             _row("static", "control", "imatrix Q4_0 + F16 tail 2", 180.0, 4.20, tail=2),
-             _row("static", "control", "imatrix Q4_0 + F16 tail 4", 160.0, 4.10, tail=4)]
+    rows += [_row("static", "control", "imatrix Q4_0", 200.0, 0.20, tail=0),
+             _row("static", "control", "imatrix Q4_0 + F16 tail 2", 180.0, 0.15, tail=2),
+             _row("static", "control", "imatrix Q4_0 + F16 tail 4", 160.0, 0.10, tail=4)]
     dyn = {"mode": "river", "threshold": 0.98, "tail": 2}
     rows += [
-        _row("River GGUF", "preset", "preset fast", 185.0, 4.20, tail=2, preset="fast",
+        _row("River GGUF", "preset", "preset fast", 185.0, 0.15, tail=2, preset="fast",
              preset_options={"mode": "river-only", "tail": 2}),                      # static setting
-        _row("River GGUF", "preset", "preset balanced", 150.0, 3.95, tail=2, preset="balanced",
+        _row("River GGUF", "preset", "preset balanced", 150.0, 0.06, tail=2, preset="balanced",
              preset_options=dyn),                                                   # dynamic, wins
-        _row("River GGUF", "river", "tau=0.97 tail=2", 170.0, 4.30, tail=2, tau=0.97),  # loses
-        _row("River GGUF", "river-only", "river-only", 190.0, 4.40, tail=0),
-        _row("River GGUF", "river-only", "river-only tail=2", 170.0, 4.20, tail=2),
+        _row("River GGUF", "river", "tau=0.97 tail=2", 170.0, 0.17, tail=2, tau=0.97),  # loses
+        _row("River GGUF", "river-only", "river-only", 190.0, 0.20, tail=0),
+        _row("River GGUF", "river-only", "river-only tail=2", 170.0, 0.15, tail=2),
     ]
+    # Paired intervals of preset - ladder KLD (run_eval computes them from the items).
+    paired = {"fast": {"Q4_0": {"kld": -0.15, "kld_ci": [-0.2, -0.1]}, "Q4_K_M": {"kld": 0.08, "kld_ci": [0.05, 0.1]}},
+              "balanced": {"Q4_K_M": {"kld": -0.01, "kld_ci": [-0.03, 0.01]}}}
     return {"rows": rows, "domains": {"d": {}}, "settings": {"shuffle_seed": 1, "shuffle_draws": 2},
             "setups": [{"name": "River GGUF", "backbone": evaluate.RIVER_GGUF, "river": None}],
-            "model": "Tiny", "threads": 2, "speed_check": None}
+            "model": "Tiny", "threads": 2, "speed_check": None, "paired": paired}
 
 
 def test_analyse_targets_and_dynamic_vs_static(tmp_path):
     rep = _synthetic_report()
     a = evaluate.analyse(rep)
     rep["analysis"] = a
-    t = {x["preset"]: x for x in a["targets"]}
-    # balanced: 150 >= Q4_K_M's 140 and 3.95 < Q8_0's 4.00 -> met.
-    assert t["balanced"]["met"] and t["balanced"]["speed_ratio"] == pytest.approx(150 / 140)
-    # fast: 185 >= Q4_0's 180 and 4.20 < Q4_K_M's 4.25 -> met (a slower one is not, below).
-    assert t["fast"]["met"]
-    # Other rows that clear a target's bar: a setting some preset could have been.
-    assert t["fast"]["bar_cleared_by"] == ["imatrix Q4_0 + F16 tail 2 (llama.cpp)"] and t["balanced"]["bar_cleared_by"] == []
+    t = {x["ref"]: x for x in a["targets"]}
+    # Q4_0: fast runs at 185 >= 180 with KLD 0.15 <= 0.30, and the interval supports it.
+    c = {x["preset"]: x for x in t["Q4_0"]["presets"]}
+    assert t["Q4_0"]["met"] and t["Q4_0"]["met_by"] == ["fast"] and c["fast"]["close_supported"]
+    assert c["fast"]["speed_ratio"] == pytest.approx(185 / 180)
+    # Q4_K_M: balanced 150 >= 140 and 0.06 <= 0.07, but its interval reaches above 0: not supported.
+    c = {x["preset"]: x for x in t["Q4_K_M"]["presets"]}
+    assert t["Q4_K_M"]["met_by"] == ["balanced"] and not c["balanced"]["close_supported"]
+    # Q8_0 (0.005): nothing is that close.
+    assert t["Q8_0"]["met"] is False and t["Q8_0"]["bar_cleared_by"] == []
+    # Other rows that clear a bar: a setting some preset could have been.
+    assert t["Q4_0"]["bar_cleared_by"] == ["imatrix Q4_0 (llama.cpp)", "imatrix Q4_0 + F16 tail 2 (llama.cpp)",
+                                           "River GGUF: river-only", "River GGUF: river-only tail=2"]
     p = {e["preset"]: e for e in a["presets"]}
     assert p["fast"]["speed_ratio"]["Q4_K_M"] == pytest.approx(185 / 140)
-    assert p["fast"]["ppl_delta"]["Q8_0"] == pytest.approx(0.20)
-    assert p["balanced"]["dominates"] == ["Q8_0", "Q4_K_M"] and p["balanced"]["dominated_by"] == []
-    assert p["fast"]["dominates"] == ["Q4_K_M", "Q4_0", "imatrix Q4_0 + F16 tail 2"]
+    assert p["fast"]["kld_delta"]["Q8_0"] == pytest.approx(0.145)
+    assert p["balanced"]["dominates"] == ["Q4_K_M"] and p["balanced"]["dominated_by"] == []
+    assert p["fast"]["dominates"] == ["Q4_K_M", "Q4_0"]
     # Dynamic vs the static hybrids in llama.cpp: at 150 tok/s the static curve is outside (slowest 160,
-    # ppl 4.10), balanced is lower -> undecided; at 170 the static curve gives 4.15, so tau=0.97 loses by 0.15.
+    # KLD 0.10), balanced is lower -> undecided; at 170 the static curve gives 0.125, so tau=0.97 loses by 0.045.
     v = a["dynamic_vs_static"]["River GGUF"]["llama.cpp"]
     rows = {c["label"]: c for c in v["rows"]}
-    assert rows["tau=0.97 tail=2"]["static_ppl_at_speed"] == pytest.approx(4.15)
-    assert rows["tau=0.97 tail=2"]["delta_ppl"] == pytest.approx(0.15) and rows["tau=0.97 tail=2"]["wins"] is False
+    assert rows["tau=0.97 tail=2"]["static_kld_at_speed"] == pytest.approx(0.125)
+    assert rows["tau=0.97 tail=2"]["delta_kld"] == pytest.approx(0.045) and rows["tau=0.97 tail=2"]["wins"] is False
     assert not rows["preset fast"]["dynamic"] and rows["preset balanced"]["dynamic"]
     assert rows["preset balanced"]["wins"] is None and "slower than every static point" in rows["preset balanced"]["outside"]
     assert v["summary"] == {"compared": 1, "wins": 0, "decided": 1, "decided_wins": 0, "best_label": "tau=0.97 tail=2",
-                            "best_delta_ppl": pytest.approx(0.15), "best_tok_s": 170.0,
-                            "mean_delta_ppl": pytest.approx(0.15)}
-    # Against the same static settings on river_gguf (river-only rows): 170 tok/s -> 4.20, so +0.10.
+                            "best_delta_kld": pytest.approx(0.045), "best_tok_s": 170.0,
+                            "mean_delta_kld": pytest.approx(0.045)}
+    # Against the same static settings on river_gguf (river-only rows): 170 tok/s -> 0.15, so +0.02.
     e = {c["label"]: c for c in a["dynamic_vs_static"]["River GGUF"]["river_gguf"]["rows"]}
-    assert e["tau=0.97 tail=2"]["delta_ppl"] == pytest.approx(0.10)
+    assert e["tau=0.97 tail=2"]["delta_kld"] == pytest.approx(0.02)
     cons = {c["control"]: c for c in a["consistency"]}
-    assert cons["imatrix Q4_0"]["same_ppl"] and cons["imatrix Q4_0 + F16 tail 2"]["same_ppl"]
+    assert cons["imatrix Q4_0"]["same_kld"] and cons["imatrix Q4_0 + F16 tail 2"]["same_kld"]
     md = evaluate.markdown(rep)
-    assert "`balanced` at least as fast as Q4_K_M with lower ppl than Q8_0: **met**" in md
-    assert "| tau=0.97 tail=2 | 170.0 | 4.300 | 4.150 | +0.150 | no |" in md
+    assert ("a preset at least as fast as Q4_K_M and at least as close to F16 (KLD) (140.0 tok/s, KLD 0.0700): "
+            "**met by balanced**") in md
+    assert "closer, within the interval's noise" in md and "closer, supported by the interval" in md
+    assert "| tau=0.97 tail=2 | 170.0 | 0.1700 | 0.1250 | +0.0450 | no |" in md
     evaluate.pareto_plot(rep, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
-    # A slower fast preset misses its speed target; a model without Q4_K_M cannot be judged.
+    # A slower fast preset misses Q4_0; a model without Q4_K_M cannot be judged against it.
     rep2 = _synthetic_report()
     next(r for r in rep2["rows"] if r["label"] == "preset fast")["overall"]["decode_tok_s"] = 175.0
-    t2 = {x["preset"]: x for x in evaluate.analyse(rep2)["targets"]}
-    assert t2["fast"]["met"] is False and not t2["fast"]["fast_enough"] and t2["fast"]["better"]
+    t2 = {x["ref"]: x for x in evaluate.analyse(rep2)["targets"]}
+    c2 = {x["preset"]: x for x in t2["Q4_0"]["presets"]}
+    assert t2["Q4_0"]["met"] is False and not c2["fast"]["fast_enough"] and c2["fast"]["close_enough"]
     rep3 = _synthetic_report(ladder=("Q8_0", "Q4_0"))
     rep3["analysis"] = evaluate.analyse(rep3)
-    t3 = {x["preset"]: x for x in rep3["analysis"]["targets"]}
-    assert t3["balanced"]["met"] is None and "Q4_K_M not in this model's ladder" in t3["balanced"]["why"]
+    t3 = {x["ref"]: x for x in rep3["analysis"]["targets"]}
+    assert t3["Q4_K_M"]["met"] is None and "Q4_K_M not in this model's ladder" in t3["Q4_K_M"]["why"]
     assert "**n/a**" in evaluate.markdown(rep3)
     # Slower than every static point and worse than one of them: lost, not undecided.
     rep4 = _synthetic_report()
-    next(r for r in rep4["rows"] if r["label"] == "preset balanced")["overall"]["ppl"] = 4.15
+    next(r for r in rep4["rows"] if r["label"] == "preset balanced")["overall"]["kld"] = 0.15
     c4 = {c["label"]: c for c in evaluate.analyse(rep4)["dynamic_vs_static"]["River GGUF"]["llama.cpp"]["rows"]}
-    assert c4["preset balanced"]["wins"] is False and c4["preset balanced"]["delta_ppl_vs_best_faster"] == pytest.approx(0.05)
+    assert c4["preset balanced"]["wins"] is False and c4["preset balanced"]["delta_kld_vs_best_faster"] == pytest.approx(0.05)
 
 
 def test_parse_budget_and_cli_parsers():
@@ -309,7 +322,9 @@ def test_eval_tiny_end_to_end(f16_path, q4_0_path, tmp_path):
     assert set(rows) == {"F16 backbone", "Q4_0 river-only", "tau=0.975", "exit@10", "shuffle(tau=0.975)#0",
                          "shuffle(tau=0.975)#1", "Q4_0"}
     for d in ("gsm8k", "humaneval"):
-        assert rows["F16 backbone"]["domains"][d]["ppl"] < rows["Q4_0 river-only"]["domains"][d]["ppl"]
+        # The reference is the F16 backbone: its own row is exactly 0 from it; the river is not.
+        assert rows["F16 backbone"]["domains"][d]["kld"] == 0.0 and rows["F16 backbone"]["domains"][d]["same_top"] == 1
+        assert rows["Q4_0 river-only"]["domains"][d]["kld"] > 0 and rows["Q4_0"]["domains"][d]["kld"] > 0
         assert rows["F16 backbone"]["domains"][d]["agreement"] == 1.0
         assert rows["F16 backbone"]["domains"][d]["mean_exit_layer"] == 29
         assert rows["exit@10"]["domains"][d]["mean_exit_layer"] == 10
@@ -370,14 +385,19 @@ def test_eval_river_gguf_presets_and_controls(small_river_gguf, monkeypatch):
     # A preset is exactly its options: preset balanced == the explicit tau=0.98 tail=2 row; preset
     # fast == river-only tail=2; and river-only (+ tail) on river_gguf == its hybrid file.
     for d in ("gsm8k", "humaneval"):
-        assert rows["preset balanced"]["domains"][d]["ppl"] == rows["tau=0.98 tail=2"]["domains"][d]["ppl"]
-        assert rows["preset fast"]["domains"][d]["ppl"] == rows["river-only tail=2"]["domains"][d]["ppl"]
-        assert rows["river-only tail=2"]["domains"][d]["ppl"] != rows["river-only"]["domains"][d]["ppl"]
+        for key in ("kld", "ppl", "same_top"):
+            assert rows["preset balanced"]["domains"][d][key] == rows["tau=0.98 tail=2"]["domains"][d][key]
+            assert rows["preset fast"]["domains"][d][key] == rows["river-only tail=2"]["domains"][d][key]
+        assert rows["river-only tail=2"]["domains"][d]["kld"] != rows["river-only"]["domains"][d]["kld"]
+        assert rows["preset fast"]["domains"][d]["kld"] > 0 and 0 < rows["preset fast"]["domains"][d]["same_top"] <= 1
         assert rows["imatrix Q4_0"]["domains"][d]["decode_tok_s"] > 0
         assert rows["imatrix Q4_0"]["domains"][d]["engine"] == "llama.cpp"
         assert rows["preset fast"]["domains"][d]["engine"] == "river_gguf"
     a = rep["analysis"]
-    assert [c["same_ppl"] for c in a["consistency"]] == [True, True]
-    assert {t["preset"]: t["met"] for t in a["targets"]} == {"balanced": None, "fast": None}  # no Q4_K_M, Q4_0
+    assert [c["same_kld"] for c in a["consistency"]] == [True, True]
+    t = {x["ref"]: x for x in a["targets"]}
+    assert t["Q4_0"]["met"] is None and t["Q4_K_M"]["met"] is None  # not in this run's ladder
+    assert [c["preset"] for c in t["Q8_0"]["presets"]] == ["fast", "balanced"]
+    assert set(rep["paired"]["fast"]) == {"Q8_0"} and len(rep["paired"]["fast"]["Q8_0"]["kld_ci"]) == 2
     assert {e["preset"] for e in a["presets"]} == {"fast", "balanced"}
     assert set(a["dynamic_vs_static"]["River GGUF"]) == {"llama.cpp", "river_gguf"}

@@ -197,7 +197,7 @@ def test_ladders_leave_out_the_source_grid():
     assert model_zoo.ladder_kinds("smollm2") == model_zoo.BASE_LADDER
     assert "q4_1" not in model_zoo.ladder_kinds("smollm2")
     # Qwen's source is Q4_K_M, mostly Q5_0 by fallback: q4_k_m, q4_k_s and q5_0 rebuild it.
-    assert model_zoo.ladder_kinds(QWEN) == ("f16", "q8_0", "q6_k", "q5_k_m", "q4_0")
+    assert model_zoo.ladder_kinds(QWEN) == ("f16", "q8_0", "q6_k", "q5_k_m", "q4_0", "q4_0-imatrix")
 
 
 @pytest.mark.parametrize("call", [

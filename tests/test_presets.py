@@ -64,24 +64,53 @@ def test_malformed_presets_refused(tiny_river, tmp_path):
         Model(str(path), n_ctx=64, n_threads=1)
 
 
-def test_choose_picks_best_quality_per_speed_tier():
-    rows = [{"options": {"i": i}, "ppl": p, "relative_time": c} for i, (p, c) in
-            enumerate([(10.0, 1.0), (9.0, 1.01), (8.5, 1.05), (8.0, 1.35), (7.5, 1.6), (7.0, 3.0)])]
-    got = presets.choose(rows)
-    assert [got[n]["options"]["i"] for n in ("fast", "balanced", "quality")] == [1, 3, 4]
+BOUNDS = {"fast": 1.05, "balanced": 1.4, "quality": 2.0}
 
 
-def test_step_time_model_is_a_line_in_backbone_layers(tiny_river):
-    m = Model(tiny_river, n_ctx=128, n_threads=1)
-    t = presets.step_time_model(m, m.tokenize("a b c d e f"), tails=(0, 1, 2), n=8, rounds=1)
-    rel = t["relative_time"]
-    assert t["tails"] == [0, 1, 2] and len(t["seconds"]) == 3 and all(s > 0 for s in t["seconds"])
-    assert t["a_s"] > 0 and t["b_s_per_layer"] >= 0
-    assert rel(0) == pytest.approx(1.0)
-    assert rel(2) - rel(1) == pytest.approx(rel(1) - rel(0))  # a straight line
-    # least squares: the fitted line passes through the mean of the measured points
-    assert t["a_s"] + t["b_s_per_layer"] * 1.0 == pytest.approx(float(np.mean(t["seconds"])), rel=1e-9) or \
-        t["b_s_per_layer"] == 0
+def _rows():
+    return [{"options": {"i": i}, "kld": k, "relative_cost": c} for i, (k, c) in
+            enumerate([(0.30, 1.0), (0.25, 1.01), (0.22, 1.05), (0.10, 1.35), (0.05, 1.6), (0.0, 3.0)])]
+
+
+def test_choose_picks_lowest_kld_per_byte_tier():
+    got = presets.choose(_rows(), BOUNDS)
+    assert [got[n]["options"]["i"] for n in ("fast", "balanced", "quality")] == [2, 3, 4]
+    assert not any("same_as" in p for p in got.values())
+    assert got["balanced"]["tier"] == 1.4
+
+
+def test_preset_choice_is_deterministic_for_a_fixed_grid():
+    """The same measurements give the same presets, byte for byte; ties go to the cheaper row,
+    then to the one listed first."""
+    rows = _rows() + [{"options": {"i": 9}, "kld": 0.10, "relative_cost": 1.2}]  # ties row 3, cheaper
+    a = presets.dump(presets.choose(rows, BOUNDS))
+    assert all(presets.dump(presets.choose([dict(r) for r in rows], BOUNDS)) == a for _ in range(3))
+    assert presets.choose(rows, BOUNDS)["balanced"]["options"] == {"i": 9}
+    # A higher tier that finds nothing better says so instead of silently repeating a setting.
+    flat = [{"options": {"i": 0}, "kld": 0.1, "relative_cost": 1.0},
+            {"options": {"i": 1}, "kld": 0.2, "relative_cost": 1.3}]
+    got = presets.choose(flat, BOUNDS)
+    assert got["quality"]["options"] == {"i": 0} and got["quality"]["same_as"] == "fast" and got["quality"]["why"]
+    # No row within a tier: the cheapest.
+    assert presets.choose([{"options": {}, "kld": 0.0, "relative_cost": 5.0}], BOUNDS)["fast"]["relative_cost"] == 5.0
+
+
+def test_anchor_bytes_match_llama_cpp_files(f16_path):
+    """static_step_bytes applies llama.cpp's type choice: the bytes it predicts per decode step
+    are those of the files llama.cpp's quantizer makes from the same F16 (SmolLM2, whose 576-wide
+    rows send Q4_K/Q6_K to their Q5_0/Q8_0 fallbacks)."""
+    import gguf
+
+    from river_gguf.default_model import derived_model
+
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in gguf.GGUFReader(f16_path).tensors}
+    for kind in ("q4_0", "q4_k_m", "q8_0"):
+        r = gguf.GGUFReader(derived_model(kind))
+        sizes = {t.name: int(t.n_bytes) for t in r.tensors}
+        head = "output.weight" if "output.weight" in sizes else "token_embd.weight"
+        real = sum(n for name, n in sizes.items() if name.startswith("blk.") and name.endswith(".weight")
+                   and len(shapes[name]) == 2) + sizes[head]
+        assert presets.static_step_bytes(shapes, 30, kind) == pytest.approx(real, rel=1e-9), kind
 
 
 def test_backbone_layers_per_step():
@@ -100,6 +129,10 @@ def test_step_bytes_counts_each_layer_once():
     assert presets.step_bytes(layers, head, 4, -1, 2, True) == 2 * 3 + 2 * 10 + 40
     assert presets.step_bytes(layers, head, 4, 3, 0, True) == 4 * 10 + 100  # never exited: backbone head
     assert presets.step_bytes(layers, head, 4, 0.5, 0, False) == pytest.approx(1 * 10 + 0.5 * 10 + 0.5 * 3 + 2 * 3 + 100)
+    # With the backbone's attention, a river layer reads its FFN and the backbone's attention.
+    mixed = [dict(l, backbone_attention=4, river_attention=1) for l in layers]
+    assert presets.step_bytes(mixed, head, 4, -1, 0, True, "backbone") == 4 * (3 - 1 + 4) + 40
+    assert presets.step_bytes(mixed, head, 4, -1, 1, True, "backbone") == 3 * 6 + 10 + 40
 
 
 def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
@@ -110,24 +143,34 @@ def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
     m = Model(str(out), n_ctx=128, n_threads=1)
     assert set(m.presets) == set(presets.NAMES) and m.preset == "balanced"
     for name, p in m.presets.items():
-        assert p["relative_time"] <= p["tier"] + 1e-9 and np.isfinite(p["ppl"])
+        assert p["relative_cost"] <= p["tier"] + 1e-9 and np.isfinite(p["ppl"]) and p["kld"] >= 0
     assert m.exit_options.tail == m.presets["balanced"]["options"]["tail"]
     grid = json.loads(m.metadata[presets.GRID_KEY])  # every measured setting, for re-choosing tiers
+    anchors = json.loads(m.metadata[presets.ANCHORS_KEY])
     assert len(grid) == len(presets.grid(m.n_layer))
-    assert presets.choose(grid)["fast"]["options"] == m.presets["fast"]["options"]
+    again = presets.choose(grid, anchors["bounds"])
+    assert {n: p["options"] for n, p in again.items()} == {n: p["options"] for n, p in m.presets.items()}
+    # Tiers rise with the anchors' bytes: Q4_0 < Q4_K_M < Q8_0.
+    b = anchors["bounds"]
+    assert b["fast"] < b["balanced"] < b["quality"]
+    # A second conversion of the same input stores the same presets, byte for byte.
+    out2 = tmp_path / "m2.river.gguf"
+    build_river_gguf(bb, out2, threshold=0.9, progress=False)
+    m2 = Model(str(out2), n_ctx=128, n_threads=1)
+    for key in (presets.PRESET_KEY, presets.GRID_KEY, presets.ANCHORS_KEY):
+        assert m2.metadata[key] == m.metadata[key], key
 
 
 def test_static_settings_scored_in_one_pass_match_decode(tiny_river):
     # The batched shortcut for river-only settings computes what teacher-forced decoding does, up
-    # to summation order (batched mat-mul and tiled attention kernels vs the single-token ones):
-    # ~1e-4 relative on this random model's huge perplexity, far below the gaps between settings.
-    from river_gguf.eval import report as evaluate
-    from river_gguf.presets import _static_perplexity
+    # to summation order (batched mat-mul and tiled attention kernels vs the single-token ones).
+    from river_gguf.eval import divergence
 
     m = Model(tiny_river, n_ctx=128, n_threads=1)
     toks = m.tokenize("the quick brown fox jumps over the lazy dog " * 3)
-    prepared = [(toks, 5)]
     for tail in (0, 2):
-        opts = dict(mode="river-only", tail=tail, river_head=True, exit_layer=None)
-        decoded = evaluate.score_items(m, prepared, **opts).perplexity
-        assert _static_perplexity(m, prepared, opts) == pytest.approx(decoded, rel=1e-3)
+        cfg = {"x": (m, dict(mode="river-only", tail=tail, river_head=True))}
+        b = divergence.score_configs(m, cfg, [(toks, 5)], batched_static=True)["x"]
+        d = divergence.score_configs(m, cfg, [(toks, 5)], batched_static=False)["x"]
+        assert b.perplexity == pytest.approx(d.perplexity, rel=1e-3)
+        np.testing.assert_allclose(b.items[0].kld, d.items[0].kld, rtol=1e-2, atol=1e-4)

@@ -659,7 +659,7 @@ def calibrate_file(path: str, budget: float, n_threads: int = 2, progress: bool 
 
 
 def calibrate_presets_file(path: str, n_threads: int = 2, progress: bool = True, items_per_domain: int = 8,
-                           score_tokens: int = 96) -> dict:
+                           score_tokens: int = 64) -> dict:
     """Measure the preset grid on the calibration split and store the presets in the file
     (atomic rewrite of its metadata). Returns the keys written."""
     from ..eval import report as evaluate

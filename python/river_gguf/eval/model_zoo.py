@@ -63,8 +63,12 @@ from .. import default_model
 from ..default_model import cache_dir
 
 # The ladder eval/report.py's Pareto report walks for SmolLM2; each model drops from it the types
-# that rebuild its source grid (see the module docstring).
-BASE_LADDER = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")
+# that rebuild its source grid (see the module docstring). "-imatrix" kinds are llama.cpp's
+# quantizer given the importance matrix the converter collects for the river (the same texts,
+# the same backbone), as users download quants: a River GGUF has to beat those, not only the
+# plain ones.
+IMATRIX_SUFFIX = "-imatrix"
+BASE_LADDER = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_k_m-imatrix", "q4_0", "q4_0-imatrix")
 
 _CHUNK = 1 << 20  # bytes per read while joining: large enough for speed, small enough for memory
 
@@ -241,10 +245,30 @@ def source_path(name: str, progress: bool = True) -> str:
 
 
 def derived_kinds() -> Tuple[str, ...]:
-    """Kinds ``derived`` can build: "f16" and llama.cpp's quantization types."""
+    """Kinds ``derived`` can build: "f16", llama.cpp's quantization types, and each of those
+    quantized with the calibration importance matrix ("q4_k_m-imatrix")."""
     from ..gguf_io import FTYPES
 
-    return tuple(k for k in FTYPES if k != "bf16")  # bf16 of a 4-bit grid adds nothing f16 lacks
+    plain = tuple(k for k in FTYPES if k not in ("bf16", "f16"))  # bf16 of a 4-bit grid adds nothing f16 lacks
+    return ("f16",) + plain + tuple(k + IMATRIX_SUFFIX for k in plain)
+
+
+def imatrix_path(name: str, progress: bool = True) -> str:
+    """The importance matrix of model ``name``'s F16 over the calibration split, collected once
+    by river_gguf's engine (what ``river-gguf convert`` collects for the river) and cached as
+    llama.cpp's imatrix GGUF."""
+    from ..convert.imatrix import CALIBRATION_DATASET, calibration_texts, collect_imatrix, write_imatrix_gguf
+    from ..gguf_io import atomic_output
+
+    m = _model(name)
+    f16 = derived(name, "f16", progress=progress)
+    dst = cache_dir() / f"{pathlib.Path(f16).stem}.imatrix.gguf"
+    if not dst.is_file():
+        imx = collect_imatrix(f16, calibration_texts(), progress=progress, dataset=CALIBRATION_DATASET)
+        with atomic_output(dst) as tmp:
+            write_imatrix_gguf(imx, tmp)
+    del m
+    return str(dst)
 
 
 def derived(name: str, kind: str, progress: bool = True) -> str:
@@ -258,6 +282,8 @@ def derived(name: str, kind: str, progress: bool = True) -> str:
     if not isinstance(kind, str) or kind.lower() not in derived_kinds():
         raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(derived_kinds())}")
     kind = kind.lower()
+    if kind.endswith(IMATRIX_SUFFIX):
+        return _imatrix_derived(name, kind[:-len(IMATRIX_SUFFIX)], progress)
     if m.split_source is None and kind in default_model.DERIVED_KINDS:
         return default_model.derived_model(kind)  # the default model's own cache and naming
 
@@ -265,6 +291,20 @@ def derived(name: str, kind: str, progress: bool = True) -> str:
     with _quiet_llama_cpp():
         return default_model.build_derived(src, m.stem, kind, lambda: derived(name, "f16", progress=progress),
                                            progress=progress)
+
+
+def _imatrix_derived(name: str, kind: str, progress: bool) -> str:
+    from ..convert.imatrix import llama_quantize, read_imatrix_gguf
+    from ..gguf_io import atomic_output
+
+    f16 = derived(name, "f16", progress=progress)
+    dst = cache_dir() / f"{pathlib.Path(f16).stem.removesuffix('.f16')}.{kind}{IMATRIX_SUFFIX}.gguf"
+    if dst.is_file():
+        return str(dst)
+    imx = read_imatrix_gguf(imatrix_path(name, progress=progress))
+    with _quiet_llama_cpp(), atomic_output(dst) as tmp:
+        llama_quantize(f16, tmp, kind, imatrix=imx)
+    return str(dst)
 
 
 @contextlib.contextmanager
@@ -285,7 +325,7 @@ def ladder_kinds(name: str) -> Tuple[str, ...]:
     """The static-quant ladder for model ``name``'s Pareto report: BASE_LADDER without the types
     that rebuild the source's grid (module docstring)."""
     m = _model(name)
-    return tuple(k for k in BASE_LADDER if k not in m.rebuilds_source)
+    return tuple(k for k in BASE_LADDER if k.removesuffix(IMATRIX_SUFFIX) not in m.rebuilds_source)
 
 
 # ----- measuring which types rebuild the source grid ---------------------------------------

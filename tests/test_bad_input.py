@@ -3,7 +3,9 @@ import pytest
 
 import river_gguf
 from river_gguf import Model
-from river_gguf.testing import truncate_copy, write_unsupported_arch
+from river_gguf.testing import LlamaCppOracle, truncate_copy, write_unsupported_arch
+
+from conftest import oracle_pick
 
 
 def test_missing_file(tmp_path):
@@ -44,19 +46,33 @@ def small_model(q4_1_path):
 
 
 def test_prompt_longer_than_context(small_model):
+    before = small_model.generate("Hi", max_tokens=2)
     with pytest.raises(river_gguf.ContextOverflowError, match="n_ctx=64"):
         small_model.generate("word " * 200, max_tokens=4)
     with pytest.raises(river_gguf.ContextOverflowError, match="n_ctx is 64"):
         small_model.logits(list(range(100, 200)))
-    # Still usable afterwards.
-    assert small_model.generate("Hi", max_tokens=2).tokens
+    # Still usable afterwards: the same answer as before the errors.
+    after = small_model.generate("Hi", max_tokens=2)
+    assert (after.tokens, after.text, after.finish_reason) == (before.tokens, before.text, before.finish_reason)
+    assert (len(after.tokens) == 2) == (after.finish_reason == "length")
 
 
-def test_generation_stops_at_context_end(small_model):
-    toks = small_model.tokenize("word " * 50)
+def test_generation_stops_at_context_end(small_model, q4_1_path):
+    n_ctx = small_model.n_ctx
+    texts = ("word " * 50, "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,", "The river rose in the hills. " * 6)
+    # A prompt whose greedy reply (llama.cpp's) does not reach EOS before the context is full.
+    oracle = LlamaCppOracle(q4_1_path, stop_at_any_eog=True)  # ends at any EOG, as the engine
+    try:
+        toks, (_, ref) = oracle_pick(
+            [small_model.tokenize(t) for t in texts],
+            lambda t: (n_ctx - len(t), oracle.greedy(t, n_ctx - len(t))), lambda r: len(r[1]) == r[0],
+            f"a greedy reply that fills an n_ctx={n_ctx} context without EOS")
+    finally:
+        oracle.close()
     g = small_model.generate(toks, max_tokens=100, temperature=0.0)
     assert g.finish_reason == "length"
-    assert len(toks) + len(g.tokens) <= small_model.n_ctx
+    assert g.tokens == ref
+    assert len(toks) + len(g.tokens) == n_ctx
 
 
 @pytest.mark.parametrize(

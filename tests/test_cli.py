@@ -1,4 +1,8 @@
-"""The `river-gguf` CLI, in-process (main([...])) and as `python -m river_gguf.cli`, on SmolLM2."""
+"""The `river-gguf` CLI, in-process (main([...])) and as `python -m river_gguf.cli`, on SmolLM2.
+
+What the CLI prints is compared with what the model generates (llama.cpp's greedy tokens, or the
+same calls on an in-process Model), never with what SmolLM2 is assumed to say: float rounding
+differs between CPUs, and so does its output."""
 import importlib.util
 import io
 import json
@@ -41,6 +45,21 @@ def _main(argv):
     return main(argv)
 
 
+def _greedy(model_path, prompt, n):
+    """llama.cpp's greedy reply (text, token count, finish reason) to a prompt, as the CLI's
+    `generate` (greedy by default) must print it."""
+    from river_gguf import Model
+    from river_gguf.testing import LlamaCppOracle
+
+    m = Model(model_path, n_ctx=256, n_threads=2)
+    oracle = LlamaCppOracle(model_path, n_ctx=256, stop_at_any_eog=True)  # ends at any EOG, as the engine
+    try:
+        toks = oracle.greedy(m.tokenize(prompt, add_special=True, parse_special=True), n)
+    finally:
+        oracle.close()
+    return m.detokenize(toks), len(toks), "length" if len(toks) == n else "stop"
+
+
 def _run(args, stdin=""):
     # Import the same river_gguf this process did (the checkout's or the installed one).
     import river_gguf
@@ -56,9 +75,10 @@ def test_generate_streams_text_and_summary(model_path, capsys):
     rc = _main(["generate", model_path, "-p", "The capital of France is", "-n", "8", *FAST])
     out, err = capsys.readouterr()
     assert rc == 0
-    assert out.strip()
+    text, n, finish = _greedy(model_path, "The capital of France is", 8)
+    assert out == text + "\n"
     assert "prefill" in err and "decode" in err and "tok/s" in err
-    assert "finish=length" in err and "8 tokens" in err
+    assert f"finish={finish}" in err and f"{n} tokens" in err
 
 
 def test_generate_json(model_path, capsys):
@@ -67,6 +87,7 @@ def test_generate_json(model_path, capsys):
     assert rc == 0
     doc = json.loads(out)
     assert len(doc["tokens"]) <= 4 and doc["finish_reason"] in ("stop", "length")
+    assert (doc["finish_reason"] == "length") == (len(doc["tokens"]) == 4)  # fewer only at EOS
     assert doc["stats"]["mode"] == "backbone"
     assert doc["stats"]["prefill_tokens"] > 5  # the chat template wrapped the prompt
 
@@ -119,16 +140,27 @@ def test_chat_overflow_resets_history(model_path, monkeypatch, capsys):
 def test_subprocess_generate(model_path):
     r = _run(["generate", model_path, "-n", "8", *FAST], stdin="Once upon a time\n")  # prompt from stdin
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip()
-    assert "decode" in r.stderr and "finish=" in r.stderr
+    text, n, finish = _greedy(model_path, "Once upon a time", 8)  # the trailing newline is dropped
+    assert r.stdout == text + "\n"
+    assert "decode" in r.stderr and f"{n} tokens, finish={finish}" in r.stderr
 
 
 def test_subprocess_chat_two_lines_then_eof(model_path):
     r = _run(["chat", model_path, "-n", "12", "--temp", "0", *FAST], stdin="Hello\nWhat is 2+2?\n")
     assert r.returncode == 0, r.stderr
-    assert "> " not in r.stdout  # no prompt when stdin is not a terminal
     assert r.stderr.count("finish=") == 2
-    assert len(r.stdout.strip().splitlines()) >= 2
+    # Each reply on its own line, with the first turn kept as history: the same two greedy
+    # replies as an in-process Model gives (and no "> " prompt: stdin is not a terminal).
+    from river_gguf import Model
+
+    m = Model(model_path, n_ctx=256, n_threads=2)
+    history, want = [], ""
+    for line in ("Hello", "What is 2+2?"):
+        history.append({"role": "user", "content": line})
+        g = m.generate(m.chat_prompt(history), max_tokens=12, temperature=0.0)
+        history.append({"role": "assistant", "content": g.text})
+        want += g.text + "\n"
+    assert r.stdout == want
 
 
 def test_subprocess_missing_model(tmp_path):

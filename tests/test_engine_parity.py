@@ -9,7 +9,7 @@ import pytest
 from river_gguf import Model
 from river_gguf.testing import write_tiny_model
 
-from conftest import PROSE
+from conftest import PROSE, oracle_pick
 
 LOGIT_TOL = 2e-3
 
@@ -32,15 +32,21 @@ def test_logits_match_llama_cpp(which, request, oracle_factory):
     _check_logits(request.getfixturevalue(which), oracle_factory)
 
 
+GREEDY_PROMPTS = ["Once upon a time, in a small village by the sea,", PROSE, "The history of the bridge begins",
+                  "Chapter 1\n\nThe rain had not stopped for three days."]
+
+
 @pytest.mark.parametrize("which", ["q4_1_path", "f16_path"])
 def test_greedy_128_tokens_match_llama_cpp(which, request, oracle_factory):
     path = request.getfixturevalue(which)
     m = Model(path, n_ctx=512, n_threads=2)
-    prompt = m.tokenize("Once upon a time, in a small village by the sea,")
+    oracle = oracle_factory(path)
+    # A prompt whose greedy reply on llama.cpp runs the full 128 tokens (no early EOS) on this CPU.
+    _, (prompt, ref) = oracle_pick(GREEDY_PROMPTS, lambda t: (m.tokenize(t), oracle.greedy(m.tokenize(t), 128)),
+                                   lambda r: len(r[1]) == 128, "a greedy reply of 128 tokens without EOS")
     g = m.generate(prompt, max_tokens=128)
-    ref = oracle_factory(path).greedy(prompt, 128)
-    assert len(g.tokens) == len(ref) == 128
     assert g.tokens == ref
+    assert g.finish_reason == "length" and len(g.tokens) == 128
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,8 @@
-"""River early exit against RIVER.md's invariants, with stock llama.cpp as the external oracle."""
+"""River early exit against RIVER.md's invariants, with stock llama.cpp as the external oracle.
+
+Dynamic exits have no oracle: where a test needs tokens that leave early, it picks the first of a
+few thresholds for which the engine's own run has them (similarities, like the generated tokens
+they are computed on, round differently on another CPU), then checks the invariant on that run."""
 import numpy as np
 import pytest
 
@@ -20,6 +24,26 @@ def river_model(f16_path, q4_0_path):
 @pytest.fixture(scope="module")
 def prose_tokens(river_model):
     return river_model.tokenize(PROSE)
+
+
+# Thresholds to choose from, the one each test used first.
+TAUS = (0.97, 0.965, 0.96, 0.95, 0.98, 0.93)
+
+
+def _first_tau(run, has, what, taus=TAUS):
+    """The first threshold whose run (run(tau)) has the property, and that run."""
+    seen = []
+    for tau in taus:
+        r = run(tau)
+        if has(r):
+            return tau, r
+        seen.append(tau)
+    pytest.fail(f"no threshold of {seen} gives {what} on this CPU")
+
+
+def _mixed(g):
+    exits = set(g.stats["exit_layers"])
+    return len(exits) > 2 and min(exits) < 10
 
 
 def _assert_same_as_oracle(m, oracle, toks, **opts):
@@ -82,18 +106,22 @@ def test_dynamic_exit_with_tail_runs_the_tail_on_the_backbone(river_model, prose
     e = river_model._engine
     L = river_model.n_layer
     prompt = prose_tokens[:10]
-    exits = []
-    for tok in prose_tokens[10:22]:
-        e.truncate(0)
-        e.eval(prompt)
-        dyn, k, _ = e.eval([tok], mode=1, threshold=0.97, tail=4)
-        exits.append(k)
-        assert k == L - 1 or k < L - 1 - 4
-        if k < L - 1:
-            e.truncate(len(prompt))
-            fixed, _, _ = e.eval([tok], mode=3, exit_layer=k, tail=4)
-            assert np.array_equal(dyn, fixed)
-    assert any(k < L - 1 for k in exits)
+    for tau in TAUS:  # until a threshold lets some token exit: the comparison needs one
+        exits = []
+        for tok in prose_tokens[10:22]:
+            e.truncate(0)
+            e.eval(prompt)
+            dyn, k, _ = e.eval([tok], mode=1, threshold=tau, tail=4)
+            exits.append(k)
+            assert k == L - 1 or k < L - 1 - 4
+            if k < L - 1:
+                e.truncate(len(prompt))
+                fixed, _, _ = e.eval([tok], mode=3, exit_layer=k, tail=4)
+                assert np.array_equal(dyn, fixed)
+        if any(k < L - 1 for k in exits):
+            break
+    else:
+        pytest.fail(f"no token exits early with tail 4 at any threshold of {TAUS} on this CPU")
 
 
 def test_invariant3_river_only_equals_river_gguf(river_model, prose_tokens, q4_0_path, oracle_factory):
@@ -109,16 +137,19 @@ def test_invariant3_river_only_with_backbone_head(river_model, prose_tokens, f16
                            river_head=False)
 
 
-def test_invariant4_no_cache_holes_after_mixed_exits(f16_path, q4_0_path, prose_tokens):
+def test_invariant4_no_cache_holes_after_mixed_exits(f16_path, q4_0_path, prose_tokens, river_model):
+    # The threshold: the first that gives a real mix of exits (found on the module's model).
+    tau, _ = _first_tau(lambda t: river_model.generate(prose_tokens[:16], max_tokens=48, mode="river", threshold=t),
+                        _mixed, "a real mix of exits", taus=(0.965,) + TAUS)
     # A fresh model: its cache starts as NaN, so any slot no layer wrote stays NaN.
     # threshold given: no similarity profile runs at load, so no step has touched the cache yet.
-    m = Model(f16_path, river=q4_0_path, n_ctx=256, n_threads=2, threshold=0.965)
+    m = Model(f16_path, river=q4_0_path, n_ctx=256, n_threads=2, threshold=tau)
     assert np.isnan(m._engine.cache_rows(0, False, 4)).all()
-    g = m.generate(prose_tokens[:16], max_tokens=48, mode="river", threshold=0.965)
-    exits = set(g.stats["exit_layers"])
-    assert len(exits) > 2 and min(exits) < 10, f"want a real mix of exits, got {g.stats['exit_histogram']}"
+    g = m.generate(prose_tokens[:16], max_tokens=48, mode="river", threshold=tau)
+    assert _mixed(g), f"want a real mix of exits, got {g.stats['exit_histogram']}"
     n = m._engine.n_past
-    assert n == 16 + len(g.tokens) - 1
+    # Every token but the last was fed back (the last too when EOS, not the length, ended it).
+    assert n == 16 + len(g.tokens) - (1 if g.finish_reason == "length" else 0)
     for layer in range(m.n_layer):
         for values in (False, True):
             rows = m._engine.cache_rows(layer, values, n)
@@ -147,11 +178,16 @@ def test_exit_decision_follows_the_similarity_rule(river_model, prose_tokens):
 
 def test_dynamic_exit_step_equals_forced_exit_step(river_model, prose_tokens):
     e = river_model._engine
-    prompt, tok = prose_tokens[:20], prose_tokens[20]
-    e.truncate(0)
-    e.eval(prompt)
-    dyn, exit_layer, _ = e.eval([tok], mode=1, threshold=0.96)
-    assert exit_layer < river_model.n_layer - 1
+    # The first position (from 20 on) whose token exits before the last layer at tau 0.96.
+    for i in range(20, len(prose_tokens)):
+        prompt, tok = prose_tokens[:i], prose_tokens[i]
+        e.truncate(0)
+        e.eval(prompt)
+        dyn, exit_layer, _ = e.eval([tok], mode=1, threshold=0.96)
+        if exit_layer < river_model.n_layer - 1:
+            break
+    else:
+        pytest.fail("no token of PROSE from position 20 on exits early at tau 0.96 on this CPU")
     e.truncate(len(prompt))
     fixed, _, _ = e.eval([tok], mode=3, exit_layer=exit_layer)
     assert np.array_equal(dyn, fixed)
@@ -172,20 +208,26 @@ def test_river_prefill_uses_the_min_rule(river_model, prose_tokens):
 
 
 def test_generation_stats(river_model, prose_tokens):
-    g = river_model.generate(prose_tokens[:12], max_tokens=20, mode="river", threshold=0.97, river_head=True)
-    s = g.stats
-    assert len(s["exit_layers"]) == len(g.tokens) == 20
-    assert sum(s["exit_histogram"].values()) == 20
-    assert s["mean_exit_layer"] == pytest.approx(np.mean(s["exit_layers"]))
     L = river_model.n_layer
-    assert s["river_layer_share"] == pytest.approx(sum(L - 1 - e for e in s["exit_layers"]) / (20 * L))
+
+    def run(tau, **kw):
+        return river_model.generate(prose_tokens[:12], max_tokens=20, mode="river", threshold=tau, river_head=True,
+                                    **kw)
+
+    # A threshold at which some token leaves early, so the share has something to count.
+    tau, g = _first_tau(run, lambda g: any(e < L - 1 for e in g.stats["exit_layers"]), "an early exit")
+    s, n = g.stats, len(g.tokens)
+    assert (n == 20) == (g.finish_reason == "length")
+    assert len(s["exit_layers"]) == n and sum(s["exit_histogram"].values()) == n
+    assert s["mean_exit_layer"] == pytest.approx(np.mean(s["exit_layers"]))
+    assert s["river_layer_share"] == pytest.approx(sum(L - 1 - e for e in s["exit_layers"]) / (n * L))
     assert 0 < s["river_layer_share"] < 1
     # With a tail the last layers are backbone again: they do not count as river layers.
-    t = river_model.generate(prose_tokens[:12], max_tokens=20, mode="river", threshold=0.97, river_head=True, tail=3)
-    ts = t.stats
-    assert ts["tail"] == 3
+    t = run(tau, tail=3)
+    ts, nt = t.stats, len(t.tokens)
+    assert ts["tail"] == 3 and len(ts["exit_layers"]) == nt
     assert ts["river_layer_share"] == pytest.approx(
-        sum(max(L - 4 - e, 0) for e in ts["exit_layers"]) / (20 * L))
+        sum(max(L - 4 - e, 0) for e in ts["exit_layers"]) / (nt * L))
 
 
 def test_graph_reuse_changes_no_logit_across_a_padding_boundary(f16_path, q4_0_path):

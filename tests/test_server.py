@@ -2,7 +2,10 @@
 openai client (and by raw HTTP where a client would refuse to send the request).
 
 Answers are compared with the same requests on an in-process Model at temperature 0, so a
-server that mixed up requests, or interleaved two of them on one KV cache, fails here."""
+server that mixed up requests, or interleaved two of them on one KV cache, fails here. Where a
+test needs a property of the model's output (a reply that runs to the end of the context, a
+JSON-mode reply that parses), it picks an input for which the in-process model (or, for JSON
+mode, llama_cpp.Llama) has it on this CPU, never a prompt assumed to have it."""
 import json
 import os
 import socket
@@ -22,13 +25,17 @@ from river_gguf.serve import loader
 from river_gguf.serve.protocol import accepts
 from river_gguf.serve.settings import API_KEY_ENV
 
+from conftest import oracle_pick
+
 API_KEY = "test-key-123"
 ALIAS = "smol"
 N_CTX = 512
 PROMPT = "The three primary colors are"
 CHAT = [{"role": "user", "content": "Name three fruits."}]
-# Counting has no natural end: without a disconnect this runs until the context is full.
-ENDLESS = "1, 2, 3, 4, 5, 6, 7, 8,"
+# Counting has no natural end: without a disconnect this runs until the context is full. The
+# `endless` fixture checks that on the in-process model and takes the first that does.
+ENDLESS_CANDIDATES = ["1, 2, 3, 4, 5, 6, 7, 8,", "1 2 3 4 5 6 7 8 9 10", "a, b, c, d, e, f, g,",
+                      "2, 4, 6, 8, 10, 12,", "one, two, three, four, five,"]
 
 
 def _free_port() -> int:
@@ -126,6 +133,15 @@ def local(q4_1_path):
     return Model(q4_1_path, n_ctx=N_CTX, n_threads=1)
 
 
+@pytest.fixture(scope="module")
+def endless(local):
+    """A prompt whose greedy reply fills the whole context (no EOS before it) on this CPU."""
+    prompt, _ = oracle_pick(ENDLESS_CANDIDATES, lambda p: local.generate(p, max_tokens=N_CTX, temperature=0.0),
+                            lambda g: g.finish_reason == "length", "a greedy reply that runs to the end of the context",
+                            oracle="the in-process model")
+    return prompt
+
+
 def _alive(server, client, local) -> float:
     """The server still runs and still answers correctly; returns how long its answer took."""
     assert server.proc.poll() is None, server.output()
@@ -164,8 +180,9 @@ def test_completion_stream_and_not(client, local):
     want = local.create_completion(PROMPT, max_tokens=12, temperature=0)
     r = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=12, temperature=0)
     assert r.object == "text_completion" and r.model == ALIAS
-    assert r.choices[0].text == want["choices"][0]["text"] and r.choices[0].text.strip()
+    assert r.choices[0].text == want["choices"][0]["text"]
     assert r.choices[0].finish_reason == want["choices"][0]["finish_reason"]
+    assert (r.usage.completion_tokens == 12) == (r.choices[0].finish_reason == "length")
     assert r.usage.prompt_tokens == want["usage"]["prompt_tokens"]
     assert r.usage.completion_tokens == want["usage"]["completion_tokens"]
 
@@ -186,7 +203,8 @@ def test_chat_stream_and_not(client, local):
     assert r.object == "chat.completion" and r.model == ALIAS
     msg = r.choices[0].message
     assert msg.role == "assistant" and msg.content == want["choices"][0]["message"]["content"]
-    assert msg.content.strip() and r.choices[0].finish_reason == want["choices"][0]["finish_reason"]
+    assert r.choices[0].finish_reason == want["choices"][0]["finish_reason"]
+    assert (r.usage.completion_tokens == 12) == (r.choices[0].finish_reason == "length")
 
     chunks = list(client.chat.completions.create(model=ALIAS, messages=CHAT, max_tokens=12, temperature=0,
                                                  stream=True))
@@ -197,9 +215,9 @@ def test_chat_stream_and_not(client, local):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
-def test_two_concurrent_clients(server, client):
+def test_two_concurrent_clients(server, client, local):
     """Two streams sent at once: the second waits for the first; both answers are complete and
-    equal to the same requests run alone."""
+    equal to the same requests run alone (and to the in-process model's)."""
     def chat():
         s = client.chat.completions.create(model=ALIAS, messages=CHAT, max_tokens=24, temperature=0, stream=True)
         return _stream_text(s, "delta")
@@ -209,7 +227,10 @@ def test_two_concurrent_clients(server, client):
         return _stream_text(s, "text")
 
     alone = {"chat": chat(), "completion": completion()}
-    assert all(text.strip() for text, _ in alone.values())
+    want_chat = local.create_chat_completion(CHAT, max_tokens=24, temperature=0)["choices"][0]
+    want_completion = local.create_completion(PROMPT, max_tokens=24, temperature=0)["choices"][0]
+    assert alone == {"chat": (want_chat["message"]["content"], want_chat["finish_reason"]),
+                     "completion": (want_completion["text"], want_completion["finish_reason"])}
 
     together, errors = {}, []
     barrier = threading.Barrier(2)
@@ -274,22 +295,52 @@ def test_malformed_requests_get_json_errors_and_server_stays_up(server, client, 
 
 
 @pytest.mark.parametrize("name,value", [("response_format", {"type": "json_object"}), ("presence_penalty", 0.5)])
-def test_parameters_the_model_lacks_get_400(server, client, local, name, value):
+def test_parameters_the_model_lacks_get_400(server, client, local, q4_1_path, name, value):
     """Known OpenAI parameters are passed on only to a model class that takes them; the served
     class decides (river_gguf.Model has no grammar sampler and no presence penalty)."""
     kw = dict(model=ALIAS, messages=CHAT, max_tokens=8, temperature=0, **{name: value})
     if accepts(loader.model_class().create_chat_completion, name):
         content = client.chat.completions.create(**kw).choices[0].message.content
         assert content is not None
-        if name == "response_format":  # JSON mode through the grammar sampler: the text parses
-            kw["max_tokens"] = 48
-            json.loads(client.chat.completions.create(**kw).choices[0].message.content)
+        if name == "response_format":  # JSON mode through the grammar sampler
+            _json_mode_matches_llama_cpp(client, q4_1_path)
         return
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**kw)
     assert name in e.value.message and "not supported" in e.value.message
     assert e.value.body["param"] == name
     _alive(server, client, local)
+
+
+JSON_CHATS = [CHAT] + [[{"role": "user", "content": q}] for q in (
+    'Answer in JSON with the key "answer": what is 2+2?', 'Return {"city": ...} as JSON for the capital of France.',
+    'Give me a JSON object with the key "name" set to a fruit.')]
+
+
+def _json_mode_matches_llama_cpp(client, model_path):
+    """JSON mode: llama_cpp.Llama on the same file gives a reply that ends and parses (for the
+    first candidate chat where it does on this CPU); the server's reply is the same text."""
+    import llama_cpp
+
+    def parses(choice):
+        try:
+            return choice["finish_reason"] == "stop" and json.loads(choice["message"]["content"]) is not None
+        except ValueError:
+            return False
+
+    ref = llama_cpp.Llama(model_path, n_ctx=N_CTX, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
+    try:
+        msgs, want = oracle_pick(
+            JSON_CHATS, lambda m: ref.create_chat_completion(m, response_format={"type": "json_object"},
+                                                             max_tokens=48, temperature=0)["choices"][0],
+            parses, "a JSON-mode reply that ends within 48 tokens and parses")
+    finally:
+        ref.close()
+    r = client.chat.completions.create(model=ALIAS, messages=msgs, max_tokens=48, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.content == want["message"]["content"]
+    assert r.choices[0].finish_reason == want["finish_reason"]
+    json.loads(r.choices[0].message.content)
 
 
 def test_wrong_or_missing_api_key_gets_401(server, client, local):
@@ -306,12 +357,12 @@ def test_wrong_or_missing_api_key_gets_401(server, client, local):
 
 
 # ----- disconnects ---------------------------------------------------------------------
-def test_client_disconnecting_mid_stream_frees_the_model(server, client, local):
+def test_client_disconnecting_mid_stream_frees_the_model(server, client, local, endless):
     """A client that stops reading and closes its connection mid-stream: the server stops that
     generation and serves the next request at once instead of generating to the end."""
-    n_prompt = len(local.tokenize(ENDLESS, add_special=True, parse_special=True))
+    n_prompt = len(local.tokenize(endless, add_special=True, parse_special=True))
     alone = _alive(server, client, local)  # the next request's own time, on an idle server
-    stream = client.completions.create(model=ALIAS, prompt=ENDLESS, max_tokens=N_CTX, temperature=0,
+    stream = client.completions.create(model=ALIAS, prompt=endless, max_tokens=N_CTX, temperature=0,
                                        stream=True)
     times = []
     for chunk in stream:
@@ -331,17 +382,17 @@ def test_client_disconnecting_mid_stream_frees_the_model(server, client, local):
     assert status == 200 and body["busy"] is False and body["waiting"] == 0
 
 
-def test_clients_leaving_the_queue_cost_nothing(server, client, local):
+def test_clients_leaving_the_queue_cost_nothing(server, client, local, endless):
     """Requests queued behind a stream whose clients hang up before their turn are skipped, not
     generated for nobody: once the stream ends, the next request is served at once."""
     alone = _alive(server, client, local)
-    stream = client.completions.create(model=ALIAS, prompt=ENDLESS, max_tokens=N_CTX, temperature=0,
+    stream = client.completions.create(model=ALIAS, prompt=endless, max_tokens=N_CTX, temperature=0,
                                        stream=True)
     next(iter(stream))  # the stream now holds the model
     port = int(server.base.rsplit(":", 1)[1])
     socks = []
     for streamed in (False, True):  # one of each kind, each asking for ~480 tokens
-        body = json.dumps({"prompt": ENDLESS, "max_tokens": N_CTX, "temperature": 0, "stream": streamed}).encode()
+        body = json.dumps({"prompt": endless, "max_tokens": N_CTX, "temperature": 0, "stream": streamed}).encode()
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                   b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"

@@ -36,14 +36,16 @@ def qwen_q4_0(qwen_f16):
 
 @pytest.fixture(scope="session")
 def qwen_river(qwen_f16):
-    """Qwen F16 backbone + Q4_0 river with the profiled tau: a cached River GGUF."""
+    """Qwen F16 backbone + Q4_0 river with the profiled tau: a cached River GGUF. No presets
+    (as tests/conftest.py's): the tests give their exit settings explicitly, not a preset the
+    conversion chose, and the file builds faster."""
     from river_gguf.convert.build import FORMAT_VERSION, build_river_gguf
 
     # The F16's name carries the source file's tag, so a re-fetched source gets a new River GGUF.
     stem = pathlib.Path(qwen_f16).name.removesuffix(".gguf")
     dst = model_zoo.cache_dir() / f"{stem}+q4_0.v{FORMAT_VERSION}.river.gguf"
     if not dst.is_file():
-        build_river_gguf(qwen_f16, dst, river_type="q4_0", progress=False)
+        build_river_gguf(qwen_f16, dst, river_type="q4_0", progress=False, presets=False)
     return str(dst)
 
 
@@ -52,3 +54,18 @@ def oracle_factory():
     # Qwen's chat turns end on <|im_end|>, not on its EOS token.
     with oracles(stop_at_any_eog=True) as make:
         yield make
+
+
+def oracle_pick(candidates, run, has, what, oracle="the oracle (llama.cpp)"):
+    """The first candidate input for which the oracle's output has a property, and that output
+    (as tests/conftest.py's): tests assert agreement with llama.cpp or invariants, never what a
+    model happens to generate, so where a property of the output matters (a greedy reply that
+    does not end early) the input is chosen on the oracle, on this CPU. Fails, saying the oracle
+    lacks `what`, when no candidate gives it."""
+    seen = []
+    for c in candidates:
+        out = run(c)
+        if has(out):
+            return c, out
+        seen.append(f"{c!r} -> {out!r}"[:400])
+    pytest.fail(f"{oracle} lacks {what} on this CPU for every candidate input:\n" + "\n".join(seen))

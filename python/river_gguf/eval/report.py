@@ -583,10 +583,12 @@ def _settled_options(model, opts: dict) -> tuple:
 
 
 def _resolved_options(model, opts: dict) -> dict:
-    """The full exit options a row runs with (its preset, if any, resolved to its settings)."""
+    """The full exit options a row runs with (its preset, if any, resolved to its settings); a
+    plain file's are just the backbone (river options would be refused)."""
     import dataclasses
 
-    return dataclasses.asdict(model._options(**opts))
+    o = dataclasses.asdict(model._options(**opts))
+    return o if model.has_river else {"mode": o["mode"], "exit_layer": o["exit_layer"]}
 
 
 def run_eval(settings: Settings) -> dict:

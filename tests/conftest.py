@@ -11,7 +11,7 @@ os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().p
 import llama_cpp  # noqa: E402,F401
 
 from river_gguf.default_model import default_model_path, derived_model  # noqa: E402
-from river_gguf.testing import LlamaCppOracle, oracles  # noqa: E402
+from river_gguf.testing import LlamaCppOracle, oracle_pick, oracles  # noqa: E402,F401
 
 PROSE = (
     "The river rose in the hills above the town. Every spring it carried snow water down past the mill, "
@@ -55,23 +55,3 @@ def river_gguf_path(f16_path):
     if not dst.is_file():
         build_river_gguf(f16_path, dst, river_type="q4_0", progress=False, imatrix=None, presets=False)
     return str(dst)
-
-
-def oracle_pick(candidates, run, has, what, oracle="the oracle (llama.cpp)"):
-    """The first candidate input for which the oracle's output has a property, and that output.
-
-    Tests assert agreement with llama.cpp or invariants, never what a model happens to generate:
-    where a property of the output is the point (JSON mode parses, a grammar yields a whole tree,
-    a reply runs to the length limit), the test first finds an input for which the ORACLE's output
-    has it (float rounding differs between CPUs, so one fixed prompt may not do), then asserts
-    ours equals the oracle's, so a failure says which side moved.
-
-    run(candidate) -> the oracle's output; has(output) -> bool. Fails, saying the oracle lacks
-    `what` on this CPU, when no candidate gives it (`oracle` names the reference in that message)."""
-    seen = []
-    for c in candidates:
-        out = run(c)
-        if has(out):
-            return c, out
-        seen.append(f"{c!r} -> {out!r}"[:400])
-    pytest.fail(f"{oracle} lacks {what} on this CPU for every candidate input:\n" + "\n".join(seen))

@@ -14,7 +14,7 @@ os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().p
 import llama_cpp  # noqa: E402,F401
 
 from river_gguf.eval import model_zoo  # noqa: E402
-from river_gguf.testing import oracles  # noqa: E402
+from river_gguf.testing import oracle_pick, oracles  # noqa: E402,F401
 
 QWEN = "qwen2.5-coder-0.5b"
 
@@ -54,18 +54,3 @@ def oracle_factory():
     # Qwen's chat turns end on <|im_end|>, not on its EOS token.
     with oracles(stop_at_any_eog=True) as make:
         yield make
-
-
-def oracle_pick(candidates, run, has, what, oracle="the oracle (llama.cpp)"):
-    """The first candidate input for which the oracle's output has a property, and that output
-    (as tests/conftest.py's): tests assert agreement with llama.cpp or invariants, never what a
-    model happens to generate, so where a property of the output matters (a greedy reply that
-    does not end early) the input is chosen on the oracle, on this CPU. Fails, saying the oracle
-    lacks `what`, when no candidate gives it."""
-    seen = []
-    for c in candidates:
-        out = run(c)
-        if has(out):
-            return c, out
-        seen.append(f"{c!r} -> {out!r}"[:400])
-    pytest.fail(f"{oracle} lacks {what} on this CPU for every candidate input:\n" + "\n".join(seen))

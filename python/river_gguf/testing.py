@@ -214,3 +214,23 @@ def oracles(**kw):
     finally:
         for o in made:
             o.close()
+
+
+def oracle_pick(candidates, run, has, what, oracle="the oracle (llama.cpp)"):
+    """The first candidate input for which the oracle's output has a property, and that output.
+
+    Tests assert agreement with llama.cpp or invariants, never what a model happens to generate:
+    where a property of the output is the point (JSON mode parses, a grammar yields a whole tree,
+    a reply runs to the length limit), the test first finds an input for which the ORACLE's output
+    has it (float rounding differs between CPUs, so one fixed prompt may not do), then asserts
+    ours equals the oracle's, so a failure says which side moved.
+
+    run(candidate) -> the oracle's output; has(output) -> bool. Raises AssertionError, saying the
+    oracle lacks `what` on this CPU, when no candidate gives it (`oracle` names the reference)."""
+    seen = []
+    for c in candidates:
+        out = run(c)
+        if has(out):
+            return c, out
+        seen.append(f"{c!r} -> {out!r}"[:400])
+    raise AssertionError(f"{oracle} lacks {what} on this CPU for every candidate input:\n" + "\n".join(seen))

@@ -28,6 +28,7 @@ presets score every row through decode; the batched pass is for quick looks at s
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -173,6 +174,15 @@ def _interval(samples: np.ndarray, confidence: float) -> Tuple[np.ndarray, np.nd
 STAT_NAMES = ("kld", "same_top", "ppl")
 
 
+def _named(point: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> dict:
+    """{"kld": .., "kld_ci": [lo, hi], "same_top": .., ...} from _stats-ordered arrays."""
+    out = {}
+    for i, name in enumerate(STAT_NAMES):
+        out[name] = float(point[i])
+        out[f"{name}_ci"] = [float(lo[i]), float(hi[i])]
+    return out
+
+
 def summarize(run: DivergenceRun, draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED,
               confidence: float = CONFIDENCE) -> dict:
     """Token-pooled statistics with item-bootstrap intervals:
@@ -188,9 +198,7 @@ def summarize(run: DivergenceRun, draws: int = BOOTSTRAP_DRAWS, seed: int = BOOT
     out = {"n_items": len(run.items), "n_tokens": run.n_tokens,
            "kld_median": float(np.median(kld)), "kld_p99": float(np.quantile(kld, 0.99)),
            "confidence": confidence, "bootstrap_draws": draws}
-    for i, name in enumerate(STAT_NAMES):
-        out[name] = float(point[i])
-        out[f"{name}_ci"] = [float(lo[i]), float(hi[i])]
+    out.update(_named(point, lo, hi))
     return out
 
 
@@ -205,11 +213,7 @@ def paired_delta(a: DivergenceRun, b: DivergenceRun, draws: int = BOOTSTRAP_DRAW
     point = _stats(sa.sum(axis=0)) - _stats(sb.sum(axis=0))
     idx = _draws(len(sa), draws, seed)
     lo, hi = _interval(_stats(sa[idx].sum(axis=1)) - _stats(sb[idx].sum(axis=1)), confidence)
-    out = {}
-    for i, name in enumerate(STAT_NAMES):
-        out[name] = float(point[i])
-        out[f"{name}_ci"] = [float(lo[i]), float(hi[i])]
-    return out
+    return _named(point, lo, hi)
 
 
 def score_configs(reference, configs: Dict[str, Tuple[object, dict]], prepared: Sequence[Tuple[List[int], int]],
@@ -222,8 +226,6 @@ def score_configs(reference, configs: Dict[str, Tuple[object, dict]], prepared: 
     configs: {label: (model, exit options)}; prepared: (tokens, prefix) per item. Everything,
     the reference included, decodes token by token with exits live; batched_static runs the
     reference and static settings in one batched pass instead (see the module docstring)."""
-    import time
-
     ref_opts = dict(mode="backbone") if reference_options is None else dict(reference_options)
     runs = {k: DivergenceRun() for k in configs}
     for toks, prefix in prepared:

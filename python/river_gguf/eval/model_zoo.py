@@ -260,14 +260,12 @@ def imatrix_path(name: str, progress: bool = True) -> str:
     from ..convert.imatrix import CALIBRATION_DATASET, calibration_texts, collect_imatrix, write_imatrix_gguf
     from ..gguf_io import atomic_output
 
-    m = _model(name)
-    f16 = derived(name, "f16", progress=progress)
+    f16 = derived(name, "f16", progress=progress)  # checks the name
     dst = cache_dir() / f"{pathlib.Path(f16).stem}.imatrix.gguf"
     if not dst.is_file():
         imx = collect_imatrix(f16, calibration_texts(), progress=progress, dataset=CALIBRATION_DATASET)
         with atomic_output(dst) as tmp:
             write_imatrix_gguf(imx, tmp)
-    del m
     return str(dst)
 
 

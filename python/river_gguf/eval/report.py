@@ -571,9 +571,7 @@ def _ordered_presets(names) -> List[str]:
 def _settled_options(model, opts: dict) -> tuple:
     """The exit options a row runs with, as a hashable key; what the mode ignores is left out
     (tau and min exit layer outside the dynamic mode), so equal computations get equal keys."""
-    import dataclasses
-
-    o = dataclasses.asdict(model._options(**opts))
+    o = _resolved_options(model, opts)
     if o["mode"] != "river" or o.get("exit_layer") is not None:
         o.pop("threshold", None)
         o.pop("min_exit_layer", None)

@@ -2,12 +2,18 @@
 fraction of the speed their weight bytes predict.
 
     RIVER_GGUF_CACHE=.cache/test python benchmarks/preset_speed.py [--model smollm2] [--tokens 128] [--repeats 5]
+        [--river FILE] [--setting 'LABEL={"mode": "river-only", "river_attention": "backbone"}' ...]
+        [--static q4_0-imatrix,q4_k_m-imatrix,q8_0]
 
-The River GGUF is the one `river-gguf convert` makes with its defaults (evaluate.default_river_gguf).
+The River GGUF is the one `river-gguf convert` makes with its defaults (evaluate.default_river_gguf),
+or FILE; its stored presets are timed, and each --setting (exit options as JSON) beside them.
+--static lists the ladder kinds llama.cpp runs (model_zoo.derived; default f16,q8_0,q4_k_m,q4_0), and
+--static-file LABEL=FILE adds any other GGUF.
 Each configuration decodes `--tokens` greedy tokens after the same prompt, never stopping at EOS;
 only river_gguf's engine eval and llama.cpp's `llama_decode` are timed (no Python-side sampling or
 batch filling on either side), flash attention on both sides, configurations interleaved, median of
-`--repeats`. "Predicted" is a line t = a + b * bytes through llama.cpp's own (F16 bytes, F16 time)
+`--repeats`; "x REF" is the geometric mean over rounds of the ratio to llama.cpp's REF in the same
+round, with a 95% bootstrap interval over rounds. "Predicted" is a line t = a + b * bytes through llama.cpp's own (F16 bytes, F16 time)
 and (Q4_0 bytes, Q4_0 time) points, evaluated at the weight bytes a River step reads
 (presets.step_bytes, averaged over the run's exit layers).
 """
@@ -46,7 +52,7 @@ class RiverRun:
         self.toks = self.m.tokenize(PROMPT)
 
     def decode(self, n, preset):
-        o = self.m._options(preset=preset)
+        o = self.m._options(**preset) if isinstance(preset, dict) else self.m._options(preset=preset)
         e = self.m._engine
         e.truncate(0)
         logits, _, _ = e.eval(self.toks, **o.engine_args(prompt=True))
@@ -59,6 +65,15 @@ class RiverRun:
             secs += time.perf_counter() - t0
             exits.append(exit_layer if o.mode != "river-only" else -1)
         return n / secs, exits
+
+
+def paired_ratio(a, b, draws: int = 2000, seed: int = 20261201):
+    """Speed ratio a/b from rounds run side by side: the geometric mean of the per-round ratios
+    (a slow round slows both alike and cancels), with a 95% bootstrap interval over rounds."""
+    logs = np.log(np.asarray(a, dtype=float) / np.asarray(b, dtype=float))
+    rng = np.random.default_rng(seed)
+    boot = logs[rng.integers(0, len(logs), size=(draws, len(logs)))].mean(axis=1)
+    return float(np.exp(logs.mean())), [float(np.exp(np.percentile(boot, 2.5))), float(np.exp(np.percentile(boot, 97.5)))]
 
 
 class LlamaRun:
@@ -80,12 +95,25 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--unjoined", action="store_true",
                     help="add the fast preset on an engine that does not join Q/K/V and gate/up weights")
+    ap.add_argument("--river", default=None, metavar="FILE", help="River GGUF (default: the converter's default)")
+    ap.add_argument("--setting", action="append", default=[], metavar="LABEL=JSON",
+                    help="also time these exit options on the River GGUF, e.g. 'attn={\"mode\": \"river-only\"}'")
+    ap.add_argument("--no-presets", action="store_true", help="time only the --setting rows")
+    ap.add_argument("--static", default="f16,q8_0,q4_k_m,q4_0", help="llama.cpp's files to time (ladder kinds)")
+    ap.add_argument("--static-file", action="append", default=[], metavar="LABEL=FILE",
+                    help="also time this GGUF in llama.cpp (e.g. a static mix from benchmarks/mix_study.py)")
     a = ap.parse_args(argv)
 
-    river = RiverRun(evaluate.default_river_gguf(a.model, n_threads=a.threads, progress=False), a.threads)
-    statics = {q.upper(): LlamaRun(model_zoo.derived(a.model, q), a.threads)
-               for q in ("f16", "q8_0", "q4_k_m", "q4_0") if q in model_zoo.ladder_kinds(a.model)}
-    configs = [(f"River {p}", river, p) for p in presets.NAMES if p in river.m.presets]
+    path = a.river or evaluate.default_river_gguf(a.model, n_threads=a.threads, progress=False)
+    river = RiverRun(path, a.threads)
+    statics = {q.upper(): LlamaRun(model_zoo.derived(a.model, q), a.threads) for q in a.static.split(",") if q}
+    for s in a.static_file:
+        label, _, file = s.partition("=")
+        statics[label] = LlamaRun(file, a.threads)
+    configs = [] if a.no_presets else [(f"River {p}", river, p) for p in presets.NAMES if p in river.m.presets]
+    for s in a.setting:
+        label, _, js = s.partition("=")
+        configs.append((f"River {label}", river, json.loads(js)))
     if a.unjoined:
         configs.append(("River fast, weights not joined", RiverRun(river.m.model_path, a.threads, False), "fast"))
     configs += [(f"llama.cpp {k}", r, None) for k, r in statics.items()]
@@ -113,12 +141,13 @@ def main(argv=None) -> int:
         line = lambda b: 1 / (t_q4 + slope * (b - b_q4))  # noqa: E731
     for name, _, p in configs:
         row = {"config": name, "decode_tok_s": med[name], "runs": speeds[name]}
-        for ref in ("Q4_0", "Q4_K_M", "Q8_0"):
-            if f"llama.cpp {ref}" in med:
-                row[f"x_{ref}"] = med[name] / med[f"llama.cpp {ref}"]
+        for ref in statics:
+            x, ci = paired_ratio(speeds[name], speeds[f"llama.cpp {ref}"])
+            row[f"x_{ref}"], row[f"x_{ref}_ci"] = x, ci
         if p is not None:
-            o = river.m.presets[p]["options"]
-            b = float(np.mean([presets.step_bytes(layers, head, L, e, o.get("tail", 0), o.get("river_head", True))
+            o = p if isinstance(p, dict) else river.m.presets[p]["options"]
+            b = float(np.mean([presets.step_bytes(layers, head, L, e, o.get("tail", 0), o.get("river_head", True),
+                                                   o.get("river_attention", "river"))
                                for e in exits[name]]))
             row.update(options=o, mean_exit_layer=float(np.mean(exits[name])), mib_per_token=b / 2**20)
             if line is not None:
@@ -126,16 +155,17 @@ def main(argv=None) -> int:
         rows.append(row)
 
     print(f"\n{a.model}: {a.threads} threads, {a.tokens} greedy tokens, median of {a.repeats}, interleaved\n")
-    print("| config | decode tok/s | x Q4_0 | x Q4_K_M | x Q8_0 | MiB/token | predicted tok/s | x predicted |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    refs = list(statics)
+    print("| config | decode tok/s | " + " | ".join(f"x {k}" for k in refs) + " | MiB/token | predicted tok/s | x predicted |")
+    print("|---|---:|" + "---:|" * len(refs) + "---:|---:|---:|")
     for r in rows:
         f = lambda k, fmt: fmt.format(r[k]) if k in r else ""  # noqa: E731
-        print(f"| {r['config']} | {r['decode_tok_s']:.1f} | {f('x_Q4_0', '{:.2f}')} | {f('x_Q4_K_M', '{:.2f}')} | "
-              f"{f('x_Q8_0', '{:.2f}')} | {f('mib_per_token', '{:.0f}')} | {f('predicted_tok_s', '{:.1f}')} | "
-              f"{f('x_predicted', '{:.2f}')} |")
+        xs = " | ".join(f"{r[f'x_{k}']:.2f} [{r[f'x_{k}_ci'][0]:.2f}, {r[f'x_{k}_ci'][1]:.2f}]" for k in refs)
+        print(f"| {r['config']} | {r['decode_tok_s']:.1f} | {xs} | {f('mib_per_token', '{:.0f}')} | "
+              f"{f('predicted_tok_s', '{:.1f}')} | {f('x_predicted', '{:.2f}')} |")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"model": a.model, "rows": rows, "threads": a.threads, "tokens": a.tokens,
+            json.dump({"model": a.model, "river": path, "rows": rows, "threads": a.threads, "tokens": a.tokens,
                        "repeats": a.repeats}, fh, indent=1)
     return 0
 

@@ -53,5 +53,6 @@ def river_gguf_path(f16_path):
     stem = pathlib.Path(f16_path).name.removesuffix(".gguf")  # carries the source model's tag
     dst = cache_dir() / f"{stem}+q4_0.v{FORMAT_VERSION}.river.gguf"
     if not dst.is_file():
-        build_river_gguf(f16_path, dst, river_type="q4_0", progress=False, imatrix=None, presets=False)
+        build_river_gguf(f16_path, dst, river_type="q4_0", backbone_type=None, progress=False, imatrix=None,
+                         presets=False)
     return str(dst)

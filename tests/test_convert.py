@@ -50,6 +50,8 @@ def _build_tiny(src, dst, **kw):
     kw.setdefault("progress", False)
     kw.setdefault("imatrix", None)    # plain rounding and no preset calibration: fast, and the
     kw.setdefault("presets", False)   # file's options stay the ones under test
+    kw.setdefault("backbone_type", None)  # the input's backbone as given, and the river the tests
+    kw.setdefault("river_type", "q4_0")   # were written for (not the converter's defaults)
     return build_river_gguf(src, dst, **kw)
 
 

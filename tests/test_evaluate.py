@@ -347,7 +347,8 @@ def small_river_gguf(f16_path, tmp_path_factory):
     from river_gguf.gguf_meta import set_river_metadata
 
     path = tmp_path_factory.mktemp("rg") / "smollm2.river.gguf"
-    build_river_gguf(f16_path, path, threshold=0.98, progress=False, imatrix=None, presets=False)
+    build_river_gguf(f16_path, path, threshold=0.98, progress=False, imatrix=None, presets=False,
+                     backbone_type=None, river_type="q4_0")
     stored = {"fast": {"options": {"mode": "river-only", "tail": 2, "river_head": True}, "ppl": 5.0},
               "balanced": {"options": {"mode": "river", "threshold": 0.98, "min_exit_layer": 0, "tail": 2,
                                        "river_head": True}, "ppl": 4.5}}

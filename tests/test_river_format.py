@@ -24,7 +24,8 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("format")
     bb = write_tiny_model(d / "bb.gguf", "llama", n_layer=4, dtype="f16", seed=5)
     river = d / "m.river.gguf"
-    build_river_gguf(bb, river, threshold=0.9, progress=False, presets=False, imatrix=None, n_threads=1)
+    build_river_gguf(bb, river, threshold=0.9, progress=False, presets=False, imatrix=None, n_threads=1,
+                     backbone_type=None, river_type="q4_0")
     return bb, str(river), d
 
 

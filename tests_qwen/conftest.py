@@ -45,7 +45,7 @@ def qwen_river(qwen_f16):
     stem = pathlib.Path(qwen_f16).name.removesuffix(".gguf")
     dst = model_zoo.cache_dir() / f"{stem}+q4_0.v{FORMAT_VERSION}.river.gguf"
     if not dst.is_file():
-        build_river_gguf(qwen_f16, dst, river_type="q4_0", progress=False, presets=False)
+        build_river_gguf(qwen_f16, dst, river_type="q4_0", backbone_type=None, progress=False, presets=False)
     return str(dst)
 
 

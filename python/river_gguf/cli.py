@@ -306,6 +306,7 @@ SUBCOMMANDS = [
     "river_gguf.convert.build:register_upgrade",
     "river_gguf.eval.cli:register_eval",
     "river_gguf.eval.cli:register_calibrate",
+    "river_gguf.calibrate.tune:register",
     "river_gguf.serve:register",
     "river_gguf.rpc_server:register",
 ]

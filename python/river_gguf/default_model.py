@@ -83,10 +83,12 @@ def build_derived(src: str, stem: str, kind: str, f16_path, progress: bool = Fal
     return str(dst)
 
 
-def default_river_path(river_type: str = "q4_0") -> str:
-    """Where `river-gguf convert` (no arguments) writes the default River GGUF: the F16
-    SmolLM2 backbone with a `river_type` river. `river-gguf generate` loads it by default."""
-    return str(cache_dir() / f"SmolLM2-135M-Instruct.f16+{river_type}.river.gguf")
+def default_river_path(river_type: str = "q4_k_m", backbone_type: str = "auto") -> str:
+    """Where `river-gguf convert` (no arguments) writes the default River GGUF: SmolLM2's
+    backbone (`backbone_type`: "auto" is Q8_0 for its F16) with a `river_type` river.
+    `river-gguf generate` loads it by default."""
+    bb = "q8_0" if backbone_type in ("auto", None) else backbone_type
+    return str(cache_dir() / f"SmolLM2-135M-Instruct.{bb}+{river_type}.river.gguf")
 
 
 # ----- temp files next to outputs ---------------------------------------------------------

@@ -2,29 +2,37 @@
 
 A static quant is one point; a River GGUF holds a backbone, a river and the exit rule, so it can
 run anywhere between the river's speed and the backbone's quality. The calibrator measures a
-small grid of settings (backbone tail, dynamic exit tau, river-only) on the calibration split and
-keeps three as presets, one per tier. Each tier is anchored on the static llama.cpp quant of the
-same backbone that the preset has to match, by the weight bytes one decode step reads:
+small grid of settings (the backbone alone, backbone tails, dynamic exit tau, river-only, the
+river with the backbone's attention) on the calibration split and keeps three as presets, one per
+tier. Each tier is anchored on the static llama.cpp quant of the same backbone that the preset has
+to match, by the decode cost of one step:
 
-- ``fast``: the setting closest to the backbone (lowest KL divergence) that reads no more bytes
-  per step than llama.cpp's Q4_0 of this backbone;
-- ``balanced`` (the default): the same within Q4_K_M's bytes;
-- ``quality``: the same within Q8_0's bytes.
+- ``fast``: the setting closest to the backbone (lowest KL divergence) that costs no more per
+  step than llama.cpp's Q4_0 of this backbone;
+- ``balanced`` (the default): the same within Q4_K_M's cost;
+- ``quality``: the same within Q8_0's cost.
 
-A step's bytes (``step_bytes``) and the anchors (``static_step_bytes``, which applies llama.cpp's
-per-tensor type choice for Q4_0, Q4_K_M and Q8_0, fallbacks for rows that are not a multiple of
-256 included) are computed from the tensors' types and shapes, and KL divergence from the
-backbone is a deterministic computation on fixed calibration text, so the same input gives the
-same presets, byte for byte, on any run. Decode is memory-bound, and at equal bytes river_gguf's
-step is no slower than llama.cpp's (it joins Q/K/V and gate/up); the Pareto report checks the
-measured speeds. Earlier versions timed the tails during conversion, and their choice moved
-with the machine's load.
+A step's cost is the weight elements it multiplies, each weighted by its type's cost per element
+(``TYPE_COST``, a table fitted once from llama.cpp's own decode timings with
+``benchmarks/type_costs.py`` and stored here), plus a fixed cost per mat-mul node
+(``NODE_COST``: river_gguf joins Q/K/V and gate/up of one type, llama.cpp joins nothing) and per
+layer the dynamic exit tests (``EXIT_TEST_COST``). Bytes alone are the wrong measure: on the
+small models and few cores this project runs, decode is bound by the dot-product kernels, and a
+Q5_0 element costs nearly as much as a Q8_0 one though it is a third smaller. The anchors
+(``static_step_bytes`` with ``measure="cost"``) apply llama.cpp's per-tensor type choice for Q4_0, Q4_K_M and Q8_0,
+fallbacks for rows that are not a multiple of 256 included. Cost is a pure function of the
+tensors' types and shapes, and KL divergence from the backbone is a deterministic computation on
+fixed calibration text, so the same input gives the same presets, byte for byte, on any run. At
+equal cost river_gguf's step is no slower than llama.cpp's (it joins Q/K/V and gate/up); the
+Pareto report checks the measured speeds, and ``river-gguf tune FILE`` re-chooses the tiers from
+speeds timed on the user's own machine. Earlier versions timed the tails during conversion, and
+their choice moved with the machine's load.
 
 Where two tiers pick the same setting, the higher tier's entry says so (``same_as``) and why: no
 setting within its larger budget came closer to the backbone.
 
 They are stored as JSON under ``river.presets`` with their calibration KLD, perplexity, mean exit
-layer, bytes and bytes relative to river-only, ``river.presets_grid`` holds every measured
+layer, cost and cost relative to river-only, ``river.presets_grid`` holds every measured
 setting, ``river.presets_anchors`` the anchors, and ``river.default_preset`` names the one a Model
 uses by default.
 """
@@ -43,6 +51,35 @@ DEFAULT_PRESET = "balanced"
 # Each tier and the llama.cpp quant whose bytes per decode step bound it.
 TIERS = (("fast", "q4_0"), ("balanced", "q4_k_m"), ("quality", "q8_0"))
 ANCHORS_KEY = "river.presets_anchors"
+
+# The decode cost model, in units of one Q8_0 weight element's product. Fitted once from stock
+# llama.cpp's decode of SmolLM2-135M's static ladder and mixes on 2 threads of an AVX-512 server
+# (benchmarks/type_costs.py; BENCHMARKS.md has the runs) and rounded to 0.05, the size of its
+# noise; types not listed cost in proportion to their bits per element (Q8_0's 8.5 = 1.0).
+TYPE_COST = {"F32": 3.0, "F16": 1.5, "BF16": 1.5, "Q8_0": 1.0, "Q6_K": 0.95, "Q5_K": 0.9, "Q5_0": 0.85,
+             "Q5_1": 0.9, "Q4_K": 0.85, "Q4_0": 0.65, "Q4_1": 0.7, "IQ4_NL": 0.8, "IQ4_XS": 0.8}
+# Each mat-mul node costs a fixed amount besides its elements (thread sync, activation
+# quantization): 5.4 us on 2 threads against 39 ps per Q8_0 element, from the engine with and
+# without joined Q/K/V and gate/up on the same file (BENCHMARKS.md, issue 7). This is why joining
+# pays, and why a Q4_K_M river, whose attn_v (Q8_0) cannot join its Q5_0 attn_q/attn_k, gains
+# speed from the backbone's all-Q8_0 attention though it reads more bytes.
+NODE_COST = 140_000.0
+# Each backbone layer the dynamic exit tests (the similarity node and the graph split that
+# stops at an exit): 43 us measured as the difference of tau 0.97 with tail 0 and river-only, the
+# backbone's attention in both, on SmolLM2 (BENCHMARKS.md).
+EXIT_TEST_COST = 400_000.0
+
+
+def type_cost(type_name: str, n_elements: int) -> float:
+    """Cost of one product with a weight of `n_elements` elements of ggml type `type_name`."""
+    c = TYPE_COST.get(type_name)
+    if c is None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+        c = 8.0 * size / block / 8.5
+    return c * n_elements
+
 
 # The exit options a preset may set (ExitOptions fields).
 OPTION_KEYS = ("mode", "threshold", "min_exit_layer", "tail", "river_head", "exit_layer", "river_attention")
@@ -115,8 +152,10 @@ def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, dict]:
         same = [n for n, p in out.items() if p["options"] == pick["options"]]
         if same:
             entry["same_as"] = same[0]
-            entry["why"] = (f"no measured setting within {tier:.2f}x river-only's bytes is closer to the backbone "
-                            f"than {same[0]}'s" if ok else f"no measured setting fits {tier:.2f}x river-only's bytes")
+            entry["why"] = (f"no measured setting within {tier:.2f}x river-only's cost is closer to the backbone "
+                            f"than {same[0]}'s" if ok else f"no measured setting fits {tier:.2f}x river-only's cost")
+        elif not ok:
+            entry["why"] = f"no measured setting fits {tier:.2f}x river-only's cost: the cheapest is {pick['relative_cost']:.2f}x"
         out[name] = entry
     return out
 
@@ -130,31 +169,65 @@ def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[st
         what = o.get("mode", "river")
         if what == "river":
             what = f"tau={o.get('threshold')} min_exit={o.get('min_exit_layer', 0)}"
+        if o.get("river_attention", "river") != "river":
+            what += f" river_attention={o['river_attention']}"
         lines.append(
             f"{name}{' (default)' if name == default else ''}: {what} tail={o.get('tail', 0)} "
             f"river_head={o.get('river_head')} | calibration KLD {p.get('kld', float('nan')):.4f}, ppl "
             f"{p.get('ppl', float('nan')):.4f} (backbone {p.get('backbone_ppl', float('nan')):.4f}), "
-            f"{p.get('relative_cost', float('nan')):.2f}x river-only's bytes per step (tier "
+            f"{p.get('relative_cost', float('nan')):.2f}x river-only's cost per step (tier "
             f"{p.get('tier', float('nan')):.2f}x), mean exit {p.get('mean_exit_layer', float('nan')):.1f}"
-            + (f" [= {p['same_as']}: {p['why']}]" if p.get("same_as") else ""))
+            + (f" [= {p['same_as']}: {p['why']}]" if p.get("same_as") else f" [{p['why']}]" if p.get("why") else ""))
     return lines
 
 
 # ----- measuring the settings ----------------------------------------------------------
-def weight_bytes(model) -> tuple:
+def _measure(t, measure: str) -> float:
+    if measure == "bytes":
+        return int(t.n_bytes)
+    n = int(np.prod([int(x) for x in t.shape]))
+    return type_cost(t.tensor_type.name, n) if len(t.shape) > 1 and int(t.shape[1]) > 1 else 0.0
+
+
+# The weights river_gguf joins into one mat-mul when they share a type (engine.cpp, cfg.fuse).
+_JOINS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+def _layer_nodes(types: Dict[str, str], kinds=None) -> int:
+    """Mat-mul nodes of one layer in river_gguf's engine: `types` maps a weight's kind
+    (attn_q, ...) to its type; joined groups of one type are one node. kinds: count only these."""
+    present = {k: t for k, t in types.items() if kinds is None or k in kinds}
+    nodes = len(present)
+    for group in _JOINS:
+        ts = [present.get(k) for k in group]
+        if all(t is not None for t in ts) and len(set(ts)) == 1:
+            nodes -= len(group) - 1
+    return nodes
+
+
+def weight_bytes(model, measure: str = "bytes") -> tuple:
     """(layer_bytes, head_bytes) of a loaded Model's files: per layer, the bytes of the
     backbone's and the river's tensors; the head each side uses (the river's is its
-    river.output/river.token_embd, the backbone's its output or tied token_embd)."""
+    river.output/river.token_embd, the backbone's its output or tied token_embd).
+    measure="cost" gives each weight matrix's decode cost (type_cost) instead of its bytes
+    (1-D tensors cost nothing: they are alike on every side)."""
     import gguf
 
+    if measure not in ("bytes", "cost"):
+        raise ValueError(f"measure must be 'bytes' or 'cost', got {measure!r}")
     bb = gguf.GGUFReader(model.model_path)
-    bb_sizes = {t.name: int(t.n_bytes) for t in bb.tensors}
+    bb_ts = [(t.name, t) for t in bb.tensors]
     if model.river_path:
-        rv_sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(model.river_path).tensors}
+        rv_ts = [(t.name, t) for t in gguf.GGUFReader(model.river_path).tensors]
     else:
         from .river_format import river_tensors
 
-        rv_sizes = {t.name[len("river."):]: int(t.n_bytes) for t in river_tensors(bb)}
+        rv_ts = [(t.name[len("river."):], t) for t in river_tensors(bb)]
+    bb_sizes = {n: _measure(t, measure) for n, t in bb_ts}
+    rv_sizes = {n: _measure(t, measure) for n, t in rv_ts}
+    matrix = lambda n, t: n.startswith("blk.") and n.endswith(".weight") and len(t.shape) > 1  # noqa: E731
+    bb_types = {n: t.tensor_type.name for n, t in bb_ts if matrix(n, t)}
+    rv_types = {n: t.tensor_type.name for n, t in rv_ts if matrix(n, t)}
     L = model.n_layer
 
     def layer(sizes, l, kinds=None):
@@ -167,6 +240,13 @@ def weight_bytes(model) -> tuple:
                "river_attention": layer(rv_sizes, l, ATTENTION_KINDS)} for l in range(L)]
     head = {"backbone": bb_sizes.get("output.weight", bb_sizes.get("token_embd.weight", 0)),
             "river": rv_sizes.get("output.weight", rv_sizes.get("token_embd.weight", 0))}
+    if measure == "cost":  # and each side's mat-mul nodes (the head is one)
+        for side, types in (("backbone", bb_types), ("river", rv_types)):
+            for l in range(L):
+                t = {n.split(".")[2]: ty for n, ty in types.items() if n.startswith(f"blk.{l}.")}
+                layers[l][side] += NODE_COST * _layer_nodes(t)
+                layers[l][f"{side}_attention"] += NODE_COST * _layer_nodes(t, ATTENTION_KINDS)
+            head[side] += NODE_COST
     return layers, head
 
 
@@ -183,7 +263,10 @@ ATTENTION_DYNAMIC = tuple((tau, 0) for tau in (0.97, 0.98, 0.99))
 
 
 def grid(n_layer: int, river_head: bool = True) -> List[dict]:
-    rows = [{"mode": "river-only", "tail": t, "river_head": river_head} for t in STATIC_TAILS if t < n_layer]
+    # The backbone alone is a candidate too: with a Q8_0 backbone it is llama.cpp's Q8_0 at its
+    # own cost, and no setting with river layers in it comes closer to F16 at that cost.
+    rows = [{"mode": "backbone", "tail": 0, "river_head": False}]
+    rows += [{"mode": "river-only", "tail": t, "river_head": river_head} for t in STATIC_TAILS if t < n_layer]
     rows += [{"mode": "river", "threshold": tau, "min_exit_layer": 0, "tail": t, "river_head": river_head}
              for tau, t in DYNAMIC if t < n_layer - 1]
     rows += [{"mode": "river-only", "tail": t, "river_head": river_head, "river_attention": "backbone"}
@@ -236,19 +319,23 @@ def _type_bytes(type_name: str, n_elements: int) -> float:
     return n_elements / block * size
 
 
-def static_step_bytes(tensors: Dict[str, tuple], n_layer: int, kind: str) -> float:
+def static_step_bytes(tensors: Dict[str, tuple], n_layer: int, kind: str, measure: str = "bytes") -> float:
     """Weight bytes one decode step of llama.cpp's `kind` quant of this backbone reads: every
     layer weight and the head. tensors: {name: shape (ne0 first)} of the backbone's tensors.
-    Small F32 tensors (norms) are left out, as in step_bytes they cost the same on both sides."""
+    Small F32 tensors (norms) are left out, as in step_bytes they cost the same on both sides.
+    measure="cost": the step's decode cost (type_cost) instead."""
+    # llama.cpp runs every weight as its own mat-mul node (it joins nothing).
+    node = 0.0 if measure == "bytes" else NODE_COST
+    of = _type_bytes if measure == "bytes" else type_cost
     total = 0.0
     for l in range(n_layer):
         for role in _LAYER_WEIGHTS:
             shape = tensors.get(f"blk.{l}.{role}.weight")
             if shape is not None:
-                total += _type_bytes(_llama_cpp_type(kind, role, l, n_layer, int(shape[0])), int(np.prod(shape)))
+                total += of(_llama_cpp_type(kind, role, l, n_layer, int(shape[0])), int(np.prod(shape))) + node
     head = tensors.get("output.weight", tensors.get("token_embd.weight"))
     if head is not None:
-        total += _type_bytes(_llama_cpp_type(kind, "output", -1, n_layer, int(head[0])), int(np.prod(head)))
+        total += of(_llama_cpp_type(kind, "output", -1, n_layer, int(head[0])), int(np.prod(head))) + node
     return total
 
 
@@ -259,15 +346,17 @@ def _plain_tensor_shapes(model) -> Dict[str, tuple]:
     return {t.name: tuple(int(x) for x in t.shape) for t in r.tensors if not t.name.startswith("river.")}
 
 
-def tier_bounds(model, layers: List[dict], head: dict) -> dict:
-    """Per tier, the anchor quant's bytes per step relative to this file's river-only step."""
+def tier_bounds(model, layers: List[dict], head: dict, measure: str = "cost") -> dict:
+    """Per tier, the anchor quant's cost per step (or bytes, measure="bytes"; layers and head
+    from weight_bytes with the same measure) relative to this file's river-only step."""
     shapes = _plain_tensor_shapes(model)
     L = model.n_layer
     river_only = step_bytes(layers, head, L, -1, 0, True)
-    # Count only the weights step_bytes counts for the anchors' side too: layer matrices and head.
-    norms = sum(_norm_bytes(shapes, l) for l in range(L))
-    anchors = {kind: static_step_bytes(shapes, L, kind) + norms for _, kind in TIERS}
-    return {"river_only_bytes": river_only, "anchor_bytes": anchors,
+    # Count only the weights step_bytes counts for the anchors' side too: layer matrices and head
+    # (and the F32 norms, for bytes; they cost nothing in the cost measure).
+    norms = sum(_norm_bytes(shapes, l) for l in range(L)) if measure == "bytes" else 0.0
+    anchors = {kind: static_step_bytes(shapes, L, kind, measure) + norms for _, kind in TIERS}
+    return {"measure": measure, "river_only": river_only, "anchors": anchors,
             "bounds": {name: anchors[kind] / river_only for name, kind in TIERS}}
 
 
@@ -284,7 +373,8 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     Quality is the KL divergence of each setting's next-token distribution from the backbone's
     (the same file in backbone mode), both teacher-forced through the decode path with exits live
     (a batched pass is a different computation for quantized weights: eval/divergence.py). Cost
-    is the weight bytes a step reads (step_bytes), against the tier bounds of tier_bounds.
+    is the step's decode cost (step_bytes over weight_bytes(measure="cost")), against the tier
+    bounds of tier_bounds; each row also records the bytes the step reads.
     Returns {"presets", "rows", "anchors", "backbone_ppl", ...}."""
     from tqdm import tqdm
 
@@ -294,7 +384,8 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     items = evaluate.calibration_items() if items is None else items
     prepared = [p for its in items.values() for p in evaluate.prepare(model, its, score_tokens)]
     settings = grid(model.n_layer) if settings is None else settings
-    layers, head = weight_bytes(model)
+    layers, head = weight_bytes(model, "cost")
+    layers_b, head_b = weight_bytes(model, "bytes")
     L = model.n_layer
     n_tok = sum(len(t) - p for t, p in prepared)
     configs = {i: (model, dict(exit_layer=None, **opts)) for i, opts in enumerate(settings)}
@@ -307,12 +398,17 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     for i, opts in enumerate(settings):
         r = runs[i]
         static = divergence.is_static(configs[i][1])
-        mean_exit = -1.0 if static else r.mean_exit_layer
-        cost = step_bytes(layers, head, L, mean_exit, opts.get("tail", 0), opts.get("river_head", True),
-                          opts.get("river_attention", "river"))
+        mean_exit = (float(L - 1) if opts.get("mode") == "backbone" else -1.0) if static else r.mean_exit_layer
+        step = (mean_exit, opts.get("tail", 0), opts.get("river_head", True), opts.get("river_attention", "river"))
+        if opts.get("mode") == "backbone":
+            step = (L - 1, 0, False, "river")
+        cost = step_bytes(layers, head, L, *step)
+        if opts.get("mode") == "river" and not static:  # the layers the exit tests
+            cost += EXIT_TEST_COST * (min(mean_exit, L - 1 - opts.get("tail", 0)) + 1)
         s = divergence.summarize(r)
         rows.append({"options": dict(opts), "kld": s["kld"], "kld_ci": s["kld_ci"], "same_top": s["same_top"],
                      "ppl": r.perplexity, "mean_exit_layer": mean_exit, "cost": cost,
+                     "bytes": step_bytes(layers_b, head_b, L, *step),
                      "relative_cost": cost / river_only_cost,
                      "backbone_layers": backbone_layers_per_step(L, mean_exit, opts.get("tail", 0)),
                      "backbone_ppl": base.perplexity})
@@ -329,7 +425,7 @@ GRID_KEY = "river.presets_grid"
 def preset_metadata(res: dict, default: str = DEFAULT_PRESET) -> dict:
     """The river.* keys that store calibrated presets, and every measured setting (so the tiers
     can be chosen again without measuring)."""
-    grid_rows = [{k: r[k] for k in ("options", "kld", "same_top", "ppl", "cost", "relative_cost", "mean_exit_layer")}
-                 for r in res["rows"]]
+    grid_rows = [{k: r[k] for k in ("options", "kld", "same_top", "ppl", "cost", "bytes", "relative_cost",
+                                    "mean_exit_layer")} for r in res["rows"]]
     return {PRESET_KEY: dump(res["presets"]), DEFAULT_KEY: default, GRID_KEY: dump(grid_rows),
             ANCHORS_KEY: dump(res["anchors"]), "river.presets_calibration_tokens": int(res["n_tokens"])}

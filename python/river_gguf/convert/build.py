@@ -1,7 +1,7 @@
 """Build a River GGUF: a backbone GGUF plus a low-precision copy of its layers (the exit river).
 
     from river_gguf.convert.build import build_river_gguf
-    build_river_gguf("model.f16.gguf", "model.river.gguf")             # river = Q4_0 of the backbone
+    build_river_gguf("model.f16.gguf", "model.river.gguf")   # Q8_0 backbone, imatrix Q4_K_M river
     build_river_gguf("model.f16.gguf", "out.gguf", river_path="model.q4_k_m.gguf")
 
 The output is the backbone GGUF, every tensor and metadata key unchanged (same order, same
@@ -14,11 +14,18 @@ River GGUF as its plain backbone, bit-identical to the backbone file; river_gguf
 Files of format 1 (river tensors in the GGUF index, which llama.cpp refuses) are still read, and
 ``upgrade_river_gguf`` (``river-gguf upgrade``) rewrites them as format 2.
 
-Why the default river type is q4_0: it is the fastest 4-bit type in llama.cpp on the machines
-this project measures (180 tok/s vs 134 for Q4_K_M on SmolLM2-135M), and SmolLM2's width of
-576 is not a multiple of 256, so q4_k_m mostly falls back to Q5_0 for it anyway. q4_1 is a bad
-river for the default model: the F16 SmolLM2 is itself a dequantized Q4_1, so a Q4_1 river
-reproduces the backbone nearly exactly and the river gains nothing to compare.
+Why the defaults are a Q8_0 backbone and an imatrix Q4_K_M river (``backbone_type="auto"``:
+Q8_0 when the input's weights are floats): measured by KL divergence from F16, the field's
+measure, the base quant decides most of a file's closeness, and the presets can only mix what the
+file holds. On SmolLM2-135M (BENCHMARKS.md) an F16 backbone with a Q4_0 river was dominated by
+llama.cpp's imatrix Q4_K_M at every preset, while this pair gives, at Q4_K_M's speed, the
+river-only step with the backbone's Q8_0 attention (KLD 0.015 against Q4_K_M imatrix's 0.026),
+and at Q8_0's speed the Q8_0 backbone itself (llama.cpp's Q8_0, with joined weights). Q8_0 is
+half F16's bytes at KLD ~0.003. Pass ``--backbone-type f16`` to keep the input's precision,
+``--river-type q4_0`` for the fastest river. q4_1 (and q5_1) is a bad river for the default
+model: the F16 SmolLM2 is itself a dequantized Q4_1, so such a river reproduces the backbone
+nearly exactly; likewise a Q4_K_M river of a model dequantized from Q4_K_M (model_zoo picks
+q4_0 for those).
 
 Module-level imports are kept light: ``river-gguf`` imports this module to build its parser.
 """
@@ -40,8 +47,9 @@ DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
 IMATRIX_AUTO = "auto"     # collect the importance matrix on the calibration split
 RIVER_PREFIX = "river."
 PREFILL_CHOICES = ("backbone", "river")
-DEFAULT_RIVER_TYPE = "q4_0"
-BACKBONE_TYPES = ("f16", "q8_0")
+DEFAULT_RIVER_TYPE = "q4_k_m"
+BACKBONE_TYPES = ("auto", "f16", "q8_0")
+DEFAULT_BACKBONE_TYPE = "auto"  # Q8_0 when the input's weights are floats, else as given
 
 # Hyperparameters (under "{arch}.") that must agree between backbone and river.
 _HPARAM_KEYS = (
@@ -385,14 +393,15 @@ def build_river_gguf(
     n_threads: int = 2,
     tail: int = DEFAULT_TAIL,
     imatrix: Optional[str] = IMATRIX_AUTO,
-    backbone_type: Optional[str] = None,
+    backbone_type: Optional[str] = DEFAULT_BACKBONE_TYPE,
     presets: bool = True,
     river_head_type: Optional[str] = None,
     finalize: Optional[Callable[[str], Optional[dict]]] = None,
+    calibration_tokens: Optional[int] = None,
 ) -> dict:
     """Write ``out_path``: the backbone GGUF plus a river; return the river.* metadata written.
 
-    river_type: llama.cpp quantization type for a river made from the backbone (default q4_0,
+    river_type: llama.cpp quantization type for a river made from the backbone (default q4_k_m,
         see the module docstring). Ignored when ``river_path`` is given.
     river_path: an existing GGUF of the same model (plain, not a River GGUF) to use as river.
     threshold: exit threshold tau; None profiles the backbone (profile.default_threshold).
@@ -403,12 +412,17 @@ def build_river_gguf(
         calibration split and quantizes the river with ggml's importance-weighted rounding; a
         path reads one (llama.cpp's imatrix GGUF); None quantizes plainly, as llama.cpp does.
         Ignored when ``river_path`` is given.
-    backbone_type: None keeps the backbone's tensors as they are; "q8_0" stores the backbone
-        quantized to Q8_0 (the river is still made from the precise input).
+    backbone_type: "auto" (default) stores the backbone as Q8_0 when the input's weight
+        matrices are floats (F32/F16/BF16) and as given otherwise; None or "f16" keeps the
+        backbone's tensors as they are; "q8_0" stores the backbone quantized to Q8_0. The river is
+        always made from the input.
     presets: measure the preset grid on the calibration split and store fast/balanced/quality
         presets (river.presets) in the file.
     river_head_type: the river head's type (e.g. "q4_0"); None keeps llama.cpp's choice for
         river_type (Q8_0 for q4_0 on SmolLM2: a third of the river's bytes).
+    calibration_tokens: tokens each preset setting is scored on (teacher-forced decode), and a
+        tenth of the token budget of the imatrix collection; None (default) sizes it to the model
+        (calibration_token_budget: 1,024 for small models, fewer for large ones).
     finalize: called with the path of the complete staged file (presets stored) before it is
         renamed to ``out_path``, e.g. to calibrate it; it may rewrite that file atomically
         (gguf_meta.set_river_metadata) and return metadata to add to the result.
@@ -450,6 +464,11 @@ def build_river_gguf(
             )
     if not isinstance(n_threads, int) or n_threads < 1:
         raise ValueError(f"n_threads must be an int >= 1, got {n_threads!r}")
+    if calibration_tokens is not None and (isinstance(calibration_tokens, bool) or not isinstance(
+            calibration_tokens, int) or calibration_tokens < MIN_CALIBRATION_TOKENS):
+        raise ValueError(f"calibration_tokens must be an int >= {MIN_CALIBRATION_TOKENS}, got {calibration_tokens!r}")
+    if calibration_tokens is None:
+        calibration_tokens = calibration_token_budget(os.path.getsize(backbone_path))
     if backbone_type is not None:
         backbone_type = str(backbone_type).lower()
         if backbone_type not in BACKBONE_TYPES:
@@ -468,6 +487,9 @@ def build_river_gguf(
         _check_loadable(river_path)
     bb = _reader(backbone_path)
     bb_has_river = is_river_gguf(bb)
+    if backbone_type == "auto":
+        floats = all(_type_name(t) in _FLOAT_TYPE_NAMES for t in _plain_tensors(bb) if len(t.shape) >= 2)
+        backbone_type = "q8_0" if floats else None
     if bb_has_river and not replace_river:
         raise ValueError(
             f"{backbone_path} already is a River GGUF; pass replace_river=True (--replace-river) "
@@ -502,7 +524,7 @@ def build_river_gguf(
                     from . import imatrix as imx
 
                     if imatrix == IMATRIX_AUTO:
-                        imat = imx.collect_imatrix(src, imx.calibration_texts(), n_threads=n_threads, progress=progress,
+                        imat = imx.collect_imatrix(src, _imatrix_texts(calibration_tokens), n_threads=n_threads, progress=progress,
                                                    dataset="calibration split (gsm8k, humaneval; item % 5 == 0)")
                         imatrix_label = f"collected: {imat.datasets[0] if imat.datasets else 'calibration split'}"
                     else:
@@ -578,7 +600,9 @@ def build_river_gguf(
             if prof is not None:
                 meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
         if presets:
-            meta.update(calibrate_presets_file(staged, n_threads=n_threads, progress=progress))
+            per_domain, score_tokens = preset_scoring(calibration_tokens)
+            meta.update(calibrate_presets_file(staged, n_threads=n_threads, progress=progress,
+                                               items_per_domain=per_domain, score_tokens=score_tokens))
         if finalize is not None:
             meta.update(finalize(staged) or {})
         os.replace(staged, out_path)
@@ -598,9 +622,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in the cache, which `river-gguf generate` then uses by default)")
     p.add_argument("--river-type", default=DEFAULT_RIVER_TYPE, type=str.lower, choices=sorted(FTYPES),
                    metavar="TYPE",
-                   help="quantization of the river made from the backbone (default q4_0: the fastest 4-bit "
-                        "type in llama.cpp here, 180 vs 134 tok/s for Q4_K_M, and SmolLM2's width 576 is not a "
-                        "multiple of 256 so q4_k_m mostly falls back to Q5_0; avoid q4_1 for SmolLM2, whose F16 "
+                   help="quantization of the river made from the backbone, with llama.cpp's per-tensor recipe "
+                        "(default q4_k_m: with a Q8_0 backbone its presets beat llama.cpp's imatrix Q4_K_M by KL "
+                        "divergence at its speed; q4_0 is the fastest river; avoid q4_1 for SmolLM2, whose F16 "
                         f"is a dequantized Q4_1). One of: {', '.join(sorted(FTYPES))}")
     p.add_argument("--river", default=None, metavar="EXISTING.gguf",
                    help="use this GGUF of the same model as the river instead of quantizing the backbone")
@@ -619,12 +643,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="importance matrix for the river's quantization: 'auto' (default) collects it from the "
                         "backbone's activations on the calibration split; FILE is llama.cpp's imatrix GGUF; "
                         "'none' rounds plainly as llama.cpp does without one")
-    p.add_argument("--backbone-type", default=None, type=str.lower, choices=BACKBONE_TYPES,
-                   help="store the backbone as F16 (as given) or quantized to Q8_0 (the river is still made "
-                        "from the precise input)")
+    p.add_argument("--backbone-type", default=DEFAULT_BACKBONE_TYPE, type=str.lower, choices=BACKBONE_TYPES,
+                   help="store the backbone as given (f16) or quantized to Q8_0 (the river is still made from the "
+                        "precise input); auto (default): Q8_0 when the input's weights are floats, which is "
+                        "half F16's bytes at a KL divergence of ~0.003 from it")
     p.add_argument("--river-head-type", default=None, type=str.lower, metavar="TYPE",
                    help="type of the river's head (its token_embd/output), e.g. q4_0 (default: llama.cpp's "
                         "choice for --river-type)")
+    p.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
+                   help="tokens each preset setting is scored on (the imatrix reads about 10x N); default: "
+                        f"sized to the model, {MAX_CALIBRATION_TOKENS} for small ones, 64 for an 8B (about 9 minutes "
+                        "on 8 cores)")
     p.add_argument("--presets", action=argparse.BooleanOptionalAction, default=True,
                    help="measure and store the fast/balanced/quality presets (default: yes, a few minutes)")
     p.add_argument("--replace-river", action="store_true",
@@ -642,6 +671,51 @@ def _parse_budget(text: str) -> float:
     from ..eval.cli import parse_budget
 
     return parse_budget(text)
+
+
+# ----- how much calibration -------------------------------------------------------------
+# The presets score every setting of presets.grid (24, and the backbone reference) by teacher-
+# forced decode, so their cost is (grid + 1) x tokens decode steps; the imatrix is a batched
+# prefill over at most 10x tokens, cheap beside it. A decode step reads the backbone's weights
+# once: at an assumed 25 GB/s (8 cores of DDR4/DDR5), SmolLM2's Q8_0 (145 MB) steps in ~6 ms and an
+# 8B model's Q8_0 (8.5 GB) in ~0.34 s. The default keeps the presets within ~8 minutes there:
+# 64 tokens per setting on an 8B model (25 x 64 x 0.34 s = 9 min with the imatrix, on 8 cores), and
+# the full 1,024 on models below ~600 MB (SmolLM2: ~6 minutes on 2 cores of this project's VM).
+MAX_CALIBRATION_TOKENS = 1024
+MIN_CALIBRATION_TOKENS = 32
+_ASSUMED_BYTES_PER_S = 25e9
+_PRESET_BUDGET_S = 480.0
+
+
+def calibration_token_budget(backbone_bytes: int) -> int:
+    """The default calibration tokens for a backbone file of `backbone_bytes` (see above)."""
+    from .. import presets as presets_mod
+
+    # As stored by default: Q8_0 is about half an F16 file's bytes.
+    step_s = max(backbone_bytes, 1) / 2 / _ASSUMED_BYTES_PER_S
+    n = int(_PRESET_BUDGET_S / ((len(presets_mod.grid(32)) + 1) * step_s))
+    return max(64, min(MAX_CALIBRATION_TOKENS, n))
+
+
+def preset_scoring(calibration_tokens: int) -> Tuple[int, int]:
+    """(items per domain, scored tokens per item) for `calibration_tokens` tokens per setting
+    over the two calibration domains: 64 tokens an item, fewer items first."""
+    score_tokens = 64 if calibration_tokens >= 128 else max(16, calibration_tokens // 2)
+    return max(1, round(calibration_tokens / (2 * score_tokens))), score_tokens
+
+
+def _imatrix_texts(calibration_tokens: int) -> List[str]:
+    """The calibration texts for the imatrix, cut to about 10x calibration_tokens tokens (at ~4
+    characters a token; the default 1,024 keeps all of them, ~9,000 tokens)."""
+    from . import imatrix as imx
+
+    texts, chars = [], 0
+    for t in imx.calibration_texts():
+        if texts and chars + len(t) > 40 * calibration_tokens:
+            break
+        texts.append(t)
+        chars += len(t)
+    return texts
 
 
 def calibrate_file(path: str, budget: float, n_threads: int = 2, progress: bool = True,
@@ -724,7 +798,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if args.output is None:
-            args.output = default_river_path(args.river_type)
+            args.output = default_river_path(args.river_type, args.backbone_type)
     elif args.output is None:
         print("error: -o/--output is required when BACKBONE is given", file=sys.stderr)
         return 2
@@ -748,7 +822,7 @@ def _run(args: argparse.Namespace) -> int:
             n_threads=args.threads, tail=args.tail,
             imatrix=None if str(args.imatrix).lower() == "none" else args.imatrix,
             backbone_type=args.backbone_type, presets=args.presets, river_head_type=args.river_head_type,
-            finalize=finalize if args.calibrate else None,
+            finalize=finalize if args.calibrate else None, calibration_tokens=args.calibration_tokens,
         )
     except (ValueError, OSError, RuntimeError, native.GGUFFormatError) as e:
         print(f"error: {'calibration failed: ' if stage['calibrating'] else ''}{e}", file=sys.stderr)

@@ -308,18 +308,27 @@ def _zoo(model: str):
     return model_zoo._model(model)
 
 
+def default_river_type(model: str = DEFAULT_MODEL) -> str:
+    """The converter's default river type, unless it would rebuild the grid the model's F16 was
+    dequantized from (Qwen2.5-Coder's F16 is a dequantized Q4_K_M): then q4_0."""
+    from ..convert.build import DEFAULT_RIVER_TYPE
+
+    return "q4_0" if DEFAULT_RIVER_TYPE in _zoo(model).rebuilds_source else DEFAULT_RIVER_TYPE
+
+
 def river_gguf_path(model: str = DEFAULT_MODEL) -> str:
     """Where the report keeps the model's default River GGUF (one name per model, in the cache)."""
     from ..default_model import cache_dir
 
-    return str(cache_dir() / f"{_zoo(model).stem}.f16+q4_0-imatrix.presets.river.gguf")
+    return str(cache_dir() / f"{_zoo(model).stem}.q8_0+{default_river_type(model)}-imatrix.presets.river.gguf")
 
 
 def default_river_gguf(model: str = DEFAULT_MODEL, rebuild: bool = False, n_threads: int = 2,
                        progress: bool = True) -> str:
-    """The River GGUF `river-gguf convert` makes from the model's F16 with its defaults (imatrix
-    Q4_0 river collected on the calibration split, profiled tau, measured presets), built once
-    and cached (`rebuild` builds it again, e.g. after the converter changed)."""
+    """The River GGUF `river-gguf convert` makes from the model's F16 with its defaults (Q8_0
+    backbone, imatrix river of default_river_type collected on the calibration split, profiled
+    tau, measured presets), built once and cached (`rebuild` builds it again, e.g. after the
+    converter changed)."""
     from . import model_zoo
 
     from ..presets import PRESET_KEY
@@ -329,7 +338,7 @@ def default_river_gguf(model: str = DEFAULT_MODEL, rebuild: bool = False, n_thre
         from ..convert.build import build_river_gguf
 
         build_river_gguf(model_zoo.derived(model, "f16", progress=progress), path, progress=progress,
-                         n_threads=n_threads)
+                         n_threads=n_threads, river_type=default_river_type(model))
     elif PRESET_KEY not in _metadata(path, (PRESET_KEY,)):
         # A file from before build_river_gguf stored presets in the staged file (its output is
         # now complete or absent).

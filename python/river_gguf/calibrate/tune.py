@@ -1,0 +1,141 @@
+"""`river-gguf tune FILE`: choose a River GGUF's presets again from decode speeds timed on this
+machine, instead of the stored cost model.
+
+The converter chooses the presets by a cost model fitted once on one machine (presets.TYPE_COST),
+so the same input gives the same presets everywhere. On another CPU the relative speed of the
+types differs (AVX2 against AVX-512, more cores, a GPU), and a tier may then hold a setting that is
+slower than the llama.cpp quant it is anchored on. `tune` times every setting of the file's
+measured grid (river.presets_grid: their KLD stays as measured) in river_gguf's engine, and the
+three anchors, llama.cpp's Q4_0, Q4_K_M and Q8_0 of the file's backbone, in stock llama.cpp (made
+in a temp folder with llama.cpp's quantizer from the backbone, which the River GGUF is to
+llama.cpp), interleaved over `rounds` rounds. Each setting's cost is its median seconds per
+decode step relative to river-only's, and each tier's bound the anchor's, as in the cost model;
+presets.choose then picks per tier, and the file is rewritten atomically (metadata only).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from typing import Dict, List, Optional
+
+from .. import presets as presets_mod
+from ..gguf_meta import set_river_metadata
+
+PROMPT = ("The river rose in the hills above the town and ran through three valleys before it reached "
+          "the sea. In spring, when the snow melted,")
+TUNED_KEY = "river.presets_tuned"
+
+
+def _anchor_files(path: str, folder: str, n_threads: int, progress) -> Dict[str, str]:
+    from ..gguf_io import quantize
+
+    out = {}
+    for _, kind in presets_mod.TIERS:
+        dst = os.path.join(folder, f"anchor.{kind}.gguf")
+        quantize(path, dst, kind, n_threads=n_threads, allow_requantize=True)
+        out[kind] = dst
+        progress(1)
+    return out
+
+
+def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write: bool = True,
+         progress: bool = True) -> dict:
+    """Time the stored grid and the anchors on this machine and choose the presets again.
+    Returns {"presets", "rows", "anchors", "seconds_per_step"}; with write=True the presets,
+    anchors and the timings are stored in the file."""
+    from tqdm import tqdm
+
+    from ..eval.llama_decode import LlamaDecoder
+    from ..model import Model
+
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    if not isinstance(tokens, int) or tokens < 8:
+        raise ValueError(f"tokens must be an int >= 8, got {tokens!r}")
+    m = Model(path, n_ctx=1024, n_threads=n_threads)
+    raw = m.metadata.get(presets_mod.GRID_KEY)
+    if not m.has_river or raw is None:
+        raise ValueError(f"{path} has no measured preset grid ({presets_mod.GRID_KEY}); convert it with presets "
+                         "(river-gguf convert without --no-presets) first")
+    grid: List[dict] = json.loads(raw)
+    river_only = next((i for i, r in enumerate(grid) if r["options"].get("mode") == "river-only"
+                       and not r["options"].get("tail") and r["options"].get("river_attention", "river") == "river"),
+                      None)
+    if river_only is None:
+        raise ValueError(f"{path}: the grid has no plain river-only setting to measure costs against")
+    n_runs = len(presets_mod.TIERS) + rounds * (len(grid) + len(presets_mod.TIERS))
+    times: Dict[str, List[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="river-tune-", dir=os.path.dirname(os.path.abspath(path))) as tmp, \
+            tqdm(total=n_runs, desc="tune", unit="run", disable=not progress) as bar:
+        anchors = {k: LlamaDecoder(p, 1024, n_threads) for k, p in _anchor_files(path, tmp, n_threads, bar.update).items()}
+        try:
+            prompt = m.tokenize(PROMPT)
+            jobs = [(f"grid{i}", r["options"]) for i, r in enumerate(grid)] + [(k, None) for k in anchors]
+            for rnd in range(rounds):
+                for name, opts in (jobs if rnd % 2 == 0 else jobs[::-1]):  # drift hits every job alike
+                    if opts is None:
+                        _, steps, secs = anchors[name].greedy(prompt, tokens + 1, stop_at_eog=False)
+                    else:
+                        g = m.generate(PROMPT, max_tokens=tokens + 1, temperature=0.0, **opts)
+                        steps, rate = g.stats["decode_tokens"], g.stats["decode_tok_s"]
+                        secs = steps / rate if rate > 0 else float("nan")
+                    times.setdefault(name, []).append(secs / max(steps, 1))
+                    bar.update(1)
+        finally:
+            for a in anchors.values():
+                a.close()
+    step = {k: statistics.median(v) for k, v in times.items()}
+    base = step[f"grid{river_only}"]
+    rows = [dict(r, relative_cost=step[f"grid{i}"] / base, seconds_per_step=step[f"grid{i}"])
+            for i, r in enumerate(grid)]
+    bounds = {name: step[kind] / base for name, kind in presets_mod.TIERS}
+    chosen = presets_mod.choose(rows, bounds)
+    anchors_meta = {"measure": "timed", "seconds_per_step": {k: step[k] for _, k in presets_mod.TIERS},
+                    "river_only": base, "bounds": bounds}
+    res = {"presets": chosen, "rows": rows, "anchors": anchors_meta, "seconds_per_step": step}
+    del m  # release the mapping before the file is rewritten
+    if write:
+        default = presets_mod.DEFAULT_PRESET
+        set_river_metadata(path, {
+            presets_mod.PRESET_KEY: presets_mod.dump(chosen),
+            presets_mod.ANCHORS_KEY: presets_mod.dump(anchors_meta),
+            TUNED_KEY: presets_mod.dump({"threads": n_threads, "tokens": tokens, "rounds": rounds,
+                                         "seconds_per_step": step}),
+            presets_mod.DEFAULT_KEY: default,
+        })
+    return res
+
+
+def register(subparsers, common=None) -> None:
+    """``river-gguf tune``: the cli.py subcommand hook ("river_gguf.calibrate.tune:register")."""
+    p = subparsers.add_parser("tune", help="choose a River GGUF's presets again from speeds timed here",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("model", metavar="MODEL.river.gguf")
+    p.add_argument("-t", "--threads", type=int, default=2, help="threads, as you will run it (default 2)")
+    p.add_argument("--tokens", type=int, default=64, help="decode steps per timed run (default 64)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is kept (default 5)")
+    p.add_argument("--dry-run", action="store_true", help="print the choice, do not write the file")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    import sys
+
+    from .._loader import native
+
+    try:
+        res = tune(args.model, n_threads=args.threads, tokens=args.tokens, rounds=args.rounds,
+                   write=not args.dry_run, progress=not args.quiet)
+    except (ValueError, OSError, RuntimeError, native.GGUFFormatError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    st = res["seconds_per_step"]
+    for _, kind in presets_mod.TIERS:
+        print(f"llama.cpp {kind.upper()}: {1 / st[kind]:.1f} tok/s")
+    for line in presets_mod.describe(res["presets"], presets_mod.DEFAULT_PRESET):
+        print(f"preset {line}")
+    print("(not written: --dry-run)" if args.dry_run else f"wrote the presets into {args.model}")
+    return 0

@@ -1,0 +1,95 @@
+"""`river-gguf tune`: the presets chosen again from speeds timed on this machine; and the
+converter's calibration budget (--calibration-tokens)."""
+import hashlib
+import json
+import pathlib
+
+import gguf
+import pytest
+
+from river_gguf import Model, presets
+from river_gguf.calibrate import tune as tune_mod
+from river_gguf.convert import build
+from river_gguf.testing import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tuned_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tune")
+    bb = write_tiny_model(d / "bb.gguf", "llama", n_layer=4, dtype="f16", seed=11)
+    out = d / "m.river.gguf"
+    meta = build.build_river_gguf(bb, out, threshold=0.9, progress=False, calibration_tokens=32, n_threads=1)
+    return str(out), meta
+
+
+def _tensor_digest(path):
+    r = gguf.GGUFReader(path)
+    h = hashlib.sha256()
+    for t in r.tensors:
+        h.update(t.name.encode())
+        h.update(bytes(t.data))
+    return h.hexdigest()
+
+
+def test_calibration_tokens_bound_the_preset_scoring(tuned_pair):
+    path, meta = tuned_pair
+    # 32 tokens a setting: one item a domain, 16 scored tokens each (fewer if an item is short).
+    assert 0 < meta["river.presets_calibration_tokens"] <= 32
+    assert build.preset_scoring(32) == (1, 16) and build.preset_scoring(1024) == (8, 64)
+    assert build.preset_scoring(200) == (2, 64)
+    with pytest.raises(ValueError, match="calibration_tokens"):
+        build.build_river_gguf(path, str(pathlib.Path(path).with_name("x.gguf")), calibration_tokens=4,
+                               progress=False, replace_river=True)
+
+
+def test_default_calibration_budget_shrinks_with_the_model():
+    assert build.calibration_token_budget(270_000_000) == build.MAX_CALIBRATION_TOKENS  # SmolLM2's F16
+    assert build.calibration_token_budget(16_000_000_000) == 64  # an 8B F16: ~9 minutes on 8 cores
+    sizes = [build.calibration_token_budget(b) for b in (1e8, 1e9, 3e9, 1e10)]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_tune_rechooses_from_timed_grid_and_changes_no_tensor(tuned_pair, tmp_path):
+    path, _ = tuned_pair
+    copy = tmp_path / "t.river.gguf"
+    copy.write_bytes(pathlib.Path(path).read_bytes())
+    before = _tensor_digest(str(copy))
+    grid = json.loads(Model(str(copy), n_ctx=64, n_threads=1).metadata[presets.GRID_KEY])
+    res = tune_mod.tune(str(copy), n_threads=1, tokens=8, rounds=1, progress=False)
+    m = Model(str(copy), n_ctx=64, n_threads=1)
+    assert _tensor_digest(str(copy)) == before  # metadata only
+    assert json.loads(m.metadata[presets.GRID_KEY]) == grid  # the measured KLDs are kept
+    anchors = json.loads(m.metadata[presets.ANCHORS_KEY])
+    assert anchors["measure"] == "timed" and set(anchors["seconds_per_step"]) == {"q4_0", "q4_k_m", "q8_0"}
+    options = [r["options"] for r in grid]
+    assert set(m.presets) == set(presets.NAMES)
+    for name, p in m.presets.items():
+        assert p["options"] in options and p["kld"] == grid[options.index(p["options"])]["kld"]
+    # The stored choice is presets.choose on the timed rows and bounds: a pure function of them.
+    again = presets.choose(res["rows"], anchors["bounds"])
+    assert {n: p["options"] for n, p in again.items()} == {n: p["options"] for n, p in m.presets.items()}
+    assert json.loads(m.metadata[tune_mod.TUNED_KEY])["rounds"] == 1
+
+
+def test_tune_refuses_a_file_without_a_grid(tmp_path):
+    bb = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, dtype="f16", seed=3)
+    out = tmp_path / "m.river.gguf"
+    build.build_river_gguf(bb, out, threshold=0.9, progress=False, presets=False, imatrix=None, n_threads=1)
+    with pytest.raises(ValueError, match="no measured preset grid"):
+        tune_mod.tune(str(out), n_threads=1, tokens=8, rounds=1, progress=False)
+    with pytest.raises(ValueError, match="rounds"):
+        tune_mod.tune(str(out), rounds=0, progress=False)
+
+
+def test_tune_cli_dry_run_writes_nothing(tuned_pair, tmp_path, capsys):
+    from river_gguf import cli
+
+    path, _ = tuned_pair
+    copy = tmp_path / "t.river.gguf"
+    copy.write_bytes(pathlib.Path(path).read_bytes())
+    before = copy.read_bytes()
+    assert cli.main(["tune", str(copy), "-t", "1", "--tokens", "8", "--rounds", "1", "--dry-run", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "llama.cpp Q8_0" in out and "preset balanced" in out and "not written" in out
+    assert copy.read_bytes() == before
+    assert cli.main(["tune", str(tmp_path / "missing.gguf"), "-q"]) == 2

@@ -1,14 +1,16 @@
 """Where precision pays, by KL divergence from F16: static mixes of llama.cpp's quants of one model.
 
     RIVER_GGUF_CACHE=.cache/test PYTHONPATH=python python benchmarks/mix_study.py [--model smollm2] \\
-        [--items N] [--tokens 64] [--out reports/MODEL/mix_study.md]
+        [--items N] [--tokens 64] [--out reports/MODEL/mix_study.md] [--river FILE] [--only LABEL,...]
 
 Each row is a plain GGUF: a base quant with some tensor kinds (attention, ffn_down, ...) taken
 from a more precise file of the same model (convert.hybrid.write_mixed_gguf). All are scored by
 the same code, teacher-forced on the evaluation split against the F16's next-token distribution
 (static files: one batched pass per item, eval/divergence.py), and listed with the weight bytes
 one decode step reads (every layer matrix and the head). Mixes are cached beside the model's
-derived files. Nothing here is timed.
+derived files. --river FILE adds a row per preset of that River GGUF, scored the same way (decode
+path, exits live), with the weight bytes its steps read on average. Each row has paired intervals
+against Q4_0, Q4_K_M (both imatrix) and Q8_0 on the same items. Nothing here is timed.
 """
 import argparse
 import os
@@ -23,7 +25,7 @@ except ImportError:
 import gguf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from river_gguf import Model  # noqa: E402
+from river_gguf import Model, presets  # noqa: E402
 from river_gguf.convert.hybrid import write_mixed_gguf  # noqa: E402
 from river_gguf.default_model import cache_dir  # noqa: E402
 from river_gguf.eval import data as eval_data  # noqa: E402
@@ -95,27 +97,50 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--river", default=None, metavar="FILE", help="also score this River GGUF's presets")
+    ap.add_argument("--only", default=None, help="comma-separated labels of MIXES to score (default: all)")
     a = ap.parse_args(argv)
     t0 = time.time()
     ref = Model(model_zoo.derived(a.model, "f16"), n_ctx=1024, n_threads=a.threads)
     prepared = [p for d in eval_data.DOMAINS for p in evaluate.prepare(
         ref, eval_data.select(eval_data.load_domain(d), "evaluation", a.items), a.tokens, 256)]
-    files = {label: mixed_file(a.model, base, mix) for label, base, mix in MIXES}
+    only = None if a.only is None else set(a.only.split(","))
+    files = {label: mixed_file(a.model, base, mix) for label, base, mix in MIXES if only is None or label in only}
     configs = {label: (Model(p, n_ctx=1024, n_threads=a.threads), dict(mode="backbone")) for label, p in files.items()}
+    river_rows = {}
+    if a.river:
+        rm = Model(a.river, n_ctx=1024, n_threads=a.threads)
+        for name in presets.NAMES:
+            if name in rm.presets:
+                opts = dict(exit_layer=None, **rm.presets[name]["options"])
+                river_rows[f"River {name}"] = opts
+                configs[f"River {name}"] = (rm, opts)
     n_tok = sum(len(t) - p for t, p in prepared)
     with tqdm(total=n_tok * len(configs), desc="KLD", unit="tok") as bar:
         runs = divergence.score_configs(ref, configs, prepared, bar=bar)
-    q4km = runs.get("Q4_K_M (imatrix)")
-    lines = [f"| static file | MB read per step | KLD from F16 [95% CI] | same top % | vs Q4_K_M (imatrix) [paired CI] | types (share of weights) |",
-             "|---|---:|---|---|---|---|"]
-    for label, path in files.items():
+    refs = [r for r in ("Q4_0 (imatrix)", "Q4_K_M (imatrix)", "Q8_0") if r in runs]
+    lines = ["| file | MB read per step | KLD from F16 [95% CI] | same top % | "
+             + " | ".join(f"vs {r} [paired CI]" for r in refs) + " | types (share of weights) |",
+             "|---|---:|---|---|" + "---|" * len(refs) + "---|"]
+    if river_rows:
+        layers, head = presets.weight_bytes(rm)
+    for label in configs:
         s = divergence.summarize(runs[label])
-        mb, types = step_bytes_and_types(path)
-        d = divergence.paired_delta(runs[label], q4km) if q4km is not None and label != "Q4_K_M (imatrix)" else None
+        if label in river_rows:
+            o = river_rows[label]
+            mean_exit = runs[label].mean_exit_layer if o.get("mode") == "river" else (rm.n_layer - 1 if o.get("mode") == "backbone" else -1)
+            mb = presets.step_bytes(layers, head, rm.n_layer, mean_exit, o.get("tail", 0),
+                                    o.get("river_head", True) and o.get("mode") != "backbone",
+                                    o.get("river_attention", "river"))
+            types = {"options": str({k: v for k, v in o.items() if v is not None})}
+        else:
+            mb, types = step_bytes_and_types(files[label])
+            types = {k: f"{100 * v:.0f}%" for k, v in types.items()}
+        ds = [divergence.paired_delta(runs[label], runs[r]) if r != label else None for r in refs]
         lines.append(f"| {label} | {mb / 1e6:.1f} | {divergence.fmt_ci(s['kld'], s['kld_ci'])} | "
                      f"{100 * s['same_top']:.1f} | "
-                     + (divergence.fmt_ci(d['kld'], d['kld_ci'], '{:+.4f}') if d else "-") + " | "
-                     + ", ".join(f"{k} {100 * v:.0f}%" for k, v in types.items()) + " |")
+                     + " | ".join(divergence.fmt_ci(d['kld'], d['kld_ci'], '{:+.4f}') if d else "-" for d in ds) + " | "
+                     + ", ".join(f"{k} {v}" for k, v in types.items()) + " |")
     md = (f"# {a.model}: static mixes by KL divergence from F16\n\nGenerated by `RIVER_GGUF_CACHE=.cache/test "
           f"PYTHONPATH=python python benchmarks/mix_study.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
           f"({time.time() - t0:.0f} s): {len(prepared)} evaluation items, {n_tok} scored tokens.\n\n" + "\n".join(lines) + "\n")

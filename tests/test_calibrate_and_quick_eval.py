@@ -7,7 +7,8 @@ import pytest
 
 from river_gguf import Model
 from river_gguf.cli import main as cli_main
-from river_gguf.convert.build import build_river_gguf, calibrate_file
+from river_gguf.calibrate.tau import calibrate_file
+from river_gguf.convert.build import build_river_gguf
 from river_gguf.testing import write_tiny_model
 
 

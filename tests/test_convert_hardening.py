@@ -30,7 +30,8 @@ import pytest
 import gguf
 
 import river_gguf
-from river_gguf import default_model, gguf_io
+from river_gguf import default_model, gguf_io, temp_files
+from river_gguf.calibrate import presets as calibrate_presets
 from river_gguf.convert import build as convert
 from river_gguf.convert.build import build_river_gguf
 from river_gguf.gguf_io import deferred_interrupts
@@ -304,7 +305,7 @@ def test_temp_files_removed_on_every_exit(tiny, tmp_path, monkeypatch, exc):
     def boom(*a, **k):  # after the river is quantized and the staged output written
         raise exc("stop")
 
-    monkeypatch.setattr(convert, "calibrate_presets_file", boom)
+    monkeypatch.setattr(calibrate_presets, "calibrate_presets_file", boom)
     with pytest.raises(exc):
         _build_tiny(tiny, tmp_path / "out.gguf", presets=True)
     assert _files(tmp_path) == set()
@@ -332,13 +333,13 @@ def test_stale_temp_files_of_dead_writers_only(tmp_path):
         }
         for n in names:
             (tmp_path / n).write_bytes(b"x")
-        stale = {pathlib.Path(p).name for p in default_model.stale_temp_files(tmp_path, "out.gguf")}
+        stale = {pathlib.Path(p).name for p in temp_files.stale_temp_files(tmp_path, "out.gguf")}
         assert stale == {n for n, s in names.items() if s}
-        removed = default_model.remove_stale_temp_files(tmp_path, "out.gguf")
+        removed = temp_files.remove_stale_temp_files(tmp_path, "out.gguf")
         assert {pathlib.Path(p).name for p in removed} == stale
         assert _files(tmp_path) == {n for n, s in names.items() if not s}
         # Without a name: every output's stale temp files (what the cache does).
-        default_model.remove_stale_temp_files(tmp_path)
+        temp_files.remove_stale_temp_files(tmp_path)
         assert _files(tmp_path) == {f".out.gguf.{live.pid}.0123abcd.river.tmp", "notes.tmp", "out.gguf"}
     finally:
         live.kill()
@@ -498,7 +499,7 @@ def test_presets_measured_on_the_staged_file(tiny, tmp_path, monkeypatch):
         assert os.path.dirname(path) == str(tmp_path) and name.startswith(".out.gguf.") and name.endswith(".tmp")
         return set_river_metadata(path, {"river.presets": "{}", "river.default_preset": "balanced"})
 
-    monkeypatch.setattr(convert, "calibrate_presets_file", fake_presets)
+    monkeypatch.setattr(calibrate_presets, "calibrate_presets_file", fake_presets)
     finals = []
     meta = _build_tiny(tiny, out, presets=True, finalize=lambda p: finals.append(p) or {"x": 1})
     assert len(seen) == 1 and finals == seen

@@ -9,7 +9,9 @@ import pytest
 
 from river_gguf.eval import data as eval_data
 
+from river_gguf.calibrate import tau as tau_calibration
 from river_gguf.eval import report as evaluate
+from river_gguf.eval import scoring
 from river_gguf.eval.report import Setup, Settings
 
 
@@ -58,19 +60,19 @@ def test_select_tau_synthetic():
             {"tau": 0.97, "ppl": 6.3, "mean_exit_layer": 5.0},
             {"tau": 0.98, "ppl": 6.15, "mean_exit_layer": 14.0},
             {"tau": 0.99, "ppl": 6.05, "mean_exit_layer": 27.0}]
-    assert evaluate.select_tau(rows, 6.0, 0.02)["threshold"] == 0.99      # limit 6.12
-    assert evaluate.select_tau(rows, 6.0, 0.03)["threshold"] == 0.98      # limit 6.18
-    assert evaluate.select_tau(rows, 6.0, 0.06)["threshold"] == 0.97
-    assert evaluate.select_tau(rows, 6.0, 0.5)["threshold"] == 0.96
-    none = evaluate.select_tau(rows, 6.0, 0.001)
+    assert tau_calibration.select_tau(rows, 6.0, 0.02)["threshold"] == 0.99      # limit 6.12
+    assert tau_calibration.select_tau(rows, 6.0, 0.03)["threshold"] == 0.98      # limit 6.18
+    assert tau_calibration.select_tau(rows, 6.0, 0.06)["threshold"] == 0.97
+    assert tau_calibration.select_tau(rows, 6.0, 0.5)["threshold"] == 0.96
+    none = tau_calibration.select_tau(rows, 6.0, 0.001)
     assert not none["feasible"] and none["threshold"] > 1.0               # never exit
     # Not monotone in tau: the fastest within budget wins, whatever its tau.
     rows2 = rows + [{"tau": 0.975, "ppl": 6.1, "mean_exit_layer": 9.0}]
-    assert evaluate.select_tau(rows2, 6.0, 0.02)["threshold"] == 0.975
+    assert tau_calibration.select_tau(rows2, 6.0, 0.02)["threshold"] == 0.975
     # Ties in depth: the faster measured speed.
     rows3 = [{"tau": 0.97, "ppl": 6.0, "mean_exit_layer": 5.0, "tok_s": 90.0},
              {"tau": 0.98, "ppl": 6.0, "mean_exit_layer": 5.0, "tok_s": 100.0}]
-    assert evaluate.select_tau(rows3, 6.0, 0.0)["threshold"] == 0.98
+    assert tau_calibration.select_tau(rows3, 6.0, 0.0)["threshold"] == 0.98
 
 
 def test_agreement():
@@ -291,7 +293,7 @@ def cal_items():
 def test_forced_exits_reproduce_the_river_run(river_model, cal_items):
     # The shuffle control's scorer, fed the River run's own exit layers, must give the same logprobs.
     prep = evaluate.prepare(river_model, cal_items["gsm8k"], score_tokens=24)
-    r = evaluate.score_items(river_model, prep, mode="river", threshold=0.975)
+    r = scoring.score_items(river_model, prep, mode="river", threshold=0.975)
     f = evaluate.score_forced(river_model, river_model, prep, r.exits)
     np.testing.assert_allclose(-f.pooled("nll"), r.logprobs, rtol=0, atol=1e-9)
     assert f.exits == r.exits
@@ -300,7 +302,7 @@ def test_forced_exits_reproduce_the_river_run(river_model, cal_items):
 
 def test_calibrate_within_budget(river_model, cal_items):
     taus = (0.96, 0.975, 0.99, 1.01)
-    res = evaluate.calibrate(river_model, budget=0.02, taus=taus, items=cal_items, score_tokens=24, progress=False)
+    res = tau_calibration.calibrate(river_model, budget=0.02, taus=taus, items=cal_items, score_tokens=24, progress=False)
     assert res["feasible"]  # tau 1.01 never exits: exactly the backbone, always within budget
     assert res["calibration_ppl"] <= res["backbone_ppl"] * 1.02
     by_tau = {r["tau"]: r for r in res["rows"]}

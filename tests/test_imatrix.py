@@ -9,6 +9,7 @@ import pytest
 from river_gguf import GGUFFormatError, Model, _native
 from river_gguf.eval import data as eval_data
 from river_gguf.eval import report as evaluate
+from river_gguf.eval import scoring
 from river_gguf.gguf_io import copy_metadata
 from river_gguf.convert.imatrix import (
     Imatrix,
@@ -225,8 +226,8 @@ def test_imatrix_river_in_llama_cpp_and_quality(imatrix_river, f16_path, q4_0_pa
     for d in eval_data.DOMAINS:
         items += eval_data.select(eval_data.load_domain(d), "evaluation", limit=2)
     prep = evaluate.prepare(m, items, score_tokens=64, prompt_tokens=128)
-    ppl_imx = evaluate.score_items(m, prep, mode="river-only", river_head=True).perplexity
-    ppl_plain = evaluate.score_items(m_plain, prep, mode="river-only", river_head=True).perplexity
+    ppl_imx = scoring.score_items(m, prep, mode="river-only", river_head=True).perplexity
+    ppl_plain = scoring.score_items(m_plain, prep, mode="river-only", river_head=True).perplexity
     assert ppl_imx < ppl_plain
 
 

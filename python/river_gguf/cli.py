@@ -285,7 +285,8 @@ def _cmd_info(args) -> int:
     if m.presets:
         from . import presets
 
-        print("frontier (presets, measured on the calibration split; cost = weight bytes per decode step):")
+        print("frontier (presets: KLD measured on the calibration split; cost per decode step by the stored cost "
+              "model, or timed by river-gguf tune):")
         for line in presets.describe(m.presets, m.metadata.get(presets.DEFAULT_KEY, presets.DEFAULT_PRESET)):
             print(f"  {line}")
     return 0

@@ -4,7 +4,7 @@ Everything that produces a file writes to a hidden temporary file in the destina
 directory first and then ``os.replace``-s it, so a crash or a concurrent writer
 never leaves a half-written file under the final name. The temp file is removed on every
 exit Python sees; one left by a killed process is removed by the next writer of that name
-(``default_model.remove_stale_temp_files``).
+(``temp_files.remove_stale_temp_files``).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def atomic_output(dst_path: str | os.PathLike) -> Iterator[str]:
 
     The temp file is removed whatever ends the block (an error, KeyboardInterrupt, SystemExit);
     temp files of ``dst_path`` that killed writers left behind are removed first."""
-    from .default_model import remove_stale_temp_files, temp_name
+    from .temp_files import remove_stale_temp_files, temp_name
 
     dst_path = os.fspath(dst_path)
     folder = os.path.dirname(os.path.abspath(dst_path))
@@ -77,7 +77,7 @@ def check_output_path(dst_path: str | os.PathLike, inputs: Iterable[str | os.Pat
     whose folder is missing (FileNotFoundError) or not writable (PermissionError). Writability is
     probed by creating and removing a hidden temp file, which also covers read-only file systems
     and ACLs that permission bits do not show. Returns the path as a string."""
-    from .default_model import temp_name
+    from .temp_files import temp_name
 
     dst = os.fspath(dst_path)
     if not dst:

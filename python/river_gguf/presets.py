@@ -59,15 +59,16 @@ ANCHORS_KEY = "river.presets_anchors"
 TYPE_COST = {"F32": 3.0, "F16": 1.5, "BF16": 1.5, "Q8_0": 1.0, "Q6_K": 0.95, "Q5_K": 0.9, "Q5_0": 0.85,
              "Q5_1": 0.9, "Q4_K": 0.85, "Q4_0": 0.65, "Q4_1": 0.7, "IQ4_NL": 0.8, "IQ4_XS": 0.8}
 # Each mat-mul node costs a fixed amount besides its elements (thread sync, activation
-# quantization): 5.4 us on 2 threads against 39 ps per Q8_0 element, from the engine with and
-# without joined Q/K/V and gate/up on the same file (BENCHMARKS.md, issue 7). This is why joining
-# pays, and why a Q4_K_M river, whose attn_v (Q8_0) cannot join its Q5_0 attn_q/attn_k, gains
-# speed from the backbone's all-Q8_0 attention though it reads more bytes.
-NODE_COST = 140_000.0
-# Each backbone layer the dynamic exit tests (the similarity node and the graph split that
-# stops at an exit): 43 us measured as the difference of tau 0.97 with tail 0 and river-only, the
-# backbone's attention in both, on SmolLM2 (BENCHMARKS.md).
-EXIT_TEST_COST = 400_000.0
+# quantization). River's joins of Q/K/V and gate/up of one type save nodes; measured on SmolLM2
+# (BENCHMARKS.md, issue 14): the river-only step with the backbone's Q8_0 attention (Q/K/V joined,
+# 2 nodes fewer a layer, 3% more element cost) runs exactly as fast as the plain Q4_K_M river
+# (attn_v Q8_0 cannot join its Q5_0 attn_q/attn_k) in two runs, and the joined Q8_0 backbone runs
+# 1.00-1.06x llama.cpp's Q8_0 (90 nodes fewer): about 5 us a node, 0.05M Q8_0 elements.
+NODE_COST = 50_000.0
+# Each backbone layer the dynamic exit tests (the similarity node and the graph split that stops
+# at an exit): tau 0.97 with the backbone's attention ran 4-6% slower than river-only with it, for
+# ~7 tested layers a step, in two runs on SmolLM2: 80-120 us a tested layer, 0.85M Q8_0 elements.
+EXIT_TEST_COST = 850_000.0
 
 
 def type_cost(type_name: str, n_elements: int) -> float:
@@ -174,7 +175,8 @@ def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[st
         lines.append(
             f"{name}{' (default)' if name == default else ''}: {what} tail={o.get('tail', 0)} "
             f"river_head={o.get('river_head')} | calibration KLD {p.get('kld', float('nan')):.4f}, ppl "
-            f"{p.get('ppl', float('nan')):.4f} (backbone {p.get('backbone_ppl', float('nan')):.4f}), "
+            f"{p.get('ppl', float('nan')):.4f}"
+            + (f" (backbone {p['backbone_ppl']:.4f})" if "backbone_ppl" in p else "") + ", "
             f"{p.get('relative_cost', float('nan')):.2f}x river-only's cost per step (tier "
             f"{p.get('tier', float('nan')):.2f}x), mean exit {p.get('mean_exit_layer', float('nan')):.1f}"
             + (f" [= {p['same_as']}: {p['why']}]" if p.get("same_as") else f" [{p['why']}]" if p.get("why") else ""))
@@ -366,66 +368,4 @@ def _norm_bytes(shapes: Dict[str, tuple], l: int) -> float:
     return sum(4.0 * int(np.prod(s)) for n, s in shapes.items() if n.startswith(p) and len(s) == 1)
 
 
-def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool = True,
-                      settings: Optional[List[dict]] = None) -> dict:
-    """Measure `settings` (default: grid()) on the calibration split and choose the presets.
-
-    Quality is the KL divergence of each setting's next-token distribution from the backbone's
-    (the same file in backbone mode), both teacher-forced through the decode path with exits live
-    (a batched pass is a different computation for quantized weights: eval/divergence.py). Cost
-    is the step's decode cost (step_bytes over weight_bytes(measure="cost")), against the tier
-    bounds of tier_bounds; each row also records the bytes the step reads.
-    Returns {"presets", "rows", "anchors", "backbone_ppl", ...}."""
-    from tqdm import tqdm
-
-    from .eval import divergence
-    from .eval import report as evaluate
-
-    items = evaluate.calibration_items() if items is None else items
-    prepared = [p for its in items.values() for p in evaluate.prepare(model, its, score_tokens)]
-    settings = grid(model.n_layer) if settings is None else settings
-    layers, head = weight_bytes(model, "cost")
-    layers_b, head_b = weight_bytes(model, "bytes")
-    L = model.n_layer
-    n_tok = sum(len(t) - p for t, p in prepared)
-    configs = {i: (model, dict(exit_layer=None, **opts)) for i, opts in enumerate(settings)}
-    configs["backbone"] = (model, dict(mode="backbone", exit_layer=None))
-    with tqdm(total=n_tok * len(configs), desc="presets", unit="tok", disable=not progress) as bar:
-        runs = divergence.score_configs(model, configs, prepared, bar=bar)
-    base = runs.pop("backbone")
-    river_only_cost = step_bytes(layers, head, L, -1, 0, True)
-    rows = []
-    for i, opts in enumerate(settings):
-        r = runs[i]
-        static = divergence.is_static(configs[i][1])
-        mean_exit = (float(L - 1) if opts.get("mode") == "backbone" else -1.0) if static else r.mean_exit_layer
-        step = (mean_exit, opts.get("tail", 0), opts.get("river_head", True), opts.get("river_attention", "river"))
-        if opts.get("mode") == "backbone":
-            step = (L - 1, 0, False, "river")
-        cost = step_bytes(layers, head, L, *step)
-        if opts.get("mode") == "river" and not static:  # the layers the exit tests
-            cost += EXIT_TEST_COST * (min(mean_exit, L - 1 - opts.get("tail", 0)) + 1)
-        s = divergence.summarize(r)
-        rows.append({"options": dict(opts), "kld": s["kld"], "kld_ci": s["kld_ci"], "same_top": s["same_top"],
-                     "ppl": r.perplexity, "mean_exit_layer": mean_exit, "cost": cost,
-                     "bytes": step_bytes(layers_b, head_b, L, *step),
-                     "relative_cost": cost / river_only_cost,
-                     "backbone_layers": backbone_layers_per_step(L, mean_exit, opts.get("tail", 0)),
-                     "backbone_ppl": base.perplexity})
-    anchors = tier_bounds(model, layers, head)
-    chosen = choose(rows, anchors["bounds"])
-    return {"presets": chosen, "rows": rows, "anchors": anchors, "backbone_ppl": base.perplexity,
-            "river_only_cost": river_only_cost, "backbone_cost": step_bytes(layers, head, L, L - 1, 0, False),
-            "n_tokens": base.n_tokens, "items": {d: [it.id for it in its] for d, its in items.items()}}
-
-
 GRID_KEY = "river.presets_grid"
-
-
-def preset_metadata(res: dict, default: str = DEFAULT_PRESET) -> dict:
-    """The river.* keys that store calibrated presets, and every measured setting (so the tiers
-    can be chosen again without measuring)."""
-    grid_rows = [{k: r[k] for k in ("options", "kld", "same_top", "ppl", "cost", "bytes", "relative_cost",
-                                    "mean_exit_layer")} for r in res["rows"]]
-    return {PRESET_KEY: dump(res["presets"]), DEFAULT_KEY: default, GRID_KEY: dump(grid_rows),
-            ANCHORS_KEY: dump(res["anchors"]), "river.presets_calibration_tokens": int(res["n_tokens"])}

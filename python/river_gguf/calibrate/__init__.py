@@ -1,2 +1,14 @@
-"""Work that measures a River GGUF and stores what it found in the file: re-choosing the presets
-from speeds timed on the user's machine (`tune`)."""
+"""Measuring a River GGUF and storing what was found in it: the presets (presets: KLD of the
+grid on the calibration split; tune: the tiers from speeds timed here) and tau (tau). Between the
+runtime (model, presets' stored format and cost model) and the converter, which calls it."""
+
+
+def open_model(*args, **kwargs):
+    """``Model(*args, **kwargs)`` with Ctrl-C held until the load returns: libllama's vocab loader
+    logs through llama-cpp-python's ctypes callback, which would drop a KeyboardInterrupt raised in
+    it, so Ctrl-C during a load would otherwise be lost and the conversion run on."""
+    from ..gguf_io import deferred_interrupts
+    from ..model import Model
+
+    with deferred_interrupts():
+        return Model(*args, **kwargs)

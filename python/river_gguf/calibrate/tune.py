@@ -18,7 +18,7 @@ import json
 import os
 import statistics
 import tempfile
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from .. import presets as presets_mod
 from ..gguf_meta import set_river_metadata

@@ -105,15 +105,7 @@ def _check_loadable(path: str) -> dict:
     return hparams
 
 
-def _open_model(*args, **kwargs):
-    """``Model(*args, **kwargs)`` with Ctrl-C held until the load returns: libllama's vocab loader
-    logs through llama-cpp-python's ctypes callback, which would drop a KeyboardInterrupt raised in
-    it, so Ctrl-C during a load would otherwise be lost and the conversion run on."""
-    from ..gguf_io import deferred_interrupts
-    from ..model import Model
-
-    with deferred_interrupts():
-        return Model(*args, **kwargs)
+from ..calibrate import open_model as _open_model  # noqa: E402
 
 
 def _reader(path: str):
@@ -258,8 +250,8 @@ def _same_file(a: str, b: str) -> bool:
 def _temp_path(near: str, suffix: str):
     """A private temp file name next to ``near`` (``.<name>.<pid>.<random><suffix>``), removed on
     every exit Python sees: an error, KeyboardInterrupt, SystemExit. One that a killed process
-    left behind is removed by the next conversion to ``near`` (default_model.remove_stale_temp_files)."""
-    from ..default_model import temp_name
+    left behind is removed by the next conversion to ``near`` (temp_files.remove_stale_temp_files)."""
+    from ..temp_files import temp_name
 
     tmp = temp_name(near, suffix)
     try:
@@ -436,7 +428,7 @@ def build_river_gguf(
     end; intermediate and temp files are removed on every exit Python sees (KeyboardInterrupt
     included), and ones a killed conversion left behind are removed by the next one.
     """
-    from ..default_model import remove_stale_temp_files
+    from ..temp_files import remove_stale_temp_files
     from ..gguf_io import FTYPES, check_output_path
 
     backbone_path = os.fspath(backbone_path)
@@ -600,9 +592,12 @@ def build_river_gguf(
             if prof is not None:
                 meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
         if presets:
+            from ..calibrate import presets as calibrate_presets
+
             per_domain, score_tokens = preset_scoring(calibration_tokens)
-            meta.update(calibrate_presets_file(staged, n_threads=n_threads, progress=progress,
-                                               items_per_domain=per_domain, score_tokens=score_tokens))
+            meta.update(calibrate_presets.calibrate_presets_file(staged, n_threads=n_threads, progress=progress,
+                                                                 items_per_domain=per_domain,
+                                                                 score_tokens=score_tokens))
         if finalize is not None:
             meta.update(finalize(staged) or {})
         os.replace(staged, out_path)
@@ -668,7 +663,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parse_budget(text: str) -> float:
-    from ..eval.cli import parse_budget
+    from ..calibrate.tau import parse_budget
 
     return parse_budget(text)
 
@@ -716,35 +711,6 @@ def _imatrix_texts(calibration_tokens: int) -> List[str]:
         texts.append(t)
         chars += len(t)
     return texts
-
-
-def calibrate_file(path: str, budget: float, n_threads: int = 2, progress: bool = True,
-                   items_per_domain: int = 8, score_tokens: int = 96) -> dict:
-    """Calibrate tau of a River GGUF in place (atomic rewrite of its metadata)."""
-    from ..eval import report as evaluate
-    from ..gguf_meta import set_river_metadata
-
-    m = _open_model(path, n_ctx=1024, n_threads=n_threads)
-    items = evaluate.calibration_items(per_domain=items_per_domain)
-    res = evaluate.calibrate(m, budget=budget, items=items, score_tokens=score_tokens, progress=progress)
-    del m  # release the mapping before the file is replaced
-    set_river_metadata(path, evaluate.calibration_metadata(res))
-    return res
-
-
-def calibrate_presets_file(path: str, n_threads: int = 2, progress: bool = True, items_per_domain: int = 8,
-                           score_tokens: int = 64) -> dict:
-    """Measure the preset grid on the calibration split and store the presets in the file
-    (atomic rewrite of its metadata). Returns the keys written."""
-    from ..eval import report as evaluate
-    from .. import presets as presets_mod
-    from ..gguf_meta import set_river_metadata
-
-    m = _open_model(path, n_ctx=1024, n_threads=n_threads, threshold=2.0)
-    items = evaluate.calibration_items(per_domain=items_per_domain)
-    res = presets_mod.calibrate_presets(m, items=items, score_tokens=score_tokens, progress=progress)
-    del m  # release the mapping before the file is replaced
-    return set_river_metadata(path, presets_mod.preset_metadata(res))
 
 
 def _mib(n: int) -> str:
@@ -807,7 +773,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def finalize(staged: str) -> dict:
         # --calibrate runs on the staged file too: the output appears calibrated, or not at all.
-        from ..eval.report import calibration_metadata
+        from ..calibrate.tau import calibrate_file, calibration_metadata
 
         stage["calibrating"] = True
         calibration.update(calibrate_file(staged, args.budget, args.threads, progress=not args.quiet))

@@ -6,16 +6,7 @@ Heavy imports stay inside the handlers: this module is imported whenever the par
 import argparse
 import sys
 
-
-def parse_budget(s: str) -> float:
-    """'2%' -> 0.02; '0.02' -> 0.02."""
-    try:
-        v = float(s[:-1]) / 100.0 if s.strip().endswith("%") else float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a fraction (0.02) or a percentage (2%), got {s!r}")
-    if not 0.0 <= v < 10.0:
-        raise argparse.ArgumentTypeError(f"budget out of range: {s!r}")
-    return v
+from ..calibrate.tau import parse_budget
 
 
 def _floats(s: str):
@@ -84,8 +75,9 @@ def register_eval(subparsers, common=None) -> None:
 def _cmd_calibrate(args) -> int:
     import json
 
-    from . import report as evaluate
+    from ..calibrate import tau as tau_calibration
     from ..cli import UsageError, load_model
+    from ..results import json_safe
 
     if args.model is None:
         raise UsageError("calibrate needs a River GGUF (or a backbone with --river)")
@@ -94,10 +86,10 @@ def _cmd_calibrate(args) -> int:
     m = load_model(args)
     if not m.has_river:
         raise UsageError(f"{args.model} has no river: convert it with tools/add_river_gguf.py or pass --river")
-    items = evaluate.calibration_items([d for d in args.domains.split(",") if d.strip()], args.items)
-    res = evaluate.calibrate(m, budget=args.budget, taus=args.taus or evaluate.DEFAULT_TAUS, items=items, score_tokens=args.tokens,
-                             progress=not args.no_progress, **({"river_head": args.river_head}
-                                                               if args.river_head is not None else {}))
+    items = tau_calibration.calibration_items([d for d in args.domains.split(",") if d.strip()], args.items)
+    res = tau_calibration.calibrate(m, budget=args.budget, taus=args.taus or tau_calibration.DEFAULT_TAUS,
+                                    items=items, score_tokens=args.tokens, progress=not args.no_progress,
+                                    **({"river_head": args.river_head} if args.river_head is not None else {}))
     for r in res["rows"]:
         mark = "*" if res["feasible"] and r["tau"] == res["threshold"] else " "
         print(f"{mark} tau={r['tau']:<7g} ppl={r['ppl']:.4f} ({100 * (r['ppl'] / res['backbone_ppl'] - 1):+.2f}%) "
@@ -111,13 +103,13 @@ def _cmd_calibrate(args) -> int:
               f"tau={res['threshold']:g} (never exit)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(evaluate.json_safe(res), f, indent=1)
+            json.dump(json_safe(res), f, indent=1)
     if args.write:
         from ..gguf_meta import set_river_metadata
 
         path = m.model_path
         del m
-        written = set_river_metadata(path, evaluate.calibration_metadata(res))
+        written = set_river_metadata(path, tau_calibration.calibration_metadata(res))
         print(f"wrote river.threshold={written['river.threshold']:g} into {path}")
     return 0
 

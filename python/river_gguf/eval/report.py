@@ -46,237 +46,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..results import json_safe, log_softmax_at
+from ..results import json_safe
 
+from ..calibrate.tau import DEFAULT_TAUS
 from . import data as eval_data
 from . import divergence
+from .scoring import (GreedyRun, LlamaCppRunner, agreement, greedy_river, histogram, prepare, score_forced,
+                      shuffle_exits)
 
-# Dense where SmolLM2's mid-layer similarities live: mean exit layer moves from ~2 to ~28 here.
-DEFAULT_TAUS = (0.96, 0.97, 0.975, 0.98, 0.9825, 0.985, 0.9875, 0.99, 0.995)
 DEFAULT_FIXED_EXITS = (0, 5, 10, 15, 20, 24, 27)
 SHUFFLE_SEED = 1234
 SHUFFLE_DRAWS = 2
-
-Prepared = List[Tuple[List[int], int]]  # (tokens, prefix) per item
-
-
-# ----- data ----------------------------------------------------------------------------
-def prepare(model, items: Sequence[eval_data.Item], score_tokens: int = 128, prompt_tokens: int = 384) -> Prepared:
-    """Tokenize items; keep at most `prompt_tokens` of the prompt (BOS + its tail) and
-    `score_tokens` of the completion."""
-    out = []
-    for it in items:
-        toks, prefix = it.tokens(model)
-        p, c = toks[:prefix], toks[prefix:prefix + score_tokens]
-        if len(p) > prompt_tokens:
-            p = p[:1] + p[len(p) - prompt_tokens + 1:]
-        if not c:
-            continue
-        out.append((p + c, len(p)))
-    return out
-
-
-# ----- perplexity ----------------------------------------------------------------------
-@dataclass
-class ScoreRun:
-    logprobs: np.ndarray                 # all scored tokens, items concatenated
-    exits: List[List[int]]               # per item: exit layer of each decode step
-    seconds: float
-
-    @property
-    def perplexity(self) -> float:
-        return float(np.exp(-self.logprobs.mean())) if len(self.logprobs) else float("nan")
-
-    @property
-    def mean_exit_layer(self) -> float:
-        flat = [e for ex in self.exits for e in ex]
-        return float(np.mean(flat)) if flat else float("nan")
-
-    @property
-    def n_tokens(self) -> int:
-        return int(len(self.logprobs))
-
-
-def score_items(model, prepared: Prepared, bar=None, **opts) -> ScoreRun:
-    """Model.score over items. The first scored token of an item is predicted by the prefill
-    (backbone), the others by decode steps; `exits` holds the decode steps' exit layers."""
-    lps, exits = [], []
-    t0 = time.perf_counter()
-    for toks, prefix in prepared:
-        r = model.score(toks, prefix=prefix, **opts)
-        lps.append(r.logprobs)
-        exits.append([int(e) for e in r.exit_layers[1:]])
-        if bar is not None:
-            bar.update(len(toks) - prefix)
-    return ScoreRun(np.concatenate(lps) if lps else np.zeros(0), exits, time.perf_counter() - t0)
-
-
-def score_forced(model, reference, prepared: Prepared, exits: List[List[int]], river_head: bool = False,
-                 bar=None) -> divergence.DivergenceRun:
-    """Teacher-forced scoring with a given exit layer per decode step (engine mode 3): a
-    backbone prefill, then step j of item i exits after layer exits[i][j]; KLD against the
-    reference model (backbone mode, one batched pass per item)."""
-    eng = model._engine
-    run = divergence.DivergenceRun()
-    t0 = time.perf_counter()
-    for (toks, prefix), ex in zip(prepared, exits):
-        if len(ex) != len(toks) - prefix - 1:
-            raise ValueError(f"item needs {len(toks) - prefix - 1} exit layers, got {len(ex)}")
-        eng.truncate(0)
-        logits, _, _ = eng.eval(toks[:prefix], mode=0)
-        kept = []
-        for i in range(prefix, len(toks)):
-            kept.append(np.array(logits[-1], dtype=np.float32))
-            if i + 1 < len(toks):
-                k = ex[i - prefix]
-                logits, got, _ = eng.eval([toks[i]], mode=3, exit_layer=int(k), river_head=bool(river_head))
-        ref = divergence.reference_logprobs(reference, toks, prefix, mode="backbone")  # decode, as score_configs
-        run.add(divergence.compare(ref, np.stack(kept), toks[prefix:]), ex)
-        if bar is not None:
-            bar.update(len(toks) - prefix)
-    run.seconds = time.perf_counter() - t0
-    return run
-
-
-def shuffle_exits(exits: List[List[int]], seed: int) -> List[List[int]]:
-    """The same exit layers (same histogram, same count per item), assigned to tokens at random."""
-    flat = np.array([e for ex in exits for e in ex], dtype=np.int64)
-    perm = np.random.default_rng(seed).permutation(flat)
-    out, i = [], 0
-    for ex in exits:
-        out.append([int(x) for x in perm[i:i + len(ex)]])
-        i += len(ex)
-    return out
-
-
-def histogram(exits: List[List[int]]) -> Dict[int, int]:
-    h: Dict[int, int] = {}
-    for ex in exits:
-        for e in ex:
-            h[int(e)] = h.get(int(e), 0) + 1
-    return dict(sorted(h.items()))
-
-
-# ----- greedy agreement and decode speed -----------------------------------------------
-@dataclass
-class GreedyRun:
-    tokens: List[List[int]] = field(default_factory=list)
-    decode_steps: int = 0
-    decode_seconds: float = 0.0
-    exit_layers: List[int] = field(default_factory=list)
-
-    def add(self, tokens, steps, seconds, exits=()):
-        self.tokens.append(list(tokens))
-        self.decode_steps += steps
-        self.decode_seconds += seconds
-        self.exit_layers.extend(int(e) for e in exits)
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
-
-
-def greedy_river(model, prompt: List[int], n_new: int, **opts) -> Tuple[List[int], int, float, List[int]]:
-    g = model.generate(prompt, max_tokens=n_new, temperature=0.0, **opts)
-    s = g.stats
-    secs = s["decode_tokens"] / s["decode_tok_s"] if s["decode_tok_s"] > 0 else 0.0
-    return g.tokens, s["decode_tokens"], secs, s["exit_layers"][1:]
-
-
-class LlamaCppRunner:
-    """Greedy decode in stock llama.cpp; only llama_decode is timed, as only the engine's eval is
-    on river_gguf's side (llama_decode.LlamaDecoder)."""
-
-    def __init__(self, path: str, n_ctx: int, n_threads: int):
-        from .llama_decode import LlamaDecoder
-
-        self.decoder = LlamaDecoder(path, n_ctx, n_threads)
-
-    def greedy(self, prompt: List[int], n_new: int) -> Tuple[List[int], int, float, List[int]]:
-        out, steps, secs = self.decoder.greedy(prompt, n_new)
-        return out, steps, secs, []
-
-    def close(self):
-        self.decoder.close()
-
-
-def agreement(ref: List[List[int]], out: List[List[int]]) -> Tuple[float, float]:
-    """(share of positions where out equals ref, mean identical-prefix length), over items."""
-    same = total = 0
-    prefixes = []
-    for a, b in zip(ref, out):
-        n = max(len(a), len(b))
-        total += n
-        same += sum(1 for x, y in zip(a, b) if x == y)
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
-        prefixes.append(k)
-    return (same / total if total else float("nan")), (float(np.mean(prefixes)) if prefixes else float("nan"))
-
-
-# ----- tau selection (calibration) -----------------------------------------------------
-def select_tau(rows: Sequence[dict], backbone_ppl: float, budget: float) -> dict:
-    """The fastest row whose perplexity is within `budget` (a fraction: 0.02 = 2%) of the
-    backbone's. Fastest = lowest mean exit layer (deterministic), then highest measured
-    speed, then lowest tau. rows: dicts with tau, ppl, mean_exit_layer and optionally tok_s.
-    With no row within budget, tau 1.01 (never exit) is returned, feasible=False."""
-    limit = backbone_ppl * (1.0 + budget)
-    ok = [r for r in rows if r["ppl"] <= limit]
-    if not ok:
-        return {"threshold": 1.01, "feasible": False, "ppl_limit": limit}
-    best = min(ok, key=lambda r: (r["mean_exit_layer"], -r.get("tok_s", 0.0), r["tau"]))
-    return {"threshold": float(best["tau"]), "feasible": True, "ppl_limit": limit, "row": dict(best)}
-
-
-def calibration_items(domains: Sequence[str] = eval_data.DOMAINS, per_domain: Optional[int] = 8):
-    return {eval_data.domain_name(d): eval_data.select(eval_data.load_domain(d), "calibration", per_domain)
-            for d in domains}
-
-
-def calibrate(model, budget: float = 0.02, taus: Sequence[float] = DEFAULT_TAUS, items=None,
-              score_tokens: int = 96, progress: bool = True, **opts) -> dict:
-    """Pick tau: the fastest one whose calibration perplexity (tokens pooled over domains) is
-    within `budget` of the backbone's. items: {domain: [Item]} (default: calibration split of
-    GSM8K and HumanEval, 8 items each). opts: further exit options (river_head, min_exit_layer)."""
-    from tqdm import tqdm
-
-    items = calibration_items() if items is None else items
-    prepared = [p for its in items.values() for p in prepare(model, its, score_tokens)]
-    n_tok = sum(len(t) - p for t, p in prepared)
-    with tqdm(total=n_tok * (len(taus) + 1), desc="calibrate", unit="tok", disable=not progress) as bar:
-        base = score_items(model, prepared, bar, mode="backbone", exit_layer=None)
-        rows = []
-        for tau in taus:
-            r = score_items(model, prepared, bar, mode="river", threshold=float(tau), exit_layer=None, **opts)
-            rows.append({"tau": float(tau), "ppl": r.perplexity, "mean_exit_layer": r.mean_exit_layer,
-                         "tok_s": r.n_tokens / r.seconds if r.seconds > 0 else 0.0})
-    sel = select_tau(rows, base.perplexity, budget)
-    chosen = sel.get("row", {})
-    return {
-        "threshold": sel["threshold"], "feasible": sel["feasible"], "budget": float(budget),
-        "backbone_ppl": base.perplexity, "calibration_ppl": chosen.get("ppl", base.perplexity),
-        "mean_exit_layer": chosen.get("mean_exit_layer", float(model.n_layer - 1)),
-        "tok_s": chosen.get("tok_s"), "backbone_tok_s": base.n_tokens / base.seconds if base.seconds else None,
-        "n_tokens": base.n_tokens, "items": {d: [it.id for it in its] for d, its in items.items()},
-        "rows": rows,
-    }
-
-
-def calibration_metadata(res: dict) -> dict:
-    """The river.* keys a calibration result writes into a River GGUF."""
-    return {
-        "river.threshold": res["threshold"],
-        "river.threshold_source": "calibrated",
-        "river.calibration_budget": res["budget"],
-        "river.calibration_ppl": res["calibration_ppl"],
-        "river.backbone_ppl": res["backbone_ppl"],
-        "river.calibration_mean_exit_layer": res["mean_exit_layer"],
-        "river.calibration_tokens": res["n_tokens"],
-        "river.calibration_split": f"{','.join(res['items'])} items with index % "
-                                   f"{eval_data.CALIBRATION_MODULUS} == 0",
-    }
-
 
 # ----- the files compared ----------------------------------------------------------------
 DEFAULT_MODEL = "smollm2"
@@ -342,7 +122,7 @@ def default_river_gguf(model: str = DEFAULT_MODEL, rebuild: bool = False, n_thre
     elif PRESET_KEY not in _metadata(path, (PRESET_KEY,)):
         # A file from before build_river_gguf stored presets in the staged file (its output is
         # now complete or absent).
-        from ..convert.build import calibrate_presets_file
+        from ..calibrate.presets import calibrate_presets_file
 
         calibrate_presets_file(path, n_threads=n_threads, progress=progress)
     return path

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         rm = Model(a.river, n_ctx=1024, n_threads=a.threads)
         for name in presets.NAMES:
             if name in rm.presets:
-                opts = dict(exit_layer=None, **rm.presets[name]["options"])
+                opts = dict(exit_layer=None, **presets.complete(rm.presets[name]["options"]))
                 river_rows[f"River {name}"] = opts
                 configs[f"River {name}"] = (rm, opts)
     n_tok = sum(len(t) - p for t, p in prepared)

@@ -52,7 +52,7 @@ class RiverRun:
         self.toks = self.m.tokenize(PROMPT)
 
     def decode(self, n, preset):
-        o = self.m._options(**preset) if isinstance(preset, dict) else self.m._options(preset=preset)
+        o = self.m._options(**presets.complete(preset)) if isinstance(preset, dict) else self.m._options(preset=preset)
         e = self.m._engine
         e.truncate(0)
         logits, _, _ = e.eval(self.toks, **o.engine_args(prompt=True))

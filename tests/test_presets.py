@@ -208,3 +208,33 @@ def test_static_settings_scored_in_one_pass_match_decode(tiny_river):
         d = divergence.score_configs(m, cfg, [(toks, 5)], batched_static=False)["x"]
         assert b.perplexity == pytest.approx(d.perplexity, rel=1e-3)
         np.testing.assert_allclose(b.items[0].kld, d.items[0].kld, rtol=1e-2, atol=1e-4)
+
+
+def test_measured_settings_are_whole_whatever_the_default_preset(tiny_river, tmp_path):
+    """A grid row or report row leaves out what it does not set; it must mean the plain value
+    there, not the default preset's (here: a tail and the backbone's attention), or a 'river-only'
+    row silently measures another setting."""
+    import dataclasses
+    import shutil
+
+    from river_gguf.eval import report
+
+    path = tmp_path / "p.river.gguf"
+    shutil.copy(tiny_river, path)
+    stored = {"balanced": {"options": {"mode": "river-only", "tail": 2, "river_attention": "backbone",
+                                       "river_head": True}}}
+    set_river_metadata(str(path), {presets.PRESET_KEY: presets.dump(stored), presets.DEFAULT_KEY: "balanced"})
+    m = Model(str(path), n_ctx=128, n_threads=1)
+    assert m.exit_options.river_attention == "backbone" and m.exit_options.tail == 2
+    row = {"mode": "river-only", "river_head": True}
+    o = m._options(**presets.complete(row))
+    assert (o.tail, o.river_attention) == (0, "river")
+    assert report._resolved_options(m, row)["river_attention"] == "river"
+    assert report._resolved_options(m, row)["tail"] == 0
+    assert report._resolved_options(m, {"preset": "balanced"})["tail"] == 2
+    plain = Model(tiny_river, n_ctx=128, n_threads=1)  # no presets: its defaults are the plain ones
+    toks = plain.tokenize("the river runs to the sea and the sea")
+    a = m.score(toks, **presets.complete(row)).logprobs
+    b = plain.score(toks, **row).logprobs
+    assert np.array_equal(a, b)
+    assert dataclasses.asdict(plain._options(**row))["river_attention"] == "river"

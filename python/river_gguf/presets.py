@@ -84,6 +84,16 @@ def type_cost(type_name: str, n_elements: int) -> float:
 
 # The exit options a preset may set (ExitOptions fields).
 OPTION_KEYS = ("mode", "threshold", "min_exit_layer", "tail", "river_head", "exit_layer", "river_attention")
+# What a setting that leaves them out means (a preset is a whole setting, Model._with_preset).
+PLAIN_OPTIONS = {"tail": 0, "min_exit_layer": 0, "river_attention": "river"}
+
+
+def complete(options: dict) -> dict:
+    """A measured setting as call options that mean it whole: the keys it leaves out take their
+    plain values, not those of the Model's current exit options (its default preset may set a
+    tail or the backbone's attention). Grid rows, report rows and benchmark settings pass
+    through this before a call."""
+    return {**PLAIN_OPTIONS, **options}
 
 
 def parse(metadata: dict) -> Dict[str, dict]:

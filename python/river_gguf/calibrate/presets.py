@@ -10,7 +10,8 @@ from ..eval import divergence
 from ..eval.scoring import calibration_items, prepare
 from ..gguf_meta import set_river_metadata
 from ..presets import (DEFAULT_PRESET, DEFAULT_KEY, EXIT_TEST_COST, GRID_KEY, PRESET_KEY, ANCHORS_KEY,
-                       backbone_layers_per_step, choose, dump, grid, step_bytes, tier_bounds, weight_bytes)
+                       backbone_layers_per_step, choose, complete, dump, grid, step_bytes, tier_bounds,
+                       weight_bytes)
 from . import open_model
 
 
@@ -33,7 +34,7 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     layers_b, head_b = weight_bytes(model, "bytes")
     L = model.n_layer
     n_tok = sum(len(t) - p for t, p in prepared)
-    configs = {i: (model, dict(exit_layer=None, **opts)) for i, opts in enumerate(settings)}
+    configs = {i: (model, dict(exit_layer=None, **complete(opts))) for i, opts in enumerate(settings)}
     configs["backbone"] = (model, dict(mode="backbone", exit_layer=None))
     with tqdm(total=n_tok * len(configs), desc="presets", unit="tok", disable=not progress) as bar:
         runs = divergence.score_configs(model, configs, prepared, bar=bar)

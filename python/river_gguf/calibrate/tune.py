@@ -78,7 +78,7 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
                     if opts is None:
                         _, steps, secs = anchors[name].greedy(prompt, tokens + 1, stop_at_eog=False)
                     else:
-                        g = m.generate(PROMPT, max_tokens=tokens + 1, temperature=0.0, **opts)
+                        g = m.generate(PROMPT, max_tokens=tokens + 1, temperature=0.0, **presets_mod.complete(opts))
                         steps, rate = g.stats["decode_tokens"], g.stats["decode_tok_s"]
                         secs = steps / rate if rate > 0 else float("nan")
                     times.setdefault(name, []).append(secs / max(steps, 1))

@@ -46,6 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import presets
 from ..results import json_safe
 
 from ..calibrate.tau import DEFAULT_TAUS
@@ -374,8 +375,13 @@ def _resolved_options(model, opts: dict) -> dict:
     plain file's are just the backbone (river options would be refused)."""
     import dataclasses
 
-    o = dataclasses.asdict(model._options(**opts))
+    o = dataclasses.asdict(model._options(**(_whole(opts) if model.has_river else opts)))
     return o if model.has_river else {"mode": o["mode"], "exit_layer": o["exit_layer"]}
+
+
+def _whole(opts: dict) -> dict:
+    """A row's options as a whole setting (a preset row stays a preset name)."""
+    return opts if "preset" in opts else presets.complete(opts)
 
 
 def run_eval(settings: Settings) -> dict:
@@ -506,7 +512,8 @@ def run_eval(settings: Settings) -> dict:
                     if r.engine == "llama.cpp":
                         res = runners[r.label].greedy(p, settings.gen_tokens)
                     else:
-                        res = greedy_river(model_of(r), p, settings.gen_tokens, **r.opts)
+                        m = model_of(r)
+                        res = greedy_river(m, p, settings.gen_tokens, **(_whole(r.opts) if m.has_river else r.opts))
                     runs[(id(r), dname)].add(*res)
                     bar.update(1)
     for x in runners.values():
@@ -534,7 +541,7 @@ def run_eval(settings: Settings) -> dict:
         b_s, r_s = [], []
         for i in range(5):
             for which in (("b", "r") if i % 2 == 0 else ("r", "b")):
-                opts = dict(mode="backbone") if which == "b" else dict(mode="river", threshold=tau, tail=0)
+                opts = dict(mode="backbone") if which == "b" else presets.complete(dict(mode="river", threshold=tau))
                 _, steps, secs, _ = greedy_river(m, p, 24, **opts)
                 (b_s if which == "b" else r_s).append(steps / secs if secs else 0.0)
         speed = {"tau": tau, "backbone_tok_s": statistics.median(b_s), "river_tok_s": statistics.median(r_s),

@@ -52,6 +52,7 @@ py::dict hparams(const HParams& hp) {
     d["rms_eps"] = hp.rms_eps;
     d["rope_freq_base"] = hp.rope_freq_base;
     d["rope_freq_scale"] = hp.rope_freq_scale;
+    d["n_swa"] = hp.n_swa;
     return d;
 }
 

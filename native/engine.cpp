@@ -49,6 +49,14 @@ void check_same_model(const HParams& a, const HParams& b, const GgufFile& fa, co
     differ("vocabulary size", a.n_vocab, b.n_vocab);
     differ("rope.freq_base", a.rope_freq_base, b.rope_freq_base);
     differ("rope.dimension_count", a.n_rot, b.n_rot);
+    differ("attention.sliding_window", a.n_swa, b.n_swa);
+    differ("the attention scale", a.attn_scale, b.attn_scale);
+    differ("attn_logit_softcapping", a.attn_softcap, b.attn_softcap);
+    differ("final_logit_softcapping", a.final_softcap, b.final_softcap);
+    differ("embedding_scale", a.embedding_scale, b.embedding_scale);
+    differ("residual_scale", a.residual_scale, b.residual_scale);
+    differ("logit_scale", a.logit_scale, b.logit_scale);
+    if (a.swa_layers != b.swa_layers) throw RiverMismatchError("river '" + fb.path() + "' slides its window on other layers than backbone '" + fa.path() + "'");
     // Same vocabulary, token by token: a river from another tokenizer would be nonsense.
     const int64_t ka = gguf_find_key(fa.meta(), "tokenizer.ggml.tokens");
     const int64_t kb = gguf_find_key(fb.meta(), "tokenizer.ggml.tokens");
@@ -95,14 +103,14 @@ void Engine::load(const EngineConfig& cfg) {
     hp_ = read_hparams(*file_);
     backbone_ = load_backbone(*file_, hp_);
     if (!cfg.river_path.empty()) {
-        if (file_->tensor("river.blk.0.attn_q.weight")) {
+        if (has_river_layers(*file_)) {
             throw RiverMismatchError("'" + cfg.path + "' already holds a river; do not pass another");
         }
         river_file_ = std::make_unique<GgufFile>(cfg.river_path, cfg.use_mmap);
         HParams rhp = read_hparams(*river_file_);
         check_same_model(hp_, rhp, *file_, *river_file_);
         river_ = std::make_unique<RiverWeights>(load_river(*river_file_, hp_, ""));
-    } else if (file_->tensor("river.blk.0.attn_q.weight")) {
+    } else if (has_river_layers(*file_)) {
         river_ = std::make_unique<RiverWeights>(load_river(*file_, hp_, "river."));
     }
 
@@ -578,14 +586,26 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     ggml_set_input(in.positions);
     in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
     ggml_set_input(in.kv_rows);
-    in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, spec.n_kv, n);
-    ggml_set_input(in.kq_mask);
+    // Each mask only where a layer of this graph reads it: an input no node uses gets no memory
+    // in the graph's allocation (a river graph may run only sliding-window layers, or none).
+    bool runs_global = false, runs_swa = false;
+    for (const Span& s : spec.spans) {
+        for (int il = s.first; il <= s.last; ++il) (hp_.is_swa(il) ? runs_swa : runs_global) = true;
+    }
+    if (runs_global) {
+        in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, spec.n_kv, n);
+        ggml_set_input(in.kq_mask);
+    }
+    if (runs_swa) {
+        in.kq_mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, spec.n_kv, n);
+        ggml_set_input(in.kq_mask_swa);
+    }
 
     ggml_tensor* h;
     if (spec.from_tokens) {
         g->tok_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
         ggml_set_input(g->tok_in);
-        h = ggml_get_rows(ctx, spec.river_embd ? river_->tok_embd : backbone_.tok_embd, g->tok_in);
+        h = build_embedding(ctx, hp_, spec.river_embd ? river_->tok_embd : backbone_.tok_embd, g->tok_in);
     } else {
         h = ggml_view_2d(ctx, h_state_, hp_.n_embd, n, h_state_->nb[1], 0);
     }
@@ -673,9 +693,20 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
     const int n_kv = spec.n_kv;
     std::vector<ggml_fp16_t> mask(size_t(n_kv) * n);
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
-    for (int i = 0; i < n; ++i)
-        for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = j <= n_past_ + i ? zero : neg_inf;
-    ggml_backend_tensor_set(g.in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+    if (g.in.kq_mask) {
+        for (int i = 0; i < n; ++i)
+            for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = j <= n_past_ + i ? zero : neg_inf;
+        ggml_backend_tensor_set(g.in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+    }
+    if (g.in.kq_mask_swa) {
+        // Sliding window: token i sees only the last n_swa positions up to its own, p - j < n_swa
+        // (llama.cpp's standard window). Rows outside it stay in the cache, masked.
+        for (int i = 0; i < n; ++i) {
+            const int p = n_past_ + i;
+            for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = j <= p && p - j < hp_.n_swa ? zero : neg_inf;
+        }
+        ggml_backend_tensor_set(g.in.kq_mask_swa, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+    }
 
     abort_ = false;
     ggml_status status;

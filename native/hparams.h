@@ -1,12 +1,14 @@
 // Model hyperparameters, read from GGUF metadata with llama.cpp's key names and defaults.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "gguf_file.h"
 
 namespace river {
 
-enum class Arch { Llama, Qwen2, Qwen3 };
+// Decoder families, each with its own layer function in layer_graph.cpp.
+enum class Arch { Llama, Qwen2, Qwen3, Granite, Olmo2, Gemma2, Gemma3, Phi3 };
 
 struct HParams {
     Arch arch = Arch::Llama;
@@ -26,14 +28,34 @@ struct HParams {
     float rope_freq_scale = 1.0f;
     int rope_type = 0;    // GGML_ROPE_TYPE_NORM or _NEOX
 
+    // Multipliers and caps beyond llama; 0 means "not applied", as in llama.cpp.
+    float embedding_scale = 0.0f;  // token embeddings times this (granite; sqrt(n_embd) for gemma)
+    float residual_scale = 0.0f;   // granite: attention and FFN outputs times this before each residual add
+    float logit_scale = 0.0f;      // granite: logits divided by this
+    float attn_scale = 1.0f;       // the softmax scale of q.k
+    // gemma and phi3 multiply Q by attn_scale before attention (which then scales by 1); the
+    // others pass it to the attention op. The two round differently, so each follows llama.cpp.
+    bool scale_q = false;
+    float attn_softcap = 0.0f;     // gemma2: attention logits become cap * tanh(logit / cap)
+    float final_softcap = 0.0f;    // gemma2: the same on the output logits
+
+    // Sliding-window attention: layer il sees only the last n_swa positions (itself included)
+    // when swa_layers[il]; those layers rotate with their own rope base and scale.
+    int n_swa = 0;
+    std::vector<bool> swa_layers;
+    float rope_freq_base_swa = 10000.0f;
+    float rope_freq_scale_swa = 1.0f;
+
     int n_embd_k_gqa() const { return head_dim_k * n_head_kv; }
     int n_embd_v_gqa() const { return head_dim_v * n_head_kv; }
+    bool is_swa(int il) const { return n_swa > 0 && swa_layers[il]; }
+    bool any_swa() const { return n_swa > 0; }
 };
 
 // Throws UnsupportedModelError naming the supported architectures.
 HParams read_hparams(const GgufFile& file);
 
-// Text like "llama, qwen2, qwen3", for messages.
+// The architectures this engine runs, as text for messages ("llama, qwen2, ...").
 const char* supported_architectures();
 
 }  // namespace river

@@ -1,5 +1,6 @@
-// Graph pieces for llama-family decoders: one decoder layer, the exit-decision node,
-// and the output head. Each function adds nodes to `gf` and returns the result.
+// Graph pieces for the supported decoders: the embedding, one decoder layer (a function per
+// architecture family, sharing norms, rope, attention and FFN), the exit-decision node, and the
+// output head. Each function adds nodes to `gf` and returns the result.
 #pragma once
 #include "ggml.h"
 #include "hparams.h"
@@ -14,11 +15,20 @@ struct BatchInputs {
     int n_kv = 0;                      // cache rows attended over (masked beyond each token's position)
     ggml_tensor* positions = nullptr;  // I32 [n_tokens]
     ggml_tensor* kv_rows = nullptr;    // I64 [n_tokens]: the cache row each token's K/V goes to
-    ggml_tensor* kq_mask = nullptr;    // F16 [n_kv, n_tokens], causal
+    // F16 [n_kv, n_tokens], causal; nullptr unless the graph runs a global-attention layer.
+    ggml_tensor* kq_mask = nullptr;
+    // F16 [n_kv, n_tokens], causal and within the sliding window; nullptr unless the graph
+    // runs a sliding-window layer.
+    ggml_tensor* kq_mask_swa = nullptr;
 };
 
+// Token embeddings from `table` (backbone's or river's), with the architecture's input scale.
+ggml_tensor* build_embedding(ggml_context* ctx, const HParams& hp, ggml_tensor* table, ggml_tensor* tokens);
+
 // One decoder layer `il` with weights `w` (backbone or river: same shapes). It writes this
-// batch's K/V into cache layer il at rows kv_rows, then attends over rows 0..n_kv-1.
+// batch's K/V into cache layer il at rows kv_rows, then attends over rows 0..n_kv-1 (those the
+// layer's mask lets each token see: a sliding-window layer sees only its window, whichever
+// weights wrote the rows).
 ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HParams& hp, const LayerWeights& w,
                                  ggml_tensor* rope_freqs, KvCache& cache, int il, const BatchInputs& in,
                                  ggml_tensor* h);
@@ -26,7 +36,7 @@ ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HPara
 // Exit-decision node: cos(h_in, h_out) for each token, F32 [1, n_tokens].
 ggml_tensor* build_state_similarity(ggml_context* ctx, ggml_tensor* h_in, ggml_tensor* h_out);
 
-// Final RMS norm and the head: logits F32 [n_vocab, n_rows].
+// Final RMS norm, the head, and the architecture's logit scale or cap: logits F32 [n_vocab, n_rows].
 ggml_tensor* build_head(ggml_context* ctx, const HParams& hp, ggml_tensor* output_norm, ggml_tensor* head,
                         ggml_tensor* h);
 

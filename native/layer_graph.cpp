@@ -121,20 +121,32 @@ ggml_tensor* gated_ffn(const Layer& L, ggml_tensor* x, Gate gate) {
     return ggml_mul_mat(ctx, w.ffn_down, ff);
 }
 
-// ---- one function per family ------------------------------------------------------------
+// Q and K of the projections split into heads, each normed when the layer has per-head q/k norms
+// (qwen3, gemma3).
+struct Heads {
+    ggml_tensor *q, *k;
+};
 
-// llama, qwen2 (Q/K/V biases), qwen3 (per-head q/k norms): pre-norm attention and SwiGLU FFN.
-ggml_tensor* llama_layer(const Layer& L, ggml_tensor* h) {
+Heads split_qk(const Layer& L, const Projections& p) {
     const HParams& hp = L.hp;
     const int n = L.in.n_tokens;
-    Projections p = project_qkv(L, rms_norm(L.ctx, h, L.w.attn_norm, hp.rms_eps));
     ggml_tensor* q = split_heads(L.ctx, p.q, hp.head_dim_k, hp.n_head, n);
     ggml_tensor* k = split_heads(L.ctx, p.k, hp.head_dim_k, hp.n_head_kv, n);
     if (L.w.q_norm) {
         q = rms_norm(L.ctx, q, L.w.q_norm, hp.rms_eps);
         k = rms_norm(L.ctx, k, L.w.k_norm, hp.rms_eps);
     }
-    ggml_tensor* h_attn = ggml_add(L.ctx, h, attention(L, rope(L, q), rope(L, k), p.v, hp.attn_scale));
+    return {q, k};
+}
+
+// ---- one function per family ------------------------------------------------------------
+
+// llama, qwen2 (Q/K/V biases), qwen3 (per-head q/k norms): pre-norm attention and SwiGLU FFN.
+ggml_tensor* llama_layer(const Layer& L, ggml_tensor* h) {
+    const HParams& hp = L.hp;
+    Projections p = project_qkv(L, rms_norm(L.ctx, h, L.w.attn_norm, hp.rms_eps));
+    Heads qk = split_qk(L, p);
+    ggml_tensor* h_attn = ggml_add(L.ctx, h, attention(L, rope(L, qk.q), rope(L, qk.k), p.v, hp.attn_scale));
     return ggml_add(L.ctx, h_attn, gated_ffn(L, rms_norm(L.ctx, h_attn, L.w.ffn_norm, hp.rms_eps), Gate::Silu));
 }
 
@@ -142,12 +154,10 @@ ggml_tensor* llama_layer(const Layer& L, ggml_tensor* h) {
 // and logit scales, in build_embedding and build_head).
 ggml_tensor* granite_layer(const Layer& L, ggml_tensor* h) {
     const HParams& hp = L.hp;
-    const int n = L.in.n_tokens;
     auto residual = [&](ggml_tensor* x) { return hp.residual_scale != 0.0f ? ggml_scale(L.ctx, x, hp.residual_scale) : x; };
     Projections p = project_qkv(L, rms_norm(L.ctx, h, L.w.attn_norm, hp.rms_eps));
-    ggml_tensor* q = split_heads(L.ctx, p.q, hp.head_dim_k, hp.n_head, n);
-    ggml_tensor* k = split_heads(L.ctx, p.k, hp.head_dim_k, hp.n_head_kv, n);
-    ggml_tensor* h_attn = ggml_add(L.ctx, residual(attention(L, rope(L, q), rope(L, k), p.v, hp.attn_scale)), h);
+    Heads qk = split_qk(L, p);  // granite has no q/k norms
+    ggml_tensor* h_attn = ggml_add(L.ctx, residual(attention(L, rope(L, qk.q), rope(L, qk.k), p.v, hp.attn_scale)), h);
     ggml_tensor* ff = gated_ffn(L, rms_norm(L.ctx, h_attn, L.w.ffn_norm, hp.rms_eps), Gate::Silu);
     return ggml_add(L.ctx, residual(ff), h_attn);
 }
@@ -171,16 +181,10 @@ ggml_tensor* olmo2_layer(const Layer& L, ggml_tensor* h) {
 // inside the attention op). Sliding-window layers are chosen by hp.swa_layers.
 ggml_tensor* gemma_layer(const Layer& L, ggml_tensor* h) {
     const HParams& hp = L.hp;
-    const int n = L.in.n_tokens;
     Projections p = project_qkv(L, rms_norm(L.ctx, h, L.w.attn_norm, hp.rms_eps));
-    ggml_tensor* q = split_heads(L.ctx, p.q, hp.head_dim_k, hp.n_head, n);
-    ggml_tensor* k = split_heads(L.ctx, p.k, hp.head_dim_k, hp.n_head_kv, n);
-    if (L.w.q_norm) {
-        q = rms_norm(L.ctx, q, L.w.q_norm, hp.rms_eps);
-        k = rms_norm(L.ctx, k, L.w.k_norm, hp.rms_eps);
-    }
-    q = ggml_scale(L.ctx, rope(L, q), hp.attn_scale);
-    ggml_tensor* att = attention(L, q, rope(L, k), p.v, 1.0f);
+    Heads qk = split_qk(L, p);
+    ggml_tensor* q = ggml_scale(L.ctx, rope(L, qk.q), hp.attn_scale);
+    ggml_tensor* att = attention(L, q, rope(L, qk.k), p.v, 1.0f);
     ggml_tensor* h_attn = ggml_add(L.ctx, rms_norm(L.ctx, att, L.w.attn_post_norm, hp.rms_eps), h);
     ggml_tensor* ff = gated_ffn(L, rms_norm(L.ctx, h_attn, L.w.ffn_norm, hp.rms_eps), Gate::Gelu);
     return ggml_add(L.ctx, rms_norm(L.ctx, ff, L.w.ffn_post_norm, hp.rms_eps), h_attn);
@@ -190,11 +194,10 @@ ggml_tensor* gemma_layer(const Layer& L, ggml_tensor* h) {
 // attention, and rope over the first n_rot dims of each head (partial rotary).
 ggml_tensor* phi3_layer(const Layer& L, ggml_tensor* h) {
     const HParams& hp = L.hp;
-    const int n = L.in.n_tokens;
     Projections p = project_qkv(L, rms_norm(L.ctx, h, L.w.attn_norm, hp.rms_eps));
-    ggml_tensor* q = rope(L, split_heads(L.ctx, p.q, hp.head_dim_k, hp.n_head, n));
-    ggml_tensor* k = rope(L, split_heads(L.ctx, p.k, hp.head_dim_k, hp.n_head_kv, n));
-    ggml_tensor* h_attn = ggml_add(L.ctx, attention(L, ggml_scale(L.ctx, q, hp.attn_scale), k, p.v, 1.0f), h);
+    Heads qk = split_qk(L, p);  // phi3 has no q/k norms
+    ggml_tensor* q = ggml_scale(L.ctx, rope(L, qk.q), hp.attn_scale);
+    ggml_tensor* h_attn = ggml_add(L.ctx, attention(L, q, rope(L, qk.k), p.v, 1.0f), h);
     return ggml_add(L.ctx, h_attn, gated_ffn(L, rms_norm(L.ctx, h_attn, L.w.ffn_norm, hp.rms_eps), Gate::Silu));
 }
 

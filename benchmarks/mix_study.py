@@ -128,10 +128,8 @@ def main(argv=None) -> int:
         s = divergence.summarize(runs[label])
         if label in river_rows:
             o = river_rows[label]
-            mean_exit = runs[label].mean_exit_layer if o.get("mode") == "river" else (rm.n_layer - 1 if o.get("mode") == "backbone" else -1)
-            mb = presets.step_bytes(layers, head, rm.n_layer, mean_exit, o.get("tail", 0),
-                                    o.get("river_head", True) and o.get("mode") != "backbone",
-                                    o.get("river_attention", "river"))
+            mb = presets.step_bytes(layers, head, rm.n_layer,
+                                    *presets.setting_step(o, rm.n_layer, runs[label].mean_exit_layer))
             types = {"options": str({k: v for k, v in o.items() if v is not None})}
         else:
             mb, types = step_bytes_and_types(files[label])

@@ -146,8 +146,7 @@ def main(argv=None) -> int:
             row[f"x_{ref}"], row[f"x_{ref}_ci"] = x, ci
         if p is not None:
             o = p if isinstance(p, dict) else river.m.presets[p]["options"]
-            b = float(np.mean([presets.step_bytes(layers, head, L, e, o.get("tail", 0), o.get("river_head", True),
-                                                   o.get("river_attention", "river"))
+            b = float(np.mean([presets.step_bytes(layers, head, L, *presets.setting_step(o, L, e))
                                for e in exits[name]]))
             row.update(options=o, mean_exit_layer=float(np.mean(exits[name])), mib_per_token=b / 2**20)
             if line is not None:

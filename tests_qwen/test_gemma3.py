@@ -5,13 +5,12 @@ on the shipped Q4_K_M file, a River conversion of its F16, and River generation.
 Run with the model-zoo tests (scripts/test_qwen.sh): the first run downloads ~250 MB. Prompts reach
 past the 512-token window, so the windowed mask is live. Exit settings are given here, not taken
 from a preset the conversion chose."""
-import hashlib
-
 import gguf
 import numpy as np
 import pytest
 
 from river_gguf import Model
+from river_gguf.convert.build import sha256_file
 from river_gguf.eval import model_zoo
 
 from conftest import oracle_pick
@@ -42,11 +41,7 @@ def gemma_river(gemma_f16, tmp_path_factory):
 
 
 def test_fetched_file_is_the_published_model(gemma_source):
-    h = hashlib.sha256()
-    with open(gemma_source, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    assert h.hexdigest() == model_zoo.MODELS[GEMMA].split_source.sha256
+    assert sha256_file(gemma_source) == model_zoo.MODELS[GEMMA].split_source.sha256
     r = gguf.GGUFReader(gemma_source)
     assert r.fields["general.architecture"].contents() == "gemma3"
     assert r.fields["gemma3.attention.sliding_window"].contents() == 512

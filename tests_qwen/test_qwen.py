@@ -8,13 +8,12 @@ for reduction order, far below the logit gaps that decide tokens.
 Greedy comparisons run on a prompt whose oracle reply does not end early (the first candidate
 that does not, on this CPU), and River runs use exit settings fixed here, not the file's default
 preset (chosen at conversion)."""
-import hashlib
-
 import gguf
 import numpy as np
 import pytest
 
 from river_gguf import Model
+from river_gguf.convert.build import sha256_file
 
 from river_gguf.eval import model_zoo
 
@@ -49,11 +48,7 @@ def _long_greedy(m, oracle, prompts=PROMPTS, n=N_GREEDY):
 
 
 def test_fetched_file_is_the_published_model(qwen_source):
-    h = hashlib.sha256()
-    with open(qwen_source, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    assert h.hexdigest() == model_zoo.MODELS[QWEN].split_source.sha256
+    assert sha256_file(qwen_source) == model_zoo.MODELS[QWEN].split_source.sha256
     r = gguf.GGUFReader(qwen_source)
     assert r.fields["general.architecture"].contents() == "qwen2"
     assert r.fields["qwen2.block_count"].contents() == 24

@@ -290,6 +290,18 @@ def grid(n_layer: int, river_head: bool = True) -> List[dict]:
     return rows
 
 
+def setting_step(options: dict, n_layer: int, mean_exit_layer: float) -> tuple:
+    """step_bytes's (exit_layer, tail, river_head, river_attention) for a setting: the backbone
+    alone reads every backbone layer and its own head; river-only exits before layer 0; the
+    dynamic exit at its measured mean exit layer."""
+    mode = options.get("mode")
+    if mode == "backbone":
+        return (n_layer - 1, 0, False, "river")
+    exit_layer = -1.0 if mode == "river-only" else mean_exit_layer
+    return (exit_layer, options.get("tail", 0), options.get("river_head", True),
+            options.get("river_attention", "river"))
+
+
 def backbone_layers_per_step(n_layer: int, mean_exit_layer: float, tail: int) -> float:
     """Backbone layers one decode step runs: layers 0..exit (a mean for the dynamic exit; -1 for
     river-only) and the tail; the rest run in the river."""

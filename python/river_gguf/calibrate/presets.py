@@ -10,8 +10,8 @@ from ..eval import divergence
 from ..eval.scoring import calibration_items, prepare
 from ..gguf_meta import set_river_metadata
 from ..presets import (DEFAULT_PRESET, DEFAULT_KEY, EXIT_TEST_COST, GRID_KEY, PRESET_KEY, ANCHORS_KEY,
-                       backbone_layers_per_step, choose, complete, dump, grid, step_bytes, tier_bounds,
-                       weight_bytes)
+                       backbone_layers_per_step, choose, complete, dump, grid, setting_step, step_bytes,
+                       tier_bounds, weight_bytes)
 from . import open_model
 
 
@@ -44,10 +44,8 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     for i, opts in enumerate(settings):
         r = runs[i]
         static = divergence.is_static(configs[i][1])
-        mean_exit = (float(L - 1) if opts.get("mode") == "backbone" else -1.0) if static else r.mean_exit_layer
-        step = (mean_exit, opts.get("tail", 0), opts.get("river_head", True), opts.get("river_attention", "river"))
-        if opts.get("mode") == "backbone":
-            step = (L - 1, 0, False, "river")
+        step = setting_step(opts, L, r.mean_exit_layer)
+        mean_exit = float(step[0])
         cost = step_bytes(layers, head, L, *step)
         if opts.get("mode") == "river" and not static:  # the layers the exit tests
             cost += EXIT_TEST_COST * (min(mean_exit, L - 1 - opts.get("tail", 0)) + 1)

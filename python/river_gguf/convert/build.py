@@ -42,6 +42,7 @@ import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..calibrate import open_model as _open_model  # noqa: E402  (light: its imports are lazy)
 from ..river_format import FORMAT_VERSION  # noqa: E402  (2: the river after the backbone's data)
 DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
 IMATRIX_AUTO = "auto"     # collect the importance matrix on the calibration split
@@ -112,9 +113,6 @@ def _check_loadable(path: str) -> dict:
     hparams = dict(engine.hparams)
     del engine
     return hparams
-
-
-from ..calibrate import open_model as _open_model  # noqa: E402
 
 
 def _reader(path: str):

@@ -375,13 +375,14 @@ def _resolved_options(model, opts: dict) -> dict:
     plain file's are just the backbone (river options would be refused)."""
     import dataclasses
 
-    o = dataclasses.asdict(model._options(**(_whole(opts) if model.has_river else opts)))
+    o = dataclasses.asdict(model._options(**_whole(model, opts)))
     return o if model.has_river else {"mode": o["mode"], "exit_layer": o["exit_layer"]}
 
 
-def _whole(opts: dict) -> dict:
-    """A row's options as a whole setting (a preset row stays a preset name)."""
-    return opts if "preset" in opts else presets.complete(opts)
+def _whole(model, opts: dict) -> dict:
+    """A row's options as a whole setting (a preset row stays a preset name; a plain file takes
+    no river options)."""
+    return opts if "preset" in opts or not model.has_river else presets.complete(opts)
 
 
 def run_eval(settings: Settings) -> dict:
@@ -513,7 +514,7 @@ def run_eval(settings: Settings) -> dict:
                         res = runners[r.label].greedy(p, settings.gen_tokens)
                     else:
                         m = model_of(r)
-                        res = greedy_river(m, p, settings.gen_tokens, **(_whole(r.opts) if m.has_river else r.opts))
+                        res = greedy_river(m, p, settings.gen_tokens, **_whole(m, r.opts))
                     runs[(id(r), dname)].add(*res)
                     bar.update(1)
     for x in runners.values():

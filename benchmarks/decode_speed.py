@@ -37,7 +37,7 @@ class RiverSide:
         from river_gguf import Model
 
         self.m = Model(path, n_ctx=N_CTX, n_threads=threads, mode="backbone")
-        self.e = self.m._engine
+        self.e = self.m.engine
         self.prompt_args = self.m.exit_options.engine_args(prompt=True)
         self.step_args = self.m.exit_options.engine_args(prompt=False)
 

@@ -45,15 +45,16 @@ N_CTX = 1024
 class RiverRun:
     def __init__(self, path, threads, join_weights=True):
         self.m = Model(path, n_ctx=N_CTX, n_threads=threads)
+        self.engine = self.m.engine
         if not join_weights:  # the engine as before joined Q/K/V and gate/up weights, for comparison
             from river_gguf._loader import native
 
-            self.m._engine = native.Engine(path, "", N_CTX, threads, 512, 0, fuse=False)
+            self.engine = native.Engine(path, "", N_CTX, threads, 512, 0, fuse=False)
         self.toks = self.m.tokenize(PROMPT)
 
     def decode(self, n, preset):
-        o = self.m._options(**presets.complete(preset)) if isinstance(preset, dict) else self.m._options(preset=preset)
-        e = self.m._engine
+        o = self.m.options(**presets.complete(preset)) if isinstance(preset, dict) else self.m.options(preset=preset)
+        e = self.engine
         e.truncate(0)
         logits, _, _ = e.eval(self.toks, **o.engine_args(prompt=True))
         step = o.engine_args(prompt=False)

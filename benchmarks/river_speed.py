@@ -64,8 +64,8 @@ class RiverRun:
 
     def decode(self, n, **opts):
         # The engine loop itself (greedy, never stopping at EOS), as in llama.cpp's loop below.
-        o = self.m._options(**opts)
-        e = self.m._engine
+        o = self.m.options(**opts)
+        e = self.m.engine
         e.truncate(0)
         logits, exit_layer, _ = e.eval(self.toks, **o.engine_args(prompt=True))
         step = o.engine_args(prompt=False)

@@ -78,7 +78,7 @@ class Side:
         t0 = time.perf_counter()
         self.m = Model(self.path, n_ctx=N_CTX, n_threads=self.threads, mode="backbone", **self.rpc)
         self.load_s = time.perf_counter() - t0
-        self.e = self.m._engine
+        self.e = self.m.engine
         self.prompt_args = self.m.exit_options.engine_args(prompt=True)
         self.step_args = self.m.exit_options.engine_args(prompt=False)
 

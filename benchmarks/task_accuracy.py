@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from river_gguf import Model  # noqa: E402
+from river_gguf.greedy import greedy  # noqa: E402
 from river_gguf.eval import model_zoo, tasks  # noqa: E402
 from river_gguf.eval import report as evaluate  # noqa: E402
 
@@ -61,17 +62,16 @@ def run(model: str, configs, limit, n_threads: int) -> dict:
         m, opts = _model_for(model, config, 2048, n_threads)
         he_pass, gs_ok, steps, exits = [], [], 0, []
         for p in tqdm(he, desc=f"{config} humaneval", unit="problem"):
-            g = m.generate(p.prompt, max_tokens=HUMANEVAL_TOKENS, temperature=0.0, stop=list(tasks.HUMANEVAL_STOPS),
-                           **opts)
+            g = greedy(m, p.prompt, HUMANEVAL_TOKENS, stop=tasks.HUMANEVAL_STOPS, **opts)
             he_pass.append(tasks.check_humaneval(p, g.text).passed)
             steps += len(g.tokens)
-            exits += g.stats.get("exit_layers", [])[1:]
+            exits += g.decode_exit_layers
         for p in tqdm(gs, desc=f"{config} gsm8k", unit="problem"):
             prompt = tasks.gsm8k_prompt(p, tasks.gsm8k_shots(p, all_gs))
-            g = m.generate(prompt, max_tokens=GSM8K_TOKENS, temperature=0.0, stop=list(tasks.GSM8K_STOPS), **opts)
+            g = greedy(m, prompt, GSM8K_TOKENS, stop=tasks.GSM8K_STOPS, **opts)
             gs_ok.append(tasks.gsm8k_correct(p, g.text))
             steps += len(g.tokens)
-            exits += g.stats.get("exit_layers", [])[1:]
+            exits += g.decode_exit_layers
         out["configs"][config] = {"humaneval": [bool(x) for x in he_pass], "gsm8k": [bool(x) for x in gs_ok],
                                   "options": opts, "file": os.path.basename(m.model_path),
                                   "mean_exit_layer": float(np.mean(exits)) if exits else None,

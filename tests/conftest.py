@@ -2,8 +2,12 @@
 stock llama.cpp through llama-cpp-python."""
 import os
 import pathlib
+import sys
 
 import pytest
+
+# The repository's tools (tools/fuzz_gguf.py, ...) are scripts, not part of the package.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
 
 # Derived files (F16, quants, rivers) are slow to make; keep them between runs.
 os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "test"))

@@ -1,16 +1,16 @@
-"""Misuse of the Python API (issue 8): streams invalidated by other calls, NaN logits, the tau
-profile's own context, and strict argument checks. Each finding gets a clear exception."""
+"""Misuse of the Python API (issue 8): other calls on a Llama's Model mid-stream, NaN logits, the
+tau profile's own context, and strict argument checks. Each finding gets a clear exception."""
 import gguf
 import numpy as np
 import pytest
 
 import river_gguf
-from river_gguf import Model, NumericalError, StreamInvalidatedError
+from river_gguf import Llama, Model, NumericalError
+from river_gguf.greedy import greedy
 from river_gguf.testing import write_tiny_model
 
 PROMPT_A = [1, 310, 2048, 77, 901]
 PROMPT_B = [1, 52, 4000, 13, 615, 9]
-MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -29,85 +29,41 @@ def pair(tiny_path):
     return Model(tiny_path, river=tiny_path, n_ctx=128, n_threads=1, threshold=0.5)
 
 
-def _drain(stream):
-    return "".join(stream), stream.generation
+# ----- a Llama and other calls on its Model ---------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(tiny_path):
+    llm = Llama(tiny_path, n_ctx=128, n_threads=1, verbose=False)
+    yield llm
+    llm.close()
 
 
-# ----- streams ------------------------------------------------------------------------
-@pytest.mark.parametrize("model", ["plain", "pair"])
-def test_two_streams_in_turn_the_older_one_raises(request, model):
-    m = request.getfixturevalue(model)
-    alone_a = m.generate(PROMPT_A, max_tokens=8)
-    alone_b = m.generate(PROMPT_B, max_tokens=8)
-    assert len(alone_a.tokens) >= 3 and alone_a.tokens != alone_b.tokens
-
-    a, b = m.stream(PROMPT_A, max_tokens=8), m.stream(PROMPT_B, max_tokens=8)
-    next(a)
-    next(b)  # b's first step takes the KV cache from a
-    with pytest.raises(StreamInvalidatedError, match="another call on the same Model"):
-        next(a)
-    # It keeps saying so, rather than ending as if it had finished.
-    with pytest.raises(StreamInvalidatedError):
-        next(a)
-    assert a.generation is None
-    rest, g = _drain(b)
-    assert g.tokens == alone_b.tokens  # the stream that owns the cache is unaffected
-
-
-@pytest.mark.parametrize("other", ["generate", "logits", "score", "similarity_trace", "stream",
-                                   "create_completion", "create_chat_completion"])
-def test_stream_resumed_after_another_call_raises(pair, other):
-    s = pair.stream(PROMPT_A, max_tokens=8)
-    next(s)
+@pytest.mark.parametrize("other", ["logits", "score", "similarity_trace", "begin", "greedy", "truncate"])
+def test_a_stream_survives_other_calls_on_its_model(llm, other):
+    """Another call on the Llama's Model (river_model) between two chunks takes the KV cache; the
+    stream sees the epoch or the length change, recomputes its tokens, and its text is the text
+    it gives alone."""
+    m = llm.river_model
+    alone = llm.create_completion(PROMPT_A, max_tokens=8, temperature=0.0)["choices"][0]["text"]
+    chunks = llm.create_completion(PROMPT_A, max_tokens=8, temperature=0.0, stream=True)
+    text = next(chunks)["choices"][0]["text"]
+    epoch = m.epoch
     calls = {
-        "generate": lambda: pair.generate(PROMPT_B, max_tokens=2),
-        "logits": lambda: pair.logits(PROMPT_B),
-        "score": lambda: pair.score(PROMPT_B, prefix=2),
-        "similarity_trace": lambda: pair.similarity_trace(PROMPT_B),
-        "stream": lambda: next(pair.stream(PROMPT_B, max_tokens=2)),
-        "create_completion": lambda: pair.create_completion(PROMPT_B, max_tokens=2),
-        "create_chat_completion": lambda: pair.create_chat_completion(MESSAGES, max_tokens=2),
+        "logits": lambda: m.logits(PROMPT_B),
+        "score": lambda: m.score(PROMPT_B, prefix=2),
+        "similarity_trace": lambda: m.similarity_trace(PROMPT_B),
+        "begin": m.begin,
+        "greedy": lambda: greedy(m, PROMPT_B, 2),
+        "truncate": lambda: m.truncate(1),
     }
     calls[other]()
-    with pytest.raises(StreamInvalidatedError):
-        next(s)
+    assert m.epoch > epoch or other == "truncate"
+    text += "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == alone
 
 
-def test_streams_that_do_not_overlap_are_fine(pair):
-    alone = pair.generate(PROMPT_A, max_tokens=8)
-    s = pair.stream(PROMPT_A, max_tokens=8)  # created, not started: it owns nothing yet
-    pair.generate(PROMPT_B, max_tokens=4)
-    pair.logits(PROMPT_B)
-    assert _drain(s)[1].tokens == alone.tokens
-    # Calls that do not touch the cache leave a running stream alone.
-    s = pair.stream(PROMPT_A, max_tokens=8)
-    next(s)
-    pair.tokenize("hello"), pair.detokenize(PROMPT_B), pair.chat_prompt(MESSAGES)
-    assert _drain(s)[1].tokens == alone.tokens
-    # A chat stream is a stream too.
-    chunks = pair.create_chat_completion(MESSAGES, max_tokens=4, stream=True)
-    next(chunks), next(chunks)
-    pair.generate(PROMPT_B, max_tokens=2)
-    with pytest.raises(StreamInvalidatedError):
-        list(chunks)
-
-
-def test_stream_invalidated_through_the_engine_directly(pair):
-    """Tools that drive model._engine (evaluate, presets) bypass the epoch; the cache length
-    still tells the stream that its cache is gone."""
-    s = pair.stream(PROMPT_A, max_tokens=8)
-    next(s)
-    pair._engine.truncate(0)
-    pair._engine.eval(PROMPT_B)
-    with pytest.raises(StreamInvalidatedError):
-        next(s)
-
-
-def test_stream_invalidated_error_is_a_runtime_error():
-    assert issubclass(StreamInvalidatedError, RuntimeError)
+def test_numerical_error_is_a_runtime_error():
     assert issubclass(NumericalError, RuntimeError)
-    assert river_gguf.StreamInvalidatedError is StreamInvalidatedError
-    assert {"NumericalError", "StreamInvalidatedError"} <= set(river_gguf.__all__)
+    assert "NumericalError" in river_gguf.__all__
 
 
 # ----- NaN / inf logits -----------------------------------------------------------------
@@ -129,23 +85,24 @@ def _poisoned_copy(src, dst, value):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_logits_raise(tiny_path, tmp_path, value):
     m = Model(_poisoned_copy(tiny_path, tmp_path / "poison.gguf", value), n_ctx=64, n_threads=1)
-    clean = m.generate(PROMPT_A, max_tokens=6)
+    clean = greedy(m, PROMPT_A, 6)
     assert clean.tokens and np.isfinite(m.logits(PROMPT_A)).all()
     bad = PROMPT_A[:2] + [POISON] + PROMPT_A[2:]
     with pytest.raises(NumericalError, match="NaN or infinite logits"):
-        m.generate(bad, max_tokens=6)  # was: '' with finish_reason='stop'
+        greedy(m, bad, 6)  # was: '' with finish_reason='stop'
     with pytest.raises(NumericalError):
         m.logits(bad)
     with pytest.raises(NumericalError):
         m.score(bad, prefix=1)  # the poisoned token is fed on the decode path; was: NaN scores
     with pytest.raises(NumericalError):
-        next(m.stream(bad))
-    with pytest.raises(NumericalError):
-        m.create_completion(bad, max_tokens=4)
+        m.begin(), m.eval(bad)
     with pytest.raises(NumericalError):
         m.similarity_trace(bad)
+    with Llama(m.model_path, n_ctx=64, n_threads=1, verbose=False) as llm:
+        with pytest.raises(NumericalError):
+            llm.create_completion(bad, max_tokens=4)
     # The Model stays usable and gives the same answers as before.
-    assert m.generate(PROMPT_A, max_tokens=6).tokens == clean.tokens
+    assert greedy(m, PROMPT_A, 6).tokens == clean.tokens
 
 
 # ----- the tau profile has its own context ------------------------------------------------
@@ -156,19 +113,22 @@ def test_profile_runs_in_its_own_context(tiny_path):
         m = Model(tiny_path, river=tiny_path, n_ctx=n_ctx, n_threads=1)
         assert m.n_ctx == n_ctx
         assert m.exit_options.threshold == ref.exit_options.threshold
-        assert m.generate(PROMPT_A, max_tokens=4).tokens == ref.generate(PROMPT_A, max_tokens=4).tokens
+        assert greedy(m, PROMPT_A, max_tokens=4).tokens == greedy(ref, PROMPT_A, max_tokens=4).tokens
 
 
 def test_profile_leaves_the_models_cache_alone(tiny_path):
     from river_gguf.profile import similarity_profile
 
     m = Model(tiny_path, river=tiny_path, n_ctx=32, n_threads=1, threshold=0.5)
-    alone = m.generate(PROMPT_A, max_tokens=6)
-    s = m.stream(PROMPT_A, max_tokens=6)
-    next(s)
+    alone = greedy(m, PROMPT_A, 6)
+    m.begin()
+    m.eval(PROMPT_A)
+    epoch, n_past = m.epoch, m.n_past
     sims = similarity_profile(m)
     assert sims.shape[0] > m.n_ctx and sims.shape[1] == m.n_layer  # longer than this Model's context
-    assert _drain(s)[1].tokens == alone.tokens  # the stream was not invalidated
+    assert (m.epoch, m.n_past) == (epoch, n_past)  # the cache is still the caller's
+    step = m.eval([alone.tokens[0]], prompt=False)
+    assert int(step.logits[-1].argmax()) == alone.tokens[1]
 
 
 # ----- argument types and ranges ------------------------------------------------------------
@@ -230,13 +190,11 @@ def test_threads_and_batch_are_bounded_not_refused(tiny_path):
 
 
 ENTRY_POINTS = {
-    "generate": lambda m, **kw: m.generate(PROMPT_A, max_tokens=2, **kw),
-    "stream": lambda m, **kw: m.stream(PROMPT_A, max_tokens=2, **kw),
+    "options": lambda m, **kw: m.options(**kw),
+    "greedy": lambda m, **kw: greedy(m, PROMPT_A, 2, **kw),
     "logits": lambda m, **kw: m.logits(PROMPT_A, **kw),
     "score": lambda m, **kw: m.score(PROMPT_A, prefix=2, **kw),
     "similarity_trace": lambda m, **kw: m.similarity_trace(PROMPT_A, **kw),
-    "create_completion": lambda m, **kw: m.create_completion(PROMPT_A, max_tokens=2, **kw),
-    "create_chat_completion": lambda m, **kw: m.create_chat_completion(MESSAGES, max_tokens=2, **kw),
 }
 
 
@@ -274,8 +232,15 @@ def test_river_options_on_a_plain_model(plain, entry, kwargs):
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda m: m.generate([1, 1.7]), "token ids must be ints"),  # was: used as 1
-        (lambda m: m.generate([1, True]), "token ids must be ints"),
+        (lambda m: m.eval([1, 1.7]), "token ids must be ints"),  # was: used as 1
+        (lambda m: m.eval([1, True]), "token ids must be ints"),
+        (lambda m: m.eval([]), "no tokens"),
+        (lambda m: m.eval([1, 2], prompt=False), "a decode step takes one token"),
+        (lambda m: m.eval([1], prompt="no"), "prompt must be a bool"),
+        (lambda m: m.eval([1], {"mode": "backbone"}), "options must be ExitOptions"),
+        (lambda m: m.eval([1] * 200), "n_ctx"),
+        (lambda m: m.truncate(10**6), "n_past must be an int"),
+        (lambda m: m.truncate(True), "n_past must be an int"),
         (lambda m: m.logits([1.0, 2.0]), "token ids must be ints"),
         (lambda m: m.logits(np.array([1.5, 2.0])), "1-D array of ints"),
         (lambda m: m.logits(np.array([[1, 2]])), "1-D array of ints"),
@@ -295,18 +260,6 @@ def test_river_options_on_a_plain_model(plain, entry, kwargs):
         (lambda m: m.tokenize(5), "text must be str or bytes"),
         (lambda m: m.tokenize("a", add_special="yes"), "add_special must be a bool"),
         (lambda m: m.tokenize("a", parse_special=None), "parse_special must be a bool"),
-        (lambda m: m.generate("Hi", max_tokens=True), "max_tokens"),
-        (lambda m: m.generate("Hi", max_tokens=2.0), "max_tokens"),
-        (lambda m: m.generate("Hi", max_tokens=2, stop=5), "stop must be a str or a list of str"),
-        (lambda m: m.generate("Hi", max_tokens=2, stop=[b"x"]), "stop must be"),
-        (lambda m: m.generate("Hi", max_tokens=2, temperature=True), "temperature"),
-        (lambda m: m.generate("Hi", max_tokens=2, top_k=2.0), "top_k"),
-        (lambda m: m.generate("Hi", max_tokens=2, seed=1.5), "seed"),
-        (lambda m: m.generate(None), "tokens must be a list"),
-        (lambda m: m.create_completion("Hi", stream="yes"), "stream must be a bool"),
-        (lambda m: m.create_chat_completion(MESSAGES, stream=1), "stream must be a bool"),
-        (lambda m: m.create_chat_completion("Hi"), "messages must be a list"),
-        (lambda m: m.create_chat_completion([{"role": "user", "content": 3}]), "content"),
     ],
 )
 def test_bad_call_arguments(plain, call, match):
@@ -319,6 +272,6 @@ def test_integer_like_arguments_still_accepted(plain):
     assert np.array_equal(plain.logits(np.array(PROMPT_A, dtype=np.int32)), a)
     assert np.array_equal(plain.logits([np.int64(t) for t in PROMPT_A]), a)
     assert np.array_equal(plain.logits(tuple(PROMPT_A)), a)
-    assert plain.generate(PROMPT_A, max_tokens=3, seed=np.int64(3), temperature=0.5).tokens
+    assert greedy(plain, PROMPT_A, np.int64(3)).tokens
     assert plain.token_to_piece(np.int32(PROMPT_A[1])) == plain.token_to_piece(PROMPT_A[1])
     assert plain.tokenize(b"hello", add_special=np.bool_(False)) == plain.tokenize("hello", add_special=False)

@@ -8,6 +8,7 @@ import pytest
 
 import river_gguf
 from river_gguf import Model
+from river_gguf.greedy import greedy
 from river_gguf.convert.build import build_river_gguf
 from river_gguf.convert.hybrid import write_hybrid_gguf, write_mixed_gguf
 from river_gguf.presets import ATTENTION_KINDS
@@ -74,7 +75,7 @@ def _same_as_oracle(m, oracle, toks, **opts):
     assert np.abs(ours - ref).max() < LOGIT_TOL
     assert (ours.argmax(1) == ref.argmax(1)).all()
     prompt = toks[:12]
-    g = m.generate(prompt, max_tokens=N_GREEDY, **opts)
+    g = greedy(m, prompt, max_tokens=N_GREEDY, **opts)
     assert g.tokens == oracle.greedy(prompt, N_GREEDY)
 
 
@@ -110,8 +111,8 @@ def test_invariant1_threshold_above_one_is_the_backbone(river_model, prose_token
     backbone = river_model.score(toks, prefix=8, mode="backbone")
     assert np.array_equal(river.logprobs, backbone.logprobs)
     assert (river.exit_layers == river_model.n_layer - 1).all()
-    a = river_model.generate(prose_tokens[:10], max_tokens=16, mode="river", threshold=1.01)
-    b = river_model.generate(prose_tokens[:10], max_tokens=16, mode="backbone")
+    a = greedy(river_model, prose_tokens[:10], max_tokens=16, mode="river", threshold=1.01)
+    b = greedy(river_model, prose_tokens[:10], max_tokens=16, mode="backbone")
     assert a.tokens == b.tokens and a.stats["river_layer_share"] == 0.0
 
 
@@ -140,7 +141,7 @@ def test_invariant4_no_cache_holes_after_mixed_exits(files, prose_tokens):
     # river-only included, some with a backbone tail: every row of every layer gets written,
     # the windowed layers' too.
     m = Model(files[1], n_ctx=128, n_threads=1, threshold=0.9)
-    e, L = m._engine, m.n_layer
+    e, L = m.engine, m.n_layer
     assert np.isnan(e.cache_rows(0, False, 4)).all()
     e.eval(prose_tokens[:12])
     for i, tok in enumerate(prose_tokens[12:40]):
@@ -187,7 +188,7 @@ def test_invariant6_backbone_attention_equals_the_mixed_gguf(files, river_model,
 def test_dynamic_exit_follows_the_rule_and_equals_the_forced_exit(river_model, prose_tokens):
     # The similarity test picks the depth; the step then equals a forced exit there. tau sits just
     # below this token's largest similarity among the layers a token may leave after, so it exits.
-    e, L = river_model._engine, river_model.n_layer
+    e, L = river_model.engine, river_model.n_layer
     exited = 0
     for i in range(16, 24):
         prompt, tok = prose_tokens[:i], prose_tokens[i]

@@ -3,6 +3,7 @@ import pytest
 
 import river_gguf
 from river_gguf import Model
+from river_gguf.greedy import greedy
 from river_gguf.testing import LlamaCppOracle, truncate_copy, write_unsupported_arch
 
 from conftest import oracle_pick
@@ -46,13 +47,13 @@ def small_model(q4_1_path):
 
 
 def test_prompt_longer_than_context(small_model):
-    before = small_model.generate("Hi", max_tokens=2)
+    before = greedy(small_model, "Hi", max_tokens=2)
     with pytest.raises(river_gguf.ContextOverflowError, match="n_ctx=64"):
-        small_model.generate("word " * 200, max_tokens=4)
+        greedy(small_model, "word " * 200, max_tokens=4)
     with pytest.raises(river_gguf.ContextOverflowError, match="n_ctx is 64"):
         small_model.logits(list(range(100, 200)))
     # Still usable afterwards: the same answer as before the errors.
-    after = small_model.generate("Hi", max_tokens=2)
+    after = greedy(small_model, "Hi", max_tokens=2)
     assert (after.tokens, after.text, after.finish_reason) == (before.tokens, before.text, before.finish_reason)
     assert (len(after.tokens) == 2) == (after.finish_reason == "length")
 
@@ -69,7 +70,7 @@ def test_generation_stops_at_context_end(small_model, q4_1_path):
             f"a greedy reply that fills an n_ctx={n_ctx} context without EOS")
     finally:
         oracle.close()
-    g = small_model.generate(toks, max_tokens=100, temperature=0.0)
+    g = greedy(small_model, toks, max_tokens=100)
     assert g.finish_reason == "length"
     assert g.tokens == ref
     assert len(toks) + len(g.tokens) == n_ctx
@@ -78,33 +79,29 @@ def test_generation_stops_at_context_end(small_model, q4_1_path):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"temperature": -1.0},
-        {"temperature": float("nan")},
-        {"top_p": 0.0},
-        {"top_p": 1.5},
-        {"min_p": -0.1},
-        {"top_k": -3},
-        {"repeat_penalty": 0.0},
-        {"seed": -1},
         {"max_tokens": -5},
+        {"max_tokens": 2.0},
+        {"max_tokens": True},
         {"mode": "sideways"},
         {"stop": [3]},
+        {"stop": "x"},
+        {"temperature": 0.5},  # greedy takes exit options only; sampling is Llama's
     ],
 )
-def test_invalid_sampling_arguments(small_model, kwargs):
+def test_invalid_greedy_arguments(small_model, kwargs):
     with pytest.raises(ValueError):
-        small_model.generate("Hello", **{"max_tokens": 4, **kwargs})
+        greedy(small_model, "Hello", **{"max_tokens": 4, **kwargs})
 
 
 def test_invalid_tokens_and_modes(small_model):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         small_model.logits([1, 2, 10**7])
     with pytest.raises(ValueError, match="needs a river"):
-        small_model.generate("Hi", max_tokens=2, mode="river")
+        greedy(small_model, "Hi", max_tokens=2, mode="river")
     with pytest.raises(ValueError, match="exit_layer"):
-        small_model.generate("Hi", max_tokens=2, exit_layer=99)
+        greedy(small_model, "Hi", max_tokens=2, exit_layer=99)
     with pytest.raises(ValueError, match="empty"):
-        small_model.generate([], max_tokens=2)
+        greedy(small_model, [], max_tokens=2)
 
 
 @pytest.mark.parametrize("kwargs", [{"n_ctx": 0}, {"n_threads": 0}, {"n_batch": -1}, {"n_ctx": "big"}])

@@ -125,16 +125,18 @@ def test_the_budget_is_per_call_and_per_thread():
 
 
 def test_create_chat_completion_with_a_hostile_template(tmp_path):
-    from river_gguf import Model
+    """The limits guard river_gguf.Llama's handlers for a file's templates (and so the server)."""
+    from river_gguf import Llama
     from river_gguf.gguf_meta import set_river_metadata
     from river_gguf.testing import write_tiny_model
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_layer=2)
     set_river_metadata(path, {"tokenizer.chat_template": ISSUE_TEMPLATE.replace("10**6", "10**5")})
-    m = Model(path, n_ctx=64, n_threads=1)
+    llm = Llama(path, n_ctx=64, n_threads=1, verbose=False)
+    assert llm.chat_format == "chat_template.default"
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="(step|time) limit"):
-        m.create_chat_completion(MSGS, max_tokens=2)
+        llm.create_chat_completion(MSGS, max_tokens=2)
     assert time.monotonic() - t0 < 10
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from river_gguf.greedy import greedy
 
 # Small context and thread count keep every model load and run quick.
 FAST = ["-c", "256", "-t", "2"]
@@ -86,8 +87,10 @@ def test_generate_json(model_path, capsys):
     out, _ = capsys.readouterr()
     assert rc == 0
     doc = json.loads(out)
-    assert len(doc["tokens"]) <= 4 and doc["finish_reason"] in ("stop", "length")
-    assert (doc["finish_reason"] == "length") == (len(doc["tokens"]) == 4)  # fewer only at EOS
+    n = doc["usage"]["completion_tokens"]
+    assert n <= 4 and doc["finish_reason"] in ("stop", "length")
+    assert (doc["finish_reason"] == "length") == (n == 4)  # fewer only at EOS
+    assert doc["stats"]["completion_tokens"] == n and doc["stats"]["finish_reason"] == doc["finish_reason"]
     assert doc["stats"]["mode"] == "backbone"
     assert doc["stats"]["prefill_tokens"] > 5  # the chat template wrapped the prompt
 
@@ -152,12 +155,13 @@ def test_subprocess_chat_two_lines_then_eof(model_path):
     # Each reply on its own line, with the first turn kept as history: the same two greedy
     # replies as an in-process Model gives (and no "> " prompt: stdin is not a terminal).
     from river_gguf import Model
+    from river_gguf.chat import format_chat
 
     m = Model(model_path, n_ctx=256, n_threads=2)
     history, want = [], ""
     for line in ("Hello", "What is 2+2?"):
         history.append({"role": "user", "content": line})
-        g = m.generate(m.chat_prompt(history), max_tokens=12, temperature=0.0)
+        g = greedy(m, format_chat(m.metadata["tokenizer.chat_template"], history), max_tokens=12)
         history.append({"role": "assistant", "content": g.text})
         want += g.text + "\n"
     assert r.stdout == want

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from river_gguf import Model
+from river_gguf.greedy import greedy
 from river_gguf.testing import write_tiny_model
 
 from conftest import PROSE, oracle_pick
@@ -44,7 +45,7 @@ def test_greedy_128_tokens_match_llama_cpp(which, request, oracle_factory):
     # A prompt whose greedy reply on llama.cpp runs the full 128 tokens (no early EOS) on this CPU.
     _, (prompt, ref) = oracle_pick(GREEDY_PROMPTS, lambda t: (m.tokenize(t), oracle.greedy(m.tokenize(t), 128)),
                                    lambda r: len(r[1]) == 128, "a greedy reply of 128 tokens without EOS")
-    g = m.generate(prompt, max_tokens=128)
+    g = greedy(m, prompt, max_tokens=128)
     assert g.tokens == ref
     assert g.finish_reason == "length" and len(g.tokens) == 128
 
@@ -76,7 +77,7 @@ def test_layer_by_layer_decode_equals_fused(q4_1_path):
     # The segmented path (one graph per layer, exit-decision readback) computes the same thing.
     m = Model(q4_1_path, n_ctx=256, n_threads=2)
     toks = m.tokenize(PROSE)[:24]
-    e = m._engine
+    e = m.engine
     e.truncate(0)
     e.eval(toks[:8])
     fused = [e.eval([t])[0] for t in toks[8:]]

@@ -3,14 +3,14 @@ tensor type and layout sweeps, vocabulary damage, river tensor removal and misma
 loaded and run in a worker process. A crash, a hang, an exception river_gguf does not document, or
 damage the loader must refuse that loads anyway fails the run.
 
-RIVER_FUZZ_CASES=5000 (and RIVER_FUZZ_SEED) make a longer run; so does `python -m river_gguf.fuzz`.
+RIVER_FUZZ_CASES=5000 (and RIVER_FUZZ_SEED) make a longer run; so does `python tools/fuzz_gguf.py`.
 Each case is loaded through Model and through the drop-in river_gguf.Llama (RIVER_FUZZ_API=model
 or llama: one of them only)."""
 import os
 
 import pytest
 
-from river_gguf import fuzz
+import fuzz_gguf as fuzz
 
 # About 40 s on a 2-core machine: 0.05 s per case, plus 10 s to build the base models.
 CI_CASES = 600

@@ -14,6 +14,7 @@ import gguf
 import llama_cpp
 
 from river_gguf import default_model as dm  # noqa: E402
+from river_gguf.greedy import greedy
 from river_gguf import gguf_io, testing  # noqa: E402
 
 QT = gguf.GGMLQuantizationType

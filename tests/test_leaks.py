@@ -15,6 +15,7 @@ import pytest
 
 import river_gguf
 from river_gguf.testing import truncate_copy, write_tiny_model
+from river_gguf.greedy import greedy
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="measures the process through /proc/self")
 
@@ -92,7 +93,7 @@ def test_generations_do_not_grow_the_process(tiny):
     modes = ["backbone", "river", "river-only"]
 
     def generate(i):
-        g = m.generate(prompts[i % 3], max_tokens=3, mode=modes[(i // 3) % 3],
+        g = greedy(m, prompts[i % 3], max_tokens=3, mode=modes[(i // 3) % 3],
                        temperature=0.8 if i % 2 else 0.0, seed=i)
         assert g.finish_reason in ("length", "stop")
 

@@ -8,7 +8,8 @@ import pytest
 
 import river_gguf
 from river_gguf import Model
-from river_gguf.fuzz import (ARRAY, F32, F64, I32, STRING, TINY, U32, U64, Gguf, _build_river, _encode, _type_id,
+from river_gguf.greedy import greedy
+from fuzz_gguf import (ARRAY, F32, F64, I32, STRING, TINY, U32, U64, Gguf, _build_river, _encode, _type_id,
                              _values)
 from river_gguf.testing import write_tiny_model
 
@@ -57,7 +58,7 @@ def retype(name: str, tname: str):
 
 def load_and_run(path, **kw):
     m = Model(path, n_ctx=64, n_threads=1, **kw)
-    g = m.generate([1, 2, 3], max_tokens=2)
+    g = greedy(m, [1, 2, 3], max_tokens=2)
     assert len(g.tokens) == 2
     return m
 
@@ -152,7 +153,7 @@ def test_array_element_type_checked_before_reading(bases, tmp_path):
 
 
 def test_per_layer_integer_arrays_of_any_integer_type_load(bases, tmp_path):
-    from river_gguf.fuzz import U16
+    from fuzz_gguf import U16
     p = damaged(tmp_path, bases["llama"], lambda g: g.set("llama.feed_forward_length", ARRAY, (U16, [64, 64])))
     load_and_run(p)
 
@@ -250,7 +251,7 @@ def test_river_tensor_of_the_wrong_shape(bases, tmp_path, river):
 def test_intact_river_gguf_loads_and_runs(bases, river):
     m = load_and_run(bases[river])
     assert m.has_river
-    assert len(m.generate([1, 2, 3], max_tokens=2, mode="river-only").tokens) == 2
+    assert len(greedy(m, [1, 2, 3], max_tokens=2, mode="river-only").tokens) == 2
 
 
 # --- bytes ----------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ def test_measured_settings_are_whole_whatever_the_default_preset(tiny_river, tmp
     m = Model(str(path), n_ctx=128, n_threads=1)
     assert m.exit_options.river_attention == "backbone" and m.exit_options.tail == 2
     row = {"mode": "river-only", "river_head": True}
-    o = m._options(**presets.complete(row))
+    o = m.options(**presets.complete(row))
     assert (o.tail, o.river_attention) == (0, "river")
     assert report._resolved_options(m, row)["river_attention"] == "river"
     assert report._resolved_options(m, row)["tail"] == 0
@@ -237,4 +237,4 @@ def test_measured_settings_are_whole_whatever_the_default_preset(tiny_river, tmp
     a = m.score(toks, **presets.complete(row)).logprobs
     b = plain.score(toks, **row).logprobs
     assert np.array_equal(a, b)
-    assert dataclasses.asdict(plain._options(**row))["river_attention"] == "river"
+    assert dataclasses.asdict(plain.options(**row))["river_attention"] == "river"

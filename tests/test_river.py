@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from river_gguf import Model
+from river_gguf.greedy import greedy
 from river_gguf.convert.hybrid import write_hybrid_gguf
 
 from conftest import PROSE
@@ -51,7 +52,7 @@ def _assert_same_as_oracle(m, oracle, toks, **opts):
     ref = oracle.logits(toks)
     assert np.abs(ours - ref).max() < LOGIT_TOL
     prompt = toks[:12]
-    g = m.generate(prompt, max_tokens=N_GREEDY, **opts)
+    g = greedy(m, prompt, max_tokens=N_GREEDY, **opts)
     assert g.tokens == oracle.greedy(prompt, N_GREEDY)
 
 
@@ -61,7 +62,7 @@ def test_invariant1_threshold_above_one_is_the_backbone(river_model, prose_token
     assert np.array_equal(river.logprobs, backbone.logprobs)
     assert (river.exit_layers == river_model.n_layer - 1).all()
     # The same through the layer-by-layer path (trace=True skips the fused shortcut for tau > 1).
-    e = river_model._engine
+    e = river_model.engine
     e.truncate(0)
     e.eval(prose_tokens[:8])
     for i, t in enumerate(prose_tokens[8:20]):
@@ -70,8 +71,8 @@ def test_invariant1_threshold_above_one_is_the_backbone(river_model, prose_token
         lp = logits[0].astype(np.float64)
         lp = lp[prose_tokens[9 + i]] - lp.max() - np.log(np.exp(lp - lp.max()).sum())
         assert abs(lp - backbone.logprobs[1 + i]) < 1e-4
-    a = river_model.generate(prose_tokens[:10], max_tokens=24, mode="river", threshold=1.01)
-    b = river_model.generate(prose_tokens[:10], max_tokens=24, mode="backbone")
+    a = greedy(river_model, prose_tokens[:10], max_tokens=24, mode="river", threshold=1.01)
+    b = greedy(river_model, prose_tokens[:10], max_tokens=24, mode="backbone")
     assert a.tokens == b.tokens and a.stats["river_layer_share"] == 0.0
 
 
@@ -103,7 +104,7 @@ def test_invariant5_forced_exit_with_tail_equals_hybrid_gguf(k, tail, river_head
 def test_dynamic_exit_with_tail_runs_the_tail_on_the_backbone(river_model, prose_tokens):
     # A dynamic step that exits at k with a tail equals the forced exit at k with that tail, and
     # exits never happen inside the tail's reach (the river needs at least one layer).
-    e = river_model._engine
+    e = river_model.engine
     L = river_model.n_layer
     prompt = prose_tokens[:10]
     for tau in TAUS:  # until a threshold lets some token exit: the comparison needs one
@@ -139,28 +140,28 @@ def test_invariant3_river_only_with_backbone_head(river_model, prose_tokens, f16
 
 def test_invariant4_no_cache_holes_after_mixed_exits(f16_path, q4_0_path, prose_tokens, river_model):
     # The threshold: the first that gives a real mix of exits (found on the module's model).
-    tau, _ = _first_tau(lambda t: river_model.generate(prose_tokens[:16], max_tokens=48, mode="river", threshold=t),
+    tau, _ = _first_tau(lambda t: greedy(river_model, prose_tokens[:16], max_tokens=48, mode="river", threshold=t),
                         _mixed, "a real mix of exits", taus=(0.965,) + TAUS)
     # A fresh model: its cache starts as NaN, so any slot no layer wrote stays NaN.
     # threshold given: no similarity profile runs at load, so no step has touched the cache yet.
     m = Model(f16_path, river=q4_0_path, n_ctx=256, n_threads=2, threshold=tau)
-    assert np.isnan(m._engine.cache_rows(0, False, 4)).all()
-    g = m.generate(prose_tokens[:16], max_tokens=48, mode="river", threshold=tau)
+    assert np.isnan(m.engine.cache_rows(0, False, 4)).all()
+    g = greedy(m, prose_tokens[:16], max_tokens=48, mode="river", threshold=tau)
     assert _mixed(g), f"want a real mix of exits, got {g.stats['exit_histogram']}"
-    n = m._engine.n_past
+    n = m.engine.n_past
     # Every token but the last was fed back (the last too when EOS, not the length, ended it).
     assert n == 16 + len(g.tokens) - (1 if g.finish_reason == "length" else 0)
     for layer in range(m.n_layer):
         for values in (False, True):
-            rows = m._engine.cache_rows(layer, values, n)
+            rows = m.engine.cache_rows(layer, values, n)
             assert np.isfinite(rows).all(), f"hole in layer {layer} {'V' if values else 'K'}"
             assert np.abs(rows).max(axis=1).min() > 0  # every row holds a real vector
     # Past the last written position, the poison is still there: the check above can fail.
-    assert np.isnan(m._engine.cache_rows(0, False, n + 1)[n]).all()
+    assert np.isnan(m.engine.cache_rows(0, False, n + 1)[n]).all()
 
 
 def test_exit_decision_follows_the_similarity_rule(river_model, prose_tokens):
-    e = river_model._engine
+    e = river_model.engine
     tau = 0.97
     for min_exit in (0, 4):
         e.truncate(0)
@@ -177,7 +178,7 @@ def test_exit_decision_follows_the_similarity_rule(river_model, prose_tokens):
 
 
 def test_dynamic_exit_step_equals_forced_exit_step(river_model, prose_tokens):
-    e = river_model._engine
+    e = river_model.engine
     # The first position (from 20 on) whose token exits before the last layer at tau 0.96.
     for i in range(20, len(prose_tokens)):
         prompt, tok = prose_tokens[:i], prose_tokens[i]
@@ -194,16 +195,16 @@ def test_dynamic_exit_step_equals_forced_exit_step(river_model, prose_tokens):
 
 
 def test_river_prefill_uses_the_min_rule(river_model, prose_tokens):
-    e = river_model._engine
+    e = river_model.engine
     e.truncate(0)
     _, exit_layer, sims = e.eval(prose_tokens, mode=1, threshold=0.9)
     # The batch exits at the first layer whose *minimum* over prompt tokens passes.
     passed = [i for i, s in enumerate(sims) if s > 0.9]
     assert exit_layer == (passed[0] if passed else river_model.n_layer - 1)
     m = river_model
-    a = m.generate(prose_tokens[:20], max_tokens=4, mode="river", threshold=-1.0, prefill="river")
+    a = greedy(m, prose_tokens[:20], max_tokens=4, mode="river", threshold=-1.0, prefill="river")
     assert a.stats["exit_layers"][0] == 0  # tau=-1 sends the whole prompt out after layer 0
-    b = m.generate(prose_tokens[:20], max_tokens=4, mode="river", threshold=-1.0, prefill="backbone")
+    b = greedy(m, prose_tokens[:20], max_tokens=4, mode="river", threshold=-1.0, prefill="backbone")
     assert b.stats["exit_layers"][0] == m.n_layer - 1
 
 
@@ -211,7 +212,7 @@ def test_generation_stats(river_model, prose_tokens):
     L = river_model.n_layer
 
     def run(tau, **kw):
-        return river_model.generate(prose_tokens[:12], max_tokens=20, mode="river", threshold=tau, river_head=True,
+        return greedy(river_model, prose_tokens[:12], max_tokens=20, mode="river", threshold=tau, river_head=True,
                                     **kw)
 
     # A threshold at which some token leaves early, so the share has something to count.

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from river_gguf import Model
+from river_gguf.greedy import greedy
 from river_gguf._loader import HAS_RPC, native
 from river_gguf.testing import write_tiny_model
 
@@ -123,7 +124,7 @@ def tiny_river(tmp_path_factory):
 def run_all(model, tokens, n_gen=8):
     """Prompt logits (all rows) and greedy decode through the single-token path."""
     logits = model.logits(tokens)
-    gen = model.generate(tokens, max_tokens=n_gen)
+    gen = greedy(model, tokens, max_tokens=n_gen)
     return logits, gen.tokens, gen.stats.get("exit_layers")
 
 
@@ -331,14 +332,15 @@ def test_server_killed_mid_generation_then_reload(make_server, tiny):
     del local
     srv = make_server()
     m = Model(tiny, n_ctx=256, n_threads=1, rpc_servers=[srv.endpoint], rpc_layers=2, rpc_timeout=5)
-    stream = iter(m.stream(toks, max_tokens=64))
-    next(stream)
-    next(stream)
+    m.begin()
+    step = m.eval(toks)
+    for _ in range(2):  # two decode steps through the server
+        step = m.eval([int(step.logits[-1].argmax())], prompt=False)
     srv.kill()
     t0 = time.monotonic()
     with pytest.raises(ConnectionError, match=f"RPC server '{srv.endpoint}'"):
-        for _ in stream:
-            pass
+        for _ in range(64):
+            step = m.eval([int(step.logits[-1].argmax())], prompt=False)
     assert time.monotonic() - t0 < 5 + 2
     # The Model refuses further work with the same error, and closes without hanging.
     with pytest.raises(ConnectionError, match="load it again"):

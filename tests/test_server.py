@@ -1,7 +1,7 @@
 """`river-gguf serve`: the real server in a subprocess on a free port, driven by the official
 openai client (and by raw HTTP where a client would refuse to send the request).
 
-Answers are compared with the same requests on an in-process Model at temperature 0, so a
+Answers are compared with the same requests on an in-process Llama at temperature 0, so a
 server that mixed up requests, or interleaved two of them on one KV cache, fails here. Where a
 test needs a property of the model's output (a reply that runs to the end of the context, a
 JSON-mode reply that parses), it picks an input for which the in-process model (or, for JSON
@@ -20,7 +20,8 @@ import openai
 import pytest
 
 import river_gguf
-from river_gguf import Model
+from river_gguf import Llama
+from river_gguf.greedy import greedy
 from river_gguf.serve import loader
 from river_gguf.serve.protocol import accepts
 from river_gguf.serve.settings import API_KEY_ENV
@@ -129,14 +130,16 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def local(q4_1_path):
-    """The same file in-process: what the server must answer."""
-    return Model(q4_1_path, n_ctx=N_CTX, n_threads=1)
+    """The same file in-process, in the class the server runs: what the server must answer."""
+    llm = Llama(q4_1_path, n_ctx=N_CTX, n_threads=1, verbose=False)
+    yield llm
+    llm.close()
 
 
 @pytest.fixture(scope="module")
 def endless(local):
     """A prompt whose greedy reply fills the whole context (no EOS before it) on this CPU."""
-    prompt, _ = oracle_pick(ENDLESS_CANDIDATES, lambda p: local.generate(p, max_tokens=N_CTX, temperature=0.0),
+    prompt, _ = oracle_pick(ENDLESS_CANDIDATES, lambda p: greedy(local.river_model, p, N_CTX),
                             lambda g: g.finish_reason == "length", "a greedy reply that runs to the end of the context",
                             oracle="the in-process model")
     return prompt
@@ -192,7 +195,7 @@ def test_completion_stream_and_not(client, local):
 
 
 def test_completion_from_token_ids(client, local):
-    toks = local.tokenize(PROMPT, add_special=True, parse_special=True)
+    toks = local.tokenize(PROMPT.encode(), add_bos=True, special=True)
     r = client.completions.create(model=ALIAS, prompt=toks, max_tokens=6, temperature=0)
     assert r.choices[0].text == local.create_completion(PROMPT, max_tokens=6, temperature=0)["choices"][0]["text"]
 
@@ -360,7 +363,7 @@ def test_wrong_or_missing_api_key_gets_401(server, client, local):
 def test_client_disconnecting_mid_stream_frees_the_model(server, client, local, endless):
     """A client that stops reading and closes its connection mid-stream: the server stops that
     generation and serves the next request at once instead of generating to the end."""
-    n_prompt = len(local.tokenize(endless, add_special=True, parse_special=True))
+    n_prompt = len(local.tokenize(endless.encode(), add_bos=True, special=True))
     alone = _alive(server, client, local)  # the next request's own time, on an idle server
     stream = client.completions.create(model=ALIAS, prompt=endless, max_tokens=N_CTX, temperature=0,
                                        stream=True)
@@ -418,3 +421,70 @@ def test_bad_command_line_fails_cleanly(q4_1_path, tmp_path):
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert "river-gguf: error:" in r.stderr and needle in r.stderr, r.stderr
+
+
+# ----- one text surface: the CLI, Llama and the server ---------------------------------------
+def test_cli_llama_and_server_sample_the_same_text(server, client, local, q4_1_path, tmp_path):
+    """At temperature > 0 with a seed, `river-gguf generate`, an in-process Llama and the server
+    run the same sampler chain on the same logits: the same text, token for token."""
+    kw = dict(max_tokens=24, temperature=0.9, seed=7)
+    want = local.create_completion(PROMPT, **kw)["choices"][0]["text"]
+    assert want != local.create_completion(PROMPT, **{**kw, "seed": 8})["choices"][0]["text"] or \
+        want != local.create_completion(PROMPT, **{**kw, "seed": 9})["choices"][0]["text"], \
+        "three seeds gave one text: the check below would not see a sampler that ignores the seed"
+    r = client.completions.create(model=ALIAS, prompt=PROMPT, **kw)
+    assert r.choices[0].text == want
+    cli = subprocess.run([sys.executable, "-m", "river_gguf.cli", "generate", q4_1_path, "-p", PROMPT, "-n", "24",
+                          "--temp", "0.9", "--seed", "7", "-c", str(N_CTX), "-t", "1"],
+                         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == want + "\n"
+    chat = dict(max_tokens=16, temperature=0.9, seed=3)
+    want_chat = local.create_chat_completion(CHAT, **chat)["choices"][0]["message"]["content"]
+    got = client.chat.completions.create(model=ALIAS, messages=CHAT, **chat).choices[0].message.content
+    assert got == want_chat
+
+
+def test_chat_template_limits_guard_the_server(tmp_path):
+    """A file whose chat template never ends: the server answers 400 naming the limit, in about
+    the time limit, and keeps serving."""
+    from river_gguf import chat
+    from river_gguf.gguf_meta import set_river_metadata
+    from river_gguf.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "hostile.gguf", "llama", n_layer=2)
+    endless_loop = "{% for i in range(10**5) %}{% for j in range(10**5) %}{{ '' }}{% endfor %}{% endfor %}"
+    set_river_metadata(path, {"tokenizer.chat_template": endless_loop})
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(_serve_cmd(str(path), "--port", str(port), "--threads", "1", "--n-ctx", "64",
+                                           "--log-level", "warning"),
+                                stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path)
+    s = Server(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, s.output()
+            try:
+                if _http(s.base, "GET", "/health", key=None)[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert time.monotonic() < deadline, s.output()
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        status, body = _http(s.base, "POST", "/v1/chat/completions",
+                             {"messages": CHAT, "max_tokens": 2}, key=None)
+        assert status == 400, body
+        assert "limit" in json.dumps(body)
+        assert time.monotonic() - t0 < chat.MAX_RENDER_SECONDS + 10
+        status, _ = _http(s.base, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=None)
+        assert status == 200  # the server still serves
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from river_gguf import Model
+from river_gguf.greedy import greedy
 from river_gguf.convert.build import sha256_file
 from river_gguf.eval import model_zoo
 
@@ -67,7 +68,7 @@ def test_greedy_matches_llama_cpp(gemma_source, oracle_factory):
     prompts = ["The capital of France is", "Once upon a time, in a small village by the sea,", LONG]
     _, (prompt, ref) = oracle_pick(prompts, lambda p: (m.tokenize(p), oracle.greedy(m.tokenize(p), 24)),
                                    lambda r: len(r[1]) == 24, "a greedy reply of 24 tokens without EOS")
-    assert m.generate(prompt, max_tokens=24).tokens == ref
+    assert greedy(m, prompt, max_tokens=24).tokens == ref
 
 
 def test_river_conversion_generates_and_keeps_the_backbone(gemma_river, gemma_f16, oracle_factory):
@@ -78,6 +79,6 @@ def test_river_conversion_generates_and_keeps_the_backbone(gemma_river, gemma_f1
     # Invariant 1: tau above 1 is the backbone, and the backbone is the F16 file in llama.cpp.
     bb = m.logits(toks, mode="backbone")
     assert np.abs(bb - oracle_factory(gemma_f16, 1024).logits(toks)).max() < LOGIT_TOL
-    g = m.generate("The history of the bridge begins", max_tokens=24)
+    g = greedy(m, "The history of the bridge begins", max_tokens=24)
     assert len(g.tokens) == len(g.stats["exit_layers"]) and g.text == m.detokenize(g.tokens)
     assert all(-1 <= e <= m.n_layer - 1 for e in g.stats["exit_layers"])

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from river_gguf import Model
+from river_gguf.greedy import greedy
 from river_gguf.convert.build import sha256_file
 
 from river_gguf.eval import model_zoo
@@ -75,7 +76,7 @@ def test_logits_match_llama_cpp(model_path, oracle_factory):
 def test_greedy_tokens_match_llama_cpp(model_path, oracle_factory):
     m = Model(model_path, n_ctx=512, n_threads=2)
     prompt, ref = _long_greedy(m, oracle_factory(model_path))  # the prompt must not end early on the oracle
-    g = m.generate(prompt, max_tokens=N_GREEDY, temperature=0.0)
+    g = greedy(m, prompt, max_tokens=N_GREEDY)
     assert g.tokens == ref and g.finish_reason == "length"
 
 
@@ -98,7 +99,7 @@ def test_river_generation_exits_early(river_model):
     assert m.exit_options.tail == 0 and m.exit_options.exit_layer is None
     # The profiled tau of the file must let tokens leave the backbone before its last layer (on
     # the first prompt whose reply has any token to leave: replies differ between CPUs).
-    prompt, g = oracle_pick([RIVER_PROMPT] + PROMPTS, lambda p: m.generate(p, max_tokens=N_GREEDY, temperature=0.0),
+    prompt, g = oracle_pick([RIVER_PROMPT] + PROMPTS, lambda p: greedy(m, p, max_tokens=N_GREEDY),
                             lambda g: g.stats["mean_exit_layer"] < m.n_layer - 1,
                             "a reply with a token that exits before the last layer", oracle="the River engine")
     n = len(g.tokens)
@@ -117,5 +118,5 @@ def test_river_only_equals_q4_0_in_llama_cpp(qwen_f16, qwen_q4_0, oracle_factory
     ours = m.logits(toks, mode="river-only", river_head=True)
     assert np.abs(ours - oracle.logits(toks)).max() < LOGIT_TOL
     prompt, ref = _long_greedy(m, oracle, [toks[:12]] + PROMPTS)
-    g = m.generate(prompt, max_tokens=N_GREEDY, mode="river-only", river_head=True)
+    g = greedy(m, prompt, max_tokens=N_GREEDY, mode="river-only", river_head=True)
     assert g.tokens == ref

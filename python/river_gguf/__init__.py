@@ -1,15 +1,15 @@
 """river_gguf: River-LLM seamless token-level early exit for GGUF models.
 
-    from river_gguf import Model
-    m = Model("model.river.gguf")
-    print(m.generate("Hello", max_tokens=32).text)
-
     from river_gguf import Llama   # in place of `from llama_cpp import Llama`
+    llm = Llama("model.river.gguf", preset="balanced")
+    print(llm("Hello", max_tokens=32)["choices"][0]["text"], llm.last_stats)
+
+    from river_gguf import Model   # the River-level handle: logits, scores, exit options
 """
 from ._loader import native as _native  # checks the ggml build before anything else runs
 
-from .model import Model, NumericalError, StreamInvalidatedError
-from .results import Generation, ScoreResult
+from .model import Model, NumericalError, Step
+from .results import ScoreResult
 from .llama import Llama, LlamaGrammar  # the drop-in for llama_cpp.Llama
 
 GGUFFormatError = _native.GGUFFormatError
@@ -22,12 +22,11 @@ __all__ = [
     "Model",
     "Llama",
     "LlamaGrammar",
-    "Generation",
+    "Step",
     "ScoreResult",
     "GGUFFormatError",
     "UnsupportedModelError",
     "RiverMismatchError",
     "ContextOverflowError",
     "NumericalError",
-    "StreamInvalidatedError",
 ]

@@ -31,8 +31,11 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+import llama_cpp.llama_chat_format as llama_chat_format
+from llama_cpp.llama import StoppingCriteriaList
 
-__all__ = ["format_chat", "validate_messages", "CHATML_TEMPLATE", "VALID_ROLES", "TemplateLimitError"]
+__all__ = ["format_chat", "render_chat", "validate_messages", "template_chat_handler", "LimitedChatFormatter",
+           "CHATML_TEMPLATE", "VALID_ROLES", "TemplateLimitError"]
 
 #: Render limits of one format_chat call. A chat template renders a few hundred steps per message
 #: in well under a millisecond; these are orders of magnitude above any real template.
@@ -377,13 +380,27 @@ def format_chat(
     add_generation_prompt: bool = True,
     **extra: Any,
 ) -> str:
-    """Render ``messages`` with a GGUF/HF chat template.
+    """Render ``messages`` (checked by :func:`validate_messages`) with a GGUF/HF chat template.
 
     ``extra`` keyword arguments are passed to the template as additional
     variables (e.g. ``tools=...``).  Template errors (syntax errors or a
     template calling ``raise_exception``) are raised as ValueError.
     """
-    msgs = validate_messages(messages)
+    return render_chat(template, validate_messages(messages), bos_token, eos_token, add_generation_prompt, **extra)
+
+
+def render_chat(
+    template: Optional[str],
+    messages: List[Dict[str, Any]],
+    bos_token: str = "",
+    eos_token: str = "",
+    add_generation_prompt: bool = True,
+    **extra: Any,
+) -> str:
+    """Render within the limits, taking the messages as they are (OpenAI's forms, with
+    content None or a list of parts, as llama_cpp's Jinja2ChatFormatter takes them)."""
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages must be a list of dicts")
     if template is None or (isinstance(template, str) and template.strip() == ""):
         template = CHATML_TEMPLATE
     if not isinstance(template, str):
@@ -399,7 +416,7 @@ def format_chat(
     # so ``{% if tools is not none %}`` style checks behave the same here.
     variables.setdefault("tools", None)
     variables.update(
-        messages=[dict(m) for m in msgs],
+        messages=[dict(m) for m in messages],
         bos_token=bos_token or "",
         eos_token=eos_token or "",
         add_generation_prompt=bool(add_generation_prompt),
@@ -412,3 +429,40 @@ def format_chat(
         raise TemplateLimitError("chat template recursion too deep (Python's recursion limit)") from None
     except (MemoryError, OverflowError) as e:
         raise TemplateLimitError(f"chat template rendering failed: {type(e).__name__}: {e}") from None
+
+
+class LimitedChatFormatter(llama_chat_format.ChatFormatter):
+    """llama_cpp's Jinja2ChatFormatter (same variables, same response), rendered within this
+    module's limits: river_gguf.Llama builds its handlers for a file's chat templates from it, so
+    the limits guard the server and every create_chat_completion, not only the CLI."""
+
+    def __init__(self, template: str, eos_token: str, bos_token: str, add_generation_prompt: bool = True,
+                 stop_token_ids: Optional[List[int]] = None):
+        self.template, self.eos_token, self.bos_token = template, eos_token, bos_token
+        self.add_generation_prompt = add_generation_prompt
+        self.stop_token_ids = set(stop_token_ids) if stop_token_ids is not None else None
+        try:
+            _compile(template)  # a syntax error shows when the model loads, as in llama_cpp
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"invalid chat template: {e}") from e
+
+    def __call__(self, *, messages, functions=None, function_call=None, tools=None, tool_choice=None, **kwargs):
+        prompt = render_chat(self.template, messages, self.bos_token, self.eos_token, self.add_generation_prompt,
+                             functions=functions, function_call=function_call, tools=tools,
+                             tool_choice=tool_choice, **kwargs)
+        criteria = None
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+
+            def stop_on_last_token(tokens, logits) -> bool:
+                return tokens[-1] in ids
+
+            criteria = StoppingCriteriaList([stop_on_last_token])
+        return llama_chat_format.ChatFormatterResponse(prompt=prompt, stop=[self.eos_token],
+                                                       stopping_criteria=criteria, added_special=True)
+
+
+def template_chat_handler(template: str, eos_token: str, bos_token: str, stop_token_ids: List[int]):
+    """A llama_cpp chat-completion handler for a GGUF chat template, rendered within the limits."""
+    formatter = LimitedChatFormatter(template, eos_token, bos_token, stop_token_ids=stop_token_ids)
+    return llama_chat_format.chat_formatter_to_chat_completion_handler(formatter)

@@ -114,36 +114,58 @@ def default_model_for_cli() -> str:
 
 
 def load_model(args):
+    """The River-level Model (river_gguf.Model) for a subcommand that evaluates or inspects."""
     from .model import Model
 
     return Model(args.model or default_model_for_cli(), river=args.river, n_ctx=args.ctx, n_threads=args.threads,
-                 n_gpu_layers=args.ngl, mode=getattr(args, "mode", None),
-                 threshold=getattr(args, "threshold", None), river_head=getattr(args, "river_head", None),
-                 preset=getattr(args, "preset", None), tail=getattr(args, "tail", None),
-                 river_attention=getattr(args, "river_attention", None), verbose=args.verbose,
-                 **rpc_model_kwargs(args))
+                 n_gpu_layers=args.ngl, verbose=args.verbose, **river_model_kwargs(args), **rpc_model_kwargs(args))
+
+
+def load_llama(args):
+    """The text model (river_gguf.Llama) for generate and chat: the same one the server runs."""
+    from .llama import Llama
+
+    path = args.model or default_model_for_cli()
+    for p in (path, args.river):
+        if p is not None and not os.path.exists(p):
+            raise FileNotFoundError(f"model file not found: {p}")  # as `info` and Model say it
+    return Llama(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads,
+                 n_gpu_layers=args.ngl, verbose=args.verbose, **river_model_kwargs(args), **rpc_model_kwargs(args))
+
+
+def river_model_kwargs(args) -> dict:
+    """The exit options given on the command line (None: the file's own)."""
+    return {k: getattr(args, k, None) for k in ("mode", "threshold", "river_head", "preset", "tail",
+                                                "river_attention")}
 
 
 def sampling_kwargs(args) -> dict:
-    """Arguments of Model.stream from the sampling and per-call exit options."""
-    return dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
-                exit_layer=getattr(args, "exit_layer", None))
+    """Arguments of Llama.create_completion / create_chat_completion from the sampling and
+    per-call exit options."""
+    if not args.temp >= 0:  # llama_cpp reads a negative temperature as greedy; on a command line it is a typo
+        raise UsageError(f"--temp must be a temperature >= 0 (0: greedy), got {args.temp}")
+    kw = dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+              min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop or [])
+    if getattr(args, "exit_layer", None) is not None:
+        kw["exit_layer"] = args.exit_layer
+    return kw
 
 
 # ----- output --------------------------------------------------------------------------
-def summary_line(g, model) -> str:
-    """One line for stderr: speeds, length, finish reason and, with a river, the exit profile."""
-    s = g.stats
+def summary_line(stats: dict, llm) -> str:
+    """One line for stderr from Llama.last_stats: speeds, length, finish reason and, with a
+    river, the exit profile."""
+    s = stats
     parts = [f"prefill {s['prefill_tokens']} tok @ {s['prefill_tok_s']:.1f} tok/s",
              f"decode {s['decode_tokens']} tok @ {s['decode_tok_s']:.1f} tok/s",
-             f"{len(g.tokens)} tokens, finish={g.finish_reason}"]
-    if model.has_river:
+             f"{s['completion_tokens']} tokens, finish={s['finish_reason']}"]
+    m = llm.river_model
+    if m.has_river:
         hist = " ".join(f"{k}:{v}" for k, v in s["exit_histogram"].items())
         mean = s["mean_exit_layer"]
         parts.append(f"mode={s['mode']}" + (f" tau={s['threshold']:g}" if s["mode"] == "river" else "")
                      + f" tail={s.get('tail', 0)} "
-                     f"mean_exit={'-' if math.isnan(mean) else f'{mean:.1f}'}/{model.n_layer - 1} "
+                     f"mean_exit={'-' if math.isnan(mean) else f'{mean:.1f}'}/{m.n_layer - 1} "
                      f"river_share={100 * s['river_layer_share']:.1f}% exits{{{hist}}}")
     return "[" + " | ".join(parts) + "]"
 
@@ -154,11 +176,17 @@ def _json_safe(x):
     return json_safe(x)
 
 
-def _stream_to_stdout(stream) -> None:
-    out = sys.stdout
-    for piece in stream:
-        out.write(piece)
-        out.flush()  # show each piece as it comes, even when stdout is a pipe
+def _stream_to_stdout(chunks, chat: bool) -> str:
+    """Write each streamed piece as it comes (flushed, even when stdout is a pipe); the text."""
+    out, parts = sys.stdout, []
+    for c in chunks:
+        ch = c["choices"][0]
+        piece = (ch["delta"].get("content") if chat else ch["text"]) or ""
+        if piece:
+            out.write(piece)
+            out.flush()
+            parts.append(piece)
+    return "".join(parts)
 
 
 # ----- generate ------------------------------------------------------------------------
@@ -173,24 +201,24 @@ def _read_prompt(args) -> str:
 
 def _cmd_generate(args) -> int:
     prompt = _read_prompt(args)
-    m = load_model(args)
+    llm = load_llama(args)
+    kw = sampling_kwargs(args)
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = m.chat_prompt(msgs + [{"role": "user", "content": prompt}])
-    s = m.stream(prompt, **sampling_kwargs(args))
-    if args.json:
-        for _ in s:  # one JSON document on stdout: no streamed text mixed in
-            pass
-        g = s.generation
-        json.dump(_json_safe({"text": g.text, "tokens": g.tokens, "finish_reason": g.finish_reason,
-                              "stats": g.stats}), sys.stdout)
-        sys.stdout.write("\n")
+        msgs.append({"role": "user", "content": prompt})
+        chunks = llm.create_chat_completion(msgs, stream=not args.json, **kw)
     else:
-        _stream_to_stdout(s)
-        sys.stdout.write("\n")
-        g = s.generation
+        chunks = llm.create_completion(prompt, stream=not args.json, **kw)
+    if args.json:  # one JSON document on stdout: no streamed text mixed in
+        ch = chunks["choices"][0]
+        doc = {"text": ch["message"]["content"] if args.chat else ch["text"], "finish_reason": ch["finish_reason"],
+               "usage": chunks["usage"], "stats": llm.last_stats}
+        json.dump(_json_safe(doc), sys.stdout)
+    else:
+        _stream_to_stdout(chunks, args.chat)
+    sys.stdout.write("\n")
     sys.stdout.flush()
-    print(summary_line(g, m), file=sys.stderr)
+    print(summary_line(llm.last_stats, llm), file=sys.stderr)
     return 0
 
 
@@ -217,9 +245,10 @@ def _read_line(interactive: bool) -> Optional[str]:
 
 
 def _cmd_chat(args) -> int:
-    from .model import native
+    from ._loader import native
 
-    m = load_model(args)
+    ContextOverflowError = native.ContextOverflowError
+    llm = load_llama(args)
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)
     interactive = sys.stdin.isatty()
@@ -236,23 +265,22 @@ def _cmd_chat(args) -> int:
             continue
         history.append({"role": "user", "content": line})
         try:
-            s = m.stream(m.chat_prompt(history), **kw)
-        except native.ContextOverflowError:
+            chunks = llm.create_chat_completion(history, stream=True, **kw)
+        except ContextOverflowError:
             # Drop the old turns and retry with this message alone; if even that does not fit, skip it.
-            print(f"(context full at n_ctx={m.n_ctx}; history reset)", file=sys.stderr)
+            print(f"(context full at n_ctx={llm.n_ctx()}; history reset)", file=sys.stderr)
             history = base + [history[-1]]
             try:
-                s = m.stream(m.chat_prompt(history), **kw)
-            except native.ContextOverflowError:
+                chunks = llm.create_chat_completion(history, stream=True, **kw)
+            except ContextOverflowError:
                 print("(message too long for the context; skipped)", file=sys.stderr)
                 history = list(base)
                 continue
-        _stream_to_stdout(s)
+        reply = _stream_to_stdout(chunks, chat=True)
         sys.stdout.write("\n")
         sys.stdout.flush()
-        g = s.generation
-        history.append({"role": "assistant", "content": g.text})
-        print(summary_line(g, m), file=sys.stderr)
+        history.append({"role": "assistant", "content": reply})
+        print(summary_line(llm.last_stats, llm), file=sys.stderr)
     return 0
 
 
@@ -276,7 +304,7 @@ def _cmd_info(args) -> int:
             ("chat template", "yes" if md.get("tokenizer.chat_template") else "no"),
             ("river", ("yes" + (f" ({m.river_path})" if m.river_path else " (embedded)")) if m.has_river else "no")]
     if m.has_river:
-        rows.append(("river head", "yes" if m._engine.river_has_head else "no"))
+        rows.append(("river head", "yes" if m.river_has_head else "no"))
     rows.append(("exit defaults", m.exit_options))
     rows += [(k, v) for k, v in sorted(md.items()) if k.startswith("river.") and k not in ("river.presets", "river.presets_grid")]
     width = max(len(k) for k, _ in rows)

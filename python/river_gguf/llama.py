@@ -91,6 +91,9 @@ from llama_cpp.llama import LlamaState, LogitsProcessorList, StoppingCriteriaLis
 from llama_cpp.llama_grammar import LlamaGrammar
 from llama_cpp.llama_tokenizer import LlamaTokenizer
 
+from ._loader import native
+from .chat import template_chat_handler
+from .model import Model
 from .llama_sampling import SamplerChain, apply_processors, check_grammar, logit_bias_processor, top_logprobs_order
 from .options import is_int
 from .results import exit_stats
@@ -102,7 +105,8 @@ __all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "Stoppi
 STATE_MAGIC = b"RIVERGGUF-STATE1"
 
 #: River exit options the constructor and the calls accept, beside llama_cpp's own parameters.
-RIVER_OPTIONS = ("preset", "mode", "threshold", "min_exit_layer", "exit_layer", "river_head", "prefill", "tail")
+RIVER_OPTIONS = ("preset", "mode", "threshold", "min_exit_layer", "exit_layer", "river_head", "prefill", "tail",
+                 "river_attention")
 
 #: llama_cpp constructor parameters that change what llama.cpp computes and that the engine
 #: cannot honour: refused when given a non-default value. name -> default.
@@ -227,6 +231,7 @@ class Llama:
         river_head: Optional[bool] = None,
         prefill: Optional[str] = None,
         tail: Optional[int] = None,
+        river_attention: Optional[str] = None,
         # Layers on other machines (ggml RPC; newer llama-cpp-python takes rpc_servers too)
         rpc_servers: Optional[Union[str, List[str]]] = None,
         rpc_layers: Optional[Union[int, List[int]]] = None,
@@ -279,7 +284,6 @@ class Llama:
         # templates, and the vocab pointer the grammar sampler needs.
         params = lib.llama_model_default_params()
         params.vocab_only = True
-        from ._loader import native
 
         # The engine's own checks first: libllama aborts the process on some malformed
         # vocabularies (a token with a NUL byte) that the engine refuses with GGUFFormatError.
@@ -313,26 +317,19 @@ class Llama:
         self._river_defaults = {} if exit_layer is None else {"exit_layer": exit_layer}
         self.river_model = None
         if not self._vocab_only:
-            import inspect
-
-            from .model import Model
-
-            extra = {}
-            if "use_mmap" in inspect.signature(Model).parameters:  # the engine maps or reads the file
-                extra["use_mmap"] = _bool("use_mmap", use_mmap)
             self.river_model = Model(model_path, river=river, n_ctx=n_ctx, n_threads=n_threads, n_batch=self.n_batch,
-                                     n_gpu_layers=n_gpu_layers, mode=mode, threshold=threshold,
-                                     min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill,
-                                     tail=tail, preset=preset, verbose=self.verbose, rpc_servers=rpc_servers,
-                                     rpc_layers=rpc_layers, rpc_split=rpc_split, rpc_weights=rpc_weights,
-                                     rpc_timeout=rpc_timeout, **extra)
+                                     n_gpu_layers=n_gpu_layers, use_mmap=_bool("use_mmap", use_mmap), mode=mode,
+                                     threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head,
+                                     prefill=prefill, tail=tail, river_attention=river_attention, preset=preset,
+                                     verbose=self.verbose, rpc_servers=rpc_servers, rpc_layers=rpc_layers,
+                                     rpc_split=rpc_split, rpc_weights=rpc_weights, rpc_timeout=rpc_timeout)
             if self.river_model.n_vocab != self._n_vocab:
                 raise ValueError(f"{model_path}: libllama's vocabulary has {self._n_vocab} tokens, the engine's "
                                  f"{self.river_model.n_vocab}")
-            self._lock = getattr(self.river_model, "_lock", self._lock)
+            self._lock = self.river_model.lock
             self._default_opts = self._resolve_options({})  # checks exit_layer now
         elif river is not None or any(v is not None for v in (preset, mode, threshold, min_exit_layer, exit_layer,
-                                                                  river_head, prefill, tail)):
+                                                                  river_head, prefill, tail, river_attention)):
             raise ValueError("River options need the engine; this Llama is vocab_only")
         self._n_ctx = n_ctx
 
@@ -375,8 +372,9 @@ class Llama:
         if "tokenizer.chat_template" in self.metadata:
             templates["chat_template.default"] = self.metadata["tokenizer.chat_template"]
         for name, template in templates.items():
-            self._chat_handlers[name] = llama_chat_format.Jinja2ChatFormatter(
-                template=template, eos_token=eos_token, bos_token=bos_token, stop_token_ids=[eos_id]).to_chat_handler()
+            # llama_cpp's Jinja2ChatFormatter, rendered within chat.py's limits: templates come
+            # from downloaded files.
+            self._chat_handlers[name] = template_chat_handler(template, eos_token, bos_token, [eos_id])
         if self.chat_format is None and self.chat_handler is None and "chat_template.default" in templates:
             self.chat_format = (llama_chat_format.guess_chat_format_from_gguf_metadata(self.metadata)
                                 or "chat_template.default")
@@ -577,7 +575,7 @@ class Llama:
         if unknown:
             raise TypeError(f"unexpected keyword argument {unknown[0]!r} (River options are: {', '.join(RIVER_OPTIONS)})")
         merged = {**self._river_defaults, **{k: v for k, v in river_options.items() if v is not None}}
-        return m._options(**merged)
+        return m.options(**merged)
 
     def _sync_kv(self, opts) -> None:
         """Make the engine's KV cache hold exactly input_ids[:n_tokens], computed under `opts`:
@@ -585,25 +583,19 @@ class Llama:
         rebuilt from scratch when another call on the same river_gguf.Model used it, or when the
         exit options changed."""
         m = self.river_model
-        eng = m._engine
-        if (not self._kv_owned or getattr(m, "_epoch", None) != self._kv_epoch
-                or eng.n_past != len(self._kv_tokens) or self._kv_opts != opts):
-            begin = getattr(m, "_begin", None)
-            if begin is not None:
-                begin()  # clears the cache and invalidates any stream of the Model on it
-            else:
-                eng.truncate(0)
-            self._kv_epoch = getattr(m, "_epoch", None)
+        if (not self._kv_owned or m.epoch != self._kv_epoch
+                or m.n_past != len(self._kv_tokens) or self._kv_opts != opts):
+            self._kv_epoch = m.begin()  # clears the cache and marks it this Llama's
             self._kv_tokens, self._kv_opts, self._kv_owned = [], opts, True
         target = self.input_ids[: self.n_tokens].tolist()
         keep = _lcp(self._kv_tokens, target)
         if keep < len(self._kv_tokens):
-            eng.truncate(keep)
+            m.truncate(keep)
             del self._kv_tokens[keep:]
         if keep < len(target):
             rest = target[keep:]
             t0 = time.perf_counter()
-            m._eval(rest, opts, prompt=True)
+            m.eval(rest, opts, prompt=True)
             self._count("prefill", len(rest), time.perf_counter() - t0)
             self._kv_tokens.extend(rest)
             if self._acc:  # tokens the call counted as reused had to be computed after all
@@ -615,14 +607,12 @@ class Llama:
         m = self._require_engine()
         n, k = self.n_tokens, len(tokens)
         if n + k > self._n_ctx:
-            from ._loader import native
-
             raise native.ContextOverflowError(
                 f"{k} new tokens after {n} evaluated need {n + k} positions, but n_ctx is {self._n_ctx}")
         with self._lock:
             self._sync_kv(opts)
             t0 = time.perf_counter()
-            logits, exit_layer, _ = m._eval(tokens, opts, prompt=prompt, all_logits=want_rows)
+            logits, exit_layer, _ = m.eval(tokens, opts, prompt=prompt, all_logits=want_rows)
             self._count("prefill" if prompt else "decode", k, time.perf_counter() - t0)
             self._kv_tokens.extend(tokens)
         self.input_ids[n:n + k] = tokens
@@ -639,10 +629,12 @@ class Llama:
         self._requires_eval = False
 
     def eval(self, tokens: Sequence[int]) -> None:
-        """Evaluate `tokens` after the n_tokens already evaluated (a prompt pass: River's prefill
-        policy applies). Logits rows are kept when logits_all=True."""
+        """Evaluate `tokens` after the n_tokens already evaluated. One token after others is a
+        decode step, with River's exits live, exactly as in generate(); anything else is a prompt
+        pass (River's prefill policy applies). Logits rows are kept when logits_all=True."""
         self._require_engine()
-        self._eval_tokens(self._check_tokens(tokens), True, self._default_opts, self._logits_all)
+        toks = self._check_tokens(tokens)
+        self._eval_tokens(toks, len(toks) != 1 or self.n_tokens == 0, self._default_opts, self._logits_all)
 
     def _logits_row(self, idx: Optional[int]) -> np.ndarray:
         if self.n_tokens <= 0:
@@ -888,7 +880,9 @@ class Llama:
         if not prompt_tokens:
             raise ValueError("the prompt is empty: it has no tokens (and this model adds no BOS token)")
         if len(prompt_tokens) >= self._n_ctx:
-            raise ValueError(f"Requested tokens ({len(prompt_tokens)}) exceed context window of {self._n_ctx}")
+            # A ValueError, as llama_cpp raises; its own class lets a caller tell it from bad arguments.
+            raise native.ContextOverflowError(
+                f"Requested tokens ({len(prompt_tokens)}) exceed context window of {self._n_ctx}")
         sampling = dict(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temperature,
                         repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                         presence_penalty=presence_penalty, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
@@ -1011,6 +1005,8 @@ class Llama:
         if stopping_criteria is not None and stopping_criteria(self._input_ids, self._last_logits):
             text = detok(completion_tokens)
             finish_reason = "stop"
+        if self.last_stats:
+            self.last_stats.update(completion_tokens=len(completion_tokens), finish_reason=finish_reason)
 
         if stream:
             pending = completion_tokens[returned:]

@@ -1,4 +1,5 @@
-"""The high-level model: load a GGUF (optionally with a river), tokenize, score, generate.
+"""The River-level handle: load a GGUF (optionally with a river), tokenize, evaluate and score
+with exits. Text generation is river_gguf.Llama's (llama.py), which runs on this class.
 
 Threads: every call that runs the engine holds the Model's lock (see the Model docstring).
 """
@@ -7,18 +8,15 @@ import os
 import threading
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import replace
-from typing import List, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
 from ._loader import native
 from . import presets
 from .options import ExitOptions, check_river_options, is_bool, is_int
-from .results import Generation, ScoreResult, log_softmax_at
-from . import completions, generation
+from .results import ScoreResult, log_softmax_at
 from . import rpc
-from .generation import StreamInvalidatedError  # noqa: F401  (re-exported by river_gguf)
-from .chat import format_chat
 
 Prompt = Union[str, Sequence[int]]
 
@@ -32,6 +30,13 @@ _GGML_MAX_THREADS = 512
 class NumericalError(RuntimeError):
     """The model produced NaN or infinite logits: its weights or hyperparameters are broken (or
     overflow in this precision). Raised instead of returning text or scores computed from them."""
+
+
+class Step(NamedTuple):
+    """What one Model.eval returns."""
+    logits: np.ndarray          # float32 [1, n_vocab], or [len(tokens), n_vocab] with all_logits
+    exit_layer: int             # backbone layer after which the last token left (n_layer - 1: never)
+    similarities: List[float]   # with trace: cos(h_in, h_out) of every backbone layer run
 
 
 def _default_threads() -> int:
@@ -103,16 +108,20 @@ class Model:
 
     Bad arguments (wrong type, bools for numbers, out of range, unknown options) raise ValueError.
 
-    Threads and streams. A Model owns one KV cache. Every call that runs the engine (generate,
-    logits, score, similarity_trace, create_completion and create_chat_completion without
-    stream=True) holds the Model's lock (a threading.RLock) from start to end, so calls from
-    several threads are serialized and each returns what it would return alone. A stream() holds
-    the lock only while it computes its next piece, and owns the cache from its first step until
-    another call clears it: once any other call (another stream's first step, generate, logits,
-    score, ...) has used the cache, advancing the older stream raises StreamInvalidatedError (a
-    RuntimeError), and keeps raising it. Finish (or drop) a stream before the next call, or use
-    one Model per concurrent conversation. Different Models share no lock, and the native
-    compute releases the GIL, so Models in different threads run in parallel.
+    Exit options compose like this: a call's options override the Model's defaults (its preset,
+    or the options given to the constructor), except that a call which names `mode` or
+    `exit_layer` asks for that exit setting itself: it starts from the file's plain defaults
+    (river.* keys), so no field of the default preset (a tail, backbone attention) stays in
+    force unasked. `options(...)` returns the resolved ExitOptions of any call.
+
+    Threads and the KV cache. A Model owns one KV cache. Every call that runs the engine
+    (logits, score, similarity_trace, eval, begin, truncate) holds the Model's lock (a
+    threading.RLock, `lock`), so calls from several threads are serialized. A caller that keeps
+    state in the cache across calls (river_gguf.Llama does) takes the lock, calls begin() to
+    clear the cache and own it, and checks `epoch` before it reuses it: every call that clears
+    the cache (logits, score, similarity_trace, begin) bumps the epoch. Different Models share
+    no lock, and the native compute releases the GIL, so Models in different threads run in
+    parallel.
 
     NaN or infinite logits raise NumericalError (a RuntimeError) instead of producing text or
     scores; the Model stays usable.
@@ -268,9 +277,15 @@ class Model:
         # previous preset's values.
         return replace(base, exit_layer=None, **opts)
 
-    def _options(self, preset: Optional[str] = None, **overrides) -> ExitOptions:
+    def options(self, preset: Optional[str] = None, **overrides) -> ExitOptions:
+        """The exit options a call with these arguments runs with (see the class docstring)."""
         check_river_options(self.has_river, self.model_path, preset=preset, **overrides)
-        base = self.exit_options if preset is None else self._with_preset(self._base_options, preset)
+        if preset is not None:
+            base = self._with_preset(self._base_options, preset)
+        elif overrides.get("mode") is not None or overrides.get("exit_layer") is not None:
+            base = self._base_options  # an explicit exit setting: no preset field stays unasked
+        else:
+            base = self.exit_options
         return base.with_overrides(**overrides).validate(self.n_layer, self.has_river)
 
     # ----- vocabulary -------------------------------------------------------------------
@@ -337,24 +352,79 @@ class Model:
             )
         return toks
 
-    # ----- evaluation -------------------------------------------------------------------
-    def _begin(self) -> int:
-        """Clear the KV cache for a new computation and own it (the caller holds the lock). Any
-        stream that was using the cache sees the new epoch and refuses its next step."""
+    # ----- the KV cache and one evaluation ----------------------------------------------
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by every call that runs the engine; hold it across calls that share the cache."""
+        return self._lock
+
+    @property
+    def epoch(self) -> int:
+        """Bumped whenever a call clears the KV cache: a caller that left state there checks it."""
+        return self._epoch
+
+    @property
+    def n_past(self) -> int:
+        """Positions the KV cache holds."""
+        return self._engine.n_past
+
+    @property
+    def engine(self):
+        """The native engine (river_gguf._native.Engine), for benchmarks and tools that drive it
+        without this class's checks. Its calls do not take the lock or bump the epoch."""
+        return self._engine
+
+    @property
+    def river_has_head(self) -> bool:
+        return self._engine.river_has_head
+
+    @_locked
+    def begin(self) -> int:
+        """Clear the KV cache for a new computation and own it; returns the new epoch."""
+        return self._clear()
+
+    def _clear(self) -> int:
         self._epoch += 1
         self._engine.truncate(0)
         return self._epoch
 
-    def _check_owner(self, epoch: int, n_past: int) -> None:
-        """Raise StreamInvalidatedError unless the cache is still the one a stream left: no call
-        cleared it since (epoch), and it holds exactly the stream's tokens (n_past; this also
-        catches tools that drive model._engine directly)."""
-        if epoch != self._epoch or self._engine.n_past != n_past:
-            raise StreamInvalidatedError(
-                "this stream can no longer be advanced: another call on the same Model (generate, "
-                "stream, logits, score, ...) has reused its KV cache since the stream started. Finish "
-                "a stream before the next call, or use one Model per concurrent stream"
-            )
+    @_locked
+    def truncate(self, n_past: int) -> None:
+        """Keep the first n_past positions of the KV cache (the epoch stays: the prefix is kept)."""
+        if not is_int(n_past) or not 0 <= n_past <= self._engine.n_past:
+            raise ValueError(f"n_past must be an int in [0, {self._engine.n_past}], got {n_past!r}")
+        self._engine.truncate(int(n_past))
+
+    @_locked
+    def eval(self, tokens: Sequence[int], options: Optional[ExitOptions] = None, *, prompt: bool = True,
+             all_logits: bool = False, trace: bool = False) -> Step:
+        """Evaluate `tokens` after the n_past the KV cache holds: a prompt batch (prompt=True:
+        the prefill policy applies) or one decode step (prompt=False: exits are live). options:
+        resolved ExitOptions (default: the Model's). Logits of the last token, or of every
+        token with all_logits."""
+        toks = self._check_tokens(tokens)
+        if not toks:
+            raise ValueError("no tokens")
+        if not prompt and len(toks) != 1:
+            raise ValueError(f"a decode step takes one token, got {len(toks)}")
+        if self._engine.n_past + len(toks) > self.n_ctx:
+            raise native.ContextOverflowError(
+                f"{len(toks)} tokens after {self._engine.n_past} need more than n_ctx={self.n_ctx} positions")
+        opts = self.exit_options if options is None else options
+        if not isinstance(opts, ExitOptions):
+            raise ValueError(f"options must be ExitOptions (from Model.options), got {type(opts).__name__}")
+        opts.validate(self.n_layer, self.has_river)
+        return Step(*self._eval(toks, opts, _bool_arg("prompt", prompt), _bool_arg("all_logits", all_logits),
+                                _bool_arg("trace", trace)))
+
+    @_locked
+    def collect_activations(self, tokens: Sequence[int], stats) -> None:
+        """One backbone pass over `tokens` from an empty cache, adding each mat-mul's input
+        activations to `stats` (native.ActivationStats, for the importance matrix)."""
+        toks = self._check_tokens(tokens)
+        self._clear()
+        self._engine.collect_activations(toks, stats)
+        self._engine.truncate(0)
 
     def _eval(self, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits=False, trace=False):
         return self._eval_on(self._engine, tokens, opts, prompt, all_logits, trace)
@@ -376,8 +446,8 @@ class Model:
         toks = self._check_tokens(tokens)
         if not toks:
             raise ValueError("no tokens")
-        opts = self._options(**options)
-        self._begin()
+        opts = self.options(**options)
+        self._clear()
         out, _, _ = self._eval(toks, opts, prompt=True, all_logits=True)
         return out
 
@@ -393,8 +463,8 @@ class Model:
             raise ValueError(f"prefix must be an int in [1, {len(toks) - 1}], got {prefix!r}")
         if len(toks) > self.n_ctx:
             raise native.ContextOverflowError(f"{len(toks)} tokens do not fit in n_ctx={self.n_ctx}")
-        opts = self._options(**options)
-        self._begin()
+        opts = self.options(**options)
+        self._clear()
         logits, exit_layer, _ = self._eval(toks[:prefix], opts, prompt=True)
         logprobs, exits, kept = [], [], []
         for i in range(prefix, len(toks)):
@@ -415,8 +485,8 @@ class Model:
             raise ValueError("no tokens")
         if len(toks) > self.n_ctx:
             raise native.ContextOverflowError(f"{len(toks)} tokens do not fit in n_ctx={self.n_ctx}")
-        opts = self._options(**options)
-        self._begin()
+        opts = self.options(**options)
+        self._clear()
         return self._trace_on(self._engine, toks, opts)
 
     def _trace_on(self, engine, toks: List[int], opts: ExitOptions) -> List[List[float]]:
@@ -428,7 +498,7 @@ class Model:
             traces.append(list(sims))
         return traces
 
-    def _profile_trace(self, tokens: Sequence[int]) -> List[List[float]]:
+    def backbone_trace(self, tokens: Sequence[int]) -> List[List[float]]:
         """similarity_trace of backbone decode in a short-lived engine of its own: the profile's
         length does not depend on this Model's n_ctx, and its KV cache (and any stream on it)
         is left alone."""
@@ -444,91 +514,3 @@ class Model:
             return self._trace_on(engine, toks, ExitOptions(mode="backbone"))
         finally:
             del engine  # its weights map and KV cache go now, not at the next GC
-
-    # ----- generation -------------------------------------------------------------------
-    @_locked
-    def generate(self, prompt: Prompt, max_tokens: int = 128, **kwargs) -> Generation:
-        s = self.stream(prompt, max_tokens=max_tokens, **kwargs)
-        for _ in s:
-            pass
-        return s.generation
-
-    def stream(
-        self,
-        prompt: Prompt,
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        min_p: float = 0.05,
-        repeat_penalty: float = 1.0,
-        seed: Optional[int] = None,
-        stop: Union[str, List[str], None] = None,
-        **options,
-    ) -> "generation.Stream":
-        """Iterate over text pieces as they are generated; `.generation` holds the result after.
-
-        The stream computes nothing until it is first advanced; from then on it owns the Model's
-        KV cache until another call uses it (then it raises StreamInvalidatedError)."""
-        from .sampling import Sampler
-
-        if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 0):
-            raise ValueError(f"max_tokens must be an int >= 0 or None, got {max_tokens!r}")
-        if stop is not None and not isinstance(stop, str) and (
-            not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)
-        ):
-            raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
-        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                          repeat_penalty=repeat_penalty, seed=seed)
-        opts = self._options(**options)
-        toks = self._prompt_tokens(prompt)
-        return generation.Stream(self, toks, max_tokens, sampler, opts, stop)
-
-    # ----- OpenAI-style API (llama_cpp.Llama compatible shapes) -------------------------
-    def create_completion(self, prompt: Prompt, max_tokens: Optional[int] = 16, temperature: float = 0.8,
-                          top_p: float = 0.95, min_p: float = 0.05, top_k: int = 40, repeat_penalty: float = 1.0,
-                          seed: Optional[int] = None, stop=None, stream: bool = False, **options):
-        stream = _bool_arg("stream", stream)
-        with self._lock:
-            s = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
-                            top_k=top_k, repeat_penalty=repeat_penalty, seed=seed, stop=stop, **options)
-            cid, created, name = completions.new_id("cmpl"), completions.now(), self.model_path
-            if stream:
-                def chunks():
-                    for piece in s:
-                        if piece:
-                            yield completions.completion_chunk(cid, created, name, piece)
-                    g = s.generation
-                    yield completions.completion_chunk(cid, created, name, "", g.finish_reason, extra=g.stats)
-                return chunks()
-            for _ in s:
-                pass
-        g = s.generation
-        return completions.completion_response(cid, created, name, g.text, g.finish_reason,
-                                               len(s.prompt_tokens), len(g.tokens), extra=g.stats)
-
-    def chat_prompt(self, messages) -> str:
-        """The prompt text the GGUF's chat template makes of `messages`."""
-        return format_chat(self._vocab.chat_template(), messages,
-                           bos_token=self.token_to_piece(self.token_bos(), True).decode("utf-8", "replace"),
-                           eos_token=self.token_to_piece(self.token_eos(), True).decode("utf-8", "replace"))
-
-    def create_chat_completion(self, messages, max_tokens: Optional[int] = None, temperature: float = 0.2,
-                               top_p: float = 0.95, min_p: float = 0.05, top_k: int = 40,
-                               repeat_penalty: float = 1.0, seed: Optional[int] = None, stop=None,
-                               stream: bool = False, **options):
-        stream = _bool_arg("stream", stream)
-        prompt = self.chat_prompt(messages)
-        with self._lock:
-            s = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
-                            top_k=top_k, repeat_penalty=repeat_penalty, seed=seed, stop=stop, **options)
-            cid, created, name = completions.new_id("chatcmpl"), completions.now(), self.model_path
-            if stream:
-                return completions.chat_chunks(cid, created, name, s,
-                                               finish_reason=lambda: s.generation.finish_reason,
-                                               extra=lambda: s.generation.stats)
-            for _ in s:
-                pass
-        g = s.generation
-        return completions.chat_response(cid, created, name, g.text, g.finish_reason,
-                                         len(s.prompt_tokens), len(g.tokens), extra=g.stats)

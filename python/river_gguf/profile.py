@@ -20,10 +20,10 @@ def profile_text() -> str:
 def similarity_profile(model, text: Optional[str] = None, max_tokens: int = 256) -> np.ndarray:
     """[steps, n_layer] similarities of backbone-only decode over `text`.
 
-    It runs in a short-lived engine of its own (Model._profile_trace), sized to the profile: a
+    It runs in a short-lived engine of its own (Model.backbone_trace), sized to the profile: a
     Model with a small n_ctx can still be profiled, and the Model's own KV cache is untouched."""
     toks = model.tokenize(text or profile_text())[:max_tokens]
-    return np.array(model._profile_trace(toks))
+    return np.array(model.backbone_trace(toks))
 
 
 def default_threshold(model, quantile: float = DEFAULT_QUANTILE) -> dict:

@@ -1,6 +1,6 @@
-"""What generation and scoring return, and the exit statistics both report."""
+"""What scoring returns, and the exit statistics generation and scoring report."""
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -20,14 +20,6 @@ def exit_stats(exit_layers: List[int], n_layer: int, tail: int = 0) -> dict:
         "mean_exit_layer": float(np.mean(exit_layers)) if n else float("nan"),
         "river_layer_share": river_layers / (n * n_layer) if n else 0.0,
     }
-
-
-@dataclass
-class Generation:
-    text: str
-    tokens: List[int]
-    finish_reason: str  # "stop" or "length"
-    stats: dict = field(default_factory=dict)
 
 
 @dataclass

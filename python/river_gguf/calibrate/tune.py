@@ -22,6 +22,7 @@ from typing import Dict, List
 
 from .. import presets as presets_mod
 from ..gguf_meta import set_river_metadata
+from ..greedy import greedy
 
 PROMPT = ("The river rose in the hills above the town and ran through three valleys before it reached "
           "the sea. In spring, when the snow melted,")
@@ -78,9 +79,8 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
                     if opts is None:
                         _, steps, secs = anchors[name].greedy(prompt, tokens + 1, stop_at_eog=False)
                     else:
-                        g = m.generate(PROMPT, max_tokens=tokens + 1, temperature=0.0, **presets_mod.complete(opts))
-                        steps, rate = g.stats["decode_tokens"], g.stats["decode_tok_s"]
-                        secs = steps / rate if rate > 0 else float("nan")
+                        g = greedy(m, prompt, tokens + 1, **presets_mod.complete(opts))
+                        steps, secs = g.decode_steps, g.decode_seconds
                     times.setdefault(name, []).append(secs / max(steps, 1))
                     bar.update(1)
         finally:

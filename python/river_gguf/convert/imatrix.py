@@ -138,7 +138,6 @@ def collect_imatrix(
 
     with deferred_interrupts():  # Ctrl-C would be dropped in libllama's log callback during the load
         model = Model(os.fspath(backbone_path), n_ctx=n_ctx, n_threads=n_threads, mode="backbone")
-    engine = model._engine
     stats = native.ActivationStats()
     n_tokens = n_texts = 0
     t0 = time.perf_counter()
@@ -146,13 +145,11 @@ def collect_imatrix(
         for text in texts:
             toks = model.tokenize(text, add_special=True)[:n_ctx]
             if toks:
-                engine.truncate(0)
-                engine.collect_activations(toks, stats)
+                model.collect_activations(toks, stats)
                 n_tokens += len(toks)
                 n_texts += 1
             bar.update(1)
             bar.set_postfix(tok=n_tokens, tok_s=f"{n_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
-    engine.truncate(0)
     if not n_tokens:
         raise ValueError("the texts hold no tokens")
 

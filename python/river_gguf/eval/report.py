@@ -375,7 +375,7 @@ def _resolved_options(model, opts: dict) -> dict:
     plain file's are just the backbone (river options would be refused)."""
     import dataclasses
 
-    o = dataclasses.asdict(model._options(**_whole(model, opts)))
+    o = dataclasses.asdict(model.options(**_whole(model, opts)))
     return o if model.has_river else {"mode": o["mode"], "exit_layer": o["exit_layer"]}
 
 

@@ -12,6 +12,8 @@ import numpy as np
 
 from . import data as eval_data
 from . import divergence
+from ..greedy import greedy
+from ..options import ExitOptions
 
 Prepared = List[Tuple[List[int], int]]  # (tokens, prefix) per item
 
@@ -72,20 +74,21 @@ def score_forced(model, reference, prepared: Prepared, exits: List[List[int]], r
     """Teacher-forced scoring with a given exit layer per decode step (engine mode 3): a
     backbone prefill, then step j of item i exits after layer exits[i][j]; KLD against the
     reference model (backbone mode, one batched pass per item)."""
-    eng = model._engine
+    backbone = ExitOptions(mode="backbone")
     run = divergence.DivergenceRun()
     t0 = time.perf_counter()
     for (toks, prefix), ex in zip(prepared, exits):
         if len(ex) != len(toks) - prefix - 1:
             raise ValueError(f"item needs {len(toks) - prefix - 1} exit layers, got {len(ex)}")
-        eng.truncate(0)
-        logits, _, _ = eng.eval(toks[:prefix], mode=0)
+        model.begin()
+        logits = model.eval(toks[:prefix], backbone).logits
         kept = []
         for i in range(prefix, len(toks)):
             kept.append(np.array(logits[-1], dtype=np.float32))
             if i + 1 < len(toks):
                 k = ex[i - prefix]
-                logits, got, _ = eng.eval([toks[i]], mode=3, exit_layer=int(k), river_head=bool(river_head))
+                forced = ExitOptions(mode="river", exit_layer=int(k), river_head=bool(river_head))
+                logits = model.eval([toks[i]], forced, prompt=False).logits
         ref = divergence.reference_logprobs(reference, toks, prefix, mode="backbone")  # decode, as score_configs
         run.add(divergence.compare(ref, np.stack(kept), toks[prefix:]), ex)
         if bar is not None:
@@ -133,10 +136,8 @@ class GreedyRun:
 
 
 def greedy_river(model, prompt: List[int], n_new: int, **opts) -> Tuple[List[int], int, float, List[int]]:
-    g = model.generate(prompt, max_tokens=n_new, temperature=0.0, **opts)
-    s = g.stats
-    secs = s["decode_tokens"] / s["decode_tok_s"] if s["decode_tok_s"] > 0 else 0.0
-    return g.tokens, s["decode_tokens"], secs, s["exit_layers"][1:]
+    g = greedy(model, prompt, n_new, **opts)
+    return g.tokens, g.decode_steps, g.decode_seconds, g.decode_exit_layers
 
 
 class LlamaCppRunner:

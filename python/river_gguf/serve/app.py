@@ -18,7 +18,7 @@ from .worker import ClientGone, ModelWorker, shutdown
 
 
 def create_app(model, settings: ServerSettings) -> FastAPI:
-    """An app serving `model` (river_gguf.Model, or any class with its create_completion /
+    """An app serving `model` (river_gguf.Llama, or any class with its create_completion /
     create_chat_completion / tokenize: see protocol.py) under the name settings.model_id."""
     check_model(model)
     worker = ModelWorker(model)

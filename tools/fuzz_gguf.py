@@ -13,9 +13,9 @@ exception river_gguf does not document, or loads without an error although its d
 the loader must refuse (``expect_error``). One worker runs case after case; only a crash or a
 hang costs a fresh one.
 
-    python -m river_gguf.fuzz --cases 2000 --seed 1        # a longer run, on demand
-    python -m river_gguf.fuzz --api both                    # also through river_gguf.Llama
-    python -m river_gguf.fuzz --seed 1 --write 123 c.gguf   # one case's file, to reproduce it
+    python tools/fuzz_gguf.py --cases 2000 --seed 1        # a longer run, on demand
+    python tools/fuzz_gguf.py --api both                    # also through river_gguf.Llama
+    python tools/fuzz_gguf.py --seed 1 --write 123 c.gguf   # one case's file, to reproduce it
 
 Exit status 1 when any case failed; each failure is printed with its case description.
 """
@@ -355,7 +355,7 @@ BASE_NAMES = ("llama", "qwen2", "qwen3", "river", "river1")
 
 def build_bases(folder: str) -> Dict[str, str]:
     """Write the base models into `folder`; return name -> path."""
-    from .testing import write_tiny_model
+    from river_gguf.testing import write_tiny_model
 
     os.makedirs(folder, exist_ok=True)
     paths = {}
@@ -376,7 +376,7 @@ def _build_river(backbone: str, out: str) -> None:
     import contextlib
     import io
 
-    from .convert.build import build_river_gguf
+    from river_gguf.convert.build import build_river_gguf
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         build_river_gguf(backbone, out, river_type="q8_0", threshold=0.9, progress=False, imatrix=None,
@@ -1029,7 +1029,8 @@ def allowed_exceptions() -> tuple:
 
 def run_case(path: str, river: Optional[str], use_mmap: bool = True) -> None:
     """Load and run one file: raises whatever the API raises."""
-    from .model import Model
+    from river_gguf.greedy import greedy
+    from river_gguf.model import Model
 
     kwargs = {"threshold": 0.9} if river else {}
     if not use_mmap:
@@ -1037,17 +1038,17 @@ def run_case(path: str, river: Optional[str], use_mmap: bool = True) -> None:
     m = Model(path, river=river, n_ctx=64, n_threads=1, **kwargs)
     n = m.n_vocab
     toks = [t % n for t in (1, 2, 3, 4, 5)]
-    m.generate(toks, max_tokens=2)
-    m.generate("Hi there", max_tokens=2)
+    greedy(m, toks, 2)
+    greedy(m, "Hi there", 2)
     m.score(toks, prefix=2)
     if m.has_river:
-        m.generate(toks, max_tokens=2, mode="river-only")
-        m.generate(toks, max_tokens=2, mode="river", threshold=0.0)
+        greedy(m, toks, 2, mode="river-only")
+        greedy(m, toks, 2, mode="river", threshold=0.0)
 
 
 def run_case_llama(path: str, river: Optional[str], use_mmap: bool = True) -> None:
     """The same through river_gguf.Llama, the llama_cpp.Llama drop-in (libllama reads its vocabulary)."""
-    from .llama import Llama
+    from river_gguf.llama import Llama
 
     kwargs = {"threshold": 0.9} if river else {}
     llm = Llama(path, river=river, n_ctx=64, n_threads=1, use_mmap=use_mmap, verbose=False, **kwargs)
@@ -1162,13 +1163,15 @@ class Report:
 class _Worker:
     def __init__(self, seed: int, bases_dir: str, scratch: str, log_path: str, api: str = "model"):
         env = dict(os.environ)
-        # The worker imports this very package, wherever it was imported from.
-        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # The worker imports the river_gguf this process did, wherever it was imported from.
+        import river_gguf
+
+        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(river_gguf.__file__)))
         env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
         self.log_path = log_path
         self.log = open(log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "river_gguf.fuzz", "--worker", "--seed", str(seed), "--bases", bases_dir,
+            [sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(seed), "--bases", bases_dir,
              "--scratch", scratch, "--api", api],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1)
         self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
@@ -1301,7 +1304,7 @@ def run_fuzz(n_cases: int, seed: int = 0, workdir: Optional[str] = None, timeout
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m river_gguf.fuzz", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python tools/fuzz_gguf.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=int, default=int(os.environ.get("RIVER_FUZZ_CASES", "300")))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0, help="seconds one case may take before it counts as a hang")

@@ -1,0 +1,89 @@
+"""Greedy decoding on Model.eval, for measurement: evaluation, task accuracy and tuning.
+
+Text generation for users (sampling, stop strings, streaming, OpenAI dicts) is river_gguf.Llama's;
+this loop only takes the argmax, so it needs no sampler, and it times each decode step alone.
+"""
+import time
+from dataclasses import dataclass, field
+from typing import List, Sequence, Union
+
+import numpy as np
+
+from .options import is_int
+from .results import exit_stats
+
+
+@dataclass
+class GreedyResult:
+    text: str
+    tokens: List[int]
+    finish_reason: str          # "stop" (end of generation or a stop string) or "length"
+    exit_layers: List[int] = field(default_factory=list)  # of the pass that predicted each token
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    n_layer: int = 0
+    tail: int = 0
+
+    @property
+    def decode_exit_layers(self) -> List[int]:
+        """Exit layers of the decode steps (the first token comes from the prefill)."""
+        return self.exit_layers[1:]
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def stats(self) -> dict:
+        """The exit statistics (results.exit_stats) and the decode counts."""
+        return {"decode_tokens": self.decode_steps, "decode_tok_s": self.decode_tok_s,
+                **exit_stats(self.exit_layers, self.n_layer, self.tail)}
+
+
+def greedy(model, prompt: Union[str, Sequence[int]], max_tokens: int, stop: Sequence[str] = (),
+           **options) -> GreedyResult:
+    """Prefill `prompt` (text is tokenized with special tokens parsed, as a chat prompt needs),
+    then decode the argmax token by token with exits live, until an end-of-generation token, a
+    stop string (the text is cut before it), max_tokens or the end of the context (the prompt and
+    the reply fill at most n_ctx positions, as in llama_cpp)."""
+    if not is_int(max_tokens) or max_tokens < 0:
+        raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+    if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a list of str, got {stop!r}")
+    toks = (model.tokenize(prompt, add_special=True, parse_special=True) if isinstance(prompt, (str, bytes))
+            else list(prompt))
+    if not toks:
+        raise ValueError("the prompt is empty")
+    opts = model.options(**options)
+    stops = [s for s in stop if s]
+    max_tokens = min(int(max_tokens), model.n_ctx - len(toks))
+    out: List[int] = []
+    exits: List[int] = []
+    text, finish = "", "length"
+    with model.lock:
+        model.begin()
+        t0 = time.perf_counter()
+        step = model.eval(toks, opts, prompt=True)
+        res = GreedyResult("", out, finish, exits, prefill_seconds=time.perf_counter() - t0, n_layer=model.n_layer,
+                           tail=opts.tail)
+        while len(out) < max_tokens:
+            tok = int(np.argmax(step.logits[-1]))
+            if model.is_eog(tok):
+                finish = "stop"
+                break
+            out.append(tok)
+            exits.append(int(step.exit_layer))
+            text = model.detokenize(out)
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+                break
+            if len(out) >= max_tokens:
+                break
+            t0 = time.perf_counter()
+            step = model.eval([tok], opts, prompt=False)
+            res.decode_seconds += time.perf_counter() - t0
+            res.decode_steps += 1
+    res.text, res.finish_reason = text, finish
+    return res

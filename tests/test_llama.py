@@ -41,6 +41,7 @@ import pytest
 
 import llama_cpp
 from river_gguf import Model
+from river_gguf.greedy import greedy
 from river_gguf.llama import Llama, LlamaGrammar, ModelPathError
 from river_gguf.llama_sampling import SamplerChain
 
@@ -514,11 +515,37 @@ def test_river_gguf_file(river_gguf_path):
         n = r["usage"]["completion_tokens"]
         assert (n == 6) == (r["choices"][0]["finish_reason"] == "length") and len(m.last_stats["exit_layers"]) == n
         # The same defaults as river_gguf.Model applies to the file: the same greedy text.
-        want = Model(river_gguf_path, n_ctx=128, n_threads=1).create_completion(COLORS, max_tokens=6, temperature=0.0)
-        assert r["choices"][0]["text"] == want["choices"][0]["text"] and r["usage"] == want["usage"]
+        want = greedy(Model(river_gguf_path, n_ctx=128, n_threads=1), COLORS, 6)
+        assert r["choices"][0]["text"] == want.text and n == len(want.tokens)
+        assert m.last_stats["exit_layers"] == want.exit_layers
         assert m.last_stats["mode"] == m.exit_options.mode == "river"
         assert m.last_stats["threshold"] == pytest.approx(m.exit_options.threshold)
         assert m.chat_format == "chat_template.default"
+
+
+def test_one_token_eval_is_a_decode_step(river_gguf_path):
+    """Llama.eval([token]) after a prompt runs a decode step with River's exits, as generate()
+    does: the logits rows through eval equal generate's with the same exits (every decode token
+    leaves after layer 5 here; a prompt pass would run the whole backbone)."""
+    kw = dict(n_ctx=128, n_threads=1, verbose=False, logits_all=True, threshold=-1.0, min_exit_layer=5, tail=0)
+    with Llama(river_gguf_path, **kw) as llm:
+        toks = llm.tokenize(COLORS.encode())
+        out = list(itertools.islice(llm.generate(toks, temp=0.0, top_k=1), 8))
+        exits = llm.last_stats["exit_layers"]
+        assert exits == [llm.river_model.n_layer - 1] + [5] * 7  # the prompt, then seven decode steps
+        n = len(toks)
+        rows = llm.scores[n - 1:n + 7].copy()
+        llm.reset()
+        llm.eval(toks)
+        for t in out[:-1]:
+            llm.eval([t])
+        assert llm.n_tokens == n + 7
+        assert np.array_equal(llm.scores[n - 1:n + 7], rows)
+        assert int(llm.scores[n + 6].argmax()) == out[-1]
+        # A batch of several tokens stays a prompt pass (the prefill policy: no exits).
+        llm.reset()
+        llm.eval(toks + out[:-1])
+        assert not np.array_equal(llm.scores[n:n + 7], rows[1:])
 
 
 # ----- the object ------------------------------------------------------------------------------

@@ -238,3 +238,26 @@ def test_measured_settings_are_whole_whatever_the_default_preset(tiny_river, tmp
     b = plain.score(toks, **row).logprobs
     assert np.array_equal(a, b)
     assert dataclasses.asdict(plain.options(**row))["river_attention"] == "river"
+
+
+def test_an_explicit_exit_setting_keeps_no_preset_field(tiny_river, tmp_path):
+    """logits(t, mode="river", exit_layer=k) on a file whose default preset has a tail and the
+    backbone's attention is the forced exit at k and nothing else (it used to keep the tail);
+    options that are not an exit setting still adjust the preset."""
+    import shutil
+
+    path = tmp_path / "p.river.gguf"
+    shutil.copy(tiny_river, path)
+    stored = {"balanced": {"options": {"mode": "river-only", "tail": 2, "river_attention": "backbone"}}}
+    set_river_metadata(str(path), {presets.PRESET_KEY: presets.dump(stored), presets.DEFAULT_KEY: "balanced"})
+    m = Model(str(path), n_ctx=128, n_threads=1)
+    plain = Model(tiny_river, n_ctx=128, n_threads=1)
+    for asked in ({"mode": "river", "exit_layer": 1}, {"exit_layer": 0}, {"mode": "river-only"}):
+        o = m.options(**asked)
+        assert (o.tail, o.river_attention) == (0, "river"), asked
+        assert o == plain.options(**asked)
+    assert m.options(threshold=0.5).tail == 2  # not an exit setting: the preset stays
+    assert m.options(mode="river-only", tail=2).tail == 2  # what is asked is kept
+    toks = plain.tokenize("the river runs to the sea and the sea")
+    assert np.array_equal(m.logits(toks, mode="river", exit_layer=1), plain.logits(toks, mode="river", exit_layer=1))
+    assert not np.array_equal(m.logits(toks, mode="river-only"), m.logits(toks))  # the preset differs

@@ -39,7 +39,7 @@ class Step(NamedTuple):
     similarities: List[float]   # with trace: cos(h_in, h_out) of every backbone layer run
 
 
-def _default_threads() -> int:
+def default_threads() -> int:
     # llama-cpp-python's default: half the logical CPUs, at least one.
     return max((os.cpu_count() or 2) // 2, 1)
 
@@ -163,7 +163,7 @@ class Model:
                 raise FileNotFoundError(f"model file not found: {p}")
         n_ctx = _int_arg("n_ctx", n_ctx, 1, MAX_CTX)
         n_batch = _int_arg("n_batch", n_batch, 1, MAX_CTX)
-        n_threads = _default_threads() if n_threads is None else _int_arg("n_threads", n_threads, 1, max_threads())
+        n_threads = default_threads() if n_threads is None else _int_arg("n_threads", n_threads, 1, max_threads())
         if not is_int(n_gpu_layers):
             raise ValueError(f"n_gpu_layers must be an int (negative: all layers), got {n_gpu_layers!r}")
         # -1 (any negative): everything, as in llama.cpp; clamped so it fits the native int.

@@ -5,15 +5,12 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream=true answers with
 server-sent events), GET /v1/models, GET /health, POST /extras/tokenize[/count].
 
-Modules, one job each: command (the CLI subcommand), settings (what the command line
-decides), loader (which model class serves), protocol (what the server needs of a model),
+Modules, one job each (the subcommand itself is river_gguf.cli.serve): settings (what the
+command line decides), loader (which model class serves), protocol (what the server needs of a model),
 schemas (request bodies), params (request -> model keyword arguments), errors (OpenAI-style
 error bodies), auth (the optional API key), worker (one request at a time on the model),
 sse (streaming responses) and app (the ASGI app).
 
-Only `register` is imported with the CLI's parser; the web stack is imported when the
-command runs, so `river-gguf` works without the `server` extra installed.
+The web stack is imported when the command runs, so `river-gguf` works without the `server`
+extra installed.
 """
-from .command import register
-
-__all__ = ["register"]

@@ -1,5 +1,4 @@
-"""`river-gguf eval` and `river-gguf calibrate` (wired into cli.py's SUBCOMMANDS as
-"river_gguf.eval.cli:register_eval" and "river_gguf.eval.cli:register_calibrate").
+"""`river-gguf eval` and `river-gguf calibrate`.
 
 Heavy imports stay inside the handlers: this module is imported whenever the parser is built.
 """
@@ -7,6 +6,8 @@ import argparse
 import sys
 
 from ..calibrate.tau import parse_budget
+from ..eval import model_zoo  # light: no numpy, no native module
+from .common import UsageError, load_model
 
 
 def _floats(s: str):
@@ -18,7 +19,7 @@ def _floats(s: str):
 
 # ----- eval ----------------------------------------------------------------------------
 def _cmd_eval(args) -> int:
-    from . import report as evaluate
+    from ..eval import report as evaluate
 
     s = evaluate.quick_settings(args.model) if args.quick else evaluate.full_settings(args.model)
     domains = [d for d in args.domains.split(",") if d.strip()] + list(args.text or [])
@@ -47,8 +48,6 @@ def _cmd_eval(args) -> int:
 
 
 def register_eval(subparsers, common=None) -> None:
-    from . import model_zoo  # light: no numpy, no native module
-
     p = subparsers.add_parser(
         "eval", help="perplexity / agreement / speed of River vs. the static quant ladder",
         description="Evaluate River early exit (the default River GGUF's presets, a dynamic-exit sweep with a "
@@ -76,7 +75,6 @@ def _cmd_calibrate(args) -> int:
     import json
 
     from ..calibrate import tau as tau_calibration
-    from ..cli import UsageError, load_model
     from ..results import json_safe
 
     if args.model is None:

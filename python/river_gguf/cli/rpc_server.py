@@ -12,6 +12,8 @@ import socket
 import sys
 import threading
 
+from .common import PROG
+
 DEFAULT_PORT = 50052  # llama.cpp's rpc-server default
 
 
@@ -29,8 +31,7 @@ def register(sub, common) -> None:
     p.set_defaults(func=_cmd_rpc_server)
 
 
-# Errors are ValueError: the CLI reports them (exit 2) however it was started (`python -m
-# river_gguf.cli` runs a second copy of cli.py, whose UsageError is another class).
+# Errors are ValueError: the CLI reports them (exit 2), as it does river_gguf's own.
 def _check_address(host: str, port: int) -> None:
     """A clear error now for an address that cannot be bound (ggml's own message is bare)."""
     if not 1 <= port <= 65535:
@@ -50,9 +51,8 @@ def _check_address(host: str, port: int) -> None:
 
 
 def _cmd_rpc_server(args) -> int:
-    from .cli import PROG
-    from ._loader import HAS_RPC, RPC_FIX, native
-    from .model import _default_threads, max_threads
+    from .._loader import HAS_RPC, RPC_FIX, native
+    from ..model import default_threads, max_threads
 
     # SIGTERM ends the server as Ctrl-C does (exit 143 rather than 130).
     stop = {"code": 0}
@@ -65,7 +65,7 @@ def _cmd_rpc_server(args) -> int:
     try:
         if not HAS_RPC:
             raise ValueError(f"rpc-server needs ggml's RPC backend, which this installation lacks: {RPC_FIX}")
-        threads = _default_threads() if args.threads is None else args.threads
+        threads = default_threads() if args.threads is None else args.threads
         if not 1 <= threads <= max_threads():
             raise ValueError(f"--threads must be in [1, {max_threads()}], got {threads}")
         _check_address(args.host, args.port)

@@ -1,9 +1,11 @@
-"""The `serve` subcommand: parse, load the model, run uvicorn."""
+"""`river-gguf serve` (river_gguf.serve): parse, load the model, run uvicorn."""
 import argparse
 import sys
 from dataclasses import replace
 
-from .settings import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+from ..options import MODES  # tiny module, no native code
+from ..serve.settings import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+from .common import UsageError, default_model_for_cli, rpc_model_kwargs
 
 
 def register(sub, common) -> None:
@@ -21,8 +23,6 @@ def register(sub, common) -> None:
                    help="model name shown in /v1/models and in responses (default: the file name)")
     p.add_argument("--preset", default=None, metavar="NAME",
                    help="a River GGUF's stored setting: fast, balanced, quality (default: the file's own)")
-    from ..options import MODES  # tiny module, no native code
-
     p.add_argument("--mode", choices=MODES, default=None, help="exit mode (default: the file's own)")
     p.add_argument("--threshold", "--tau", dest="threshold", type=float, default=None, metavar="TAU",
                    help="exit when cos(h_in, h_out) >= TAU")
@@ -34,8 +34,6 @@ def register(sub, common) -> None:
 
 
 def _web_stack():
-    from ..cli import UsageError
-
     try:
         import fastapi  # noqa: F401
         import pydantic  # noqa: F401
@@ -49,13 +47,13 @@ def _web_stack():
 
 def run(args) -> int:
     uvicorn = _web_stack()
-    from . import loader
-    from .app import create_app
-    from .settings import ServerSettings, api_key_from
+    from ..serve import loader
+    from ..serve.app import create_app
+    from ..serve.settings import ServerSettings, api_key_from
 
     # Checked before the model spends time loading; the name comes from the loaded model.
     settings = ServerSettings(args.alias or "-", host=args.host, port=args.port, api_key=api_key_from(args.api_key))
-    model = loader.load_model(args)
+    model = _load_model(args)
     settings = replace(settings, model_id=loader.model_id(model, args.alias))
     if not settings.is_local and settings.api_key is None:
         print(f"river-gguf: warning: listening on {settings.host} without an API key; anyone who can reach "
@@ -68,3 +66,13 @@ def run(args) -> int:
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def _load_model(args):
+    """The model for `river-gguf serve`'s arguments, in the class serve.loader names."""
+    from ..serve import loader
+
+    path = args.model or default_model_for_cli()
+    river = dict(mode=args.mode, threshold=args.threshold, preset=args.preset, tail=args.tail)
+    return loader.model_class()(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads,
+                                n_gpu_layers=args.ngl, verbose=args.verbose, **river, **rpc_model_kwargs(args))

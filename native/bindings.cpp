@@ -10,6 +10,7 @@
 #include "errors.h"
 #include "ggml.h"
 #include "imatrix.h"
+#include "quantize.h"
 #include "rpc_link.h"
 #include "vocab.h"
 
@@ -83,8 +84,9 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold
 
 }  // namespace
 
-// Activation statistics and weighted quantization (defined at the end of this file).
+// Activation statistics, and weighted quantization (defined at the end of this file).
 void bind_imatrix(py::module_& m);
+void bind_quantize(py::module_& m);
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "river_gguf native engine (ggml)";
@@ -227,6 +229,7 @@ PYBIND11_MODULE(_native, m) {
         .def("meta", &Vocab::meta);
 
     bind_imatrix(m);
+    bind_quantize(m);
 }
 
 void bind_imatrix(py::module_& m) {
@@ -260,7 +263,9 @@ void bind_imatrix(py::module_& m) {
         py::arg("tokens"), py::arg("stats"),
         "Run tokens through the backbone from n_past (all of them through the head too), adding the input "
         "statistics of every weight mat-mul to stats.");
+}
 
+void bind_quantize(py::module_& m) {
     m.def(
         "quantize_rows",
         [](int type, py::array data, py::object importance, int n_threads) {

@@ -2,6 +2,7 @@
 // exit decision between them. Work runs as ggml graphs on ggml-backend (CPU, or a GPU
 // backend for offloaded layers through the scheduler).
 #pragma once
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,6 +44,29 @@ enum class ExitMode {
     RiverOnly = 2,  // every layer from the river
     Fixed = 3,      // exit after layer exit_layer for every token
 };
+
+// The one table of the modes' names and codes. The Python module exports it as EXIT_MODES
+// (name -> code), and the Python package takes its codes from there.
+struct ExitModeName {
+    const char* name;
+    ExitMode mode;
+};
+inline constexpr ExitModeName kExitModes[] = {
+    {"backbone", ExitMode::Backbone},
+    {"river", ExitMode::River},
+    {"river-only", ExitMode::RiverOnly},
+    {"fixed", ExitMode::Fixed},
+};
+// Entry i is code i, so a code is valid when it indexes the table.
+constexpr bool exit_modes_in_order() {
+    for (size_t i = 0; i < std::size(kExitModes); ++i) {
+        if (static_cast<size_t>(kExitModes[i].mode) != i) return false;
+    }
+    return true;
+}
+static_assert(exit_modes_in_order(), "kExitModes: entry i must be the mode of code i");
+static_assert(std::size(kExitModes) == static_cast<size_t>(ExitMode::Fixed) + 1, "kExitModes misses a mode");
+inline bool is_exit_mode(int code) { return code >= 0 && static_cast<size_t>(code) < std::size(kExitModes); }
 
 struct EvalRequest {
     std::vector<int32_t> tokens;

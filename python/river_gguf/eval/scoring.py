@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..options import EXIT_MODES
 from . import data as eval_data
 from . import divergence
 
@@ -79,13 +80,14 @@ def score_forced(model, reference, prepared: Prepared, exits: List[List[int]], r
         if len(ex) != len(toks) - prefix - 1:
             raise ValueError(f"item needs {len(toks) - prefix - 1} exit layers, got {len(ex)}")
         eng.truncate(0)
-        logits, _, _ = eng.eval(toks[:prefix], mode=0)
+        logits, _, _ = eng.eval(toks[:prefix], mode=EXIT_MODES["backbone"])
         kept = []
         for i in range(prefix, len(toks)):
             kept.append(np.array(logits[-1], dtype=np.float32))
             if i + 1 < len(toks):
                 k = ex[i - prefix]
-                logits, got, _ = eng.eval([toks[i]], mode=3, exit_layer=int(k), river_head=bool(river_head))
+                logits, got, _ = eng.eval([toks[i]], mode=EXIT_MODES["fixed"], exit_layer=int(k),
+                                          river_head=bool(river_head))
         ref = divergence.reference_logprobs(reference, toks, prefix, mode="backbone")  # decode, as score_configs
         run.add(divergence.compare(ref, np.stack(kept), toks[prefix:]), ex)
         if bar is not None:

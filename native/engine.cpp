@@ -6,6 +6,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <set>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 
 #include "errors.h"
 #include "ggml-alloc.h"
@@ -454,17 +457,38 @@ struct Engine::Graph {
 // Members free themselves in reverse order of declaration (see engine.h); Graph is complete here.
 Engine::~Engine() = default;
 
+namespace {
+
+// The number of fields of an aggregate: the most values that convert to anything it can be
+// brace-initialised with. Unlike a list written by hand, it cannot miss a field.
+struct AnyField {
+    template <class T>
+    operator T() const;  // only named in unevaluated contexts
+};
+
+template <class T, class... A>
+auto brace_initialisable(int) -> decltype(T{std::declval<A>()...}, std::true_type{});
+template <class T, class... A>
+std::false_type brace_initialisable(...);
+
+template <class T, class... A>
+constexpr size_t field_count() {
+    if constexpr (decltype(brace_initialisable<T, A..., AnyField>(0))::value) {
+        return field_count<T, A..., AnyField>();
+    } else {
+        return sizeof...(A);
+    }
+}
+
+static_assert(field_count<Span>() == std::tuple_size_v<decltype(Span{}.key())>,
+              "Span::key() must list every field of Span");
+
+}  // namespace
+
 bool Engine::GraphSpec::operator==(const GraphSpec& o) const {
-    if (n != o.n || n_kv != o.n_kv || from_tokens != o.from_tokens || river_embd != o.river_embd ||
-        exits != o.exits || head != o.head || all_logits != o.all_logits ||
-        backbone_attention != o.backbone_attention || spans.size() != o.spans.size()) {
-        return false;
-    }
-    for (size_t i = 0; i < spans.size(); ++i) {
-        const Span &a = spans[i], &b = o.spans[i];
-        if (a.first != b.first || a.last != b.last || a.river != b.river) return false;
-    }
-    return true;
+    static_assert(field_count<GraphSpec>() == std::tuple_size_v<decltype(GraphSpec{}.key())>,
+                  "GraphSpec::key() must list every field of GraphSpec (see engine.h)");
+    return key() == o.key();
 }
 
 void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, EvalResult& out) {

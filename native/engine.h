@@ -5,6 +5,7 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ggml-backend.h"
@@ -88,6 +89,8 @@ struct Span {
     int first;
     int last;
     bool river;
+    auto key() const { return std::tie(first, last, river); }  // every field; see Engine::GraphSpec
+    bool operator==(const Span& o) const { return key() == o.key(); }
 };
 
 struct EvalResult {
@@ -131,6 +134,14 @@ private:
     // What one graph computes. Single-token graphs are position-independent (the KV write goes
     // through row indices and the attention covers a padded n_kv), so equal specs can share one
     // built and allocated graph across decode steps.
+    //
+    // Equal specs must mean equal graphs: a field left out of the comparison would hand back a
+    // kept graph built for another spec, silently. So == compares key(), one tuple of the fields,
+    // and a static_assert (at operator==, engine.cpp) counts the struct's fields against the
+    // tuple's: a field added here but not to key() stops the build (a sizeof guard would hang
+    // on padding and on the standard library's sizeof(std::vector); the count depends on neither).
+    // This is llama.cpp's llm_graph_result::can_reuse (the kept graph is reused only when its
+    // parameters all match), with the compiler checking that the list is whole.
     struct GraphSpec {
         int n = 0;                   // tokens
         int n_kv = 0;                // cache rows attended over (padded for one token)
@@ -141,6 +152,9 @@ private:
         Head head = Head::Backbone;
         bool all_logits = false;
         bool backbone_attention = false;  // river spans use river_mixed_
+        auto key() const {
+            return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, head, all_logits, backbone_attention);
+        }
         bool operator==(const GraphSpec& o) const;
     };
     struct ExitNode;

@@ -14,6 +14,7 @@
 #include "gguf_file.h"
 #include "hparams.h"
 #include "kv_cache.h"
+#include "placement.h"
 #include "rpc_link.h"
 #include "weights.h"
 
@@ -113,9 +114,9 @@ public:
     bool river_has_head() const { return river_ && river_->head; }
     int n_ctx() const { return cache_->n_ctx(); }
     int n_past() const { return n_past_; }
-    bool gpu_offload() const { return gpu_ != nullptr; }
+    bool gpu_offload() const { return placement_.gpu != nullptr; }
     // Where each layer (and its KV cache) lives: "CPU", "GPU" or an RPC server's host:port.
-    const std::vector<std::string>& layer_devices() const { return layer_device_; }
+    const std::vector<std::string>& layer_devices() const { return placement_.layer_device; }
 
     // Forget cache rows n.. (keeps a shared prefix for the next prompt).
     void truncate(int n);
@@ -172,12 +173,14 @@ private:
     static void exit_node_op(ggml_tensor* dst, int ith, int nth, void* node);
     static bool abort_requested(void* engine);
 
-    void load(const EngineConfig& cfg);  // the constructor's work
+    void load(const EngineConfig& cfg);  // the constructor's work, in the steps below
+    void load_weights(const EngineConfig& cfg);
+    void start_cpu(const EngineConfig& cfg);
+    void start_scheduler();
+    void make_state();
     void check_request(const EvalRequest& req) const;
     // Throws RpcError (and keeps refusing work) once a server has failed; see rpc_link.h.
     void check_links();
-    // Give each remote device its share of the remote layers (-1: local).
-    std::vector<int> place_remote_layers(const EngineConfig& cfg) const;
     // One chunk of at most n_batch tokens, all at positions n_past_..
     void eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, EvalResult& out);
     // Run `spec` on `tokens` (or on h_state_); false when an exit node stopped it.
@@ -208,18 +211,15 @@ private:
     };
     std::unique_ptr<ggml_threadpool, ThreadpoolFree> threadpool_;
     ggml_backend_ptr cpu_;
-    ggml_backend_ptr gpu_;
-    std::vector<ggml_backend_ptr> remote_;  // one per device of the RPC servers, in order
-    std::vector<std::string> remote_name_;  // the server's host:port (#device when it has several)
-    std::vector<std::string> layer_device_;
-    std::vector<ggml_backend_t> backends_;  // the scheduler's list: gpu_ (if any), remote_, cpu_; not owned
+    // The GPU and remote backends and the weights placed on them (or repacked for the CPU).
+    Placement placement_;
+    std::vector<ggml_backend_t> backends_;  // the scheduler's list: GPU (if any), remote, CPU; not owned
 
     // Hidden state handed from a stopped backbone graph to the river graph.
     ggml_context_ptr state_ctx_;
     ggml_backend_buffer_ptr state_buf_;
     ggml_tensor* h_state_ = nullptr;    // F32 [n_embd, n_batch]
 
-    std::vector<std::unique_ptr<DeviceWeights>> placed_weights_;  // GPU copies, repacked CPU copies
     std::unique_ptr<KvCache> cache_;
     ggml_backend_sched_ptr sched_;      // for graphs that are not kept (prompts)
 

@@ -10,6 +10,7 @@
 #include "errors.h"
 #include "ggml.h"
 #include "imatrix.h"
+#include "quantize.h"
 #include "rpc_link.h"
 #include "vocab.h"
 
@@ -58,7 +59,7 @@ py::dict hparams(const HParams& hp) {
 
 py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold, int min_exit_layer,
                int exit_layer, bool river_head, bool all_logits, bool trace, int tail, bool backbone_attention) {
-    if (mode < 0 || mode > 3) throw std::invalid_argument("bad mode");
+    if (!is_exit_mode(mode)) throw std::invalid_argument("bad mode");
     EvalRequest req;
     req.tokens = std::move(tokens);
     req.mode = static_cast<ExitMode>(mode);
@@ -83,8 +84,9 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold
 
 }  // namespace
 
-// Activation statistics and weighted quantization (defined at the end of this file).
+// Activation statistics, and weighted quantization (defined at the end of this file).
 void bind_imatrix(py::module_& m);
+void bind_quantize(py::module_& m);
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "river_gguf native engine (ggml)";
@@ -129,6 +131,10 @@ PYBIND11_MODULE(_native, m) {
     m.def("loaded_ggml_commit", [] { return std::string(ggml_commit()); });
     m.def("loaded_ggml_version", [] { return std::string(ggml_version()); });
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
+    // Engine.eval's `mode` codes by name (engine.h kExitModes); river_gguf.options reads them.
+    py::dict exit_modes;
+    for (const ExitModeName& e : kExitModes) exit_modes[e.name] = static_cast<int>(e.mode);
+    m.attr("EXIT_MODES") = exit_modes;
     // ggml's RPC backend: compiled in (HAS_RPC), present in the loaded ggml (rpc_available).
     m.attr("HAS_RPC") = rpc_compiled();
     m.attr("RPC_PROTOCOL") = rpc_protocol_version();
@@ -227,6 +233,7 @@ PYBIND11_MODULE(_native, m) {
         .def("meta", &Vocab::meta);
 
     bind_imatrix(m);
+    bind_quantize(m);
 }
 
 void bind_imatrix(py::module_& m) {
@@ -260,7 +267,9 @@ void bind_imatrix(py::module_& m) {
         py::arg("tokens"), py::arg("stats"),
         "Run tokens through the backbone from n_past (all of them through the head too), adding the input "
         "statistics of every weight mat-mul to stats.");
+}
 
+void bind_quantize(py::module_& m) {
     m.def(
         "quantize_rows",
         [](int type, py::array data, py::object importance, int n_threads) {

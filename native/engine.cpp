@@ -5,16 +5,78 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <set>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 
 #include "errors.h"
 #include "ggml-alloc.h"
 #include "layer_graph.h"
-#ifdef RIVER_HAVE_RPC
-#include "ggml-rpc.h"
-#endif
+
+// In call order, top-down: the graph types, loading (files, weights, placement, scheduler,
+// cache), then a step: eval, eval_chunk, run, graph_for, build, and the exit node that runs
+// inside a graph.
 
 namespace river {
+
+struct Engine::ExitNode {
+    Engine* engine;
+    int layer;
+};
+
+struct Engine::Graph {
+    GraphSpec spec;
+    std::vector<uint8_t> meta;  // the context's tensor and graph descriptions
+    ggml_context* ctx = nullptr;
+    ggml_cgraph* gf = nullptr;
+    ggml_gallocr_t galloc = nullptr;  // a kept graph's own compute buffer
+    BatchInputs in;
+    ggml_tensor* tok_in = nullptr;
+    ggml_tensor* logits = nullptr;
+    std::vector<ExitNode> exit_nodes;  // user data of the exit nodes; reserved, never moved
+
+    Graph() = default;
+    Graph(const Graph&) = delete;
+    Graph& operator=(const Graph&) = delete;
+    ~Graph() {
+        if (galloc) ggml_gallocr_free(galloc);
+        if (ctx) ggml_free(ctx);
+    }
+};
+
+namespace {
+
+// The number of fields of an aggregate: the most values that convert to anything it can be
+// brace-initialised with. Unlike a list written by hand, it cannot miss a field.
+struct AnyField {
+    template <class T>
+    operator T() const;  // only named in unevaluated contexts
+};
+
+template <class T, class... A>
+auto brace_initialisable(int) -> decltype(T{std::declval<A>()...}, std::true_type{});
+template <class T, class... A>
+std::false_type brace_initialisable(...);
+
+template <class T, class... A>
+constexpr size_t field_count() {
+    if constexpr (decltype(brace_initialisable<T, A..., AnyField>(0))::value) {
+        return field_count<T, A..., AnyField>();
+    } else {
+        return sizeof...(A);
+    }
+}
+
+static_assert(field_count<Span>() == std::tuple_size_v<decltype(Span{}.key())>,
+              "Span::key() must list every field of Span");
+
+}  // namespace
+
+bool Engine::GraphSpec::operator==(const GraphSpec& o) const {
+    static_assert(field_count<GraphSpec>() == std::tuple_size_v<decltype(GraphSpec{}.key())>,
+                  "GraphSpec::key() must list every field of GraphSpec (see engine.h)");
+    return key() == o.key();
+}
 
 namespace {
 
@@ -94,11 +156,36 @@ Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch
     }
 }
 
+// Members free themselves in reverse order of declaration (see engine.h); Graph is complete here.
+Engine::~Engine() = default;
+
 void Engine::load(const EngineConfig& cfg) {
     if (cfg.n_ctx <= 0) throw std::invalid_argument("n_ctx must be positive");
     if (cfg.n_threads <= 0) throw std::invalid_argument("n_threads must be positive");
     if (cfg.n_batch <= 0) throw std::invalid_argument("n_batch must be positive");
 
+    load_weights(cfg);
+    // From here on every resource goes straight into its owning member (engine.h), so a throw
+    // anywhere below frees all of them.
+    start_cpu(cfg);
+    fail_point("backend");
+    place_weights(cfg, hp_, cpu_.get(), backbone_, river_.get(), links_, [this] { check_links(); }, placement_);
+    fail_point("weights");
+    if (river_ && placement_.local()) {
+        // Placement is final: the mixed layers point at the placed (joined, repacked) tensors.
+        for (int il = 0; il < hp_.n_layer; ++il) river_mixed_.push_back(with_attention_of(river_->layers[il],
+                                                                                      backbone_.layers[il]));
+    }
+    start_scheduler();
+    cache_ = std::make_unique<KvCache>(hp_, cfg.n_ctx, GGML_TYPE_F16, placement_.layer_backend);
+    check_links();
+    fail_point("cache");
+    make_state();
+    fail_point("end");
+}
+
+// The backbone's file and weights, and the river's (in the same file or a separate one).
+void Engine::load_weights(const EngineConfig& cfg) {
     file_ = std::make_unique<GgufFile>(cfg.path, cfg.use_mmap);
     hp_ = read_hparams(*file_);
     backbone_ = load_backbone(*file_, hp_);
@@ -113,9 +200,9 @@ void Engine::load(const EngineConfig& cfg) {
     } else if (has_river_layers(*file_)) {
         river_ = std::make_unique<RiverWeights>(load_river(*file_, hp_, "river."));
     }
+}
 
-    // From here on every resource goes straight into its owning member (engine.h), so a throw
-    // anywhere below frees all of them.
+void Engine::start_cpu(const EngineConfig& cfg) {
     cpu_.reset(ggml_backend_cpu_init());
     if (!cpu_) throw std::runtime_error("cannot start the ggml CPU backend");
     ggml_backend_t cpu = cpu_.get();
@@ -130,211 +217,28 @@ void Engine::load(const EngineConfig& cfg) {
     if (const char* poll = std::getenv("RIVER_GGML_POLL")) tpp.poll = static_cast<uint32_t>(std::atoi(poll));
     threadpool_.reset(ggml_threadpool_new(&tpp));
     if (threadpool_) ggml_backend_cpu_set_threadpool(cpu, threadpool_.get());
-    fail_point("backend");
+}
 
-    // RPC servers: each server's devices through ggml-rpc, reached through a guarded link.
-    for (const std::string& endpoint : cfg.rpc_servers) {
-        links_.push_back(std::make_unique<RpcLink>(endpoint, cfg.rpc_timeout));  // throws without RPC
-#ifdef RIVER_HAVE_RPC
-        ggml_backend_reg_t reg = ggml_backend_rpc_add_server(links_.back()->local_endpoint().c_str());
-        check_links();
-        const size_t n_dev = reg ? ggml_backend_reg_dev_count(reg) : 0;
-        if (n_dev == 0) throw RpcError("RPC server '" + endpoint + "' offers no devices");
-        for (size_t i = 0; i < n_dev; ++i) {
-            remote_.emplace_back(ggml_backend_dev_init(ggml_backend_reg_dev_get(reg, i), nullptr));
-            check_links();
-            if (!remote_.back()) throw RpcError("cannot start a backend on RPC server '" + endpoint + "'");
-            remote_name_.push_back(n_dev > 1 ? endpoint + "#" + std::to_string(i) : endpoint);
-        }
-#endif
-    }
-    const std::vector<int> remote_of = place_remote_layers(cfg);
-
-    // Offload the last n_gpu_layers layers (and the head once all layers are), as llama.cpp does;
-    // layers placed on RPC servers stay there.
-    std::vector<ggml_backend_t> layer_backend(hp_.n_layer, cpu);
-    if (cfg.n_gpu_layers > 0) {
-        if (ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU)) {
-            gpu_.reset(ggml_backend_dev_init(dev, nullptr));
-        }
-    }
-    const int first_gpu = gpu_ ? std::max(0, hp_.n_layer - cfg.n_gpu_layers) : hp_.n_layer;
-    const bool head_on_gpu = gpu_ && cfg.n_gpu_layers > hp_.n_layer;
-    // Each head gets its own slot: a tied head is placed apart from the embedding table,
-    // which stays in the mapping for get_rows.
-    std::vector<ggml_tensor**> heads = {&backbone_.output};
-    if (river_ && river_->head) heads.push_back(&river_->head);
-    // Whose weights of a remote layer live with it; the others stay local and the scheduler
-    // runs them here, reading the layer's cache there.
-    auto backbone_remote = [&](int il) { return remote_of[il] >= 0 && cfg.rpc_weights != 2; };
-    auto river_remote = [&](int il) { return remote_of[il] >= 0 && cfg.rpc_weights != 1; };
-    for (size_t d = 0; d < remote_.size(); ++d) {
-        std::vector<ggml_tensor**> slots;
-        for (int il = 0; il < hp_.n_layer; ++il) {
-            if (remote_of[il] != static_cast<int>(d)) continue;
-            layer_backend[il] = remote_[d].get();
-            if (backbone_remote(il)) for (auto s : layer_slots(backbone_.layers[il])) slots.push_back(s);
-            if (river_ && river_remote(il)) for (auto s : layer_slots(river_->layers[il])) slots.push_back(s);
-        }
-        if (slots.empty()) continue;
-        placed_weights_.push_back(std::make_unique<DeviceWeights>());
-        placed_weights_.back()->move(ggml_backend_get_default_buffer_type(remote_[d].get()), slots);
-        check_links();
-    }
-    if (gpu_) {
-        std::vector<ggml_tensor**> slots;
-        for (int il = first_gpu; il < hp_.n_layer; ++il) {
-            if (remote_of[il] >= 0) continue;
-            layer_backend[il] = gpu_.get();
-            for (auto s : layer_slots(backbone_.layers[il])) slots.push_back(s);
-            if (river_) for (auto s : layer_slots(river_->layers[il])) slots.push_back(s);
-        }
-        if (head_on_gpu) {
-            slots.push_back(&backbone_.output_norm);
-            slots.insert(slots.end(), heads.begin(), heads.end());
-        }
-        check_device_matmul(ggml_backend_get_device(gpu_.get()), ggml_backend_get_default_buffer_type(gpu_.get()), slots);
-        placed_weights_.push_back(std::make_unique<DeviceWeights>());
-        placed_weights_.back()->move(ggml_backend_get_default_buffer_type(gpu_.get()), slots);
-    }
-    if (cfg.repack) {
-        // CPU mat-mul weights go to the first extra buffer type that takes them (repacked
-        // Q4_0/Q8_0/... layouts), where the CPU kernels read them faster than from the mapping.
-        // They are copied there anyway, so Q/K/V and gate/up are joined on the way (cfg.fuse).
-        std::vector<LayerWeights*> cpu_layers;
-        for (int il = 0; il < hp_.n_layer; ++il) {
-            if (il >= first_gpu && remote_of[il] < 0) continue;  // on the GPU
-            if (!backbone_remote(il)) cpu_layers.push_back(&backbone_.layers[il]);
-            if (river_ && !river_remote(il)) cpu_layers.push_back(&river_->layers[il]);
-        }
-        std::vector<ggml_tensor**> cpu_matmuls;
-        for (LayerWeights* w : cpu_layers) for (auto s : matmul_slots(*w)) cpu_matmuls.push_back(s);
-        if (!head_on_gpu) cpu_matmuls.insert(cpu_matmuls.end(), heads.begin(), heads.end());
-        ggml_backend_dev_t cpu_dev = ggml_backend_get_device(cpu);
-        // Last, the plain CPU buffer type: layers no repacked type takes (F16, K-quants) are
-        // still joined, in a copy; the mapping's pages they came from are then left unread.
-        std::vector<ggml_backend_buffer_type_t> bufts = cpu_extra_buffer_types();
-        bufts.push_back(ggml_backend_cpu_buffer_type());
-        for (ggml_backend_buffer_type_t buft : bufts) {
-            const bool plain = buft == ggml_backend_cpu_buffer_type();
-            std::vector<DeviceWeights::Concat> concats;
-            std::set<ggml_tensor**> joined;
-            auto join = [&](std::vector<ggml_tensor**> parts, ggml_tensor** target, const char* what) {
-                std::vector<ggml_tensor*> ts;
-                for (auto p : parts) ts.push_back(*p);
-                if (*target || !concat_supported(cpu_dev, buft, ts)) return;
-                concats.push_back({ts, target, std::string(ggml_get_name(ts[0])) + what});
-                joined.insert(parts.begin(), parts.end());
-            };
-            if (cfg.fuse) {
-                for (LayerWeights* w : cpu_layers) {
-                    join({&w->wq, &w->wk, &w->wv}, &w->wqkv, kJoinedQKV);
-                    join({&w->ffn_gate, &w->ffn_up}, &w->ffn_gate_up, kJoinedGateUp);
-                }
-            }
-            std::vector<ggml_tensor**> take, rest;
-            for (auto s : cpu_matmuls) {
-                if (joined.count(s)) continue;
-                // Unjoined weights stay in the mapping rather than be copied to a plain buffer.
-                (!plain && buft_supports_matmul(cpu_dev, buft, *s) ? take : rest).push_back(s);
-            }
-            if (!take.empty() || !concats.empty()) {
-                placed_weights_.push_back(std::make_unique<DeviceWeights>());
-                placed_weights_.back()->move(buft, take, concats);
-            }
-            cpu_matmuls.swap(rest);
-        }
-    }
-
-    fail_point("weights");
-    if (river_ && !gpu_ && remote_.empty()) {
-        // Placement is final: the mixed layers point at the placed (joined, repacked) tensors.
-        for (int il = 0; il < hp_.n_layer; ++il) river_mixed_.push_back(with_attention_of(river_->layers[il],
-                                                                                      backbone_.layers[il]));
-    }
-    if (gpu_) backends_.push_back(gpu_.get());
-    for (auto& r : remote_) backends_.push_back(r.get());
-    backends_.push_back(cpu);
+void Engine::start_scheduler() {
+    if (placement_.gpu) backends_.push_back(placement_.gpu.get());
+    for (auto& r : placement_.remote) backends_.push_back(r.get());
+    backends_.push_back(cpu_.get());
     sched_.reset(ggml_backend_sched_new(backends_.data(), nullptr, static_cast<int>(backends_.size()),
                                         graph_size(hp_), false, true));
     if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
     // An exit node stops the backbone graph right after itself: the CPU backend asks this
     // after every node, so the decision costs one flag read per node and no graph split.
-    ggml_backend_cpu_set_abort_callback(cpu, &Engine::abort_requested, this);
+    ggml_backend_cpu_set_abort_callback(cpu_.get(), &Engine::abort_requested, this);
+}
 
-    cache_ = std::make_unique<KvCache>(hp_, cfg.n_ctx, GGML_TYPE_F16, layer_backend);
-    check_links();
-    fail_point("cache");
-    for (int il = 0; il < hp_.n_layer; ++il) {
-        layer_device_.push_back(remote_of[il] >= 0 ? remote_name_[remote_of[il]]
-                                : layer_backend[il] == cpu ? "CPU" : "GPU");
-    }
-
+// The hidden state a stopped backbone graph hands to the river graph.
+void Engine::make_state() {
     ggml_init_params sp{ggml_tensor_overhead() * 4, nullptr, /*no_alloc=*/true};
     state_ctx_.reset(ggml_init(sp));
     if (!state_ctx_) throw std::runtime_error("cannot create the hidden-state context");
     h_state_ = ggml_new_tensor_2d(state_ctx_.get(), GGML_TYPE_F32, hp_.n_embd, n_batch_);
-    state_buf_.reset(ggml_backend_alloc_ctx_tensors(state_ctx_.get(), cpu));
+    state_buf_.reset(ggml_backend_alloc_ctx_tensors(state_ctx_.get(), cpu_.get()));
     if (!state_buf_) throw std::runtime_error("out of memory for the hidden-state buffer");
-    fail_point("end");
-}
-
-std::vector<int> Engine::place_remote_layers(const EngineConfig& cfg) const {
-    const int n_layer = hp_.n_layer;
-    std::vector<int> remote_of(n_layer, -1);
-    if (remote_.empty()) return remote_of;
-    std::vector<int> layers = cfg.rpc_layers;
-    if (layers.empty()) {
-        const int n = cfg.rpc_n_layers < 0 ? n_layer : std::min(cfg.rpc_n_layers, n_layer);
-        for (int il = n_layer - n; il < n_layer; ++il) layers.push_back(il);
-    }
-    std::sort(layers.begin(), layers.end());
-    for (size_t i = 0; i < layers.size(); ++i) {
-        if (layers[i] < 0 || layers[i] >= n_layer) {
-            throw std::invalid_argument("rpc_layers: layer " + std::to_string(layers[i]) + " is outside [0, " +
-                                        std::to_string(n_layer - 1) + "]");
-        }
-        if (i > 0 && layers[i] == layers[i - 1]) {
-            throw std::invalid_argument("rpc_layers: layer " + std::to_string(layers[i]) + " is listed twice");
-        }
-    }
-    // Each device's share: given, or its free memory (llama.cpp's default tensor_split).
-    std::vector<double> share(remote_.size(), 0.0);
-    if (!cfg.rpc_split.empty()) {
-        if (cfg.rpc_split.size() != remote_.size()) {
-            std::string names;
-            for (const auto& n : remote_name_) names += (names.empty() ? "" : ", ") + n;
-            throw std::invalid_argument("rpc_split has " + std::to_string(cfg.rpc_split.size()) +
-                                        " shares but there are " + std::to_string(remote_.size()) +
-                                        " remote devices (" + names + ")");
-        }
-        for (size_t d = 0; d < share.size(); ++d) {
-            if (!(cfg.rpc_split[d] >= 0) || !std::isfinite(cfg.rpc_split[d])) {
-                throw std::invalid_argument("rpc_split shares must be finite and >= 0");
-            }
-            share[d] = cfg.rpc_split[d];
-        }
-    } else {
-        for (size_t d = 0; d < share.size(); ++d) {
-            size_t free = 0, total = 0;
-            ggml_backend_dev_memory(ggml_backend_get_device(remote_[d].get()), &free, &total);
-            share[d] = static_cast<double>(free);
-        }
-    }
-    double sum = 0;
-    for (double x : share) sum += x;
-    if (sum <= 0) std::fill(share.begin(), share.end(), 1.0), sum = double(share.size());
-    // Contiguous runs in device order, as llama.cpp splits layers: the k-th remote layer goes to
-    // the first device whose cumulative share passes k / count.
-    std::vector<double> cum(share.size());
-    double acc = 0;
-    for (size_t d = 0; d < share.size(); ++d) cum[d] = (acc += share[d]) / sum;
-    for (size_t k = 0; k < layers.size(); ++k) {
-        const double at = double(k) / double(layers.size());
-        size_t d = std::upper_bound(cum.begin(), cum.end(), at) - cum.begin();
-        remote_of[layers[k]] = static_cast<int>(std::min(d, share.size() - 1));
-    }
-    return remote_of;
 }
 
 void Engine::check_links() {
@@ -350,6 +254,29 @@ void Engine::check_links() {
 void Engine::truncate(int n) {
     if (n < 0 || n > n_past_) throw std::invalid_argument("truncate position out of range");
     n_past_ = n;
+}
+
+EvalResult Engine::eval(const EvalRequest& req) {
+    check_links();
+    check_request(req);
+    EvalResult out;
+    out.exit_layer = hp_.n_layer - 1;
+    const int n = static_cast<int>(req.tokens.size());
+    try {
+        for (int start = 0; start < n; start += n_batch_) {
+            const int len = std::min(n_batch_, n - start);
+            eval_chunk(req.tokens.data() + start, len, req, out);
+            n_past_ += len;
+        }
+    } catch (const RpcError&) {
+        throw;
+    } catch (...) {
+        check_links();  // a step that failed because a server did reports the server
+        throw;
+    }
+    // After a server failed, the step read placeholders (rpc_link.h): never return them.
+    check_links();
+    return out;
 }
 
 void Engine::check_request(const EvalRequest& req) const {
@@ -387,29 +314,6 @@ void Engine::check_request(const EvalRequest& req) const {
     }
 }
 
-EvalResult Engine::eval(const EvalRequest& req) {
-    check_links();
-    check_request(req);
-    EvalResult out;
-    out.exit_layer = hp_.n_layer - 1;
-    const int n = static_cast<int>(req.tokens.size());
-    try {
-        for (int start = 0; start < n; start += n_batch_) {
-            const int len = std::min(n_batch_, n - start);
-            eval_chunk(req.tokens.data() + start, len, req, out);
-            n_past_ += len;
-        }
-    } catch (const RpcError&) {
-        throw;
-    } catch (...) {
-        check_links();  // a step that failed because a server did reports the server
-        throw;
-    }
-    // After a server failed, the step read placeholders (rpc_link.h): never return them.
-    check_links();
-    return out;
-}
-
 namespace {
 
 // Backbone layers 0..k, river k+1..L-1-tail, backbone again for the tail; k = -1 is river from
@@ -425,47 +329,6 @@ std::vector<Span> depth_spans(int k, int tail, int n_layer) {
 }
 
 }  // namespace
-
-struct Engine::ExitNode {
-    Engine* engine;
-    int layer;
-};
-
-struct Engine::Graph {
-    GraphSpec spec;
-    std::vector<uint8_t> meta;  // the context's tensor and graph descriptions
-    ggml_context* ctx = nullptr;
-    ggml_cgraph* gf = nullptr;
-    ggml_gallocr_t galloc = nullptr;  // a kept graph's own compute buffer
-    BatchInputs in;
-    ggml_tensor* tok_in = nullptr;
-    ggml_tensor* logits = nullptr;
-    std::vector<ExitNode> exit_nodes;  // user data of the exit nodes; reserved, never moved
-
-    Graph() = default;
-    Graph(const Graph&) = delete;
-    Graph& operator=(const Graph&) = delete;
-    ~Graph() {
-        if (galloc) ggml_gallocr_free(galloc);
-        if (ctx) ggml_free(ctx);
-    }
-};
-
-// Members free themselves in reverse order of declaration (see engine.h); Graph is complete here.
-Engine::~Engine() = default;
-
-bool Engine::GraphSpec::operator==(const GraphSpec& o) const {
-    if (n != o.n || n_kv != o.n_kv || from_tokens != o.from_tokens || river_embd != o.river_embd ||
-        exits != o.exits || head != o.head || all_logits != o.all_logits ||
-        backbone_attention != o.backbone_attention || spans.size() != o.spans.size()) {
-        return false;
-    }
-    for (size_t i = 0; i < spans.size(); ++i) {
-        const Span &a = spans[i], &b = o.spans[i];
-        if (a.first != b.first || a.last != b.last || a.river != b.river) return false;
-    }
-    return true;
-}
 
 void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, EvalResult& out) {
     const int last = hp_.n_layer - 1;
@@ -527,41 +390,88 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     note_exit(k);
 }
 
-void Engine::exit_node_op(ggml_tensor* dst, int ith, int nth, void* user) {
-    if (ith != 0) return;  // one thread decides; the others wait at the node's barrier
-    const ExitNode& node = *static_cast<ExitNode*>(user);
-    Engine& e = *node.engine;
-    ExitState& st = e.exit_;
-    const ggml_tensor* h_in = dst->src[0];
-    const ggml_tensor* h_out = dst->src[1];
-    const int64_t d = h_out->ne[0], n = h_out->ne[1];
-    float s_min = INFINITY;
-    for (int64_t i = 0; i < n; ++i) {
-        const float* a = reinterpret_cast<const float*>(static_cast<const char*>(h_in->data) + i * h_in->nb[1]);
-        const float* b = reinterpret_cast<const float*>(static_cast<const char*>(h_out->data) + i * h_out->nb[1]);
-        double dot = 0, na = 0, nb = 0;
-        for (int64_t j = 0; j < d; ++j) {
-            dot += double(a[j]) * b[j];
-            na += double(a[j]) * a[j];
-            nb += double(b[j]) * b[j];
-        }
-        const float s = static_cast<float>(dot / std::sqrt(na * nb));
-        static_cast<float*>(dst->data)[i] = s;
-        s_min = std::min(s_min, s);  // the batch exits together: the minimum decides
+bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) {
+    Graph& g = graph_for(spec);
+    const int n = spec.n;
+
+    std::vector<int32_t> pos(n);
+    std::vector<int64_t> rows(n);
+    for (int i = 0; i < n; ++i) pos[i] = rows[i] = n_past_ + i;
+    ggml_backend_tensor_set(g.in.positions, pos.data(), 0, sizeof(int32_t) * n);
+    ggml_backend_tensor_set(g.in.kv_rows, rows.data(), 0, sizeof(int64_t) * n);
+    if (g.tok_in) ggml_backend_tensor_set(g.tok_in, tokens, 0, sizeof(int32_t) * n);
+    // Causal mask: token i (at position n_past+i) sees positions 0..n_past+i; padding is masked.
+    const int n_kv = spec.n_kv;
+    std::vector<ggml_fp16_t> mask(size_t(n_kv) * n);
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
+    if (g.in.kq_mask) {
+        for (int i = 0; i < n; ++i)
+            for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = j <= n_past_ + i ? zero : neg_inf;
+        ggml_backend_tensor_set(g.in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
     }
-    if (node.layer >= st.record_first && node.layer <= st.record_last) st.similarity->push_back(s_min);
-    if (st.may_exit && node.layer >= st.exit_first && node.layer <= st.exit_last && s_min > st.threshold) {
-        // The river graph starts from this layer's output.
-        for (int64_t i = 0; i < n; ++i) {
-            std::memcpy(static_cast<char*>(e.h_state_->data) + i * e.h_state_->nb[1],
-                        static_cast<const char*>(h_out->data) + i * h_out->nb[1], sizeof(float) * d);
+    if (g.in.kq_mask_swa) {
+        // Sliding window: token i sees only the last n_swa positions up to its own, p - j < n_swa
+        // (llama.cpp's standard window). Rows outside it stay in the cache, masked.
+        for (int i = 0; i < n; ++i) {
+            const int p = n_past_ + i;
+            for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = j <= p && p - j < hp_.n_swa ? zero : neg_inf;
         }
-        st.exit_layer = node.layer;
-        e.abort_ = true;
+        ggml_backend_tensor_set(g.in.kq_mask_swa, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
     }
+
+    abort_ = false;
+    ggml_status status;
+    if (g.galloc) {
+        status = ggml_backend_graph_compute(cpu_.get(), g.gf);
+    } else {
+        if (observer_) ggml_backend_sched_set_eval_callback(sched_.get(), observer_, observer_data_);
+        status = ggml_backend_sched_graph_compute(sched_.get(), g.gf);
+        if (observer_) ggml_backend_sched_set_eval_callback(sched_.get(), nullptr, nullptr);
+    }
+    if (abort_) {
+        abort_ = false;
+        return false;  // an exit node stopped the backbone; the river graph takes over from h_state_
+    }
+    if (status != GGML_STATUS_SUCCESS) throw std::runtime_error("ggml graph compute failed");
+
+    if (g.logits && out) {
+        const int n_rows = static_cast<int>(g.logits->ne[1]);
+        const size_t count = size_t(n_rows) * hp_.n_vocab;
+        if (spec.all_logits) {
+            const size_t old = out->logits.size();
+            out->logits.resize(old + count);
+            ggml_backend_tensor_get(g.logits, out->logits.data() + old, 0, count * sizeof(float));
+            out->n_rows += n_rows;
+        } else {
+            out->logits.resize(count);
+            ggml_backend_tensor_get(g.logits, out->logits.data(), 0, count * sizeof(float));
+            out->n_rows = n_rows;
+        }
+    }
+    return true;
 }
 
-bool Engine::abort_requested(void* engine) { return static_cast<Engine*>(engine)->abort_; }
+Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
+    // Kept: single-token graphs on a CPU-only engine. With a GPU or RPC devices the scheduler
+    // splits the graph across backends, and one scheduler per kept graph would cost too much memory.
+    const bool keep = graph_reuse_ && spec.n == 1 && placement_.local() && !observer_;
+    if (!keep) {
+        transient_.reset();
+        transient_ = build(spec, false);
+        return *transient_;
+    }
+    for (size_t i = 0; i < graphs_.size(); ++i) {
+        if (graphs_[i]->spec == spec) {
+            std::rotate(graphs_.begin() + i, graphs_.begin() + i + 1, graphs_.end());  // most recent last
+            return *graphs_.back();
+        }
+    }
+    // Enough for every exit depth of a few settings; the oldest graph goes first.
+    const size_t max_kept = 2 * size_t(hp_.n_layer) + 8;
+    if (graphs_.size() >= max_kept) graphs_.erase(graphs_.begin());
+    graphs_.push_back(build(spec, true));
+    return *graphs_.back();
+}
 
 std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     auto g = std::make_unique<Graph>();
@@ -657,87 +567,41 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     return g;
 }
 
-Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
-    // Kept: single-token graphs on a CPU-only engine. With a GPU or RPC devices the scheduler
-    // splits the graph across backends, and one scheduler per kept graph would cost too much memory.
-    const bool keep = graph_reuse_ && spec.n == 1 && !gpu_ && remote_.empty() && !observer_;
-    if (!keep) {
-        transient_.reset();
-        transient_ = build(spec, false);
-        return *transient_;
-    }
-    for (size_t i = 0; i < graphs_.size(); ++i) {
-        if (graphs_[i]->spec == spec) {
-            std::rotate(graphs_.begin() + i, graphs_.begin() + i + 1, graphs_.end());  // most recent last
-            return *graphs_.back();
+// Called by the CPU backend while a graph with exit nodes runs.
+void Engine::exit_node_op(ggml_tensor* dst, int ith, int nth, void* user) {
+    if (ith != 0) return;  // one thread decides; the others wait at the node's barrier
+    const ExitNode& node = *static_cast<ExitNode*>(user);
+    Engine& e = *node.engine;
+    ExitState& st = e.exit_;
+    const ggml_tensor* h_in = dst->src[0];
+    const ggml_tensor* h_out = dst->src[1];
+    const int64_t d = h_out->ne[0], n = h_out->ne[1];
+    float s_min = INFINITY;
+    for (int64_t i = 0; i < n; ++i) {
+        const float* a = reinterpret_cast<const float*>(static_cast<const char*>(h_in->data) + i * h_in->nb[1]);
+        const float* b = reinterpret_cast<const float*>(static_cast<const char*>(h_out->data) + i * h_out->nb[1]);
+        double dot = 0, na = 0, nb = 0;
+        for (int64_t j = 0; j < d; ++j) {
+            dot += double(a[j]) * b[j];
+            na += double(a[j]) * a[j];
+            nb += double(b[j]) * b[j];
         }
+        const float s = static_cast<float>(dot / std::sqrt(na * nb));
+        static_cast<float*>(dst->data)[i] = s;
+        s_min = std::min(s_min, s);  // the batch exits together: the minimum decides
     }
-    // Enough for every exit depth of a few settings; the oldest graph goes first.
-    const size_t max_kept = 2 * size_t(hp_.n_layer) + 8;
-    if (graphs_.size() >= max_kept) graphs_.erase(graphs_.begin());
-    graphs_.push_back(build(spec, true));
-    return *graphs_.back();
+    if (node.layer >= st.record_first && node.layer <= st.record_last) st.similarity->push_back(s_min);
+    if (st.may_exit && node.layer >= st.exit_first && node.layer <= st.exit_last && s_min > st.threshold) {
+        // The river graph starts from this layer's output.
+        for (int64_t i = 0; i < n; ++i) {
+            std::memcpy(static_cast<char*>(e.h_state_->data) + i * e.h_state_->nb[1],
+                        static_cast<const char*>(h_out->data) + i * h_out->nb[1], sizeof(float) * d);
+        }
+        st.exit_layer = node.layer;
+        e.abort_ = true;
+    }
 }
 
-bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) {
-    Graph& g = graph_for(spec);
-    const int n = spec.n;
-
-    std::vector<int32_t> pos(n);
-    std::vector<int64_t> rows(n);
-    for (int i = 0; i < n; ++i) pos[i] = rows[i] = n_past_ + i;
-    ggml_backend_tensor_set(g.in.positions, pos.data(), 0, sizeof(int32_t) * n);
-    ggml_backend_tensor_set(g.in.kv_rows, rows.data(), 0, sizeof(int64_t) * n);
-    if (g.tok_in) ggml_backend_tensor_set(g.tok_in, tokens, 0, sizeof(int32_t) * n);
-    // Causal mask: token i (at position n_past+i) sees positions 0..n_past+i; padding is masked.
-    const int n_kv = spec.n_kv;
-    std::vector<ggml_fp16_t> mask(size_t(n_kv) * n);
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
-    if (g.in.kq_mask) {
-        for (int i = 0; i < n; ++i)
-            for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = j <= n_past_ + i ? zero : neg_inf;
-        ggml_backend_tensor_set(g.in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
-    }
-    if (g.in.kq_mask_swa) {
-        // Sliding window: token i sees only the last n_swa positions up to its own, p - j < n_swa
-        // (llama.cpp's standard window). Rows outside it stay in the cache, masked.
-        for (int i = 0; i < n; ++i) {
-            const int p = n_past_ + i;
-            for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = j <= p && p - j < hp_.n_swa ? zero : neg_inf;
-        }
-        ggml_backend_tensor_set(g.in.kq_mask_swa, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
-    }
-
-    abort_ = false;
-    ggml_status status;
-    if (g.galloc) {
-        status = ggml_backend_graph_compute(cpu_.get(), g.gf);
-    } else {
-        if (observer_) ggml_backend_sched_set_eval_callback(sched_.get(), observer_, observer_data_);
-        status = ggml_backend_sched_graph_compute(sched_.get(), g.gf);
-        if (observer_) ggml_backend_sched_set_eval_callback(sched_.get(), nullptr, nullptr);
-    }
-    if (abort_) {
-        abort_ = false;
-        return false;  // an exit node stopped the backbone; the river graph takes over from h_state_
-    }
-    if (status != GGML_STATUS_SUCCESS) throw std::runtime_error("ggml graph compute failed");
-
-    if (g.logits && out) {
-        const int n_rows = static_cast<int>(g.logits->ne[1]);
-        const size_t count = size_t(n_rows) * hp_.n_vocab;
-        if (spec.all_logits) {
-            const size_t old = out->logits.size();
-            out->logits.resize(old + count);
-            ggml_backend_tensor_get(g.logits, out->logits.data() + old, 0, count * sizeof(float));
-            out->n_rows += n_rows;
-        } else {
-            out->logits.resize(count);
-            ggml_backend_tensor_get(g.logits, out->logits.data(), 0, count * sizeof(float));
-            out->n_rows = n_rows;
-        }
-    }
-    return true;
-}
+bool Engine::abort_requested(void* engine) { return static_cast<Engine*>(engine)->abort_; }
 
 }  // namespace river

@@ -2,8 +2,10 @@
 // exit decision between them. Work runs as ggml graphs on ggml-backend (CPU, or a GPU
 // backend for offloaded layers through the scheduler).
 #pragma once
+#include <iterator>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ggml-backend.h"
@@ -12,6 +14,7 @@
 #include "gguf_file.h"
 #include "hparams.h"
 #include "kv_cache.h"
+#include "placement.h"
 #include "rpc_link.h"
 #include "weights.h"
 
@@ -44,6 +47,29 @@ enum class ExitMode {
     Fixed = 3,      // exit after layer exit_layer for every token
 };
 
+// The one table of the modes' names and codes. The Python module exports it as EXIT_MODES
+// (name -> code), and the Python package takes its codes from there.
+struct ExitModeName {
+    const char* name;
+    ExitMode mode;
+};
+inline constexpr ExitModeName kExitModes[] = {
+    {"backbone", ExitMode::Backbone},
+    {"river", ExitMode::River},
+    {"river-only", ExitMode::RiverOnly},
+    {"fixed", ExitMode::Fixed},
+};
+// Entry i is code i, so a code is valid when it indexes the table.
+constexpr bool exit_modes_in_order() {
+    for (size_t i = 0; i < std::size(kExitModes); ++i) {
+        if (static_cast<size_t>(kExitModes[i].mode) != i) return false;
+    }
+    return true;
+}
+static_assert(exit_modes_in_order(), "kExitModes: entry i must be the mode of code i");
+static_assert(std::size(kExitModes) == static_cast<size_t>(ExitMode::Fixed) + 1, "kExitModes misses a mode");
+inline bool is_exit_mode(int code) { return code >= 0 && static_cast<size_t>(code) < std::size(kExitModes); }
+
 struct EvalRequest {
     std::vector<int32_t> tokens;
     ExitMode mode = ExitMode::Backbone;
@@ -64,6 +90,8 @@ struct Span {
     int first;
     int last;
     bool river;
+    auto key() const { return std::tie(first, last, river); }  // every field; see Engine::GraphSpec
+    bool operator==(const Span& o) const { return key() == o.key(); }
 };
 
 struct EvalResult {
@@ -86,9 +114,9 @@ public:
     bool river_has_head() const { return river_ && river_->head; }
     int n_ctx() const { return cache_->n_ctx(); }
     int n_past() const { return n_past_; }
-    bool gpu_offload() const { return gpu_ != nullptr; }
+    bool gpu_offload() const { return placement_.gpu != nullptr; }
     // Where each layer (and its KV cache) lives: "CPU", "GPU" or an RPC server's host:port.
-    const std::vector<std::string>& layer_devices() const { return layer_device_; }
+    const std::vector<std::string>& layer_devices() const { return placement_.layer_device; }
 
     // Forget cache rows n.. (keeps a shared prefix for the next prompt).
     void truncate(int n);
@@ -107,6 +135,14 @@ private:
     // What one graph computes. Single-token graphs are position-independent (the KV write goes
     // through row indices and the attention covers a padded n_kv), so equal specs can share one
     // built and allocated graph across decode steps.
+    //
+    // Equal specs must mean equal graphs: a field left out of the comparison would hand back a
+    // kept graph built for another spec, silently. So == compares key(), one tuple of the fields,
+    // and a static_assert (at operator==, engine.cpp) counts the struct's fields against the
+    // tuple's: a field added here but not to key() stops the build (a sizeof guard would hang
+    // on padding and on the standard library's sizeof(std::vector); the count depends on neither).
+    // This is llama.cpp's llm_graph_result::can_reuse (the kept graph is reused only when its
+    // parameters all match), with the compiler checking that the list is whole.
     struct GraphSpec {
         int n = 0;                   // tokens
         int n_kv = 0;                // cache rows attended over (padded for one token)
@@ -117,6 +153,9 @@ private:
         Head head = Head::Backbone;
         bool all_logits = false;
         bool backbone_attention = false;  // river spans use river_mixed_
+        auto key() const {
+            return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, head, all_logits, backbone_attention);
+        }
         bool operator==(const GraphSpec& o) const;
     };
     struct ExitNode;
@@ -134,12 +173,14 @@ private:
     static void exit_node_op(ggml_tensor* dst, int ith, int nth, void* node);
     static bool abort_requested(void* engine);
 
-    void load(const EngineConfig& cfg);  // the constructor's work
+    void load(const EngineConfig& cfg);  // the constructor's work, in the steps below
+    void load_weights(const EngineConfig& cfg);
+    void start_cpu(const EngineConfig& cfg);
+    void start_scheduler();
+    void make_state();
     void check_request(const EvalRequest& req) const;
     // Throws RpcError (and keeps refusing work) once a server has failed; see rpc_link.h.
     void check_links();
-    // Give each remote device its share of the remote layers (-1: local).
-    std::vector<int> place_remote_layers(const EngineConfig& cfg) const;
     // One chunk of at most n_batch tokens, all at positions n_past_..
     void eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, EvalResult& out);
     // Run `spec` on `tokens` (or on h_state_); false when an exit node stopped it.
@@ -170,18 +211,15 @@ private:
     };
     std::unique_ptr<ggml_threadpool, ThreadpoolFree> threadpool_;
     ggml_backend_ptr cpu_;
-    ggml_backend_ptr gpu_;
-    std::vector<ggml_backend_ptr> remote_;  // one per device of the RPC servers, in order
-    std::vector<std::string> remote_name_;  // the server's host:port (#device when it has several)
-    std::vector<std::string> layer_device_;
-    std::vector<ggml_backend_t> backends_;  // the scheduler's list: gpu_ (if any), remote_, cpu_; not owned
+    // The GPU and remote backends and the weights placed on them (or repacked for the CPU).
+    Placement placement_;
+    std::vector<ggml_backend_t> backends_;  // the scheduler's list: GPU (if any), remote, CPU; not owned
 
     // Hidden state handed from a stopped backbone graph to the river graph.
     ggml_context_ptr state_ctx_;
     ggml_backend_buffer_ptr state_buf_;
     ggml_tensor* h_state_ = nullptr;    // F32 [n_embd, n_batch]
 
-    std::vector<std::unique_ptr<DeviceWeights>> placed_weights_;  // GPU copies, repacked CPU copies
     std::unique_ptr<KvCache> cache_;
     ggml_backend_sched_ptr sched_;      // for graphs that are not kept (prompts)
 

@@ -49,7 +49,6 @@ struct HParams {
     int n_embd_k_gqa() const { return head_dim_k * n_head_kv; }
     int n_embd_v_gqa() const { return head_dim_v * n_head_kv; }
     bool is_swa(int il) const { return n_swa > 0 && swa_layers[il]; }
-    bool any_swa() const { return n_swa > 0; }
 };
 
 // Throws UnsupportedModelError naming the supported architectures.

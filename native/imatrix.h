@@ -1,5 +1,5 @@
-// Activation statistics for importance-matrix ("imatrix") quantization, and ggml's weighted
-// quantization of rows.
+// Activation statistics for importance-matrix ("imatrix") quantization (the quantizer that
+// takes them is in quantize.h).
 //
 // The statistic is the one llama.cpp's llama-imatrix collects: for every matrix multiplication
 // by a model weight W (n_cols inputs), the per-column sum over all input rows (tokens) of x_j^2,
@@ -56,15 +56,5 @@ std::string weight_name(const ggml_tensor* mul_mat);
 // Throws std::runtime_error when the statistics hit a problem (non-finite activations, a weight
 // whose width changed between runs).
 void collect_activations(Engine& engine, const std::vector<int32_t>& tokens, ActivationStats& stats);
-
-// ggml's quantization of `nrows` rows of `ncols` floats to `type`, with per-column importance
-// weights (`importance`: ncols floats, or nullptr for ggml's plain rounding), split over
-// `n_threads` threads. Throws std::invalid_argument on a type ggml cannot quantize to, a width
-// that is not a whole number of blocks, or a missing importance the type requires.
-std::vector<uint8_t> quantize_rows(int type, const float* data, int64_t nrows, int64_t ncols, const float* importance,
-                                   int n_threads);
-
-// Bytes one row of `ncols` values takes in `type` (after the same checks as quantize_rows).
-size_t quantized_row_size(int type, int64_t ncols, bool has_importance);
 
 }  // namespace river

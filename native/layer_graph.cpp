@@ -24,11 +24,6 @@ ggml_tensor* rms_norm(ggml_context* ctx, ggml_tensor* x, ggml_tensor* weight, fl
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), weight);
 }
 
-ggml_tensor* linear(ggml_context* ctx, ggml_tensor* w, ggml_tensor* b, ggml_tensor* x) {
-    ggml_tensor* y = ggml_mul_mat(ctx, w, x);
-    return b ? ggml_add(ctx, y, b) : y;
-}
-
 // Q, K and V as [width, n_tokens]. With a joined weight they are row ranges of one product:
 // strided views, which the ops below read in place.
 struct Projections {
@@ -223,13 +218,6 @@ ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HPara
         case Arch::Phi3: return phi3_layer(L, h);
     }
     return h;  // unreachable: read_hparams accepts only the families above
-}
-
-ggml_tensor* build_state_similarity(ggml_context* ctx, ggml_tensor* h_in, ggml_tensor* h_out) {
-    ggml_tensor* dot = ggml_sum_rows(ctx, ggml_mul(ctx, h_in, h_out));
-    ggml_tensor* n_in = ggml_sum_rows(ctx, ggml_sqr(ctx, h_in));
-    ggml_tensor* n_out = ggml_sum_rows(ctx, ggml_sqr(ctx, h_out));
-    return ggml_div(ctx, dot, ggml_sqrt(ctx, ggml_mul(ctx, n_in, n_out)));
 }
 
 ggml_tensor* build_head(ggml_context* ctx, const HParams& hp, ggml_tensor* output_norm, ggml_tensor* head,

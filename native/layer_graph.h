@@ -1,6 +1,6 @@
 // Graph pieces for the supported decoders: the embedding, one decoder layer (a function per
-// architecture family, sharing norms, rope, attention and FFN), the exit-decision node, and the
-// output head. Each function adds nodes to `gf` and returns the result.
+// architecture family, sharing norms, rope, attention and FFN), and the output head. Each
+// function adds nodes to `gf` and returns the result.
 #pragma once
 #include "ggml.h"
 #include "hparams.h"
@@ -32,9 +32,6 @@ ggml_tensor* build_embedding(ggml_context* ctx, const HParams& hp, ggml_tensor* 
 ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HParams& hp, const LayerWeights& w,
                                  ggml_tensor* rope_freqs, KvCache& cache, int il, const BatchInputs& in,
                                  ggml_tensor* h);
-
-// Exit-decision node: cos(h_in, h_out) for each token, F32 [1, n_tokens].
-ggml_tensor* build_state_similarity(ggml_context* ctx, ggml_tensor* h_in, ggml_tensor* h_out);
 
 // Final RMS norm, the head, and the architecture's logit scale or cap: logits F32 [n_vocab, n_rows].
 ggml_tensor* build_head(ggml_context* ctx, const HParams& hp, ggml_tensor* output_norm, ggml_tensor* head,

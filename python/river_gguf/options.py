@@ -6,8 +6,11 @@ from typing import Optional
 
 import numpy as np
 
-# Engine mode codes (native/engine.h ExitMode).
-_BACKBONE, _RIVER, _RIVER_ONLY, _FIXED = 0, 1, 2, 3
+from ._loader import native as _native  # already loaded by the package's __init__: costs nothing
+
+#: Engine.eval's mode codes by name: the one table, native/engine.h kExitModes.
+EXIT_MODES = dict(_native.EXIT_MODES)
+_BACKBONE, _RIVER, _RIVER_ONLY, _FIXED = (EXIT_MODES[m] for m in ("backbone", "river", "river-only", "fixed"))
 
 MODES = ("river", "backbone", "river-only")
 # Whose attention weights a river layer runs: its own, or the backbone's (with its own FFN).

@@ -201,7 +201,7 @@ def _measure(t, measure: str) -> float:
     return type_cost(t.tensor_type.name, n) if len(t.shape) > 1 and int(t.shape[1]) > 1 else 0.0
 
 
-# The weights river_gguf joins into one mat-mul when they share a type (engine.cpp, cfg.fuse).
+# The weights river_gguf joins into one mat-mul when they share a type (native/placement.cpp, cfg.fuse).
 _JOINS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 

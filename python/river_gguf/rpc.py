@@ -1,7 +1,7 @@
 """Layers on other machines through ggml's RPC backend (ggml-rpc): the client's options.
 
-The engine places layers on the servers' devices (native/engine.cpp) and guards the connections
-(native/rpc.h); this module checks the options Model and the CLI take and turns them into the
+The engine places layers on the servers' devices (native/placement.cpp) and guards the connections
+(native/rpc_link.h); this module checks the options Model and the CLI take and turns them into the
 engine's arguments. Servers are `river-gguf rpc-server` or llama.cpp's `rpc-server` of the same
 ggml version. The protocol has no authentication: use it on trusted networks only.
 """

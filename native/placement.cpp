@@ -1,0 +1,211 @@
+#include "placement.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <stdexcept>
+
+#include "engine.h"
+#ifdef RIVER_HAVE_RPC
+#include "ggml-rpc.h"
+#endif
+
+namespace river {
+
+namespace {
+
+// RPC servers: each server's devices through ggml-rpc, reached through a guarded link.
+void connect_servers(const EngineConfig& cfg, std::vector<std::unique_ptr<RpcLink>>& links,
+                     const std::function<void()>& check_links, Placement& out) {
+    for (const std::string& endpoint : cfg.rpc_servers) {
+        links.push_back(std::make_unique<RpcLink>(endpoint, cfg.rpc_timeout));  // throws without RPC
+#ifdef RIVER_HAVE_RPC
+        ggml_backend_reg_t reg = ggml_backend_rpc_add_server(links.back()->local_endpoint().c_str());
+        check_links();
+        const size_t n_dev = reg ? ggml_backend_reg_dev_count(reg) : 0;
+        if (n_dev == 0) throw RpcError("RPC server '" + endpoint + "' offers no devices");
+        for (size_t i = 0; i < n_dev; ++i) {
+            out.remote.emplace_back(ggml_backend_dev_init(ggml_backend_reg_dev_get(reg, i), nullptr));
+            check_links();
+            if (!out.remote.back()) throw RpcError("cannot start a backend on RPC server '" + endpoint + "'");
+            out.remote_name.push_back(n_dev > 1 ? endpoint + "#" + std::to_string(i) : endpoint);
+        }
+#endif
+    }
+}
+
+// Give each remote device its share of the remote layers (-1: local).
+std::vector<int> place_remote_layers(const EngineConfig& cfg, int n_layer, const Placement& p) {
+    std::vector<int> remote_of(n_layer, -1);
+    if (p.remote.empty()) return remote_of;
+    std::vector<int> layers = cfg.rpc_layers;
+    if (layers.empty()) {
+        const int n = cfg.rpc_n_layers < 0 ? n_layer : std::min(cfg.rpc_n_layers, n_layer);
+        for (int il = n_layer - n; il < n_layer; ++il) layers.push_back(il);
+    }
+    std::sort(layers.begin(), layers.end());
+    for (size_t i = 0; i < layers.size(); ++i) {
+        if (layers[i] < 0 || layers[i] >= n_layer) {
+            throw std::invalid_argument("rpc_layers: layer " + std::to_string(layers[i]) + " is outside [0, " +
+                                        std::to_string(n_layer - 1) + "]");
+        }
+        if (i > 0 && layers[i] == layers[i - 1]) {
+            throw std::invalid_argument("rpc_layers: layer " + std::to_string(layers[i]) + " is listed twice");
+        }
+    }
+    // Each device's share: given, or its free memory (llama.cpp's default tensor_split).
+    std::vector<double> share(p.remote.size(), 0.0);
+    if (!cfg.rpc_split.empty()) {
+        if (cfg.rpc_split.size() != p.remote.size()) {
+            std::string names;
+            for (const auto& n : p.remote_name) names += (names.empty() ? "" : ", ") + n;
+            throw std::invalid_argument("rpc_split has " + std::to_string(cfg.rpc_split.size()) +
+                                        " shares but there are " + std::to_string(p.remote.size()) +
+                                        " remote devices (" + names + ")");
+        }
+        for (size_t d = 0; d < share.size(); ++d) {
+            if (!(cfg.rpc_split[d] >= 0) || !std::isfinite(cfg.rpc_split[d])) {
+                throw std::invalid_argument("rpc_split shares must be finite and >= 0");
+            }
+            share[d] = cfg.rpc_split[d];
+        }
+    } else {
+        for (size_t d = 0; d < share.size(); ++d) {
+            size_t free = 0, total = 0;
+            ggml_backend_dev_memory(ggml_backend_get_device(p.remote[d].get()), &free, &total);
+            share[d] = static_cast<double>(free);
+        }
+    }
+    double sum = 0;
+    for (double x : share) sum += x;
+    if (sum <= 0) std::fill(share.begin(), share.end(), 1.0), sum = double(share.size());
+    // Contiguous runs in device order, as llama.cpp splits layers: the k-th remote layer goes to
+    // the first device whose cumulative share passes k / count.
+    std::vector<double> cum(share.size());
+    double acc = 0;
+    for (size_t d = 0; d < share.size(); ++d) cum[d] = (acc += share[d]) / sum;
+    for (size_t k = 0; k < layers.size(); ++k) {
+        const double at = double(k) / double(layers.size());
+        size_t d = std::upper_bound(cum.begin(), cum.end(), at) - cum.begin();
+        remote_of[layers[k]] = static_cast<int>(std::min(d, share.size() - 1));
+    }
+    return remote_of;
+}
+
+// CPU mat-mul weights go to the first extra buffer type that takes them (repacked Q4_0/Q8_0/...
+// layouts), where the CPU kernels read them faster than from the mapping. They are copied there
+// anyway, so Q/K/V and gate/up are joined on the way (`fuse`).
+void repack_cpu_weights(ggml_backend_t cpu, const std::vector<LayerWeights*>& cpu_layers,
+                        std::vector<ggml_tensor**> cpu_matmuls, bool fuse, Placement& out) {
+    ggml_backend_dev_t cpu_dev = ggml_backend_get_device(cpu);
+    // Last, the plain CPU buffer type: layers no repacked type takes (F16, K-quants) are
+    // still joined, in a copy; the mapping's pages they came from are then left unread.
+    std::vector<ggml_backend_buffer_type_t> bufts = cpu_extra_buffer_types();
+    bufts.push_back(ggml_backend_cpu_buffer_type());
+    for (ggml_backend_buffer_type_t buft : bufts) {
+        const bool plain = buft == ggml_backend_cpu_buffer_type();
+        std::vector<DeviceWeights::Concat> concats;
+        std::set<ggml_tensor**> joined;
+        auto join = [&](std::vector<ggml_tensor**> parts, ggml_tensor** target, const char* what) {
+            std::vector<ggml_tensor*> ts;
+            for (auto p : parts) ts.push_back(*p);
+            if (*target || !concat_supported(cpu_dev, buft, ts)) return;
+            concats.push_back({ts, target, std::string(ggml_get_name(ts[0])) + what});
+            joined.insert(parts.begin(), parts.end());
+        };
+        if (fuse) {
+            for (LayerWeights* w : cpu_layers) {
+                join({&w->wq, &w->wk, &w->wv}, &w->wqkv, kJoinedQKV);
+                join({&w->ffn_gate, &w->ffn_up}, &w->ffn_gate_up, kJoinedGateUp);
+            }
+        }
+        std::vector<ggml_tensor**> take, rest;
+        for (auto s : cpu_matmuls) {
+            if (joined.count(s)) continue;
+            // Unjoined weights stay in the mapping rather than be copied to a plain buffer.
+            (!plain && buft_supports_matmul(cpu_dev, buft, *s) ? take : rest).push_back(s);
+        }
+        if (!take.empty() || !concats.empty()) {
+            out.weights.push_back(std::make_unique<DeviceWeights>());
+            out.weights.back()->move(buft, take, concats);
+        }
+        cpu_matmuls.swap(rest);
+    }
+}
+
+}  // namespace
+
+void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cpu, BackboneWeights& backbone,
+                   RiverWeights* river, std::vector<std::unique_ptr<RpcLink>>& links,
+                   const std::function<void()>& check_links, Placement& out) {
+    connect_servers(cfg, links, check_links, out);
+    const std::vector<int> remote_of = place_remote_layers(cfg, hp.n_layer, out);
+
+    // Offload the last n_gpu_layers layers (and the head once all layers are), as llama.cpp does;
+    // layers placed on RPC servers stay there.
+    out.layer_backend.assign(hp.n_layer, cpu);
+    if (cfg.n_gpu_layers > 0) {
+        if (ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU)) {
+            out.gpu.reset(ggml_backend_dev_init(dev, nullptr));
+        }
+    }
+    const int first_gpu = out.gpu ? std::max(0, hp.n_layer - cfg.n_gpu_layers) : hp.n_layer;
+    const bool head_on_gpu = out.gpu && cfg.n_gpu_layers > hp.n_layer;
+    // Each head gets its own slot: a tied head is placed apart from the embedding table,
+    // which stays in the mapping for get_rows.
+    std::vector<ggml_tensor**> heads = {&backbone.output};
+    if (river && river->head) heads.push_back(&river->head);
+    // Whose weights of a remote layer live with it; the others stay local and the scheduler
+    // runs them here, reading the layer's cache there.
+    auto backbone_remote = [&](int il) { return remote_of[il] >= 0 && cfg.rpc_weights != 2; };
+    auto river_remote = [&](int il) { return remote_of[il] >= 0 && cfg.rpc_weights != 1; };
+    for (size_t d = 0; d < out.remote.size(); ++d) {
+        std::vector<ggml_tensor**> slots;
+        for (int il = 0; il < hp.n_layer; ++il) {
+            if (remote_of[il] != static_cast<int>(d)) continue;
+            out.layer_backend[il] = out.remote[d].get();
+            if (backbone_remote(il)) for (auto s : layer_slots(backbone.layers[il])) slots.push_back(s);
+            if (river && river_remote(il)) for (auto s : layer_slots(river->layers[il])) slots.push_back(s);
+        }
+        if (slots.empty()) continue;
+        out.weights.push_back(std::make_unique<DeviceWeights>());
+        out.weights.back()->move(ggml_backend_get_default_buffer_type(out.remote[d].get()), slots);
+        check_links();
+    }
+    if (out.gpu) {
+        std::vector<ggml_tensor**> slots;
+        for (int il = first_gpu; il < hp.n_layer; ++il) {
+            if (remote_of[il] >= 0) continue;
+            out.layer_backend[il] = out.gpu.get();
+            for (auto s : layer_slots(backbone.layers[il])) slots.push_back(s);
+            if (river) for (auto s : layer_slots(river->layers[il])) slots.push_back(s);
+        }
+        if (head_on_gpu) {
+            slots.push_back(&backbone.output_norm);
+            slots.insert(slots.end(), heads.begin(), heads.end());
+        }
+        ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(out.gpu.get());
+        check_device_matmul(ggml_backend_get_device(out.gpu.get()), buft, slots);
+        out.weights.push_back(std::make_unique<DeviceWeights>());
+        out.weights.back()->move(buft, slots);
+    }
+    if (cfg.repack) {
+        std::vector<LayerWeights*> cpu_layers;
+        for (int il = 0; il < hp.n_layer; ++il) {
+            if (il >= first_gpu && remote_of[il] < 0) continue;  // on the GPU
+            if (!backbone_remote(il)) cpu_layers.push_back(&backbone.layers[il]);
+            if (river && !river_remote(il)) cpu_layers.push_back(&river->layers[il]);
+        }
+        std::vector<ggml_tensor**> cpu_matmuls;
+        for (LayerWeights* w : cpu_layers) for (auto s : matmul_slots(*w)) cpu_matmuls.push_back(s);
+        if (!head_on_gpu) cpu_matmuls.insert(cpu_matmuls.end(), heads.begin(), heads.end());
+        repack_cpu_weights(cpu, cpu_layers, std::move(cpu_matmuls), cfg.fuse, out);
+    }
+
+    for (int il = 0; il < hp.n_layer; ++il) {
+        out.layer_device.push_back(remote_of[il] >= 0 ? out.remote_name[remote_of[il]]
+                                   : out.layer_backend[il] == cpu ? "CPU" : "GPU");
+    }
+}
+
+}  // namespace river

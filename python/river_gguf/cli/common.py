@@ -1,12 +1,14 @@
 """What every subcommand shares: the program name, the usage error, the parent parsers of the
 model / exit / sampling options, and the loaders of a Model or a Llama from parsed options.
-Light to import: the native module and numpy load only when a handler runs."""
+Models load only when a handler runs."""
 import argparse
 import math
 import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
+
+from ..options import MODES, RIVER_ATTENTION
 
 PROG = "river-gguf"
 
@@ -84,8 +86,6 @@ def rpc_model_kwargs(args) -> dict:
 
 
 def add_exit_args(p: argparse.ArgumentParser) -> None:
-    from ..options import MODES, RIVER_ATTENTION  # tiny module, no native code
-
     p.add_argument("--mode", choices=MODES, default=None, help="exit mode (default: the file's own)")
     p.add_argument("--threshold", "--tau", dest="threshold", type=float, default=None, metavar="TAU",
                    help="exit when cos(h_in, h_out) >= TAU (> 1: never)")

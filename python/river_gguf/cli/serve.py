@@ -3,7 +3,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..options import MODES  # tiny module, no native code
+from ..options import MODES
 from ..serve.settings import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
 from .common import UsageError, default_model_for_cli, rpc_model_kwargs
 

@@ -221,7 +221,9 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     bb = _tiny(tmp_path)
     before = _sha(bb)
     calls = []
-    real = convert._write_one
+    from river_gguf.convert import gguf_copy
+
+    real = gguf_copy.write_one
 
     def flaky(w, t):
         calls.append(t.name)
@@ -229,7 +231,7 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
             raise KeyboardInterrupt("simulated ^C mid-write")
         real(w, t)
 
-    monkeypatch.setattr(convert, "_write_one", flaky)
+    monkeypatch.setattr(gguf_copy, "write_one", flaky)
     with pytest.raises(KeyboardInterrupt):
         _build_tiny(bb, tmp_path / "out.gguf")
     assert len(calls) == 10

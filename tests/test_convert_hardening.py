@@ -30,7 +30,7 @@ import pytest
 import gguf
 
 import river_gguf
-from river_gguf import default_model, gguf_io, temp_files
+from river_gguf import default_model, gguf_io
 from river_gguf.calibrate import presets as calibrate_presets
 from river_gguf.convert import build as convert
 from river_gguf.convert.build import build_river_gguf
@@ -333,13 +333,13 @@ def test_stale_temp_files_of_dead_writers_only(tmp_path):
         }
         for n in names:
             (tmp_path / n).write_bytes(b"x")
-        stale = {pathlib.Path(p).name for p in temp_files.stale_temp_files(tmp_path, "out.gguf")}
+        stale = {pathlib.Path(p).name for p in gguf_io.stale_temp_files(tmp_path, "out.gguf")}
         assert stale == {n for n, s in names.items() if s}
-        removed = temp_files.remove_stale_temp_files(tmp_path, "out.gguf")
+        removed = gguf_io.remove_stale_temp_files(tmp_path, "out.gguf")
         assert {pathlib.Path(p).name for p in removed} == stale
         assert _files(tmp_path) == {n for n, s in names.items() if not s}
         # Without a name: every output's stale temp files (what the cache does).
-        temp_files.remove_stale_temp_files(tmp_path)
+        gguf_io.remove_stale_temp_files(tmp_path)
         assert _files(tmp_path) == {f".out.gguf.{live.pid}.0123abcd.river.tmp", "notes.tmp", "out.gguf"}
     finally:
         live.kill()
@@ -369,7 +369,7 @@ def no_work(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("work started before the output path was checked")
 
-    monkeypatch.setattr(convert, "_check_loadable", fail)
+    monkeypatch.setattr(convert, "check_loadable", fail)
 
 
 def test_folder_as_output_refused_up_front(tiny, tmp_path, no_work):

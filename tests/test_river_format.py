@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from river_gguf import GGUFFormatError, Model, river_format
-from river_gguf.convert.build import (FORMAT_VERSION, RIVER_PREFIX, _new_writer, _plain_tensors, _write_tensors,
-                                build_river_gguf, upgrade_river_gguf)
+from river_gguf.convert.build import FORMAT_VERSION, RIVER_PREFIX, build_river_gguf, upgrade_river_gguf
+from river_gguf.convert.gguf_copy import new_writer, plain_tensors, write_tensors
 from river_gguf.gguf_meta import set_river_metadata
 from river_gguf.testing import LlamaCppOracle, write_tiny_model
 
@@ -33,12 +33,12 @@ def _write_format1(river_path, out):
     """The old layout: river tensors in the GGUF index, river.format_version 1, no river index."""
     r = gguf.GGUFReader(river_path)
     rv = river_format.river_tensors(r)
-    with contextlib.closing(_new_writer(str(out), r)) as w:  # river.* keys left out, then put back
+    with contextlib.closing(new_writer(str(out), r)) as w:  # river.* keys left out, then put back
         for key, field in r.fields.items():
             if key.startswith(RIVER_PREFIX) and key not in river_format.INDEX_KEYS + (river_format.VERSION_KEY,):
                 w.add_key_value(key, field.contents(), field.types[0])
         w.add_key_value(river_format.VERSION_KEY, 1, gguf.GGUFValueType.UINT32)
-        _write_tensors(w, [(t.name, t) for t in _plain_tensors(r)] + [(t.name, t) for t in rv], False, "v1")
+        write_tensors(w, [(t.name, t) for t in plain_tensors(r)] + [(t.name, t) for t in rv], False, "v1")
     return out
 
 

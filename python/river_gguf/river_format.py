@@ -50,7 +50,8 @@ class RiverTensor:
     data: np.ndarray
 
 
-def _field(reader, key: str):
+def read_field(reader, key: str):
+    """A metadata value of a gguf.GGUFReader, or None when the key is absent."""
     f = reader.fields.get(key)
     return None if f is None else f.contents()
 
@@ -58,7 +59,7 @@ def _field(reader, key: str):
 def format_version(reader) -> int:
     """The file's River format version: 0 for a plain GGUF (no river), else river.format_version
     (1 for files written before the key existed but holding river.* tensors)."""
-    v = _field(reader, VERSION_KEY)
+    v = read_field(reader, VERSION_KEY)
     if v is not None:
         return int(v)
     return 1 if any(t.name.startswith(RIVER_PREFIX) for t in reader.tensors) else 0
@@ -67,7 +68,7 @@ def format_version(reader) -> int:
 def river_data_start(reader) -> int:
     """Where a version-2 file's river data begins: the first multiple of the alignment at or after
     the end of the backbone's last tensor (or the data section's start, for a file with none)."""
-    align = int(_field(reader, "general.alignment") or 32)
+    align = int(read_field(reader, "general.alignment") or 32)
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=int(reader.data_offset))
     return _align(end, align)
 
@@ -94,13 +95,13 @@ def river_tensors(reader) -> List[Any]:
     if version != FORMAT_VERSION:
         raise ValueError(f"River format version {version} is not supported (this river_gguf reads 1 and "
                          f"{FORMAT_VERSION})")
-    names = _field(reader, NAMES_KEY)
-    types = _field(reader, TYPES_KEY)
-    shapes = _field(reader, SHAPES_KEY)
-    offsets = _field(reader, OFFSETS_KEY)
-    size = _field(reader, DATA_SIZE_KEY)
+    names = read_field(reader, NAMES_KEY)
+    types = read_field(reader, TYPES_KEY)
+    shapes = read_field(reader, SHAPES_KEY)
+    offsets = read_field(reader, OFFSETS_KEY)
+    size = read_field(reader, DATA_SIZE_KEY)
     if names is None or types is None or shapes is None or offsets is None or size is None:
-        missing = [k for k in INDEX_KEYS if _field(reader, k) is None]
+        missing = [k for k in INDEX_KEYS if read_field(reader, k) is None]
         raise ValueError(f"River format {FORMAT_VERSION} file without its river index ({', '.join(missing)})")
     n = len(names)
     if len(types) != n or len(offsets) != n or len(shapes) != 4 * n:

@@ -40,10 +40,12 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..calibrate import open_model as _open_model  # noqa: E402  (light: its imports are lazy)
-from ..river_format import FORMAT_VERSION  # noqa: E402  (2: the river after the backbone's data)
+from ..river_format import FORMAT_VERSION, RIVER_PREFIX, read_field  # (2: the river after the backbone's data)
+from .gguf_copy import (arch, check_loadable, is_river_gguf, new_writer, np_shape, open_reader, plain_tensors,  # noqa: F401
+                        river_tensors_by_name, same_file, temp_path, type_name, write_plain_copy,
+                        write_river_file)
 DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
 IMATRIX_AUTO = "auto"     # collect the importance matrix on the calibration split
-RIVER_PREFIX = "river."
 PREFILL_CHOICES = ("backbone", "river")
 DEFAULT_RIVER_TYPE = "q4_k_m"
 BACKBONE_TYPES = ("auto", "f16", "q8_0")
@@ -94,72 +96,6 @@ def _mismatch(msg: str) -> Exception:
 
 
 # ----- reading --------------------------------------------------------------------------
-def _check_loadable(path: str) -> dict:
-    """Let the engine vet the file (magic, header, tensor extents, architecture, shapes).
-
-    Raises GGUFFormatError (not GGUF, truncated), UnsupportedModelError (architecture) or
-    RiverMismatchError before this module reads anything with the gguf package.
-    """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model file not found: {path}")
-    from ..gguf_io import deferred_interrupts
-
-    native = _errors()
-    with deferred_interrupts():  # libllama's vocab loader logs through a ctypes callback (see _open_model)
-        engine = native.Engine(path, "", 8, 1, 8, 0)  # n_ctx=8: a tiny KV cache, opens in milliseconds
-    hparams = dict(engine.hparams)
-    del engine
-    return hparams
-
-
-def _reader(path: str):
-    import gguf
-
-    return gguf.GGUFReader(path)
-
-
-def _arch(reader) -> str:
-    return str(reader.fields["general.architecture"].contents())
-
-
-def _field(reader, key: str):
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
-
-
-def _np_shape(t) -> Tuple[int, ...]:
-    """A reader tensor's shape in numpy order (rows first), as add_tensor_info takes it."""
-    return tuple(int(x) for x in reversed(t.shape))
-
-
-def _type_name(t) -> str:
-    import gguf
-
-    return gguf.GGMLQuantizationType(int(t.tensor_type)).name
-
-
-def is_river_gguf(reader) -> bool:
-    """True if the file already carries a river (tensors or metadata under ``river.``)."""
-    return any(t.name.startswith(RIVER_PREFIX) for t in reader.tensors) or any(
-        k.startswith(RIVER_PREFIX) for k in reader.fields
-    )
-
-
-def _plain_tensors(reader) -> List[Any]:
-    return [t for t in reader.tensors if not t.name.startswith(RIVER_PREFIX)]
-
-
-def _river_tensors(reader, prefix: str) -> Dict[str, Any]:
-    """The river's tensors of ``reader`` by plain name (``prefix`` stripped): from the GGUF index
-    (format 1) or the river index (format 2)."""
-    from ..river_format import river_tensors
-
-    try:
-        return {t.name[len(prefix):]: t for t in river_tensors(reader) if t.name.startswith(prefix)}
-    except ValueError as e:
-        raise _errors().GGUFFormatError(str(e)) from None
-
-
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -180,13 +116,13 @@ def compare_models(bb_reader, rv_reader, rv_tensors: Optional[Dict[str, Any]] = 
     Checked: architecture, hyperparameters, vocabulary, and every per-layer tensor (same
     names, same shapes), plus the token embedding / output head shapes.
     """
-    a_bb, a_rv = _arch(bb_reader), _arch(rv_reader)
+    a_bb, a_rv = arch(bb_reader), arch(rv_reader)
     if a_bb != a_rv:
         raise _mismatch(f"general.architecture: '{a_bb}' in {bb_name} vs '{a_rv}' in {rv_name}")
     diffs: List[str] = []
     for k in _HPARAM_KEYS:
         key = f"{a_bb}.{k}"
-        v_bb, v_rv = _field(bb_reader, key), _field(rv_reader, key)
+        v_bb, v_rv = read_field(bb_reader, key), read_field(rv_reader, key)
         if isinstance(v_bb, float) and isinstance(v_rv, float):
             same = math.isclose(v_bb, v_rv, rel_tol=1e-6, abs_tol=0.0)
         else:
@@ -206,7 +142,7 @@ def compare_models(bb_reader, rv_reader, rv_tensors: Optional[Dict[str, Any]] = 
             i = next(i for i, (x, y) in enumerate(zip(tok_bb, tok_rv)) if x != y)
             diffs.append(f"tokenizer.ggml.tokens: token {i} is {tok_bb[i]!r} in {bb_name} vs {tok_rv[i]!r} in {rv_name}")
 
-    bb = {t.name: t for t in _plain_tensors(bb_reader)}
+    bb = {t.name: t for t in plain_tensors(bb_reader)}
     rv = rv_tensors if rv_tensors is not None else {t.name: t for t in rv_reader.tensors}
     names = [n for n in bb if n.startswith("blk.")] + [n for n in rv if n.startswith("blk.") and n not in bb]
     for n in ("token_embd.weight", "output.weight"):
@@ -219,8 +155,8 @@ def compare_models(bb_reader, rv_reader, rv_tensors: Optional[Dict[str, Any]] = 
             diffs.append(f"{n}: in {bb_name} but not in {rv_name}")
         elif n not in bb:
             diffs.append(f"{n}: in {rv_name} but not in {bb_name}")
-        elif _np_shape(bb[n]) != _np_shape(rv[n]):
-            diffs.append(f"{n}: shape {_np_shape(bb[n])} in {bb_name} vs {_np_shape(rv[n])} in {rv_name}")
+        elif np_shape(bb[n]) != np_shape(rv[n]):
+            diffs.append(f"{n}: shape {np_shape(bb[n])} in {bb_name} vs {np_shape(rv[n])} in {rv_name}")
     if diffs:
         more = f" (and {len(diffs) - _MAX_LISTED} more)" if len(diffs) > _MAX_LISTED else ""
         raise _mismatch(f"{rv_name} is not the same model as the {bb_name}: " + "; ".join(diffs[:_MAX_LISTED]) + more)
@@ -244,72 +180,6 @@ def _show(v: Any) -> str:
 
 
 # ----- writing --------------------------------------------------------------------------
-def _same_file(a: str, b: str) -> bool:
-    if os.path.exists(a) and os.path.exists(b):
-        return os.path.samefile(a, b)
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-@contextlib.contextmanager
-def _temp_path(near: str, suffix: str):
-    """A private temp file name next to ``near`` (``.<name>.<pid>.<random><suffix>``), removed on
-    every exit Python sees: an error, KeyboardInterrupt, SystemExit. One that a killed process
-    left behind is removed by the next conversion to ``near`` (temp_files.remove_stale_temp_files)."""
-    from ..temp_files import temp_name
-
-    tmp = temp_name(near, suffix)
-    try:
-        yield tmp
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-
-
-def _new_writer(path: str, reader, skip_prefix: Optional[str] = RIVER_PREFIX):
-    """A GGUFWriter with ``reader``'s metadata (keys under ``skip_prefix`` left out)."""
-    import gguf
-    from ..gguf_io import copy_metadata
-
-    w = gguf.GGUFWriter(path, _arch(reader))
-    skip = {"general.alignment"}
-    if skip_prefix:
-        skip |= {k for k in reader.fields if k.startswith(skip_prefix)}
-    copy_metadata(reader, w, skip=skip)
-    align = _field(reader, "general.alignment")
-    if align is not None:
-        w.add_custom_alignment(int(align))
-    return w
-
-
-def _write_tensors(w, plan: Sequence[Tuple[str, Any]], progress: bool, desc: str) -> None:
-    """Declare ``(out_name, reader_tensor)`` pairs, write header/KV/info, then stream the raw bytes."""
-    from tqdm import tqdm
-
-    for name, t in plan:
-        w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for _name, t in tqdm(plan, desc=desc, unit="tensor", disable=not progress, file=sys.stderr):
-        _write_one(w, t)
-
-
-def _write_river_file(path: str, reader, entries, plan, river_plan, progress: bool, desc: str) -> None:
-    """Write a format-2 River GGUF: ``reader``'s metadata (river.* left out) plus ``entries``, the
-    backbone ``plan`` in the GGUF index, and ``river_plan`` after the backbone's data with its
-    index in the metadata."""
-    from .. import river_format
-
-    with contextlib.closing(_new_writer(path, reader)) as w:
-        for key, value, vtype in entries:
-            if key != river_format.VERSION_KEY:  # add_index writes it
-                w.add_key_value(key, value, vtype)
-        offsets = river_format.add_index(w, river_plan)
-        alignment = int(w.data_alignment)
-        _write_tensors(w, plan, progress, desc=desc)
-    river_format.append_river_data(path, river_plan, offsets, alignment, progress=progress)
-
-
 def upgrade_river_gguf(src: str, dst: str, progress: bool = True) -> dict:
     """Rewrite a River GGUF of format 1 (river tensors in the GGUF index) as format 2, which stock
     llama.cpp opens as its plain backbone. Same tensors, same bytes, same river.* settings.
@@ -321,7 +191,7 @@ def upgrade_river_gguf(src: str, dst: str, progress: bool = True) -> dict:
     if not os.path.isfile(src):
         raise FileNotFoundError(f"model file not found: {src}")
     check_output_path(dst, inputs=[src])
-    reader = _reader(src)
+    reader = open_reader(src)
     version = river_format.format_version(reader)
     if version == 0:
         raise ValueError(f"{src} is not a River GGUF (no river tensors or river.* keys)")
@@ -332,24 +202,11 @@ def upgrade_river_gguf(src: str, dst: str, progress: bool = True) -> dict:
     entries = [(k, f.contents(), f.types[0]) for k, f in reader.fields.items()
                if k.startswith(RIVER_PREFIX) and f.types and f.types[0] != gguf.GGUFValueType.ARRAY]
     entries = [(k, v, t) for k, v, t in entries if k != river_format.VERSION_KEY]
-    plan = [(t.name, t) for t in _plain_tensors(reader)]
+    plan = [(t.name, t) for t in plain_tensors(reader)]
     river_plan = [(t.name, t) for t in reader.tensors if t.name.startswith(RIVER_PREFIX)]
     with atomic_output(dst) as tmp:
-        _write_river_file(tmp, reader, entries, plan, river_plan, progress, f"upgrade {os.path.basename(dst)}")
+        write_river_file(tmp, reader, entries, plan, river_plan, progress, f"upgrade {os.path.basename(dst)}")
     return {"from": version, "to": FORMAT_VERSION}
-
-
-def _write_one(w, t) -> None:
-    """Copy one tensor's bytes (from the reader's memory map) to the output."""
-    import numpy as np
-
-    w.write_tensor_data(np.ascontiguousarray(t.data))
-
-
-def _write_plain_copy(reader, dst: str) -> None:
-    """``reader``'s file without its river tensors and river.* metadata."""
-    with contextlib.closing(_new_writer(dst, reader)) as w:
-        _write_tensors(w, [(t.name, t) for t in _plain_tensors(reader)], progress=False, desc="strip")
 
 
 def _quantize_river(src: str, dst: str, river_type: str, n_threads: int, requantize: bool,
@@ -432,7 +289,7 @@ def build_river_gguf(
     end; intermediate and temp files are removed on every exit Python sees (KeyboardInterrupt
     included), and ones a killed conversion left behind are removed by the next one.
     """
-    from ..temp_files import remove_stale_temp_files
+    from ..gguf_io import remove_stale_temp_files
     from ..gguf_io import FTYPES, check_output_path
 
     backbone_path = os.fspath(backbone_path)
@@ -475,16 +332,16 @@ def build_river_gguf(
         raise FileNotFoundError(f"imatrix file not found: {imatrix}")
 
     # Engine checks first: a truncated or foreign file is refused before the gguf package reads it.
-    n_layer = int(_check_loadable(backbone_path)["n_layer"])
+    n_layer = int(check_loadable(backbone_path)["n_layer"])
     _validate_options(threshold, min_exit_layer, prefill, river_head, n_layer)
     if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail < n_layer:
         raise ValueError(f"tail must be an int in [0, {n_layer - 1}], got {tail!r}")
     if river_path is not None:
-        _check_loadable(river_path)
-    bb = _reader(backbone_path)
+        check_loadable(river_path)
+    bb = open_reader(backbone_path)
     bb_has_river = is_river_gguf(bb)
     if backbone_type == "auto":
-        floats = all(_type_name(t) in _FLOAT_TYPE_NAMES for t in _plain_tensors(bb) if len(t.shape) >= 2)
+        floats = all(type_name(t) in _FLOAT_TYPE_NAMES for t in plain_tensors(bb) if len(t.shape) >= 2)
         backbone_type = "q8_0" if floats else None
     if bb_has_river and not replace_river:
         raise ValueError(
@@ -493,12 +350,12 @@ def build_river_gguf(
         )
 
     imatrix_meta = []
-    with _temp_path(out_path, ".tmp") as staged:  # the output, complete before it gets its name
+    with temp_path(out_path, ".tmp") as staged:  # the output, complete before it gets its name
         # Intermediate files (river quantizations, stripped copies) are gone before the presets are
         # measured: only the staged output stays on disk while that runs.
         with contextlib.ExitStack() as stack:
             if river_path is not None:
-                rv = _reader(river_path)
+                rv = open_reader(river_path)
                 if is_river_gguf(rv):
                     raise ValueError(
                         f"river {river_path} is itself a River GGUF; pass a plain GGUF (or build from the backbone)"
@@ -508,12 +365,12 @@ def build_river_gguf(
             else:
                 src = backbone_path
                 if bb_has_river:  # quantize the plain backbone, not the old river
-                    src = stack.enter_context(_temp_path(out_path, ".backbone.tmp"))
-                    _write_plain_copy(bb, src)
-                requant = any(_type_name(t) not in _FLOAT_TYPE_NAMES for t in _plain_tensors(bb) if len(t.shape) >= 2)
+                    src = stack.enter_context(temp_path(out_path, ".backbone.tmp"))
+                    write_plain_copy(bb, src)
+                requant = any(type_name(t) not in _FLOAT_TYPE_NAMES for t in plain_tensors(bb) if len(t.shape) >= 2)
                 if requant:
                     warnings.warn(f"{backbone_path} is already quantized; the river is requantized from it", stacklevel=2)
-                river_src = stack.enter_context(_temp_path(out_path, ".river.tmp"))
+                river_src = stack.enter_context(temp_path(out_path, ".river.tmp"))
                 _quantize_river(src, river_src, river_type, n_threads, requant, head_type=river_head_type)
                 type_label = river_type if river_head_type is None else f"{river_type} (head {river_head_type})"
                 if imatrix is not None:
@@ -526,24 +383,24 @@ def build_river_gguf(
                     else:
                         imat = imx.read_imatrix_gguf(imatrix)
                         imatrix_label = f"file: {os.path.basename(os.fspath(imatrix))}"
-                    weighted = stack.enter_context(_temp_path(out_path, ".river-imatrix.tmp"))
+                    weighted = stack.enter_context(temp_path(out_path, ".river-imatrix.tmp"))
                     imx.quantize_with_imatrix(src, river_src, weighted, imat, progress=progress, n_threads=n_threads)
                     river_src = weighted
                     imatrix_meta = [("river.imatrix", imatrix_label, "s"), ("river.imatrix_tokens", int(imat.n_tokens), "u")]
                     type_label = f"{river_type}+imatrix"
-                rv = _reader(river_src)
+                rv = open_reader(river_src)
                 compare_models(bb, rv)
 
             if backbone_type is not None:
                 # The stored backbone is a quantization of the input; the river came from the input.
-                stored = stack.enter_context(_temp_path(out_path, ".backbone-q.tmp"))
+                stored = stack.enter_context(temp_path(out_path, ".backbone-q.tmp"))
                 src_bb = backbone_path
                 if bb_has_river:
-                    src_bb = stack.enter_context(_temp_path(out_path, ".backbone-plain.tmp"))
-                    _write_plain_copy(bb, src_bb)
+                    src_bb = stack.enter_context(temp_path(out_path, ".backbone-plain.tmp"))
+                    write_plain_copy(bb, src_bb)
                 _quantize_river(src_bb, stored, backbone_type, n_threads,
-                                any(_type_name(t) not in _FLOAT_TYPE_NAMES for t in _plain_tensors(bb) if len(t.shape) >= 2))
-                bb = _reader(stored)
+                                any(type_name(t) not in _FLOAT_TYPE_NAMES for t in plain_tensors(bb) if len(t.shape) >= 2))
+                bb = open_reader(stored)
 
             meta: Dict[str, Any] = {}
             if threshold is None:
@@ -582,12 +439,12 @@ def build_river_gguf(
                                 VT.FLOAT32))
 
             rv_by_name = {t.name: t for t in rv.tensors}
-            plan = [(t.name, t) for t in _plain_tensors(bb)]
+            plan = [(t.name, t) for t in plain_tensors(bb)]
             river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
             river_plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
             if "output.weight" in rv_by_name:
                 river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
-            _write_river_file(staged, bb, entries, plan, river_plan, progress, f"river {os.path.basename(out_path)}")
+            write_river_file(staged, bb, entries, plan, river_plan, progress, f"river {os.path.basename(out_path)}")
             meta.update({k: v for k, v, _ in entries})
             # float32 as stored, so callers compare against what Model(out).metadata reads
             import numpy as np

@@ -11,8 +11,10 @@ import contextlib
 import os
 import re
 
-from .build import RIVER_PREFIX, _check_loadable, _field, _new_writer, _plain_tensors, _reader, \
-    _river_tensors, _same_file, _write_tensors, _arch, compare_models
+from ..river_format import RIVER_PREFIX, read_field
+from .build import compare_models
+from .gguf_copy import (arch, check_loadable, new_writer, open_reader, plain_tensors, river_tensors_by_name,
+                        same_file, write_tensors)
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -41,27 +43,27 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
     from ..gguf_io import atomic_output, check_output_path
 
     backbone_path, river_path, out_path = os.fspath(backbone_path), os.fspath(river_path), os.fspath(out_path)
-    if _same_file(out_path, backbone_path) or _same_file(out_path, river_path):
+    if same_file(out_path, backbone_path) or same_file(out_path, river_path):
         raise ValueError(f"output {out_path} would overwrite an input file")
     check_output_path(out_path)  # a folder, or a folder we cannot write to: refused before any work
-    _check_loadable(backbone_path)
-    _check_loadable(river_path)
-    bb = _reader(backbone_path)
-    rv = bb if _same_file(backbone_path, river_path) else _reader(river_path)
-    n_layer = int(_field(bb, f"{_arch(bb)}.block_count"))
+    check_loadable(backbone_path)
+    check_loadable(river_path)
+    bb = open_reader(backbone_path)
+    rv = bb if same_file(backbone_path, river_path) else open_reader(river_path)
+    n_layer = int(read_field(bb, f"{arch(bb)}.block_count"))
     if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not -1 <= exit_layer < n_layer:
         raise ValueError(f"exit_layer must be an int in [-1, {n_layer - 1}], got {exit_layer!r}")
     if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail < n_layer:
         raise ValueError(f"tail must be an int in [0, {n_layer - 1}], got {tail!r}")
 
-    rv_tensors = _river_tensors(rv, RIVER_PREFIX)
+    rv_tensors = river_tensors_by_name(rv, RIVER_PREFIX)
     if not rv_tensors:
         if rv is bb:
             raise ValueError(f"{river_path} holds no river tensors")
         rv_tensors = {t.name: t for t in rv.tensors}
     compare_models(bb, rv, rv_tensors)
 
-    bb_tensors = {t.name: t for t in _plain_tensors(bb)}
+    bb_tensors = {t.name: t for t in plain_tensors(bb)}
     if river_head:
         head = rv_tensors.get("output.weight", rv_tensors["token_embd.weight"])
     else:
@@ -76,9 +78,9 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
             plan.append((name, t if il <= exit_layer or il >= n_layer - tail else rv_tensors[name]))
         elif name == "token_embd.weight":
             plan.append((name, embd))
-            if _arch(bb) in _TIED_ONLY_ARCHS:
+            if arch(bb) in _TIED_ONLY_ARCHS:
                 if head is not embd:
-                    raise ValueError(f"{_arch(bb)} ties its head to the embedding table: a hybrid with the "
+                    raise ValueError(f"{arch(bb)} ties its head to the embedding table: a hybrid with the "
                                      f"{'river' if river_head else 'backbone'}'s head and the "
                                      f"{'river' if embd is not bb_tensors['token_embd.weight'] else 'backbone'}'s "
                                      "embeddings cannot be written")
@@ -89,8 +91,8 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
         else:
             plan.append((name, t))
 
-    with atomic_output(out_path) as tmp, contextlib.closing(_new_writer(tmp, bb)) as w:
-        _write_tensors(w, plan, progress, desc=f"hybrid {os.path.basename(out_path)}")
+    with atomic_output(out_path) as tmp, contextlib.closing(new_writer(tmp, bb)) as w:
+        write_tensors(w, plan, progress, desc=f"hybrid {os.path.basename(out_path)}")
     return out_path
 
 
@@ -103,23 +105,23 @@ def write_mixed_gguf(base_path, out_path, sources, pick, progress: bool = False)
 
     base_path, out_path = os.fspath(base_path), os.fspath(out_path)
     paths = {k: os.fspath(p) for k, p in sources.items()}
-    if any(_same_file(out_path, p) for p in [base_path, *paths.values()]):
+    if any(same_file(out_path, p) for p in [base_path, *paths.values()]):
         raise ValueError(f"output {out_path} would overwrite an input file")
     check_output_path(out_path)
-    _check_loadable(base_path)
-    base = _reader(base_path)
+    check_loadable(base_path)
+    base = open_reader(base_path)
     readers = {}
     for k, p in paths.items():
-        _check_loadable(p)
-        readers[k] = _reader(p)
+        check_loadable(p)
+        readers[k] = open_reader(p)
         compare_models(base, readers[k])
-    tensors = {k: {t.name: t for t in _plain_tensors(r)} for k, r in readers.items()}
+    tensors = {k: {t.name: t for t in plain_tensors(r)} for k, r in readers.items()}
     plan = []
-    for t in _plain_tensors(base):
+    for t in plain_tensors(base):
         src = pick(t.name)
         if src is not None and src not in tensors:
             raise ValueError(f"pick({t.name!r}) returned {src!r}, which is not one of {sorted(tensors)}")
         plan.append((t.name, t if src is None else tensors[src][t.name]))
-    with atomic_output(out_path) as tmp, contextlib.closing(_new_writer(tmp, base)) as w:
-        _write_tensors(w, plan, progress, desc=f"mix {os.path.basename(out_path)}")
+    with atomic_output(out_path) as tmp, contextlib.closing(new_writer(tmp, base)) as w:
+        write_tensors(w, plan, progress, desc=f"mix {os.path.basename(out_path)}")
     return out_path

@@ -23,6 +23,7 @@ try:  # an installed (or dev-overlay) river_gguf; the checkout's python/ has no 
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
+from river_gguf.eval import render  # noqa: E402
 from river_gguf.eval import report as evaluate  # noqa: E402
 
 from river_gguf.eval import model_zoo  # noqa: E402
@@ -99,7 +100,7 @@ def _preset_lines(info) -> str:
     for name in evaluate._ordered_presets(info["presets"]):
         p = info["presets"][name]
         kld = p.get("kld")
-        out.append(f"  - `{name}`: {evaluate._opts_text(p.get('options'))}; "
+        out.append(f"  - `{name}`: {render.opts_text(p.get('options'))}; "
                    + (f"KLD {kld:.4f}, " if kld is not None else "")
                    + f"ppl {p.get('ppl', float('nan')):.3f} (backbone {p.get('backbone_ppl', float('nan')):.3f}); "
                    + f"bytes {p.get('relative_cost', float('nan')):.2f}x"
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
         if a.note is not None:
             rep["notes"] = a.note
         rep["analysis"] = evaluate.analyse(rep)
-        paths = evaluate.write_outputs(rep, out_dir, preamble=preamble(rep))
+        paths = render.write_outputs(rep, out_dir, preamble=preamble(rep))
         print("rewrote " + ", ".join(paths.values()), file=sys.stderr)
         return 0
     plain_sweep = a.plain_sweep or evaluate.PLAIN_SWEEP_DEFAULT[a.model]
@@ -170,8 +171,8 @@ def main(argv=None) -> int:
         shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))).strip()
     rep["plain_sweep"] = plain_sweep
     rep["notes"] = a.note or []
-    paths = evaluate.write_outputs(rep, out_dir, preamble=preamble(rep))
-    print(evaluate.markdown(rep))
+    paths = render.write_outputs(rep, out_dir, preamble=preamble(rep))
+    print(render.markdown(rep))
     print("wrote " + ", ".join(paths.values()) + f" ({time.time() - t0:.0f} s)", file=sys.stderr)
     return 0
 

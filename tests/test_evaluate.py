@@ -10,6 +10,7 @@ import pytest
 from river_gguf.eval import data as eval_data
 
 from river_gguf.calibrate import tau as tau_calibration
+from river_gguf.eval import render
 from river_gguf.eval import report as evaluate
 from river_gguf.eval import scoring
 from river_gguf.eval.report import Setup, Settings
@@ -194,12 +195,12 @@ def test_analyse_targets_and_dynamic_vs_static(tmp_path):
     assert e["tau=0.97 tail=2"]["delta_kld"] == pytest.approx(0.02)
     cons = {c["control"]: c for c in a["consistency"]}
     assert cons["imatrix Q4_0"]["same_kld"] and cons["imatrix Q4_0 + F16 tail 2"]["same_kld"]
-    md = evaluate.markdown(rep)
+    md = render.markdown(rep)
     assert ("a preset at least as fast as Q4_K_M and at least as close to F16 (KLD) (140.0 tok/s, KLD 0.0700): "
             "**met by balanced**") in md
     assert "closer, within the interval's noise" in md and "closer, supported by the interval" in md
     assert "| tau=0.97 tail=2 | 170.0 | 0.1700 | 0.1250 | +0.0450 | no |" in md
-    evaluate.pareto_plot(rep, str(tmp_path / "p.png"))
+    render.pareto_plot(rep, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
     # A slower fast preset misses Q4_0; a model without Q4_K_M cannot be judged against it.
@@ -212,7 +213,7 @@ def test_analyse_targets_and_dynamic_vs_static(tmp_path):
     rep3["analysis"] = evaluate.analyse(rep3)
     t3 = {x["ref"]: x for x in rep3["analysis"]["targets"]}
     assert t3["Q4_K_M"]["met"] is None and "Q4_K_M not in this model's ladder" in t3["Q4_K_M"]["why"]
-    assert "**n/a**" in evaluate.markdown(rep3)
+    assert "**n/a**" in render.markdown(rep3)
     # Slower than every static point and worse than one of them: lost, not undecided.
     rep4 = _synthetic_report()
     next(r for r in rep4["rows"] if r["label"] == "preset balanced")["overall"]["kld"] = 0.15
@@ -221,13 +222,12 @@ def test_analyse_targets_and_dynamic_vs_static(tmp_path):
 
 
 def test_parse_budget_and_cli_parsers():
-    from river_gguf import cli
-    from river_gguf.eval import cli as eval_cli
+    from river_gguf.cli import common as cli
+    from river_gguf.cli import evaluate as eval_cli
 
     assert eval_cli.parse_budget("2%") == pytest.approx(0.02)
     assert eval_cli.parse_budget("0.05") == pytest.approx(0.05)
-    common = cli.Common(cli._parent(cli.add_model_args), cli._parent(cli.add_exit_args),
-                        cli._parent(cli.add_sampling_args, 128, 0.0), cli._parent(cli.add_sampling_args, None, 0.2))
+    common = cli.common_parents()
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="command")
     eval_cli.register_eval(sub, common)
@@ -335,7 +335,7 @@ def test_eval_tiny_end_to_end(f16_path, q4_0_path, tmp_path):
         assert rows["Q4_0"]["domains"][d]["decode_tok_s"] > 0
         assert 1.0 < rows["tau=0.975"]["domains"][d]["ppl"] < 100.0
     assert not evaluate.sanity_failures(rep)
-    paths = evaluate.write_outputs(rep, str(tmp_path / "out"))
+    paths = render.write_outputs(rep, str(tmp_path / "out"))
     assert all(os.path.getsize(p) > 0 for p in paths.values())
     assert json.load(open(paths["json"]))["rows"]
 

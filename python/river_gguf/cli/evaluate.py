@@ -19,6 +19,7 @@ def _floats(s: str):
 
 # ----- eval ----------------------------------------------------------------------------
 def _cmd_eval(args) -> int:
+    from ..eval import render
     from ..eval import report as evaluate
 
     s = evaluate.quick_settings(args.model) if args.quick else evaluate.full_settings(args.model)
@@ -36,9 +37,9 @@ def _cmd_eval(args) -> int:
         s.ladder, s.controls = (), ()
     s.progress = not args.no_progress
     rep = evaluate.run_eval(s)
-    print(evaluate.markdown(rep))
+    print(render.markdown(rep))
     if args.out:
-        paths = evaluate.write_outputs(rep, args.out)
+        paths = render.write_outputs(rep, args.out)
         print("wrote " + ", ".join(paths.values()), file=sys.stderr)
     fails = evaluate.sanity_failures(rep)
     for f in fails:

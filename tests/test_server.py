@@ -6,6 +6,7 @@ server that mixed up requests, or interleaved two of them on one KV cache, fails
 test needs a property of the model's output (a reply that runs to the end of the context, a
 JSON-mode reply that parses), it picks an input for which the in-process model (or, for JSON
 mode, llama_cpp.Llama) has it on this CPU, never a prompt assumed to have it."""
+import contextlib
 import json
 import os
 import socket
@@ -91,16 +92,14 @@ class Server:
             return f.read()[-4000:]
 
 
-@pytest.fixture(scope="module")
-def server(q4_1_path, tmp_path_factory):
+@contextlib.contextmanager
+def _running_server(args, folder):
+    """`river-gguf serve ARGS` in a subprocess on a free port, once /health answers; stopped after."""
     port = _free_port()
-    d = tmp_path_factory.mktemp("server")
-    log = d / "server.log"
+    log = folder / "server.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            _serve_cmd(q4_1_path, "--port", str(port), "--threads", "1", "--n-ctx", str(N_CTX),
-                       "--api-key", API_KEY, "--alias", ALIAS, "--log-level", "warning"),
-            stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=d)
+        proc = subprocess.Popen(_serve_cmd(*args, "--port", str(port)), stdout=f, stderr=subprocess.STDOUT,
+                                env=_env(), cwd=folder)
     s = Server(f"http://127.0.0.1:{port}", proc, log)
     try:
         deadline = time.monotonic() + 90
@@ -121,6 +120,14 @@ def server(q4_1_path, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(q4_1_path, tmp_path_factory):
+    args = [q4_1_path, "--threads", "1", "--n-ctx", str(N_CTX), "--api-key", API_KEY, "--alias", ALIAS,
+            "--log-level", "warning"]
+    with _running_server(args, tmp_path_factory.mktemp("server")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -455,24 +462,7 @@ def test_chat_template_limits_guard_the_server(tmp_path):
     path = write_tiny_model(tmp_path / "hostile.gguf", "llama", n_layer=2)
     endless_loop = "{% for i in range(10**5) %}{% for j in range(10**5) %}{{ '' }}{% endfor %}{% endfor %}"
     set_river_metadata(path, {"tokenizer.chat_template": endless_loop})
-    port = _free_port()
-    log = tmp_path / "server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(_serve_cmd(str(path), "--port", str(port), "--threads", "1", "--n-ctx", "64",
-                                           "--log-level", "warning"),
-                                stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path)
-    s = Server(f"http://127.0.0.1:{port}", proc, log)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, s.output()
-            try:
-                if _http(s.base, "GET", "/health", key=None)[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            assert time.monotonic() < deadline, s.output()
-            time.sleep(0.2)
+    with _running_server([str(path), "--threads", "1", "--n-ctx", "64", "--log-level", "warning"], tmp_path) as s:
         t0 = time.monotonic()
         status, body = _http(s.base, "POST", "/v1/chat/completions",
                              {"messages": CHAT, "max_tokens": 2}, key=None)
@@ -481,10 +471,3 @@ def test_chat_template_limits_guard_the_server(tmp_path):
         assert time.monotonic() - t0 < chat.MAX_RENDER_SECONDS + 10
         status, _ = _http(s.base, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=None)
         assert status == 200  # the server still serves
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

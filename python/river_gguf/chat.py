@@ -372,21 +372,12 @@ def validate_messages(messages: Any) -> List[Dict[str, Any]]:
     return out
 
 
-def format_chat(
-    template: Optional[str],
-    messages: List[Dict[str, Any]],
-    bos_token: str = "",
-    eos_token: str = "",
-    add_generation_prompt: bool = True,
-    **extra: Any,
-) -> str:
-    """Render ``messages`` (checked by :func:`validate_messages`) with a GGUF/HF chat template.
-
-    ``extra`` keyword arguments are passed to the template as additional
-    variables (e.g. ``tools=...``).  Template errors (syntax errors or a
-    template calling ``raise_exception``) are raised as ValueError.
-    """
-    return render_chat(template, validate_messages(messages), bos_token, eos_token, add_generation_prompt, **extra)
+def format_chat(template: Optional[str], messages: List[Dict[str, Any]], **kwargs: Any) -> str:
+    """Render ``messages``, checked by :func:`validate_messages` (roles, str content), with a
+    GGUF/HF chat template: :func:`render_chat`'s arguments (``bos_token``, ``eos_token``,
+    ``add_generation_prompt`` and extra template variables such as ``tools=...``). Template
+    errors (syntax errors or a template calling ``raise_exception``) are raised as ValueError."""
+    return render_chat(template, validate_messages(messages), **kwargs)
 
 
 def render_chat(

@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "devices.h"
 #include "engine.h"
 #include "errors.h"
 #include "ggml.h"
@@ -140,6 +141,30 @@ PYBIND11_MODULE(_native, m) {
     m.attr("RPC_PROTOCOL") = rpc_protocol_version();
     m.def("rpc_available", &rpc_available);
     m.def(
+        "devices",
+        [] {
+            py::list out;
+            for (const auto& d : list_devices()) {
+                py::dict e;
+                e["name"] = d.name;
+                e["description"] = d.description;
+                e["type"] = d.type;
+                e["memory_free"] = d.memory_free;
+                e["memory_total"] = d.memory_total;
+                out.append(e);
+            }
+            return out;
+        },
+        "The devices ggml sees: dicts of name, description, type (CPU, GPU, IGPU, ACCEL) and free and total memory "
+        "in bytes.");
+    m.def(
+        "offload_gpus", [] {
+            std::vector<std::string> names;
+            for (auto dev : offload_gpus()) names.push_back(ggml_backend_dev_name(dev));
+            return names;
+        },
+        "The GPUs an engine offloads to, in the order main_gpu indexes: discrete first, then integrated.");
+    m.def(
         "rpc_serve",
         [](const std::string& host, int port, int n_threads, const std::string& cache_dir,
            const std::vector<std::string>& devices) {
@@ -155,7 +180,7 @@ PYBIND11_MODULE(_native, m) {
         .def(py::init([](const std::string& path, const std::string& river_path, int n_ctx, int n_threads,
                          int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse, bool use_mmap,
                          std::vector<std::string> rpc_servers, int rpc_n_layers, std::vector<int> rpc_layers,
-                         std::vector<float> rpc_split, int rpc_weights, double rpc_timeout) {
+                         std::vector<float> rpc_split, int rpc_weights, double rpc_timeout, int main_gpu) {
                  EngineConfig cfg;
                  cfg.path = path;
                  cfg.river_path = river_path;
@@ -163,6 +188,7 @@ PYBIND11_MODULE(_native, m) {
                  cfg.n_threads = n_threads;
                  cfg.n_batch = n_batch;
                  cfg.n_gpu_layers = n_gpu_layers;
+                 cfg.main_gpu = main_gpu;
                  cfg.repack = repack;
                  cfg.graph_reuse = graph_reuse;
                  cfg.fuse = fuse;
@@ -182,7 +208,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("graph_reuse") = true, py::arg("fuse") = true, py::arg("use_mmap") = true,
              py::arg("rpc_servers") = std::vector<std::string>{}, py::arg("rpc_n_layers") = -1,
              py::arg("rpc_layers") = std::vector<int>{}, py::arg("rpc_split") = std::vector<float>{},
-             py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0)
+             py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0, py::arg("main_gpu") = 0)
         .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
              py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0,

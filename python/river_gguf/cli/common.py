@@ -43,6 +43,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx", type=int, default=2048, help="context size in tokens (default 2048)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: half the CPUs)")
     p.add_argument("--ngl", type=int, default=0, metavar="N", help="layers to offload to the GPU (-1: all)")
+    p.add_argument("--main-gpu", type=int, default=0, metavar="I",
+                   help="which GPU (river-gguf info --devices lists them; default 0: the first discrete one)")
     p.add_argument("--river", default=None, metavar="PATH", help="separate lower-precision GGUF used as river")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp/ggml log output")
     p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
@@ -132,7 +134,8 @@ def load_model(args):
     from ..model import Model
 
     return Model(args.model or default_model_for_cli(), river=args.river, n_ctx=args.ctx, n_threads=args.threads,
-                 n_gpu_layers=args.ngl, verbose=args.verbose, **river_model_kwargs(args), **rpc_model_kwargs(args))
+                 n_gpu_layers=args.ngl, main_gpu=args.main_gpu, verbose=args.verbose, **river_model_kwargs(args),
+                 **rpc_model_kwargs(args))
 
 
 def load_llama(args):
@@ -144,7 +147,8 @@ def load_llama(args):
         if p is not None and not os.path.exists(p):
             raise FileNotFoundError(f"model file not found: {p}")  # as `info` and Model say it
     return Llama(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads,
-                 n_gpu_layers=args.ngl, verbose=args.verbose, **river_model_kwargs(args), **rpc_model_kwargs(args))
+                 n_gpu_layers=args.ngl, main_gpu=args.main_gpu, verbose=args.verbose, **river_model_kwargs(args),
+                 **rpc_model_kwargs(args))
 
 
 def river_model_kwargs(args) -> dict:

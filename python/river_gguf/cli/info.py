@@ -5,7 +5,30 @@ from .common import load_model
 
 
 # ----- info ----------------------------------------------------------------------------
+def _print_devices() -> None:
+    from ..devices import list_devices, offload_gpus
+
+    devs = list_devices()
+    gpus = offload_gpus()
+    rows = [("device", "type", "free MiB", "total MiB", "main_gpu", "description")]
+    for d in devs:
+        idx = str(gpus.index(d["name"])) if d["name"] in gpus else "-"
+        rows.append((d["name"], d["type"], f"{d['memory_free'] / 2**20:.0f}", f"{d['memory_total'] / 2**20:.0f}", idx,
+                     d["description"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(f"{c:<{w}}" for c, w in zip(r, widths)) + "  " + r[-1])
+    if not gpus:
+        print("no GPU: this llama-cpp-python has no GPU backend, or it sees no device "
+              "(scripts/setup.sh builds one with RIVER_GGUF_GPU=cuda or vulkan)")
+
+
 def _cmd_info(args) -> int:
+    if args.devices:
+        _print_devices()
+        if args.model is None:
+            return 0
+        print()
     # The smallest context: info reads metadata and needs no KV cache worth allocating.
     args.ctx = 16
     m = load_model(args)
@@ -34,5 +57,9 @@ def _cmd_info(args) -> int:
 
 
 def register(sub, common) -> None:
-    p = sub.add_parser("info", parents=[common.model], help="print a model's architecture and river metadata")
+    p = sub.add_parser("info", parents=[common.model],
+                       help="print a model's architecture and river metadata (--devices: the devices ggml sees)")
+    p.add_argument("--devices", action="store_true",
+                   help="list the devices ggml sees (name, type, free and total memory) and the main_gpu index of "
+                        "each GPU; with no MODEL, only that")
     p.set_defaults(func=_cmd_info)

@@ -75,4 +75,5 @@ def _load_model(args):
     path = args.model or default_model_for_cli()
     river = dict(mode=args.mode, threshold=args.threshold, preset=args.preset, tail=args.tail)
     return loader.model_class()(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads,
-                                n_gpu_layers=args.ngl, verbose=args.verbose, **river, **rpc_model_kwargs(args))
+                                n_gpu_layers=args.ngl, main_gpu=args.main_gpu, verbose=args.verbose, **river,
+                                **rpc_model_kwargs(args))

@@ -35,15 +35,13 @@ import contextlib
 import hashlib
 import math
 import os
-import sys
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..calibrate import open_model as _open_model  # noqa: E402  (light: its imports are lazy)
 from ..river_format import FORMAT_VERSION, RIVER_PREFIX, read_field  # (2: the river after the backbone's data)
-from .gguf_copy import (arch, check_loadable, is_river_gguf, new_writer, np_shape, open_reader, plain_tensors,  # noqa: F401
-                        river_tensors_by_name, same_file, temp_path, type_name, write_plain_copy,
-                        write_river_file)
+from .gguf_copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, temp_path,
+                        type_name, write_plain_copy, write_river_file)
 DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
 IMATRIX_AUTO = "auto"     # collect the importance matrix on the calibration split
 PREFILL_CHOICES = ("backbone", "river")

@@ -33,6 +33,8 @@ TINY = {
     "qwen2": dict(n_layer=3),
     # attention soft cap (inside the KQ chain without flash attention) and sliding-window layers
     "gemma2": dict(n_layer=3, tied=True, sliding_window=8),
+    # joined Q/K/V: V is a strided view of one product, copied contiguous for its cache write
+    "phi3": dict(n_layer=3, n_rot=12),
 }
 
 

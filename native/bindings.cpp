@@ -180,7 +180,7 @@ PYBIND11_MODULE(_native, m) {
         .def(py::init([](const std::string& path, const std::string& river_path, int n_ctx, int n_threads,
                          int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse, bool use_mmap,
                          std::vector<std::string> rpc_servers, int rpc_n_layers, std::vector<int> rpc_layers,
-                         std::vector<float> rpc_split, int rpc_weights, double rpc_timeout, int main_gpu) {
+                         std::vector<float> rpc_split, int rpc_weights, double rpc_timeout, int main_gpu, bool flash_attn) {
                  EngineConfig cfg;
                  cfg.path = path;
                  cfg.river_path = river_path;
@@ -193,6 +193,7 @@ PYBIND11_MODULE(_native, m) {
                  cfg.graph_reuse = graph_reuse;
                  cfg.fuse = fuse;
                  cfg.use_mmap = use_mmap;
+                 cfg.flash_attn = flash_attn;
                  cfg.rpc_servers = std::move(rpc_servers);
                  cfg.rpc_n_layers = rpc_n_layers;
                  cfg.rpc_layers = std::move(rpc_layers);
@@ -208,7 +209,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("graph_reuse") = true, py::arg("fuse") = true, py::arg("use_mmap") = true,
              py::arg("rpc_servers") = std::vector<std::string>{}, py::arg("rpc_n_layers") = -1,
              py::arg("rpc_layers") = std::vector<int>{}, py::arg("rpc_split") = std::vector<float>{},
-             py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0, py::arg("main_gpu") = 0)
+             py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0, py::arg("main_gpu") = 0, py::arg("flash_attn") = true)
         .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
              py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0,
@@ -217,6 +218,7 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("n_past", &Engine::n_past)
         .def_property_readonly("n_ctx", &Engine::n_ctx)
         .def_property_readonly("has_river", &Engine::has_river)
+        .def_property_readonly("flash_attn", &Engine::flash_attn)
         .def_property_readonly("river_has_head", &Engine::river_has_head)
         .def_property_readonly("gpu_offload", &Engine::gpu_offload)
         .def_property_readonly("layer_devices", &Engine::layer_devices,
@@ -232,7 +234,10 @@ PYBIND11_MODULE(_native, m) {
                  std::memcpy(a.mutable_data(), rows.data(), rows.size() * sizeof(float));
                  return a;
              },
-             "Cache layer `layer`, rows [0, n) of K (values=False) or V, as float32 (for tests).");
+             "Cache layer `layer`, rows [0, n) of K (values=False) or V, as float32 (for tests).")
+        .def_property_readonly_static(
+            "POISON_NO_FLASH", [](py::object) { return KvCache::poison_value_no_fa(); },
+            "What an unwritten cache entry holds without flash attention (NaN with it).");
 
     py::class_<Vocab>(m, "Vocab")
         .def(py::init([](const std::string& path) {

@@ -145,7 +145,8 @@ void fail_point(const char* stage) {
 
 }  // namespace
 
-Engine::Engine(const EngineConfig& cfg) : graph_reuse_(cfg.graph_reuse), n_batch_(cfg.n_batch) {
+Engine::Engine(const EngineConfig& cfg)
+    : graph_reuse_(cfg.graph_reuse), flash_attn_(cfg.flash_attn), n_batch_(cfg.n_batch) {
     try {
         load(cfg);
     } catch (const RpcError&) {
@@ -177,7 +178,8 @@ void Engine::load(const EngineConfig& cfg) {
                                                                                       backbone_.layers[il]));
     }
     start_scheduler();
-    cache_ = std::make_unique<KvCache>(hp_, cfg.n_ctx, GGML_TYPE_F16, placement_.layer_backend);
+    cache_ = std::make_unique<KvCache>(hp_, cfg.n_ctx, GGML_TYPE_F16, placement_.layer_backend,
+                                       /*v_trans=*/!cfg.flash_attn);
     check_links();
     fail_point("cache");
     make_state();
@@ -339,8 +341,12 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     GraphSpec spec;
     spec.n = n;
     // One token attends over a padded n_kv (masked beyond n_past), as llama.cpp does, so its
-    // graph stays the same for 256 positions; prompts attend over exactly what they need.
-    spec.n_kv = n == 1 ? std::min(cache_->n_ctx(), std::max(256, (n_past_ + 1 + 255) / 256 * 256)) : n_past_ + n;
+    // graph stays the same for 256 positions; with flash attention prompts attend over exactly
+    // what they need (the masked rows are skipped, so the padding changes nothing). Without it
+    // every row spanned enters the KQ softmax and the V product, and their SIMD sums group the
+    // terms by the length: prompts get llama.cpp's padded n_kv too (its get_n_kv).
+    const int padded = std::min(cache_->n_ctx(), std::max(256, (n_past_ + n + 255) / 256 * 256));
+    spec.n_kv = n == 1 || !flash_attn_ ? padded : n_past_ + n;
     spec.all_logits = req.all_logits;
     spec.backbone_attention = req.backbone_attention;
 
@@ -399,25 +405,37 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
     for (int i = 0; i < n; ++i) pos[i] = rows[i] = n_past_ + i;
     ggml_backend_tensor_set(g.in.positions, pos.data(), 0, sizeof(int32_t) * n);
     ggml_backend_tensor_set(g.in.kv_rows, rows.data(), 0, sizeof(int64_t) * n);
+    if (g.in.v_idxs) {
+        // Transposed V cache [n_ctx, n_embd_v_gqa]: dim j of token i goes to element j*n_ctx + row.
+        const int64_t nv = hp_.n_embd_v_gqa(), n_ctx = cache_->n_ctx();
+        std::vector<int64_t> idx(size_t(nv) * n);
+        for (int i = 0; i < n; ++i)
+            for (int64_t j = 0; j < nv; ++j) idx[size_t(i) * nv + j] = j * n_ctx + rows[i];
+        ggml_backend_tensor_set(g.in.v_idxs, idx.data(), 0, idx.size() * sizeof(int64_t));
+    }
     if (g.tok_in) ggml_backend_tensor_set(g.tok_in, tokens, 0, sizeof(int32_t) * n);
     // Causal mask: token i (at position n_past+i) sees positions 0..n_past+i; padding is masked.
+    // F16 for flash attention, F32 without, as llama.cpp (0 and -inf either way).
     const int n_kv = spec.n_kv;
-    std::vector<ggml_fp16_t> mask(size_t(n_kv) * n);
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
-    if (g.in.kq_mask) {
-        for (int i = 0; i < n; ++i)
-            for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = j <= n_past_ + i ? zero : neg_inf;
-        ggml_backend_tensor_set(g.in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
-    }
-    if (g.in.kq_mask_swa) {
-        // Sliding window: token i sees only the last n_swa positions up to its own, p - j < n_swa
-        // (llama.cpp's standard window). Rows outside it stay in the cache, masked.
-        for (int i = 0; i < n; ++i) {
-            const int p = n_past_ + i;
-            for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = j <= p && p - j < hp_.n_swa ? zero : neg_inf;
+    auto set_mask = [&](ggml_tensor* t, auto visible) {
+        if (!t) return;
+        if (t->type == GGML_TYPE_F32) {
+            std::vector<float> mask(size_t(n_kv) * n);
+            for (int i = 0; i < n; ++i)
+                for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = visible(n_past_ + i, j) ? 0.0f : -INFINITY;
+            ggml_backend_tensor_set(t, mask.data(), 0, mask.size() * sizeof(float));
+        } else {
+            const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
+            std::vector<ggml_fp16_t> mask(size_t(n_kv) * n);
+            for (int i = 0; i < n; ++i)
+                for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = visible(n_past_ + i, j) ? zero : neg_inf;
+            ggml_backend_tensor_set(t, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
         }
-        ggml_backend_tensor_set(g.in.kq_mask_swa, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
-    }
+    };
+    set_mask(g.in.kq_mask, [](int p, int j) { return j <= p; });
+    // Sliding window: token i sees only the last n_swa positions up to its own, p - j < n_swa
+    // (llama.cpp's standard window). Rows outside it stay in the cache, masked.
+    set_mask(g.in.kq_mask_swa, [this](int p, int j) { return j <= p && p - j < hp_.n_swa; });
 
     abort_ = false;
     ggml_status status;
@@ -496,6 +514,12 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     ggml_set_input(in.positions);
     in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
     ggml_set_input(in.kv_rows);
+    in.flash_attn = flash_attn_;
+    if (!flash_attn_ && !spec.spans.empty()) {
+        in.v_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, hp_.n_embd_v_gqa() * n);
+        ggml_set_input(in.v_idxs);
+    }
+    const ggml_type mask_type = flash_attn_ ? GGML_TYPE_F16 : GGML_TYPE_F32;
     // Each mask only where a layer of this graph reads it: an input no node uses gets no memory
     // in the graph's allocation (a river graph may run only sliding-window layers, or none).
     bool runs_global = false, runs_swa = false;
@@ -503,11 +527,11 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
         for (int il = s.first; il <= s.last; ++il) (hp_.is_swa(il) ? runs_swa : runs_global) = true;
     }
     if (runs_global) {
-        in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, spec.n_kv, n);
+        in.kq_mask = ggml_new_tensor_2d(ctx, mask_type, spec.n_kv, n);
         ggml_set_input(in.kq_mask);
     }
     if (runs_swa) {
-        in.kq_mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, spec.n_kv, n);
+        in.kq_mask_swa = ggml_new_tensor_2d(ctx, mask_type, spec.n_kv, n);
         ggml_set_input(in.kq_mask_swa);
     }
 

@@ -32,6 +32,10 @@ struct EngineConfig {
     bool graph_reuse = true;     // keep single-token decode graphs (and their allocations) across steps
     bool fuse = true;            // repacked layers: Q/K/V and gate/up as one mul_mat each (same logits)
     bool use_mmap = true;        // map the GGUF files; false (or RIVER_GGUF_NO_MMAP=1) reads them
+    // Attention as ggml_flash_attn_ext (llama.cpp with flash_attn on), else llama.cpp's
+    // non-flash path (KQ, soft_max_ext, V^T x KQ) over a V cache stored transposed; each gives
+    // llama.cpp's logits with the same setting.
+    bool flash_attn = true;
     // Layers on other machines through ggml-rpc (rpc_link.h). Layer l's KV cache lives on its device.
     std::vector<std::string> rpc_servers;  // host:port of each server
     int rpc_n_layers = -1;                 // the last n layers go remote (-1: all); ignored when rpc_layers is set
@@ -112,6 +116,7 @@ public:
     const HParams& hparams() const { return hp_; }
     const GgufFile& file() const { return *file_; }
     bool has_river() const { return river_ != nullptr; }
+    bool flash_attn() const { return flash_attn_; }
     bool river_has_head() const { return river_ && river_->head; }
     int n_ctx() const { return cache_->n_ctx(); }
     int n_past() const { return n_past_; }
@@ -230,6 +235,7 @@ private:
     std::vector<std::unique_ptr<Graph>> graphs_;  // kept decode graphs, most recently used last
     std::unique_ptr<Graph> transient_;
     bool graph_reuse_;
+    bool flash_attn_;
     int n_batch_;
     int n_past_ = 0;
 

@@ -6,8 +6,13 @@
 
 namespace river {
 
-KvCache::KvCache(const HParams& hp, int n_ctx, ggml_type type, const std::vector<ggml_backend_t>& layer_backend)
-    : n_ctx_(n_ctx), k_(hp.n_layer), v_(hp.n_layer) {
+namespace {
+constexpr int kPoisonNoFaByte = 0x1E;
+}
+
+KvCache::KvCache(const HParams& hp, int n_ctx, ggml_type type, const std::vector<ggml_backend_t>& layer_backend,
+                 bool v_trans)
+    : n_ctx_(n_ctx), v_trans_(v_trans), k_(hp.n_layer), v_(hp.n_layer) {
     // One context and buffer per backend, so offloaded layers keep their cache on the device.
     std::map<ggml_backend_t, ggml_context*> by_backend;
     for (int il = 0; il < hp.n_layer; ++il) {
@@ -19,7 +24,8 @@ KvCache::KvCache(const HParams& hp, int n_ctx, ggml_type type, const std::vector
             by_backend[be] = ctxs_.back().get();
         }
         k_[il] = ggml_new_tensor_2d(by_backend[be], type, hp.n_embd_k_gqa(), n_ctx);
-        v_[il] = ggml_new_tensor_2d(by_backend[be], type, hp.n_embd_v_gqa(), n_ctx);
+        v_[il] = v_trans ? ggml_new_tensor_2d(by_backend[be], type, n_ctx, hp.n_embd_v_gqa())
+                         : ggml_new_tensor_2d(by_backend[be], type, hp.n_embd_v_gqa(), n_ctx);
         ggml_format_name(k_[il], "cache_k_l%d", il);
         ggml_format_name(v_[il], "cache_v_l%d", il);
     }
@@ -34,20 +40,40 @@ KvCache::KvCache(const HParams& hp, int n_ctx, ggml_type type, const std::vector
 
 void KvCache::poison() {
     // 0x7E7E as f16 and 0x7E7E7E7E as f32 are both NaN.
-    for (auto& b : buffers_) ggml_backend_buffer_clear(b.get(), 0x7E);
+    for (auto& b : buffers_) ggml_backend_buffer_clear(b.get(), v_trans_ ? kPoisonNoFaByte : 0x7E);
+}
+
+float KvCache::poison_value_no_fa() {
+    ggml_fp16_t h;
+    std::memset(&h, kPoisonNoFaByte, sizeof(h));
+    return ggml_fp16_to_fp32(h);
 }
 
 std::vector<float> KvCache::read(int il, bool values, int n) const {
     if (il < 0 || il >= static_cast<int>(k_.size())) throw std::out_of_range("layer index out of range");
     if (n < 0 || n > n_ctx_) throw std::out_of_range("position count out of range");
     ggml_tensor* t = values ? v_[il] : k_[il];
+    auto to_float = [&](const std::vector<uint8_t>& raw, float* dst, int64_t count) {
+        if (t->type == GGML_TYPE_F32) std::memcpy(dst, raw.data(), sizeof(float) * count);
+        else ggml_get_type_traits(t->type)->to_float(raw.data(), dst, count);
+    };
+    if (values && v_trans_) {
+        // [n_ctx, width]: the whole tensor, then positions [0, n) transposed into rows.
+        const int64_t width = t->ne[1];
+        std::vector<uint8_t> raw(ggml_nbytes(t));
+        ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+        std::vector<float> all(size_t(n_ctx_) * width);
+        to_float(raw, all.data(), int64_t(all.size()));
+        std::vector<float> out(size_t(width) * n);
+        for (int p = 0; p < n; ++p)
+            for (int64_t j = 0; j < width; ++j) out[size_t(p) * width + j] = all[size_t(j) * n_ctx_ + p];
+        return out;
+    }
     const int64_t row = t->ne[0];
     std::vector<uint8_t> raw(ggml_row_size(t->type, row) * n);
     ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
     std::vector<float> out(row * n);
-    const auto* traits = ggml_get_type_traits(t->type);
-    if (t->type == GGML_TYPE_F32) std::memcpy(out.data(), raw.data(), raw.size());
-    else traits->to_float(raw.data(), out.data(), row * n);
+    to_float(raw, out.data(), row * n);
     return out;
 }
 

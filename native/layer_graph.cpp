@@ -83,17 +83,42 @@ ggml_tensor* attention(const Layer& L, ggml_tensor* q, ggml_tensor* k, ggml_tens
     ggml_tensor* ck = L.cache.k(L.il);
     ggml_tensor* cv = L.cache.v(L.il);
     ggml_build_forward_expand(L.gf, ggml_set_rows(ctx, ck, ggml_reshape_2d(ctx, k, hp.n_embd_k_gqa(), n), L.in.kv_rows));
-    ggml_build_forward_expand(L.gf, ggml_set_rows(ctx, cv, v, L.in.kv_rows));
-
-    ggml_tensor* keys = ggml_view_3d(ctx, ck, hp.head_dim_k, n_kv, hp.n_head_kv, ck->nb[1],
-                                     ggml_row_size(ck->type, hp.head_dim_k), 0);
-    ggml_tensor* vals = ggml_view_3d(ctx, cv, hp.head_dim_v, n_kv, hp.n_head_kv, cv->nb[1],
-                                     ggml_row_size(cv->type, hp.head_dim_v), 0);
     ggml_tensor* mask = hp.is_swa(L.il) ? L.in.kq_mask_swa : L.in.kq_mask;
     ggml_tensor* qp = ggml_permute(ctx, q, 0, 2, 1, 3);  // [head_dim, n, n_head]
-    ggml_tensor* att = ggml_flash_attn_ext(ctx, qp, keys, vals, mask, kq_scale, /*max_bias=*/0.0f, hp.attn_softcap);
-    ggml_prec_set_acc(att, GGML_PREC_F32);
-    att = ggml_reshape_2d(ctx, att, hp.head_dim_v * hp.n_head, n);
+    ggml_tensor* keys = ggml_view_3d(ctx, ck, hp.head_dim_k, n_kv, hp.n_head_kv, ck->nb[1],
+                                     ggml_row_size(ck->type, hp.head_dim_k), 0);  // [head_dim, n_kv, n_head_kv]
+    ggml_tensor* att;
+    if (L.in.flash_attn) {
+        ggml_build_forward_expand(L.gf, ggml_set_rows(ctx, cv, v, L.in.kv_rows));
+        ggml_tensor* vals = ggml_view_3d(ctx, cv, hp.head_dim_v, n_kv, hp.n_head_kv, cv->nb[1],
+                                         ggml_row_size(cv->type, hp.head_dim_v), 0);
+        att = ggml_flash_attn_ext(ctx, qp, keys, vals, mask, kq_scale, /*max_bias=*/0.0f, hp.attn_softcap);
+        ggml_prec_set_acc(att, GGML_PREC_F32);
+        att = ggml_reshape_2d(ctx, att, hp.head_dim_v * hp.n_head, n);
+    } else {
+        // llama.cpp's cpy_v with v_trans: every V value is a one-element row of the transposed
+        // cache [n_ctx, n_embd_v_gqa], placed by v_idxs.
+        const int64_t nv = hp.n_embd_v_gqa();
+        ggml_tensor* vc = ggml_is_contiguous(v) ? v : ggml_cont(ctx, v);
+        ggml_build_forward_expand(L.gf, ggml_set_rows(ctx, ggml_reshape_2d(ctx, cv, 1, ggml_nelements(cv)),
+                                                      ggml_reshape_2d(ctx, vc, 1, nv * n), L.in.v_idxs));
+        // build_attn_mha without flash attention: KQ in F32 precision, the architecture's soft
+        // cap, softmax with the mask and scale, then V^T x KQ over the transposed cache.
+        ggml_tensor* kq = ggml_mul_mat(ctx, keys, qp);  // [n_kv, n, n_head]
+        ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
+        if (hp.attn_softcap != 0.0f) {
+            kq = ggml_scale(ctx, kq, 1.0f / hp.attn_softcap);
+            kq = ggml_tanh(ctx, kq);
+            kq = ggml_scale(ctx, kq, hp.attn_softcap);
+        }
+        kq = ggml_soft_max_ext(ctx, kq, mask, kq_scale, /*max_bias=*/0.0f);
+        // llama.cpp's get_v (v_trans), permuted: [n_kv, head_dim_v, n_head_kv].
+        const int64_t n_ctx = cv->ne[0];
+        ggml_tensor* vals = ggml_view_3d(ctx, cv, n_kv, hp.head_dim_v, hp.n_head_kv, ggml_row_size(cv->type, n_ctx),
+                                         ggml_row_size(cv->type, n_ctx * hp.head_dim_v), 0);
+        ggml_tensor* kqv = ggml_mul_mat(ctx, vals, kq);  // [head_dim_v, n, n_head]
+        att = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hp.head_dim_v * hp.n_head, n);
+    }
     return ggml_mul_mat(ctx, L.w.wo, att);
 }
 

@@ -15,9 +15,16 @@ struct BatchInputs {
     int n_kv = 0;                      // cache rows attended over (masked beyond each token's position)
     ggml_tensor* positions = nullptr;  // I32 [n_tokens]
     ggml_tensor* kv_rows = nullptr;    // I64 [n_tokens]: the cache row each token's K/V goes to
-    // F16 [n_kv, n_tokens], causal; nullptr unless the graph runs a global-attention layer.
+    // Flash attention (ggml_flash_attn_ext, V stored like K), else llama.cpp's non-flash path
+    // (KQ, soft_max_ext, V^T x KQ, V stored transposed: KvCache::v_trans).
+    bool flash_attn = true;
+    // Without flash attention: I64 [n_embd_v_gqa * n_tokens], the element of the transposed V
+    // cache each V value goes to (dim j of token i: j * n_ctx + row_i), as llama.cpp's v_idxs.
+    ggml_tensor* v_idxs = nullptr;
+    // [n_kv, n_tokens], causal; F16 for flash attention, F32 without (as llama.cpp); nullptr
+    // unless the graph runs a global-attention layer.
     ggml_tensor* kq_mask = nullptr;
-    // F16 [n_kv, n_tokens], causal and within the sliding window; nullptr unless the graph
+    // Same type, causal and within the sliding window; nullptr unless the graph
     // runs a sliding-window layer.
     ggml_tensor* kq_mask_swa = nullptr;
 };

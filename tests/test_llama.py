@@ -53,7 +53,7 @@ COLORS = "List three colors:\n1."
 
 @pytest.fixture(scope="module")
 def llm(q4_1_path):
-    m = Llama(q4_1_path, n_ctx=512, n_threads=1, verbose=False)
+    m = Llama(q4_1_path, n_ctx=512, n_threads=1, flash_attn=True, verbose=False)
     yield m
     m.close()
 
@@ -190,7 +190,7 @@ def test_max_tokens_fills_small_context(q4_1_path):
     a 24-token context up, so its greedy tokens come from the oracle of tests/conftest.py)."""
     from river_gguf.testing import LlamaCppOracle
 
-    small = Llama(q4_1_path, n_ctx=24, n_threads=1, verbose=False)
+    small = Llama(q4_1_path, n_ctx=24, n_threads=1, flash_attn=True, verbose=False)
     oracle = LlamaCppOracle(q4_1_path, stop_at_any_eog=True)  # ends at any EOG, as llama_cpp.Llama does
     try:
         def greedy(p):
@@ -325,7 +325,7 @@ def test_seeded_sampling_matches_end_to_end(llm, ref):
 def test_default_seed_sequence_matches(q4_1_path):
     """Without a seed every call draws the next seed from the previous one, from the
     constructor's seed: two fresh objects with seed=11 produce llama_cpp's sequence."""
-    ours = Llama(q4_1_path, n_ctx=128, n_threads=1, seed=11, verbose=False)
+    ours = Llama(q4_1_path, n_ctx=128, n_threads=1, seed=11, flash_attn=True, verbose=False)
     theirs = llama_cpp.Llama(q4_1_path, n_ctx=128, n_threads=1, n_threads_batch=1, seed=11, flash_attn=True,
                              verbose=False)
     for _ in range(2):
@@ -410,7 +410,7 @@ def test_loaded_exact_cached_prompt_reuse_matches_fresh(llm, q4_1_path):
     llm.reset()
     llm.eval(tokens)
     state = llm.save_state()
-    other = Llama(q4_1_path, n_ctx=512, n_threads=1, verbose=False)
+    other = Llama(q4_1_path, n_ctx=512, n_threads=1, flash_attn=True, verbose=False)
     # Evaluate a same-length prompt whose next token differs, so a stale cache would show.
     for replacement in (other.token_eos(), other.token_nl(), 0, 1, 2, other.n_vocab() - 1):
         alternate = tokens[:-1] + [replacement]
@@ -437,7 +437,7 @@ def test_ram_cache_exact_prompt_hit_matches_fresh(llm, q4_1_path):
     llm.reset()
     llm.create_completion(tokens, max_tokens=1, temperature=0.0, seed=1337)
     llm.set_cache(None)
-    cached = Llama(q4_1_path, n_ctx=512, n_threads=1, verbose=False)
+    cached = Llama(q4_1_path, n_ctx=512, n_threads=1, flash_attn=True, verbose=False)
     cached.set_cache(cache)
     loads = []
     original = cached.load_state
@@ -461,7 +461,7 @@ def test_shorter_prompt_prefix_reuse_matches_fresh(llm):
 
 
 def test_eval_logits_all(q4_1_path, ref):
-    m = Llama(q4_1_path, n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    m = Llama(q4_1_path, n_ctx=64, n_threads=1, logits_all=True, flash_attn=True, verbose=False)
     tokens = m.tokenize(COLORS.encode())
     m.eval(tokens)
     ref.reset()
@@ -510,7 +510,7 @@ def test_river_options_and_last_stats(f16_path, q4_0_path):
 def test_river_gguf_file(river_gguf_path):
     """A River GGUF: libllama reads its vocabulary and metadata, the engine its river; the file's
     exit settings apply by default (this fixture's file stores no presets: its own profiled tau)."""
-    with Llama(river_gguf_path, n_ctx=128, n_threads=1, verbose=False) as m:
+    with Llama(river_gguf_path, n_ctx=128, n_threads=1, flash_attn=True, verbose=False) as m:
         r = m(COLORS, max_tokens=6, temperature=0.0)
         n = r["usage"]["completion_tokens"]
         assert (n == 6) == (r["choices"][0]["finish_reason"] == "length") and len(m.last_stats["exit_layers"]) == n

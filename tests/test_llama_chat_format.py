@@ -56,7 +56,7 @@ TOOL_CANDIDATES = [TOOL_MESSAGES] + [
 
 @pytest.fixture(scope="module")
 def llm(q4_1_path):
-    m = Llama(q4_1_path, n_ctx=1024, n_threads=1, verbose=False)
+    m = Llama(q4_1_path, n_ctx=1024, n_threads=1, flash_attn=True, verbose=False)
     yield m
     m.close()
 
@@ -171,7 +171,7 @@ def test_hf_tokenizer_config_chat_handler(q4_1_path, ref, monkeypatch):
     response = formatter(messages=[ChatCompletionRequestUserMessage(role="user", content="Hello, world!")])
     assert response.prompt == "<s>[INST] Hello, world! [/INST]</s>"
     handler = llama_chat_format.hf_tokenizer_config_to_chat_completion_handler(MISTRAL_TOKENIZER_CONFIG)
-    with Llama(q4_1_path, n_ctx=256, n_threads=1, chat_handler=handler, verbose=False) as ours:
+    with Llama(q4_1_path, n_ctx=256, n_threads=1, chat_handler=handler, flash_attn=True, verbose=False) as ours:
         monkeypatch.setattr(ref, "chat_handler", handler)
         a = ours.create_chat_completion([{"role": "user", "content": "Hello, world!"}], max_tokens=6, temperature=0.0)
         b = ref.create_chat_completion([{"role": "user", "content": "Hello, world!"}], max_tokens=6, temperature=0.0)

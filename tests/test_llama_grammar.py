@@ -53,7 +53,7 @@ ANYOF = {
 
 @pytest.fixture(scope="module")
 def llm(q4_1_path):
-    m = Llama(q4_1_path, n_ctx=512, n_threads=1, verbose=False)
+    m = Llama(q4_1_path, n_ctx=512, n_threads=1, flash_attn=True, verbose=False)
     yield m
     m.close()
 

@@ -138,7 +138,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def local(q4_1_path):
     """The same file in-process, in the class the server runs: what the server must answer."""
-    llm = Llama(q4_1_path, n_ctx=N_CTX, n_threads=1, verbose=False)
+    llm = Llama(q4_1_path, n_ctx=N_CTX, n_threads=1, flash_attn=True, verbose=False)
     yield llm
     llm.close()
 

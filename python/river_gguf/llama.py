@@ -22,12 +22,14 @@ What is llama_cpp's and what is ours:
 
 Constructor: llama_cpp's parameters are all accepted.
   - Used: model_path (None: the default SmolLM2 model), n_ctx (0: the model's training
-    context), n_batch, n_threads, n_gpu_layers, main_gpu, use_mmap, seed, logits_all, vocab_only,
+    context), n_batch, n_threads, n_gpu_layers, main_gpu, use_mmap, flash_attn (default False, as in
+    llama_cpp: same setting, same logits; True is faster, and what river-gguf's CLI and server
+    use), seed, logits_all, vocab_only,
     embedding, last_n_tokens_size, chat_format, chat_handler, tokenizer, spm_infill, verbose.
   - Accepted without effect, because they only tune llama.cpp's own context or memory and do
     not change results here: n_ubatch, n_threads_batch (the engine has one thread count:
     n_threads), split_mode, tensor_split, use_mlock, offload_kqv,
-    flash_attn, op_offload, swa_full, no_perf, numa, type_k/type_v (the engine keeps its own KV
+    op_offload, swa_full, no_perf, numa, type_k/type_v (the engine keeps its own KV
     type), draft_model (speculative decoding does not change the tokens), pooling_type,
     attention_type. Per call, tfs_z and penalize_nl are accepted and ignored, as in llama_cpp
     0.3.36.
@@ -319,7 +321,7 @@ class Llama:
         if not self._vocab_only:
             self.river_model = Model(model_path, river=river, n_ctx=n_ctx, n_threads=n_threads, n_batch=self.n_batch,
                                      n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, use_mmap=_bool("use_mmap", use_mmap),
-                                     mode=mode,
+                                     flash_attn=_bool("flash_attn", flash_attn), mode=mode,
                                      threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head,
                                      prefill=prefill, tail=tail, river_attention=river_attention, preset=preset,
                                      verbose=self.verbose, rpc_servers=rpc_servers, rpc_layers=rpc_layers,

@@ -89,8 +89,11 @@ class Model:
     n_ctx, n_batch: ints in [1, 2**20]; n_threads: an int in [1, max_threads()] (None: half the
     CPUs); n_gpu_layers: an int (negative: all); main_gpu: which GPU they go to, an index into
     river_gguf.devices.offload_gpus() (discrete GPUs first, then integrated ones, as llama.cpp
-    orders them; without a GPU the layers stay on the CPU, as in llama.cpp). use_mmap: map the file (default) or read it into
-    memory (also RIVER_GGUF_NO_MMAP=1), as llama.cpp's use_mmap.
+    orders them; without a GPU the layers stay on the CPU, as in llama.cpp). use_mmap: map the
+    file (default) or read it into memory (also RIVER_GGUF_NO_MMAP=1), as llama.cpp's use_mmap.
+    flash_attn: a bool; attention as llama.cpp computes it with flash attention on (True, the
+    default: faster) or off (False: llama.cpp's KQ/softmax/KQV path over a transposed V cache).
+    Each gives llama.cpp's logits with the same setting.
     mode, threshold, min_exit_layer, river_head, prefill, tail: defaults for every call; a River
     GGUF supplies its own, and each call may override them. River options given to a model
     without a river raise ValueError.
@@ -140,6 +143,7 @@ class Model:
         n_gpu_layers: int = 0,
         main_gpu: int = 0,
         use_mmap: bool = True,
+        flash_attn: bool = True,
         mode: Optional[str] = None,
         threshold: Optional[float] = None,
         min_exit_layer: Optional[int] = None,
@@ -175,6 +179,7 @@ class Model:
         verbose = _bool_arg("verbose", verbose)
         rpc_kw = rpc.engine_kwargs(rpc_servers, rpc_layers, rpc_split, rpc_weights, rpc_timeout)
         self._use_mmap = _bool_arg("use_mmap", use_mmap)
+        self.flash_attn = _bool_arg("flash_attn", flash_attn)
         if preset is not None and not isinstance(preset, str):
             raise ValueError(f"preset must be a str, got {preset!r}")
 
@@ -195,8 +200,8 @@ class Model:
         # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
         with deferred_interrupts():
             self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
-                                         main_gpu=self._main_gpu,
-                                         use_mmap=self._use_mmap, **rpc_kw)
+                                         main_gpu=self._main_gpu, use_mmap=self._use_mmap,
+                                         flash_attn=self.flash_attn, **rpc_kw)
             self._vocab = native.Vocab(model_path)
         self.hparams = self._engine.hparams
         self.metadata = self._engine.metadata
@@ -514,7 +519,8 @@ class Model:
 
         with deferred_interrupts():
             engine = native.Engine(self.model_path, "", len(toks), self.n_threads, min(self._n_batch, len(toks)),
-                                   self._n_gpu_layers, use_mmap=self._use_mmap, main_gpu=self._main_gpu)
+                                   self._n_gpu_layers, use_mmap=self._use_mmap, flash_attn=self.flash_attn,
+                                   main_gpu=self._main_gpu)
         try:
             return self._trace_on(engine, toks, ExitOptions(mode="backbone"))
         finally:

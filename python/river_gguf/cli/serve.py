@@ -74,6 +74,7 @@ def _load_model(args):
 
     path = args.model or default_model_for_cli()
     river = dict(mode=args.mode, threshold=args.threshold, preset=args.preset, tail=args.tail)
-    return loader.model_class()(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads,
+    # flash_attn=True: as `generate` and `chat` (cli/common.load_llama); Llama defaults to off.
+    return loader.model_class()(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads, flash_attn=True,
                                 n_gpu_layers=args.ngl, main_gpu=args.main_gpu, verbose=args.verbose, **river,
                                 **rpc_model_kwargs(args))

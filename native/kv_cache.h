@@ -31,10 +31,10 @@ public:
     // Fill every entry with NaN, so that any slot a step forgot to write poisons the
     // attention that reads it and shows in a test (RIVER.md invariant 4).
     //
-    // Without flash attention the entries are kPoisonNoFa instead, a finite value: there the
+    // Without flash attention (v_trans) the entries are poison_value_no_fa() instead, finite: there the
     // attention multiplies every row it spans (masked ones too, with weight 0) and 0 x NaN is
     // NaN, so NaN in the padded rows beyond the batch would poison correct steps. A slot a step
-    // forgot to write then holds a whole row of kPoisonNoFa, which a test can look for.
+    // forgot to write then holds a whole row of that value, which a test can look for.
     void poison();
     // The non-flash poison as float (F16 0x1E1E, bytes 0x1E): small, so that a masked row's
     // K.Q stays finite even where the CPU accumulates in F16.

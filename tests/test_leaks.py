@@ -88,14 +88,21 @@ def test_failed_loads_do_not_grow_the_process(monkeypatch, tmp_path, tiny):
 
 
 def test_generations_do_not_grow_the_process(tiny):
+    """Greedy decoding on a Model and sampled completions on a Llama (each with its sampler
+    chain), in every mode: nothing per call stays behind."""
     m = river_gguf.Model(tiny, river=tiny, threshold=0.9, n_threads=1, n_ctx=128)
+    llm = river_gguf.Llama(tiny, river=tiny, threshold=0.9, n_threads=1, n_ctx=128, verbose=False)
     prompts = ["The river rose", "One year the flood came early", "Every spring"]
     modes = ["backbone", "river", "river-only"]
 
     def generate(i):
-        g = greedy(m, prompts[i % 3], max_tokens=3, mode=modes[(i // 3) % 3],
-                       temperature=0.8 if i % 2 else 0.0, seed=i)
-        assert g.finish_reason in ("length", "stop")
+        mode = modes[(i // 3) % 3]
+        if i % 2:
+            r = llm.create_completion(prompts[i % 3], max_tokens=3, temperature=0.8, seed=i, mode=mode)
+            finish = r["choices"][0]["finish_reason"]
+        else:
+            finish = greedy(m, prompts[i % 3], max_tokens=3, mode=mode).finish_reason
+        assert finish in ("length", "stop")
 
     g = growth(generate, warmup=100, n=1000)
     print("growth over 1000 generations:", g)

@@ -24,6 +24,8 @@ class GreedyResult:
     decode_seconds: float = 0.0
     n_layer: int = 0
     tail: int = 0
+    mode: str = "backbone"      # as Llama.last_stats: the mode, or "exit_layer=k" for a forced exit
+    threshold: float = 2.0
 
     @property
     def decode_exit_layers(self) -> List[int]:
@@ -37,7 +39,8 @@ class GreedyResult:
     @property
     def stats(self) -> dict:
         """The exit statistics (results.exit_stats) and the decode counts."""
-        return {"decode_tokens": self.decode_steps, "decode_tok_s": self.decode_tok_s,
+        return {"decode_tokens": self.decode_steps, "decode_tok_s": self.decode_tok_s, "mode": self.mode,
+                "threshold": self.threshold, "tail": self.tail,
                 **exit_stats(self.exit_layers, self.n_layer, self.tail)}
 
 
@@ -66,7 +69,8 @@ def greedy(model, prompt: Union[str, Sequence[int]], max_tokens: int, stop: Sequ
         t0 = time.perf_counter()
         step = model.eval(toks, opts, prompt=True)
         res = GreedyResult("", out, finish, exits, prefill_seconds=time.perf_counter() - t0, n_layer=model.n_layer,
-                           tail=opts.tail)
+                           tail=opts.tail, threshold=opts.threshold,
+                           mode=opts.mode if opts.exit_layer is None else f"exit_layer={opts.exit_layer}")
         while len(out) < max_tokens:
             tok = int(np.argmax(step.logits[-1]))
             if model.is_eog(tok):

@@ -372,12 +372,13 @@ def validate_messages(messages: Any) -> List[Dict[str, Any]]:
     return out
 
 
-def format_chat(template: Optional[str], messages: List[Dict[str, Any]], **kwargs: Any) -> str:
+def format_chat(template: Optional[str], messages: List[Dict[str, Any]], *args: Any, **kwargs: Any) -> str:
     """Render ``messages``, checked by :func:`validate_messages` (roles, str content), with a
-    GGUF/HF chat template: :func:`render_chat`'s arguments (``bos_token``, ``eos_token``,
-    ``add_generation_prompt`` and extra template variables such as ``tools=...``). Template
-    errors (syntax errors or a template calling ``raise_exception``) are raised as ValueError."""
-    return render_chat(template, validate_messages(messages), **kwargs)
+    GGUF/HF chat template: the same arguments as :func:`render_chat` (``bos_token``,
+    ``eos_token``, ``add_generation_prompt`` and extra template variables such as ``tools=...``).
+    Template errors (syntax errors or a template calling ``raise_exception``) are raised as
+    ValueError."""
+    return render_chat(template, validate_messages(messages), *args, **kwargs)
 
 
 def render_chat(

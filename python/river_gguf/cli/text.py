@@ -47,7 +47,7 @@ def register_generate(sub, common) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--json", action="store_true",
-                   help="print the result (text, tokens, finish reason, stats) as one JSON object instead")
+                   help="print the result (text, finish reason, usage, stats) as one JSON object instead")
     p.set_defaults(func=_cmd_generate)
 
 

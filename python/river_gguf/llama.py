@@ -85,6 +85,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 import numpy as np
 
 import llama_cpp
+import llama_cpp._logger as llama_logger
 import llama_cpp.llama_chat_format as llama_chat_format
 from llama_cpp import llama_cpp as lib
 from llama_cpp import _internals as internals
@@ -286,6 +287,7 @@ class Llama:
         # templates, and the vocab pointer the grammar sampler needs.
         params = lib.llama_model_default_params()
         params.vocab_only = True
+        llama_logger.set_verbose(self.verbose)  # as llama_cpp.Llama: libllama's loader logs only when verbose
 
         # The engine's own checks first: libllama aborts the process on some malformed
         # vocabularies (a token with a NUL byte) that the engine refuses with GGUFFormatError.

@@ -10,9 +10,8 @@ import river_gguf
 from river_gguf import Model
 from river_gguf.greedy import greedy
 from river_gguf.convert.build import build_river_gguf
-from river_gguf.convert.hybrid import write_hybrid_gguf, write_mixed_gguf
-from river_gguf.presets import ATTENTION_KINDS
-from river_gguf.testing import write_tiny_model
+from river_gguf.convert.hybrid import write_hybrid_gguf
+from river_gguf.testing import write_backbone_attention_oracle, write_tiny_model
 
 from conftest import PROSE
 from test_engine_parity import LOGIT_TOL
@@ -176,11 +175,7 @@ def test_invariant6_backbone_attention_equals_the_mixed_gguf(files, river_model,
     # River layers with the backbone's attention group (phi3's joined attn_qkv, gemma's and
     # olmo2's post-attention norm included) and the river's FFN.
     plain, rv = files
-    river_file = tmp_path / "river-only.gguf"
-    write_hybrid_gguf(rv, rv, river_file, exit_layer=-1, river_head=True)
-    mixed = tmp_path / "mixed.gguf"
-    write_mixed_gguf(river_file, mixed, {"bb": plain},
-                     lambda name: "bb" if name.startswith("blk.") and name.split(".")[2] in ATTENTION_KINDS else None)
+    mixed = write_backbone_attention_oracle(plain, rv, tmp_path)
     _same_as_oracle(river_model, oracle_factory(str(mixed), 256), prose_tokens, mode="river-only", river_head=True,
                     river_attention="backbone")
 

@@ -15,10 +15,9 @@ import pytest
 import llama_cpp
 from river_gguf import Model, _native
 from river_gguf.convert.build import build_river_gguf
-from river_gguf.convert.hybrid import write_hybrid_gguf, write_mixed_gguf
+from river_gguf.convert.hybrid import write_hybrid_gguf
 from river_gguf.llama import Llama
-from river_gguf.presets import ATTENTION_KINDS
-from river_gguf.testing import write_tiny_model
+from river_gguf.testing import write_backbone_attention_oracle, write_tiny_model
 
 from conftest import PROSE
 from test_engine_parity import LOGIT_TOL
@@ -193,11 +192,7 @@ def test_river_only_equals_the_river_file(river_files, river_model, river_tokens
 
 def test_backbone_attention_equals_the_mixed_gguf(river_files, river_model, river_tokens, tmp_path):
     plain, rv = river_files
-    river_file = tmp_path / "river-only.gguf"
-    write_hybrid_gguf(rv, rv, river_file, exit_layer=-1, river_head=True)
-    mixed = tmp_path / "mixed.gguf"
-    write_mixed_gguf(river_file, mixed, {"bb": plain},
-                     lambda name: "bb" if name.startswith("blk.") and name.split(".")[2] in ATTENTION_KINDS else None)
+    mixed = write_backbone_attention_oracle(plain, rv, tmp_path)
     _same_as_llama_cpp(river_model, mixed, river_tokens, mode="river-only", river_head=True,
                        river_attention="backbone")
 

@@ -8,17 +8,11 @@ import pytest
 from river_gguf import Model
 from river_gguf.greedy import greedy
 from river_gguf.convert.hybrid import write_hybrid_gguf, write_mixed_gguf
+from river_gguf.testing import attention_from
 
 from conftest import PROSE
 from test_engine_parity import LOGIT_TOL
 from test_river import TAUS, _first_tau
-
-ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
-
-
-def _attention_from(key):
-    return lambda name: key if name.startswith("blk.") and name.split(".")[2] in ATTENTION else None
-
 
 @pytest.fixture(scope="module")
 def river_model(f16_path, q4_0_path):
@@ -40,7 +34,7 @@ def _same_as_oracle(m, oracle, toks, **opts):
 def test_river_only_with_backbone_attention_equals_the_mixed_gguf(river_model, prose_tokens, f16_path, q4_0_path,
                                                                   tmp_path, oracle_factory):
     mixed = tmp_path / "q4_0+f16-attention.gguf"
-    write_mixed_gguf(q4_0_path, mixed, {"bb": f16_path}, _attention_from("bb"))
+    write_mixed_gguf(q4_0_path, mixed, {"bb": f16_path}, attention_from("bb"))
     _same_as_oracle(river_model, oracle_factory(str(mixed)), prose_tokens, mode="river-only", river_head=True,
                     river_attention="backbone")
     # ... and differs from the river's own attention, which is the plain Q4_0 file.
@@ -55,7 +49,7 @@ def test_forced_exit_with_backbone_attention_equals_the_mixed_hybrid(k, tail, ri
     hybrid = tmp_path / "hybrid.gguf"
     write_hybrid_gguf(f16_path, q4_0_path, hybrid, exit_layer=k, river_head=False, tail=tail)
     mixed = tmp_path / "hybrid+f16-attention.gguf"
-    write_mixed_gguf(hybrid, mixed, {"bb": f16_path}, _attention_from("bb"))
+    write_mixed_gguf(hybrid, mixed, {"bb": f16_path}, attention_from("bb"))
     _same_as_oracle(river_model, oracle_factory(str(mixed)), prose_tokens, exit_layer=k, tail=tail,
                     river_head=False, river_attention="backbone")
 

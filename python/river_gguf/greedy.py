@@ -63,14 +63,13 @@ def greedy(model, prompt: Union[str, Sequence[int]], max_tokens: int, stop: Sequ
     max_tokens = min(int(max_tokens), model.n_ctx - len(toks))
     out: List[int] = []
     exits: List[int] = []
-    text, finish = "", "length"
+    text, finish, cut_at_stop = "", "length", False
     with model.lock:
         model.begin()
         t0 = time.perf_counter()
         step = model.eval(toks, opts, prompt=True)
         res = GreedyResult("", out, finish, exits, prefill_seconds=time.perf_counter() - t0, n_layer=model.n_layer,
-                           tail=opts.tail, threshold=opts.threshold,
-                           mode=opts.mode if opts.exit_layer is None else f"exit_layer={opts.exit_layer}")
+                           tail=opts.tail, threshold=opts.threshold, mode=opts.label)
         while len(out) < max_tokens:
             tok = int(np.argmax(step.logits[-1]))
             if model.is_eog(tok):
@@ -78,16 +77,18 @@ def greedy(model, prompt: Union[str, Sequence[int]], max_tokens: int, stop: Sequ
                 break
             out.append(tok)
             exits.append(int(step.exit_layer))
-            text = model.detokenize(out)
-            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-                break
+            if stops:  # the text so far, only when a stop string may end it
+                text = model.detokenize(out)
+                cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    text, finish, cut_at_stop = text[:cut], "stop", True
+                    break
             if len(out) >= max_tokens:
                 break
             t0 = time.perf_counter()
             step = model.eval([tok], opts, prompt=False)
             res.decode_seconds += time.perf_counter() - t0
             res.decode_steps += 1
-    res.text, res.finish_reason = text, finish
+    res.text = text if cut_at_stop else model.detokenize(out)
+    res.finish_reason = finish
     return res

@@ -715,7 +715,7 @@ class Llama:
             "prefill_tok_s": a["prefill_tokens"] / a["prefill_s"] if a["prefill_s"] > 0 else 0.0,
             "decode_tokens": a["decode_tokens"],
             "decode_tok_s": a["decode_tokens"] / a["decode_s"] if a["decode_s"] > 0 else 0.0,
-            "mode": opts.mode if opts.exit_layer is None else f"exit_layer={opts.exit_layer}",
+            "mode": opts.label,
             "threshold": opts.threshold,
             "tail": opts.tail,
         }

@@ -81,6 +81,11 @@ class ExitOptions:
                              f"{', '.join(sorted(known | {'preset'}))}")
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
 
+    @property
+    def label(self) -> str:
+        """The setting's name in statistics: the mode, or "exit_layer=k" for a forced exit."""
+        return self.mode if self.exit_layer is None else f"exit_layer={self.exit_layer}"
+
     def engine_args(self, prompt: bool) -> dict:
         """Arguments of _native.Engine.eval for a prompt batch or a decode step."""
         args = dict(threshold=float(self.threshold), min_exit_layer=int(self.min_exit_layer),

@@ -12,8 +12,10 @@ import os
 import numpy as np
 import gguf
 
+from .convert.hybrid import write_hybrid_gguf, write_mixed_gguf
 from .default_model import default_model_path
 from .gguf_io import atomic_output, metadata_items
+from .presets import ATTENTION_KINDS
 
 ARCHS = ("llama", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "phi3")
 # Architectures whose files may set a sliding window (gemma2 and gemma3 require one).
@@ -186,6 +188,22 @@ def write_tiny_model(
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
     return os.fspath(path)
+
+
+def attention_from(key: str):
+    """A write_mixed_gguf pick: every layer's attention tensors (presets.ATTENTION_KINDS, the
+    group river_attention="backbone" swaps) from the source `key`, the rest from the base."""
+    return lambda name: key if name.startswith("blk.") and name.split(".")[2] in ATTENTION_KINDS else None
+
+
+def write_backbone_attention_oracle(backbone_path, river_path, folder) -> str:
+    """The plain GGUF that river-only with the backbone's attention (river_attention="backbone")
+    computes: the river alone, with every attention tensor of each layer from the backbone.
+    Written into `folder` (with the river-only file it starts from); returns its path."""
+    river_only = os.path.join(os.fspath(folder), "river-only.gguf")
+    write_hybrid_gguf(river_path, river_path, river_only, exit_layer=-1, river_head=True)
+    mixed = os.path.join(os.fspath(folder), "backbone-attention.gguf")
+    return write_mixed_gguf(river_only, mixed, {"bb": backbone_path}, attention_from("bb"))
 
 
 def write_unsupported_arch(path: str | os.PathLike, arch: str = "mamba") -> str:

@@ -175,6 +175,18 @@ void check_vocabulary(const std::string& path) {
                                   "') of tokenizer.ggml.tokens repeats token " + std::to_string(it->second));
         }
     }
+    // libllama's SentencePiece tokenizer spells text its pieces do not cover in byte tokens,
+    // and throws across its C API (aborting the process) for a byte that has none: neither
+    // "<0xXX>" nor the byte itself. Byte-level BPE ("gpt2") maps every byte to a piece.
+    if (model == "llama") {
+        for (int b = 0; b < 256; ++b) {
+            char hex[8];
+            std::snprintf(hex, sizeof hex, "<0x%02X>", b);
+            if (seen.count(hex) || seen.count(std::string(1, char(b)))) continue;
+            throw GgufFormatError(where + "a SentencePiece vocabulary (tokenizer.ggml.model 'llama') with no token for byte " +
+                                  hex + " (neither '" + hex + "' nor the byte itself), which its tokenizer falls back to");
+        }
+    }
 }
 
 Vocab::Vocab(const std::string& path) : path_(path) {

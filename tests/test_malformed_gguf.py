@@ -221,6 +221,39 @@ def test_unsupported_tokenizer_model(bases, tmp_path, model):
     refused(p, rf"tokenizer '{model}' is not supported", error=river_gguf.UnsupportedModelError)
 
 
+def _relabel_spm(with_bytes: bool):
+    def edit(g):
+        g.set("tokenizer.ggml.model", STRING, "llama")
+        if with_bytes:  # SentencePiece's byte tokens in place of 256 ordinary ones
+            toks = g.strings("tokenizer.ggml.tokens")
+            types = [1] * len(toks)  # normal, and BYTE (6) for the byte tokens
+            for b in range(256):
+                toks[1000 + b] = f"<0x{b:02X}>".encode()
+                types[1000 + b] = 6
+            g.set("tokenizer.ggml.tokens", ARRAY, (STRING, toks))
+            g.set("tokenizer.ggml.token_type", ARRAY, (I32, types))
+    return edit
+
+
+def test_sentencepiece_vocabulary_without_byte_tokens(bases, tmp_path):
+    # libllama's SentencePiece tokenizer threw std::out_of_range across its C API when text
+    # fell back to a byte with no token: llama_cpp's tokenize (river_gguf.Llama) aborted.
+    p = damaged(tmp_path, bases["llama"], _relabel_spm(with_bytes=False))
+    refused(p, r"SentencePiece vocabulary .*no token for byte <0x00>")
+    with pytest.raises(GGUFFormatError, match=r"no token for byte"):
+        river_gguf.Llama(p, n_ctx=64, n_threads=1, verbose=False)
+    # with the byte tokens the same vocabulary loads, and both tokenizers spell unknown bytes
+    p = damaged(tmp_path, bases["llama"], _relabel_spm(with_bytes=True), name="spm.gguf")
+    text = "Hi\u00e9\U0001F600\n"  # no space: this vocabulary has no "\u2581" piece
+    llm = river_gguf.Llama(p, n_ctx=64, n_threads=1, verbose=False)
+    try:
+        toks = llm.tokenize(text.encode())
+        assert toks == Model(p, n_ctx=64, n_threads=1).tokenize(text)
+        assert llm.detokenize(toks).decode().endswith(text)
+    finally:
+        llm.close()
+
+
 # --- rivers ---------------------------------------------------------------------------------
 
 @rivers

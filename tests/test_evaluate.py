@@ -101,19 +101,23 @@ def test_plan_full_settings():
         {(t, k) for t in (0.97, 0.98, 0.99) for k in (2, 4)}
     assert [x.tail for x in rows if x.setup == "River GGUF" and x.kind == "river-only"] == [0, 2, 4, 8, 12, 16]
     assert by[("F16+Q4_0", "exit@10")].opts["tail"] == 0
+    # planned with placeholder types; run_eval labels them with the River GGUF's (river_types)
     assert [x.label for x in rows if x.kind == "control"] == \
-        ["imatrix Q4_0"] + [f"imatrix Q4_0 + F16 tail {t}" for t in (2, 4, 6, 8, 12, 16, 20)]
+        ["imatrix Q4_0"] + [f"imatrix Q4_0 + F16 tail {t}" for t in (4, 8, 16)]
+    assert evaluate.river_types({"river.type": "q4_k_m+imatrix", "river.backbone_type": "q8_0"}) == \
+        ("imatrix Q4_K_M", "Q8_0")
+    assert evaluate.control_label(4, "imatrix Q4_K_M", "Q8_0") == "imatrix Q4_K_M + Q8_0 tail 4"
+    assert evaluate.river_types({"river.type": "q4_0"}) == ("Q4_0", "F16")
     assert [x.label for x in rows if x.kind == "ladder"] == ["Q8_0", "Q4_0"]
     assert all(x.engine == "llama.cpp" for x in rows if x.kind in ("ladder", "control"))
     assert all(x.engine == "river_gguf" for x in rows if x.kind not in ("ladder", "control"))
-    # The plain sweep: trimmed by default, full on request, or left out; fixed exits fit the model.
+    # The plain sweep: left out by default, trimmed or full on request; fixed exits fit the model.
     assert len([x for x in rows if x.setup == "F16+Q4_0" and x.kind == "river"]) == 4
-    assert len([x for x in evaluate._plan(evaluate.full_settings("smollm2"), ())
-                if x.setup == "F16+Q4_0" and x.kind == "river"]) == len(evaluate.DEFAULT_TAUS)  # SmolLM2: full
+    assert not [x for x in evaluate._plan(evaluate.full_settings("smollm2"), ()) if x.setup == "F16+Q4_0"]
     qwen = evaluate.full_settings("qwen2.5-coder-0.5b")
     assert s.score_items is None and qwen.score_items is None  # the whole evaluation split
     assert qwen.score_tokens < s.score_tokens and max(qwen.controls) < 23
-    assert len([x for x in evaluate._plan(qwen, ()) if x.setup == "F16+Q4_0" and x.kind == "river"]) == 4
+    assert not [x for x in evaluate._plan(qwen, ()) if x.setup == "F16+Q4_0"]
     full = evaluate._plan(evaluate.full_settings("qwen2.5-coder-0.5b", plain_sweep="full"), ())
     assert len([x for x in full if x.setup == "F16+Q4_0" and x.kind == "river"]) == len(evaluate.DEFAULT_TAUS)
     assert max(x.exit_layer for x in full if x.kind == "fixed") < 23
@@ -382,8 +386,10 @@ def test_eval_river_gguf_presets_and_controls(small_river_gguf, monkeypatch):
                  prompt_tokens=48, n_ctx=512, progress=False)
     rep = evaluate.run_eval(s)
     rows = {r["label"]: r for r in rep["rows"]}
+    river, backbone = evaluate.river_types(rep["river_gguf"]["metadata"])
+    control0, control2 = evaluate.control_label(0, river, backbone), evaluate.control_label(2, river, backbone)
     assert set(rows) == {"preset fast", "preset balanced", "river-only", "river-only tail=2", "tau=0.98 tail=2",
-                         "imatrix Q4_0", "imatrix Q4_0 + F16 tail 2", "Q8_0"}
+                         control0, control2, "Q8_0"}
     assert rep["river_gguf"]["file"] == os.path.basename(small_river_gguf)
     assert rows["preset balanced"]["preset_options"]["tail"] == 2 and rows["preset balanced"]["tau"] == 0.98
     # A preset is exactly its options: preset balanced == the explicit tau=0.98 tail=2 row; preset
@@ -394,8 +400,8 @@ def test_eval_river_gguf_presets_and_controls(small_river_gguf, monkeypatch):
             assert rows["preset fast"]["domains"][d][key] == rows["river-only tail=2"]["domains"][d][key]
         assert rows["river-only tail=2"]["domains"][d]["kld"] != rows["river-only"]["domains"][d]["kld"]
         assert rows["preset fast"]["domains"][d]["kld"] > 0 and 0 < rows["preset fast"]["domains"][d]["same_top"] <= 1
-        assert rows["imatrix Q4_0"]["domains"][d]["decode_tok_s"] > 0
-        assert rows["imatrix Q4_0"]["domains"][d]["engine"] == "llama.cpp"
+        assert rows[control0]["domains"][d]["decode_tok_s"] > 0
+        assert rows[control0]["domains"][d]["engine"] == "llama.cpp"
         assert rows["preset fast"]["domains"][d]["engine"] == "river_gguf"
     a = rep["analysis"]
     assert [c["same_kld"] for c in a["consistency"]] == [True, True]

@@ -50,10 +50,11 @@ def _cmd_eval(args) -> int:
 
 def register_eval(subparsers, common=None) -> None:
     p = subparsers.add_parser(
-        "eval", help="perplexity / agreement / speed of River vs. the static quant ladder",
-        description="Evaluate River early exit (the default River GGUF's presets, a dynamic-exit sweep with a "
-                    "backbone tail, the plain F16+Q4_0 river) against the model's static quant ladder and the "
-                    "static imatrix Q4_0 (+ F16 tail) controls, timed in stock llama.cpp; writes report.md, "
+        "eval", help="KLD from F16 / same top token / ppl / speed of River vs. the static quant ladder",
+        description="Evaluate River early exit (the default River GGUF's presets, its static river-only + tail "
+                    "settings and a dynamic-exit sweep with a backbone tail) against the model's static quant "
+                    "ladder (imatrix quants included) and the "
+                    "static river (+ backbone tail) controls, timed in stock llama.cpp; writes report.md, "
                     "report.json and pareto.png with --out. --quick runs only the plain F16+Q4_0 river.")
     p.add_argument("--quick", action="store_true",
                    help="a small subset (< 2 min) that asserts sanity; exit 1 if a check fails")

@@ -92,7 +92,7 @@ def markdown(report: dict) -> str:
         out.append("")
     for setup, res in a.get("dynamic_vs_static", {}).items():
         for key, v in res.items():
-            what = ("the static imatrix Q4_0 (+ F16 tail) hybrids in stock llama.cpp" if key == "llama.cpp"
+            what = ("the static river (+ backbone tail) hybrids in stock llama.cpp" if key == "llama.cpp"
                     else "the same static settings (river-only + tail) on river_gguf")
             out.append(f"Dynamic exit ({setup}) vs {what} ({', '.join(v['static'])}), "
                        "static kld interpolated at the row's measured speed:\n")
@@ -136,7 +136,7 @@ def markdown(report: dict) -> str:
         out.append("")
     for setup, v in a["vs_ladder"].items():
         who = "static" if setup == "static" else "River"
-        name = "static imatrix Q4_0 (+ F16 tail) controls" if setup == "static" else setup
+        name = "static river (+ backbone tail) controls" if setup == "static" else setup
         if "q4_k_m" in v:
             q = v["q4_k_m"]
             y = q["river_kld_at_speed"]
@@ -218,9 +218,9 @@ def pareto_plot(report: dict, path: str) -> None:
     ctl = sorted((r["overall"]["decode_tok_s"], r["overall"]["kld"], r) for r in rows if r["kind"] == "control" and has(r))
     if ctl:
         ax.plot([p[0] for p in ctl], [p[1] for p in ctl], "--P", color="0.45", ms=7,
-                label="static imatrix Q4_0 (+ F16 tail t) (llama.cpp)")
+                label="static river (+ backbone tail t) (llama.cpp)")
         for x, y, r in ctl:
-            ax.annotate("imatrix Q4_0" if not r["tail"] else f"+tail {r['tail']}", (x, y), fontsize=7,
+            ax.annotate("river" if not r["tail"] else f"+tail {r['tail']}", (x, y), fontsize=7,
                         color="0.3", xytext=(4, 4), textcoords="offset points")
     lad = [r for r in rows if r["kind"] == "ladder" and has(r)]
     if lad:

@@ -18,9 +18,10 @@ the mix of depths.
 
 The full report (full_settings) is per model (model_zoo name: smollm2, qwen2.5-coder-0.5b) and
 compares, in one run:
-- the model's static quant ladder (model_zoo.ladder_kinds) and the static controls "imatrix Q4_0"
-  and "imatrix Q4_0 + F16 tail t" (the default River GGUF's river written as a plain GGUF, with
-  its last t layers from the backbone: control_path). Both are scored by the same code
+- the model's static quant ladder (model_zoo.ladder_kinds) and the static controls "RIVER" and
+  "RIVER + BACKBONE tail t" (the default River GGUF's river written as a plain GGUF, with its last
+  t layers from the backbone: control_path; labelled with the file's types, e.g. "imatrix Q4_K_M +
+  Q8_0 tail 4"). Both are scored by the same code
   (river_gguf's engine in backbone mode, which matches llama.cpp bit for bit) and timed in stock
   llama.cpp (llama-cpp-python, flash attention, decode timed alone);
 - the River GGUF that `river-gguf convert` makes with its defaults (default_river_gguf: imatrix
@@ -59,16 +60,18 @@ SHUFFLE_DRAWS = 2
 # ----- the files compared ----------------------------------------------------------------
 DEFAULT_MODEL = "smollm2"
 RIVER_GGUF = "river-gguf"        # Setup.backbone: the model's default River GGUF (with its own river)
-# The static "imatrix Q4_0 + F16 tail t" hybrids (0: imatrix Q4_0 alone), per model: tails deep
-# enough that the static curve reaches the speeds of the dynamic rows, so they compare at equal
-# speed (on SmolLM2 a 10-layer F16 tail still runs at 0.85x the imatrix Q4_0's speed).
-CONTROL_TAILS = {"smollm2": (0, 2, 4, 6, 8, 12, 16, 20), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12, 16)}
+# The static "river + backbone tail t" hybrids (0: the river alone), timed in stock llama.cpp,
+# per model: tails deep enough that the static curve reaches the speeds of the dynamic rows. Each
+# is also a river-only tail row on river_gguf, which must score the same (analyse's consistency).
+CONTROL_TAILS = {"smollm2": (0, 4, 8, 16), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12, 16)}
 # The same static settings run on river_gguf (river-only + tail rows of the River GGUF setup).
 ENGINE_STATIC_TAILS = {"smollm2": (0, 2, 4, 8, 12, 16), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12)}
 # Per model: the dynamic sweep on the River GGUF (taus x tails), the plain sweep's default, and
 # the run's size (Qwen2.5-Coder-0.5B decodes ~3x slower than SmolLM2 here, so it scores fewer items).
 DYNAMIC_SWEEP = {"smollm2": ((0.97, 0.98, 0.99), (2, 4)), "qwen2.5-coder-0.5b": ((0.95, 0.97, 0.98), (2, 4))}
-PLAIN_SWEEP_DEFAULT = {"smollm2": "full", "qwen2.5-coder-0.5b": "trim"}
+# (The plain F16 + round-to-nearest Q4_0 river is no longer what the converter makes; its sweep
+# stays available with --plain-sweep for the shuffle control.)
+PLAIN_SWEEP_DEFAULT = {"smollm2": "none", "qwen2.5-coder-0.5b": "none"}
 # score_items None: the whole evaluation split (80 GSM8K + 131 HumanEval items).
 RUN_SIZE = {"smollm2": dict(score_items=None, score_tokens=64, gen_items=3, gen_tokens=32, prompt_tokens=256),
             "qwen2.5-coder-0.5b": dict(score_items=None, score_tokens=48, gen_items=2, gen_tokens=32,
@@ -134,8 +137,8 @@ def _metadata(path: str, keys: Sequence[str]) -> dict:
 
 
 def control_path(model: str, tail: int, river_file: Optional[str] = None) -> str:
-    """The static control "imatrix Q4_0 + F16 tail `tail`": the River GGUF's river as a plain
-    GGUF, its last `tail` layers from the F16 backbone (tail 0: the imatrix Q4_0 alone). Named
+    """The static control "river + backbone tail `tail`": the River GGUF's river as a plain
+    GGUF, its last `tail` layers from the file's backbone (tail 0: the river alone). Named
     after the River GGUF's backbone and river hashes (so a rebuilt River GGUF gets new controls)
     and kept beside it."""
     import hashlib
@@ -146,7 +149,7 @@ def control_path(model: str, tail: int, river_file: Optional[str] = None) -> str
     md = _metadata(river_file, ("river.backbone_sha256", "river.river_sha256"))
     tag = hashlib.sha1("|".join(str(md.get(k)) for k in sorted(md)).encode()).hexdigest()[:10]
     p = os.path.join(os.path.dirname(os.path.abspath(river_file)),
-                     f"{_zoo(model).stem}.imatrix-q4_0.{tag}.tail{int(tail)}.gguf")
+                     f"{_zoo(model).stem}.static-river.{tag}.tail{int(tail)}.gguf")
     if not os.path.isfile(p):
         write_hybrid_gguf(river_file, river_file, p, exit_layer=-1, river_head=True, tail=int(tail))
     return p
@@ -181,7 +184,7 @@ class Settings:
     setups: List[Setup]
     model: str = DEFAULT_MODEL
     ladder: Optional[Sequence[str]] = None  # derived kinds; None: model_zoo.ladder_kinds(model)
-    controls: Sequence[int] = ()            # tails of the static imatrix Q4_0 (+ F16 tail) controls
+    controls: Sequence[int] = ()            # tails of the static river (+ backbone tail) controls
     domains: Sequence[str] = eval_data.DOMAINS
     score_items: Optional[int] = 8  # evaluation items per domain scored (None: all of the split)
     score_tokens: int = 96        # completion tokens scored per item
@@ -208,7 +211,7 @@ PLAIN_SWEEPS = ("full", "trim", "none")
 
 
 def full_settings(model: str = DEFAULT_MODEL, plain_sweep: Optional[str] = None) -> Settings:
-    """The report: the static ladder (stock llama.cpp), the imatrix Q4_0 (+ F16 tail) controls,
+    """The report: the static ladder (stock llama.cpp), the static river (+ backbone tail) controls,
     the default River GGUF's presets and a dynamic-exit-with-tail sweep on it, and the plain
     F16 + Q4_0 (round-to-nearest river) tau sweep: "full" (the earlier report's grid, with fixed
     exits and the shuffle control), "trim" (4 taus, one fixed exit, one shuffle) or "none";
@@ -291,8 +294,16 @@ def _tau_label(tau: float, tail: int) -> str:
     return f"tau={tau:g}" + (f" tail={tail}" if tail else "")
 
 
-def control_label(tail: int) -> str:
-    return "imatrix Q4_0" if tail == 0 else f"imatrix Q4_0 + F16 tail {tail}"
+def control_label(tail: int, river: str = "imatrix Q4_0", backbone: str = "F16") -> str:
+    """A control's label from the types its River GGUF holds (river_types)."""
+    return river if tail == 0 else f"{river} + {backbone} tail {tail}"
+
+
+def river_types(metadata: dict) -> Tuple[str, str]:
+    """(river, backbone) as labels from a River GGUF's metadata: ("imatrix Q4_K_M", "Q8_0")."""
+    kind, _, imx = str(metadata.get("river.type", "q4_0")).partition("+")
+    river = ("imatrix " if imx == "imatrix" else "") + kind.upper()
+    return river, str(metadata.get("river.backbone_type") or "F16").upper()
 
 
 def _plan(settings: Settings, ladder: Optional[Sequence[str]] = None,
@@ -420,11 +431,12 @@ def run_eval(settings: Settings) -> dict:
                 raise ValueError(f"setup {s.name}: {m.model_path} stores no presets")
             preset_names[s.name] = _ordered_presets(m.presets)
     rows = _plan(settings, ladder, preset_names)
+    types = river_types(_metadata(river_file, ("river.type", "river.backbone_type"))) if river_file else None
     for r in rows:
         if r.kind == "ladder":
             r.file = path_of(r.label.lower())
         elif r.kind == "control":
-            r.file = controls[r.tail]
+            r.file, r.label = controls[r.tail], control_label(r.tail, *types)
         elif r.kind == "preset":
             o = dict(setup_model(_setup_of(settings, r.setup)).presets[r.preset]["options"])
             r.preset_options, r.tail = o, int(o.get("tail", 0))

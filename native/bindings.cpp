@@ -59,7 +59,8 @@ py::dict hparams(const HParams& hp) {
 }
 
 py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold, int min_exit_layer,
-               int exit_layer, bool river_head, bool all_logits, bool trace, int tail, bool backbone_attention) {
+               int exit_layer, bool river_head, bool all_logits, bool trace, int tail, bool backbone_attention,
+               bool embeddings) {
     if (!is_exit_mode(mode)) throw std::invalid_argument("bad mode");
     EvalRequest req;
     req.tokens = std::move(tokens);
@@ -72,13 +73,15 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold
     req.trace = trace;
     req.tail = tail;
     req.backbone_attention = backbone_attention;
+    req.embeddings = embeddings;
     EvalResult res;
     {
         py::gil_scoped_release release;
         res = e.eval(req);
     }
-    const int n_vocab = e.hparams().n_vocab;
-    py::array_t<float> logits({res.n_rows, n_vocab});
+    // Rows of logits (n_vocab wide), or of embeddings (n_embd wide).
+    const int width = res.n_rows ? res.n_cols : (embeddings ? e.hparams().n_embd : e.hparams().n_vocab);
+    py::array_t<float> logits({res.n_rows, width});
     std::memcpy(logits.mutable_data(), res.logits.data(), res.logits.size() * sizeof(float));
     return py::make_tuple(logits, res.exit_layer, res.similarity);
 }
@@ -213,7 +216,7 @@ PYBIND11_MODULE(_native, m) {
         .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
              py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0,
-             py::arg("backbone_attention") = false)
+             py::arg("backbone_attention") = false, py::arg("embeddings") = false)
         .def("truncate", &Engine::truncate)
         .def_property_readonly("n_past", &Engine::n_past)
         .def_property_readonly("n_ctx", &Engine::n_ctx)

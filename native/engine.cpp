@@ -298,6 +298,9 @@ void Engine::check_request(const EvalRequest& req) const {
     const bool needs_river = req.mode == ExitMode::River || req.mode == ExitMode::RiverOnly ||
                              (req.mode == ExitMode::Fixed && req.exit_layer < hp_.n_layer - 1);
     if (needs_river && !river_) throw std::invalid_argument("this mode needs a river, and the model has none");
+    if (req.embeddings && (req.mode != ExitMode::Backbone || req.trace)) {
+        throw std::invalid_argument("embeddings come from the backbone: mode must be backbone");
+    }
     if (req.mode == ExitMode::Fixed && (req.exit_layer < -1 || req.exit_layer >= hp_.n_layer)) {
         throw std::invalid_argument("exit_layer must be in [-1, " + std::to_string(hp_.n_layer - 1) + "]");
     }
@@ -347,7 +350,7 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     // terms by the length: prompts get llama.cpp's padded n_kv too (its get_n_kv).
     const int padded = std::min(cache_->n_ctx(), std::max(256, (n_past_ + n + 255) / 256 * 256));
     spec.n_kv = n == 1 || !flash_attn_ ? padded : n_past_ + n;
-    spec.all_logits = req.all_logits;
+    spec.all_logits = req.all_logits || req.embeddings;
     spec.backbone_attention = req.backbone_attention;
 
     int fixed = -2;  // fixed exit depth, when the whole depth is known before running
@@ -362,7 +365,7 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
         const bool uses_river = fixed < river_last;
         spec.spans = depth_spans(fixed, req.tail, hp_.n_layer);
         spec.river_embd = fixed < 0 && uses_river && river_->tok_embd && req.river_head;
-        spec.head = uses_river ? exit_head : Head::Backbone;
+        spec.head = req.embeddings ? Head::Norm : uses_river ? exit_head : Head::Backbone;
         run(spec, tokens, &out);
         note_exit(uses_river ? fixed : last);
         return;
@@ -454,7 +457,8 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
 
     if (g.logits && out) {
         const int n_rows = static_cast<int>(g.logits->ne[1]);
-        const size_t count = size_t(n_rows) * hp_.n_vocab;
+        out->n_cols = static_cast<int>(g.logits->ne[0]);  // n_vocab, or n_embd for embeddings
+        const size_t count = size_t(n_rows) * out->n_cols;
         if (spec.all_logits) {
             const size_t old = out->logits.size();
             out->logits.resize(old + count);
@@ -566,7 +570,8 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     if (spec.head != Head::None) {
         if (!spec.all_logits && n > 1) h = ggml_view_2d(ctx, h, hp_.n_embd, 1, h->nb[1], h->nb[1] * (n - 1));
         ggml_tensor* w = spec.head == Head::River ? river_->head : backbone_.output;
-        g->logits = build_head(ctx, hp_, backbone_.output_norm, w, h);
+        g->logits = spec.head == Head::Norm ? build_final_norm(ctx, hp_, backbone_.output_norm, h)
+                                            : build_head(ctx, hp_, backbone_.output_norm, w, h);
         ggml_set_output(g->logits);
         ggml_build_forward_expand(gf, g->logits);
     }

@@ -87,6 +87,9 @@ struct EvalRequest {
     // the river's FFN: precision where the KV cache and the sensitivity are, at a FFN's price.
     bool backbone_attention = false;
     bool all_logits = false;     // logits for every token, else for the last one only
+    // The final norm's output for every token (n_embd wide rows: llama.cpp's embeddings with
+    // pooling none) instead of logits. Backbone mode only.
+    bool embeddings = false;
     bool trace = false;          // run layer by layer and record every similarity
 };
 
@@ -100,8 +103,9 @@ struct Span {
 };
 
 struct EvalResult {
-    std::vector<float> logits;      // n_rows x n_vocab
+    std::vector<float> logits;      // n_rows x n_cols: logits (n_vocab), or embeddings (n_embd)
     int n_rows = 0;
+    int n_cols = 0;
     int exit_layer = -1;            // last backbone layer run; n_layer-1 when no exit, -1 for river-only
     std::vector<float> similarity;  // min over the batch of cos(h_in, h_out) per backbone layer tested
 };
@@ -136,7 +140,9 @@ public:
     size_t kept_graphs() const { return graphs_.size(); }
 
 private:
-    enum class Head { None, Backbone, River };
+    // What the graph ends in: nothing, the backbone's or the river's head, or the final norm
+    // alone (embeddings).
+    enum class Head { None, Backbone, River, Norm };
 
     // What one graph computes. Single-token graphs are position-independent (the KV write goes
     // through row indices and the attention covers a padded n_kv), so equal specs can share one

@@ -245,9 +245,13 @@ ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HPara
     return h;  // unreachable: read_hparams accepts only the families above
 }
 
+ggml_tensor* build_final_norm(ggml_context* ctx, const HParams& hp, ggml_tensor* output_norm, ggml_tensor* h) {
+    return rms_norm(ctx, h, output_norm, hp.rms_eps);
+}
+
 ggml_tensor* build_head(ggml_context* ctx, const HParams& hp, ggml_tensor* output_norm, ggml_tensor* head,
                         ggml_tensor* h) {
-    ggml_tensor* logits = ggml_mul_mat(ctx, head, rms_norm(ctx, h, output_norm, hp.rms_eps));
+    ggml_tensor* logits = ggml_mul_mat(ctx, head, build_final_norm(ctx, hp, output_norm, h));
     if (hp.logit_scale != 0.0f) logits = ggml_scale(ctx, logits, 1.0f / hp.logit_scale);
     if (hp.final_softcap != 0.0f) {
         logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / hp.final_softcap)), hp.final_softcap);

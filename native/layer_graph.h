@@ -40,6 +40,9 @@ ggml_tensor* build_decoder_layer(ggml_context* ctx, ggml_cgraph* gf, const HPara
                                  ggml_tensor* rope_freqs, KvCache& cache, int il, const BatchInputs& in,
                                  ggml_tensor* h);
 
+// The final RMS norm: what the head reads, and llama.cpp's embeddings (its "result_norm").
+ggml_tensor* build_final_norm(ggml_context* ctx, const HParams& hp, ggml_tensor* output_norm, ggml_tensor* h);
+
 // Final RMS norm, the head, and the architecture's logit scale or cap: logits F32 [n_vocab, n_rows].
 ggml_tensor* build_head(ggml_context* ctx, const HParams& hp, ggml_tensor* output_norm, ggml_tensor* head,
                         ggml_tensor* h);

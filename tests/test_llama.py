@@ -9,7 +9,7 @@ llama_cpp.Llama as the oracle:
   test_exact_cached_prompt_reuse_matches_fresh, test_loaded_exact_cached_prompt_reuse_matches_fresh,
   test_ram_cache_exact_prompt_hit_matches_fresh, test_shorter_prompt_prefix_reuse_matches_fresh
                                         -> the tests of the same names (transformer model case)
-  test_real_llama_embeddings            -> test_embeddings_are_refused (see below)
+  test_real_llama_embeddings            -> test_embeddings_need_embedding_true, tests/test_embeddings.py
 Beyond upstream: dict shapes key by key (stream / non-stream, logprobs, echo), max_tokens <= 0 and
 None, stop strings, suffix, logit_bias, stopping_criteria, exact sampler-chain parity on shared
 logits, seeded end-to-end sampling, River options and last_stats, constructor parameters, close.
@@ -17,9 +17,7 @@ logits, seeded end-to-end sampling, River options and last_stats, constructor pa
 Not covered, because they need features outside a single-sequence text model or outside this
 engine: test_real_model (drives llama.cpp's own LlamaContext/LlamaBatch, not the Llama class);
 the recurrent (mamba) and hybrid (Falcon-H1) cases of the cache tests (the engine runs
-llama/qwen2/qwen3 only); test_real_llama_embeddings (embeddings from an embedding model with
-pooling: river_gguf.Llama raises llama_cpp's RuntimeError without embedding=True and
-NotImplementedError with it); test_llama_cpp_version.
+llama/qwen2/qwen3 only); test_llama_cpp_version.
 
 Model behaviour (a reply that runs to the context's end, a stop string that occurs, a logit bias
 that wins) is asserted on the oracle first, for an input where it holds (stop strings are taken
@@ -550,7 +548,8 @@ def test_one_token_eval_is_a_decode_step(river_gguf_path):
 
 # ----- the object ------------------------------------------------------------------------------
 
-def test_embeddings_are_refused(llm, ref, q4_1_path):
+def test_embeddings_need_embedding_true(llm, ref):
+    # (the embeddings themselves: tests/test_embeddings.py)
     with pytest.raises(RuntimeError) as ours:
         llm.embed("Hello World")
     with pytest.raises(RuntimeError) as theirs:
@@ -558,9 +557,6 @@ def test_embeddings_are_refused(llm, ref, q4_1_path):
     assert str(ours.value) == str(theirs.value)
     with pytest.raises(RuntimeError):
         llm.create_embedding("Hello World")
-    with Llama(q4_1_path, n_ctx=32, n_threads=1, embedding=True, verbose=False) as e:
-        with pytest.raises(NotImplementedError, match="embeddings"):
-            e.embed("Hello World")
 
 
 def test_constructor_parameters(q4_1_path, tmp_path):

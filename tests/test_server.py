@@ -186,6 +186,17 @@ def test_tokenize(server, local):
     assert _http(server.base, "POST", "/extras/tokenize/count", {"input": PROMPT}) == (200, {"count": len(want)})
 
 
+def test_embeddings(server, client, q4_1_path):
+    """/v1/embeddings answers what Llama(embedding=True).create_embedding gives in-process."""
+    with Llama(q4_1_path, n_ctx=N_CTX, n_threads=1, flash_attn=True, embedding=True, verbose=False) as llm:
+        want = llm.create_embedding([PROMPT, "second"])
+    got = client.embeddings.create(model=ALIAS, input=[PROMPT, "second"], encoding_format="float")
+    assert [d.embedding for d in got.data] == [d["embedding"] for d in want["data"]]
+    assert got.usage.prompt_tokens == want["usage"]["prompt_tokens"] and got.model == ALIAS
+    status, body = _http(server.base, "POST", "/v1/embeddings", {"input": 3})
+    assert status == 400 and _is_openai_error(body, 400)
+
+
 def test_completion_stream_and_not(client, local):
     want = local.create_completion(PROMPT, max_tokens=12, temperature=0)
     r = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=12, temperature=0)

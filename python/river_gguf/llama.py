@@ -25,12 +25,13 @@ Constructor: llama_cpp's parameters are all accepted.
     context), n_batch, n_threads, n_gpu_layers, main_gpu, use_mmap, flash_attn (default False, as in
     llama_cpp: same setting, same logits; True is faster, and what river-gguf's CLI and server
     use), seed, logits_all, vocab_only,
-    embedding, last_n_tokens_size, chat_format, chat_handler, tokenizer, spm_infill, verbose.
+    embedding, pooling_type (none, mean, cls, last; unspecified: the file's, else none, as libllama),
+    last_n_tokens_size, chat_format, chat_handler, tokenizer, spm_infill, verbose.
   - Accepted without effect, because they only tune llama.cpp's own context or memory and do
     not change results here: n_ubatch, n_threads_batch (the engine has one thread count:
     n_threads), split_mode, tensor_split, use_mlock, offload_kqv,
     op_offload, swa_full, no_perf, numa, type_k/type_v (the engine keeps its own KV
-    type), draft_model (speculative decoding does not change the tokens), pooling_type,
+    type), draft_model (speculative decoding does not change the tokens),
     attention_type. Per call, tfs_z and penalize_nl are accepted and ignored, as in llama_cpp
     0.3.36.
   - Refused with NotImplementedError when set, because silently ignoring them would change the
@@ -65,8 +66,12 @@ Differences from llama_cpp.Llama (each for the reason given):
     an assert). echo with a token-list prompt echoes its text (llama_cpp raises TypeError).
     A grammar may also be a GBNF string; one libllama cannot parse raises ValueError (llama_cpp
     hands libllama's NULL sampler on).
-  - Not available: embed/create_embedding (RuntimeError without embedding=True, as llama_cpp;
-    NotImplementedError with it: the engine computes no pooled embeddings), from_pretrained,
+  - embed/create_embedding: the backbone's final-norm output, as llama.cpp's embeddings (no exit
+    applies; they are the precise model's). Each input is its own pass. With pooling none and a
+    list of inputs, llama_cpp 0.3.36 reads every input after the first at the wrong offset
+    (`pos += size` counts tokens, not floats); here each input gets its own rows. Rank pooling
+    (rerankers) raises NotImplementedError.
+  - Not available: from_pretrained,
     LoRA, multimodal chat handlers (they drive llama.cpp's context directly, `llama._ctx`).
 One Llama owns one KV cache: use it from one thread at a time (a server queues requests).
 """
@@ -310,6 +315,7 @@ class Llama:
         self._seed = seed or lib.LLAMA_DEFAULT_SEED
         self._logits_all = bool(logits_all)
         self._embedding = bool(embedding)
+        self._pooling = self._resolve_pooling(pooling_type)
         self._vocab_only = bool(vocab_only)
         self.last_n_tokens_size = last_n_tokens_size
         self.spm_infill = bool(spm_infill)
@@ -498,7 +504,7 @@ class Llama:
         return self._model
 
     def pooling_type(self) -> int:
-        return lib.LLAMA_POOLING_TYPE_NONE
+        return self._pooling
 
     def _is_eog(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_eog(self._vocab().vocab, token))
@@ -1191,16 +1197,81 @@ class Llama:
             return (ChatCompletionChunk(**chunk) for chunk in self.create_chat_completion(*args, **kwargs))
         return ChatCompletion(**self.create_chat_completion(*args, **kwargs))
 
-    # ----- what a text model on this engine does not do -----------------------------------------
+    # ----- embeddings --------------------------------------------------------------------------
+    _POOLINGS = (lib.LLAMA_POOLING_TYPE_NONE, lib.LLAMA_POOLING_TYPE_MEAN, lib.LLAMA_POOLING_TYPE_CLS,
+                 lib.LLAMA_POOLING_TYPE_LAST)
+
+    def _resolve_pooling(self, pooling_type) -> int:
+        """libllama's rule: an unspecified pooling is the file's `{arch}.pooling_type`, else none."""
+        if not is_int(pooling_type):
+            raise ValueError(f"pooling_type must be an int (llama_pooling_type), got {pooling_type!r}")
+        p = int(pooling_type)
+        if p == lib.LLAMA_POOLING_TYPE_UNSPECIFIED:
+            arch = self.metadata.get("general.architecture", "")
+            try:
+                p = int(self.metadata.get(f"{arch}.pooling_type", lib.LLAMA_POOLING_TYPE_NONE))
+            except ValueError:
+                raise native.GGUFFormatError(f"{self.model_path}: {arch}.pooling_type is not an integer") from None
+        if p == lib.LLAMA_POOLING_TYPE_RANK:
+            if self._embedding:
+                raise NotImplementedError("river_gguf.Llama does not do rank pooling (a reranker's classifier head)")
+        elif p not in self._POOLINGS:
+            raise ValueError(f"unknown pooling_type {p} (none 0, mean 1, cls 2, last 3, rank 4)")
+        return p
+
+    def _pool(self, rows: np.ndarray, normalize: bool):
+        if self._pooling == lib.LLAMA_POOLING_TYPE_NONE:
+            out = rows
+        elif self._pooling == lib.LLAMA_POOLING_TYPE_MEAN:
+            out = rows.mean(axis=0, dtype=np.float32)[None]
+        elif self._pooling == lib.LLAMA_POOLING_TYPE_CLS:
+            out = rows[:1]
+        else:  # LAST
+            out = rows[-1:]
+        if normalize:
+            norms = np.linalg.norm(out.astype(np.float64), axis=1, keepdims=True)
+            out = np.where(norms > 0, out / np.where(norms > 0, norms, 1.0), out)
+        lists = [[float(v) for v in r] for r in out]
+        return lists if self._pooling == lib.LLAMA_POOLING_TYPE_NONE else lists[0]
+
     def create_embedding(self, input: Union[str, List[str]], model: Optional[str] = None):
-        self.embed(input)
+        """OpenAI-style embeddings of a string or a list of strings (llama_cpp's response)."""
+        inputs = input if isinstance(input, list) else [input]
+        embeds, total_tokens = self.embed(inputs, return_count=True)
+        return {
+            "object": "list",
+            "data": [{"object": "embedding", "embedding": e, "index": i} for i, e in enumerate(embeds)],
+            "model": model if model is not None else self.model_path,
+            "usage": {"prompt_tokens": total_tokens, "total_tokens": total_tokens},
+        }
 
     def embed(self, input: Union[str, List[str]], normalize: bool = False, truncate: bool = True,
               return_count: bool = False):
+        """Embeddings of a string (or of each string of a list): with pooling none, one list of
+        n_embd floats per token; otherwise one per input. normalize: unit L2 norm. truncate: keep
+        the first n_batch tokens (else more raise ValueError). The KV cache is cleared."""
         if not self._embedding:
             raise RuntimeError("Llama model must be created with embedding=True to call this method")
-        raise NotImplementedError("river_gguf.Llama computes no embeddings: the river_gguf engine runs text "
-                                  "generation only (use llama_cpp.Llama(..., embedding=True) for embeddings)")
+        inputs = [input] if isinstance(input, str) else input
+        if not isinstance(inputs, list) or not all(isinstance(t, str) for t in inputs):
+            raise TypeError("input must be a str or a list of str")
+        normalize, truncate = _bool("normalize", normalize), _bool("truncate", truncate)
+        m = self._require_engine()
+        data, total_tokens = [], 0
+        with self._lock:
+            for text in inputs:
+                tokens = self.tokenize(text.encode("utf-8"))
+                if truncate:
+                    tokens = tokens[:self.n_batch]
+                if len(tokens) > self.n_batch:
+                    raise ValueError(f"Requested tokens ({len(tokens)}) exceed batch size of {self.n_batch}")
+                if not tokens:
+                    raise ValueError(f"no tokens to embed in {text!r}")
+                total_tokens += len(tokens)
+                data.append(self._pool(m.embed(tokens), normalize))
+            self.reset()
+        output = data[0] if isinstance(input, str) else data
+        return (output, total_tokens) if return_count else output
 
     @classmethod
     def from_pretrained(cls, repo_id: str, filename: Optional[str], **kwargs):

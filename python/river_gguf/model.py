@@ -243,6 +243,11 @@ class Model:
         return self.hparams["n_vocab"]
 
     @property
+    def n_embd(self) -> int:
+        """Width of the hidden state (and of an embedding)."""
+        return self.hparams["n_embd"]
+
+    @property
     def n_ctx(self) -> int:
         return self._engine.n_ctx
 
@@ -460,6 +465,26 @@ class Model:
         self._clear()
         out, _, _ = self._eval(toks, opts, prompt=True, all_logits=True)
         return out
+
+    @_locked
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        """The backbone's final-norm output for every position of `tokens`, in one pass from an
+        empty cache: float32 [len(tokens), n_embd], llama.cpp's embeddings with pooling none
+        (the rows the head reads). Embeddings are the precise model's, so no exit applies."""
+        toks = self._check_tokens(tokens)
+        if not toks:
+            raise ValueError("no tokens")
+        if len(toks) > self.n_ctx:
+            raise native.ContextOverflowError(f"{len(toks)} tokens do not fit in n_ctx={self.n_ctx}")
+        self._clear()
+        try:
+            rows = self._engine.eval(toks, mode=native.EXIT_MODES["backbone"], embeddings=True)[0]
+        finally:
+            self._clear()  # the cache holds the text's rows; nothing may continue from them
+        if not np.isfinite(rows).all():
+            raise NumericalError("the model produced NaN or infinite hidden states; its weights or "
+                                 "hyperparameters are broken, so no embedding is returned")
+        return rows
 
     @_locked
     def score(self, tokens: Sequence[int], prefix: int = 1, keep_logits: bool = False, **options) -> ScoreResult:

@@ -75,6 +75,8 @@ def _load_model(args):
     path = args.model or default_model_for_cli()
     river = dict(mode=args.mode, threshold=args.threshold, preset=args.preset, tail=args.tail)
     # flash_attn=True: as `generate` and `chat` (cli/common.load_llama); Llama defaults to off.
+    # embedding=True: /v1/embeddings works (in this engine it costs nothing until called).
     return loader.model_class()(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads, flash_attn=True,
+                                embedding=True,
                                 n_gpu_layers=args.ngl, main_gpu=args.main_gpu, verbose=args.verbose, **river,
                                 **rpc_model_kwargs(args))

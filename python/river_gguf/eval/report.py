@@ -63,17 +63,18 @@ RIVER_GGUF = "river-gguf"        # Setup.backbone: the model's default River GGU
 # The static "river + backbone tail t" hybrids (0: the river alone), timed in stock llama.cpp,
 # per model: tails deep enough that the static curve reaches the speeds of the dynamic rows. Each
 # is also a river-only tail row on river_gguf, which must score the same (analyse's consistency).
-CONTROL_TAILS = {"smollm2": (0, 4, 8, 16), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12, 16)}
+CONTROL_TAILS = {"smollm2": (0, 8), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12, 16)}
 # The same static settings run on river_gguf (river-only + tail rows of the River GGUF setup).
-ENGINE_STATIC_TAILS = {"smollm2": (0, 2, 4, 8, 12, 16), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12)}
+ENGINE_STATIC_TAILS = {"smollm2": (0, 2, 4, 8, 16), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12)}
 # Per model: the dynamic sweep on the River GGUF (taus x tails), the plain sweep's default, and
 # the run's size (Qwen2.5-Coder-0.5B decodes ~3x slower than SmolLM2 here, so it scores fewer items).
-DYNAMIC_SWEEP = {"smollm2": ((0.97, 0.98, 0.99), (2, 4)), "qwen2.5-coder-0.5b": ((0.95, 0.97, 0.98), (2, 4))}
+DYNAMIC_SWEEP = {"smollm2": ((0.97, 0.98, 0.99), (2,)), "qwen2.5-coder-0.5b": ((0.95, 0.97, 0.98), (2, 4))}
 # (The plain F16 + round-to-nearest Q4_0 river is no longer what the converter makes; its sweep
 # stays available with --plain-sweep for the shuffle control.)
 PLAIN_SWEEP_DEFAULT = {"smollm2": "none", "qwen2.5-coder-0.5b": "none"}
-# score_items None: the whole evaluation split (80 GSM8K + 131 HumanEval items).
-RUN_SIZE = {"smollm2": dict(score_items=None, score_tokens=64, gen_items=3, gen_tokens=32, prompt_tokens=256),
+# score_items None: the whole evaluation split (80 GSM8K + 131 HumanEval items). Every row decodes
+# every item, and the prompt's prefill costs more than the scored tokens, so prompts are cut short.
+RUN_SIZE = {"smollm2": dict(score_items=None, score_tokens=48, gen_items=3, gen_tokens=32, prompt_tokens=128),
             "qwen2.5-coder-0.5b": dict(score_items=None, score_tokens=48, gen_items=2, gen_tokens=32,
                                        prompt_tokens=256)}
 # The two targets: (preset, ladder file it must be at least as fast as, ladder file whose ppl it must beat).

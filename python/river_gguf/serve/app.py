@@ -1,4 +1,4 @@
-"""The ASGI app: OpenAI's completion, chat and model-list endpoints over one model."""
+"""The ASGI app: OpenAI's completion, chat, embedding and model-list endpoints over one model."""
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Dict
@@ -12,7 +12,7 @@ from ..results import json_safe
 from . import errors, params, sse
 from .auth import BearerAuth
 from .protocol import check_model
-from .schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest
 from .settings import ServerSettings
 from .worker import ClientGone, ModelWorker, shutdown
 
@@ -74,6 +74,13 @@ def create_app(model, settings: ServerSettings) -> FastAPI:
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         method = model.create_chat_completion
         return await answer(request, method, params.chat_kwargs(req, method), req.stream)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, request: Request):
+        method = getattr(model, "create_embedding", None)
+        if method is None:
+            raise errors.APIError(404, "this model serves no embeddings")
+        return await answer(request, method, {"input": req.input}, False)
 
     async def tokens_of(req: TokenizeRequest):
         try:

@@ -93,6 +93,13 @@ class ChatCompletionRequest(_Sampling):
     function_call: Union[str, Dict[str, Any], None] = None
 
 
+class EmbeddingRequest(_Request):
+    model: Optional[str] = None
+    input: Union[StrictStr, List[StrictStr]]
+    encoding_format: Optional[Literal["float"]] = None  # base64 is not offered
+    user: Optional[str] = None
+
+
 class TokenizeRequest(_Request):
     model: Optional[str] = None
     input: str

@@ -183,7 +183,8 @@ PYBIND11_MODULE(_native, m) {
         .def(py::init([](const std::string& path, const std::string& river_path, int n_ctx, int n_threads,
                          int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse, bool use_mmap,
                          std::vector<std::string> rpc_servers, int rpc_n_layers, std::vector<int> rpc_layers,
-                         std::vector<float> rpc_split, int rpc_weights, double rpc_timeout, int main_gpu, bool flash_attn) {
+                         std::vector<float> rpc_split, int rpc_weights, double rpc_timeout, int main_gpu, bool flash_attn,
+                         const std::string& exit_decision) {
                  EngineConfig cfg;
                  cfg.path = path;
                  cfg.river_path = river_path;
@@ -197,6 +198,10 @@ PYBIND11_MODULE(_native, m) {
                  cfg.fuse = fuse;
                  cfg.use_mmap = use_mmap;
                  cfg.flash_attn = flash_attn;
+                 if (exit_decision == "auto") cfg.exit_decision = ExitDecision::Auto;
+                 else if (exit_decision == "cpu") cfg.exit_decision = ExitDecision::Cpu;
+                 else if (exit_decision == "graph") cfg.exit_decision = ExitDecision::Graph;
+                 else throw std::invalid_argument("exit_decision must be 'auto', 'cpu' or 'graph', got '" + exit_decision + "'");
                  cfg.rpc_servers = std::move(rpc_servers);
                  cfg.rpc_n_layers = rpc_n_layers;
                  cfg.rpc_layers = std::move(rpc_layers);
@@ -212,7 +217,8 @@ PYBIND11_MODULE(_native, m) {
              py::arg("graph_reuse") = true, py::arg("fuse") = true, py::arg("use_mmap") = true,
              py::arg("rpc_servers") = std::vector<std::string>{}, py::arg("rpc_n_layers") = -1,
              py::arg("rpc_layers") = std::vector<int>{}, py::arg("rpc_split") = std::vector<float>{},
-             py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0, py::arg("main_gpu") = 0, py::arg("flash_attn") = true)
+             py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0, py::arg("main_gpu") = 0, py::arg("flash_attn") = true,
+             py::arg("exit_decision") = "auto")
         .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
              py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0,
@@ -224,6 +230,8 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("flash_attn", &Engine::flash_attn)
         .def_property_readonly("river_has_head", &Engine::river_has_head)
         .def_property_readonly("gpu_offload", &Engine::gpu_offload)
+        .def_property_readonly("exits_on_graph", &Engine::exits_on_graph,
+                               "Whether the exit decision runs as graph ops read by the scheduler (else a CPU op).")
         .def_property_readonly("layer_devices", &Engine::layer_devices,
                                "Where each layer and its KV cache live: 'CPU', 'GPU' or an RPC server's host:port.")
         .def_property_readonly("kept_graphs", &Engine::kept_graphs)

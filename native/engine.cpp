@@ -22,6 +22,8 @@ namespace river {
 struct Engine::ExitNode {
     Engine* engine;
     int layer;
+    ggml_tensor* similarity = nullptr;  // graph decisions: cos(h_in, h_out) per token, F32 [1, n]
+    ggml_tensor* h_out = nullptr;
 };
 
 struct Engine::Graph {
@@ -178,6 +180,8 @@ void Engine::load(const EngineConfig& cfg) {
                                                                                       backbone_.layers[il]));
     }
     start_scheduler();
+    exits_on_graph_ = cfg.exit_decision == ExitDecision::Graph ||
+                      (cfg.exit_decision == ExitDecision::Auto && !placement_.local());
     cache_ = std::make_unique<KvCache>(hp_, cfg.n_ctx, GGML_TYPE_F16, placement_.layer_backend,
                                        /*v_trans=*/!cfg.flash_attn);
     check_links();
@@ -445,9 +449,16 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
     if (g.galloc) {
         status = ggml_backend_graph_compute(cpu_.get(), g.gf);
     } else {
-        if (observer_) ggml_backend_sched_set_eval_callback(sched_.get(), observer_, observer_data_);
+        const bool watch = spec.exits && exits_on_graph_;
+        if (watch) {
+            running_ = &g;
+            ggml_backend_sched_set_eval_callback(sched_.get(), &Engine::exit_eval, this);
+        } else if (observer_) {
+            ggml_backend_sched_set_eval_callback(sched_.get(), observer_, observer_data_);
+        }
         status = ggml_backend_sched_graph_compute(sched_.get(), g.gf);
-        if (observer_) ggml_backend_sched_set_eval_callback(sched_.get(), nullptr, nullptr);
+        if (watch || observer_) ggml_backend_sched_set_eval_callback(sched_.get(), nullptr, nullptr);
+        running_ = nullptr;
     }
     if (abort_) {
         abort_ = false;
@@ -476,7 +487,8 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
 Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
     // Kept: single-token graphs on a CPU-only engine. With a GPU or RPC devices the scheduler
     // splits the graph across backends, and one scheduler per kept graph would cost too much memory.
-    const bool keep = graph_reuse_ && spec.n == 1 && placement_.local() && !observer_;
+    // Graph exit decisions need the scheduler's eval callback, so those graphs go through it.
+    const bool keep = graph_reuse_ && spec.n == 1 && placement_.local() && !observer_ && !(spec.exits && exits_on_graph_);
     if (!keep) {
         transient_.reset();
         transient_ = build(spec, false);
@@ -556,7 +568,16 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
                                                               : river_->layers[il];
             ggml_tensor* h_in = h;
             h = build_decoder_layer(ctx, gf, hp_, w, backbone_.rope_freqs, *cache_, il, in, h);
-            if (spec.exits) {
+            if (spec.exits && exits_on_graph_) {
+                // cos(h_in, h_out) per token, on the layer's device: sum(a*b) / sqrt(sum(a^2) sum(b^2)).
+                ggml_tensor* dot = ggml_sum_rows(ctx, ggml_mul(ctx, h_in, h));
+                ggml_tensor* norms = ggml_mul(ctx, ggml_sum_rows(ctx, ggml_sqr(ctx, h_in)), ggml_sum_rows(ctx, ggml_sqr(ctx, h)));
+                ggml_tensor* s = ggml_div(ctx, dot, ggml_sqrt(ctx, norms));
+                ggml_format_name(s, "exit.%d", il);
+                ggml_set_output(s);
+                ggml_build_forward_expand(gf, s);
+                g->exit_nodes.push_back({this, il, s, h});
+            } else if (spec.exits) {
                 g->exit_nodes.push_back({this, il});
                 ggml_tensor* args[2] = {h_in, h};
                 ggml_tensor* decision = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, n, 1, 1, args, 2, &Engine::exit_node_op,
@@ -601,11 +622,9 @@ void Engine::exit_node_op(ggml_tensor* dst, int ith, int nth, void* user) {
     if (ith != 0) return;  // one thread decides; the others wait at the node's barrier
     const ExitNode& node = *static_cast<ExitNode*>(user);
     Engine& e = *node.engine;
-    ExitState& st = e.exit_;
     const ggml_tensor* h_in = dst->src[0];
     const ggml_tensor* h_out = dst->src[1];
     const int64_t d = h_out->ne[0], n = h_out->ne[1];
-    float s_min = INFINITY;
     for (int64_t i = 0; i < n; ++i) {
         const float* a = reinterpret_cast<const float*>(static_cast<const char*>(h_in->data) + i * h_in->nb[1]);
         const float* b = reinterpret_cast<const float*>(static_cast<const char*>(h_out->data) + i * h_out->nb[1]);
@@ -615,20 +634,46 @@ void Engine::exit_node_op(ggml_tensor* dst, int ith, int nth, void* user) {
             na += double(a[j]) * a[j];
             nb += double(b[j]) * b[j];
         }
-        const float s = static_cast<float>(dot / std::sqrt(na * nb));
-        static_cast<float*>(dst->data)[i] = s;
-        s_min = std::min(s_min, s);  // the batch exits together: the minimum decides
+        static_cast<float*>(dst->data)[i] = static_cast<float>(dot / std::sqrt(na * nb));
     }
-    if (node.layer >= st.record_first && node.layer <= st.record_last) st.similarity->push_back(s_min);
-    if (st.may_exit && node.layer >= st.exit_first && node.layer <= st.exit_last && s_min > st.threshold) {
-        // The river graph starts from this layer's output.
-        for (int64_t i = 0; i < n; ++i) {
-            std::memcpy(static_cast<char*>(e.h_state_->data) + i * e.h_state_->nb[1],
-                        static_cast<const char*>(h_out->data) + i * h_out->nb[1], sizeof(float) * d);
-        }
-        st.exit_layer = node.layer;
-        e.abort_ = true;
+    e.decide_exit(node.layer, static_cast<const float*>(dst->data), n, dst->src[1]);
+}
+
+bool Engine::decide_exit(int layer, const float* s, int64_t n, ggml_tensor* h_out) {
+    ExitState& st = exit_;
+    float s_min = INFINITY;
+    for (int64_t i = 0; i < n; ++i) s_min = std::min(s_min, s[i]);  // the batch exits together: the minimum decides
+    if (layer >= st.record_first && layer <= st.record_last) st.similarity->push_back(s_min);
+    if (!(st.may_exit && layer >= st.exit_first && layer <= st.exit_last && s_min > st.threshold)) return false;
+    // The river graph starts from this layer's output (read from whichever device holds it).
+    const int64_t d = h_out->ne[0];
+    std::vector<float> row(d);
+    for (int64_t i = 0; i < n; ++i) {
+        ggml_backend_tensor_get(h_out, row.data(), i * h_out->nb[1], sizeof(float) * d);
+        std::memcpy(static_cast<char*>(h_state_->data) + i * h_state_->nb[1], row.data(), sizeof(float) * d);
     }
+    st.exit_layer = layer;
+    abort_ = true;
+    return true;
+}
+
+bool Engine::exit_eval(ggml_tensor* t, bool ask, void* user) {
+    Engine& e = *static_cast<Engine*>(user);
+    // After an exit the scheduler still walks the graph's later splits: each computes one node
+    // (ask -> true) and stops there (-> false). The CPU backend stops at once (abort_).
+    if (e.abort_) return ask;
+    const ExitState& st = e.exit_;
+    for (const ExitNode& node : e.running_->exit_nodes) {
+        if (node.similarity != t) continue;
+        const bool read = (node.layer >= st.record_first && node.layer <= st.record_last) ||
+                          (st.may_exit && node.layer >= st.exit_first && node.layer <= st.exit_last);
+        if (ask) return read;
+        const int64_t n = t->ne[1];
+        std::vector<float> s(n);
+        ggml_backend_tensor_get(t, s.data(), 0, sizeof(float) * n);
+        return !e.decide_exit(node.layer, s.data(), n, node.h_out);
+    }
+    return ask ? false : true;
 }
 
 bool Engine::abort_requested(void* engine) { return static_cast<Engine*>(engine)->abort_; }

@@ -20,6 +20,12 @@
 
 namespace river {
 
+enum class ExitDecision {
+    Auto = 0,   // on the graph when layers are offloaded (GPU or RPC), else the CPU op
+    Cpu = 1,    // a CPU custom op after each tested layer
+    Graph = 2,  // ggml ops on the layer's device, read by the scheduler's eval callback
+};
+
 struct EngineConfig {
     std::string path;            // backbone GGUF (or a River GGUF)
     std::string river_path;      // a separate river GGUF; empty when none or when embedded
@@ -36,6 +42,12 @@ struct EngineConfig {
     // non-flash path (KQ, soft_max_ext, V^T x KQ) over a V cache stored transposed; each gives
     // llama.cpp's logits with the same setting.
     bool flash_attn = true;
+    // Where the exit decision runs. The CPU op reads the hidden states in place and stops the
+    // CPU backend; with layers on a GPU or an RPC server it pulls h_in and h_out to the CPU
+    // after every tested layer, splitting the graph there. On the graph, cos(h_in, h_out) is
+    // computed by ggml ops on the layer's own device, and the scheduler's eval callback reads
+    // one float per token and stops the graph at an exit.
+    ExitDecision exit_decision = ExitDecision::Auto;
     // Layers on other machines through ggml-rpc (rpc_link.h). Layer l's KV cache lives on its device.
     std::vector<std::string> rpc_servers;  // host:port of each server
     int rpc_n_layers = -1;                 // the last n layers go remote (-1: all); ignored when rpc_layers is set
@@ -125,6 +137,7 @@ public:
     int n_ctx() const { return cache_->n_ctx(); }
     int n_past() const { return n_past_; }
     bool gpu_offload() const { return placement_.gpu != nullptr; }
+    bool exits_on_graph() const { return exits_on_graph_; }
     // Where each layer (and its KV cache) lives: "CPU", "GPU" or an RPC server's host:port.
     const std::vector<std::string>& layer_devices() const { return placement_.layer_device; }
 
@@ -184,6 +197,11 @@ private:
     };
     static void exit_node_op(ggml_tensor* dst, int ith, int nth, void* node);
     static bool abort_requested(void* engine);
+    // The scheduler's eval callback for graph exit decisions (ExitDecision::Graph).
+    static bool exit_eval(ggml_tensor* t, bool ask, void* engine);
+    // One exit decision from a tested layer's similarities (both paths): records them, and on
+    // an exit copies h_out to h_state_ and marks the graph stopped.
+    bool decide_exit(int layer, const float* s, int64_t n, ggml_tensor* h_out);
 
     void load(const EngineConfig& cfg);  // the constructor's work, in the steps below
     void load_weights(const EngineConfig& cfg);
@@ -237,6 +255,8 @@ private:
 
     ExitState exit_;
     bool abort_ = false;                // set by an exit node, read by the CPU backend after each node
+    bool exits_on_graph_ = false;       // the exit decision as graph ops (ExitDecision)
+    const Graph* running_ = nullptr;    // the graph exit_eval watches
 
     std::vector<std::unique_ptr<Graph>> graphs_;  // kept decode graphs, most recently used last
     std::unique_ptr<Graph> transient_;

@@ -277,13 +277,17 @@ def test_tiny_river_fixed_and_dynamic_exits(server, tiny_river):
     ref = [local.score(toks, prefix=4, mode="river", threshold=t) for t in (0.0, 0.5, 2.0)]
     ref_fixed = local.logits(toks, exit_layer=1)
     del local
-    m = Model(backbone, river=river, n_ctx=256, n_threads=1, threshold=0.5, rpc_servers=[server.endpoint],
-              rpc_layers=[1, 3], rpc_weights="river")
-    for t, r in zip((0.0, 0.5, 2.0), ref):
-        s = m.score(toks, prefix=4, mode="river", threshold=t)
-        assert s.exit_layers.tolist() == r.exit_layers.tolist() and np.array_equal(s.logprobs, r.logprobs)
-    assert np.array_equal(m.logits(toks, exit_layer=1), ref_fixed)
-    del m
+    # Offloaded layers decide exits on the graph by default (ggml ops on the server, one float
+    # per token read back); the CPU op pulls the hidden states here. Both match the local run.
+    for decision, on_graph in (("auto", True), ("cpu", False)):
+        m = Model(backbone, river=river, n_ctx=256, n_threads=1, threshold=0.5, rpc_servers=[server.endpoint],
+                  rpc_layers=[1, 3], rpc_weights="river", exit_decision=decision)
+        assert m.engine.exits_on_graph == on_graph
+        for t, r in zip((0.0, 0.5, 2.0), ref):
+            s = m.score(toks, prefix=4, mode="river", threshold=t)
+            assert s.exit_layers.tolist() == r.exit_layers.tolist() and np.array_equal(s.logprobs, r.logprobs)
+        assert np.array_equal(m.logits(toks, exit_layer=1), ref_fixed)
+        del m
 
 
 # ----- faults ---------------------------------------------------------------------------

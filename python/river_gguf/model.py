@@ -81,6 +81,8 @@ def _locked(method):
     return wrapper
 
 
+EXIT_DECISIONS = ("auto", "cpu", "graph")
+
 class Model:
     """A GGUF model on the river_gguf engine.
 
@@ -110,6 +112,13 @@ class Model:
     remote cache). rpc_timeout: seconds a server may take to answer (None: no limit). A server
     that is down, busy with another client, stops answering or dies raises ConnectionError
     naming it; after a failure mid-generation the Model refuses work: load it again.
+
+    exit_decision: where the dynamic exit's test cos(h_in, h_out) runs. "cpu": a CPU op after
+    each tested layer (it reads the hidden states in place; with offloaded layers the graph
+    splits there to bring them to the CPU); "graph": ggml ops on the layer's own device, one
+    float per token read back through the scheduler's eval callback; "auto" (default): "graph"
+    when layers are offloaded to a GPU or an RPC server, else "cpu". Both give the same exits
+    up to float rounding of the similarity (the CPU op sums in double).
 
     Bad arguments (wrong type, bools for numbers, out of range, unknown options) raise ValueError.
 
@@ -158,6 +167,7 @@ class Model:
         rpc_split: Optional[Sequence[float]] = None,
         rpc_weights: str = "all",
         rpc_timeout: Optional[float] = rpc.DEFAULT_TIMEOUT,
+        exit_decision: str = "auto",
     ):
         if model_path is None:
             from .default_model import default_model_path
@@ -180,6 +190,9 @@ class Model:
         rpc_kw = rpc.engine_kwargs(rpc_servers, rpc_layers, rpc_split, rpc_weights, rpc_timeout)
         self._use_mmap = _bool_arg("use_mmap", use_mmap)
         self.flash_attn = _bool_arg("flash_attn", flash_attn)
+        if exit_decision not in EXIT_DECISIONS:
+            raise ValueError(f"exit_decision must be one of {', '.join(EXIT_DECISIONS)}, got {exit_decision!r}")
+        self._exit_decision = exit_decision
         if preset is not None and not isinstance(preset, str):
             raise ValueError(f"preset must be a str, got {preset!r}")
 
@@ -201,7 +214,7 @@ class Model:
         with deferred_interrupts():
             self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
                                          main_gpu=self._main_gpu, use_mmap=self._use_mmap,
-                                         flash_attn=self.flash_attn, **rpc_kw)
+                                         flash_attn=self.flash_attn, exit_decision=exit_decision, **rpc_kw)
             self._vocab = native.Vocab(model_path)
         self.hparams = self._engine.hparams
         self.metadata = self._engine.metadata
@@ -545,6 +558,7 @@ class Model:
         with deferred_interrupts():
             engine = native.Engine(self.model_path, "", len(toks), self.n_threads, min(self._n_batch, len(toks)),
                                    self._n_gpu_layers, use_mmap=self._use_mmap, flash_attn=self.flash_attn,
+                                   exit_decision=self._exit_decision,
                                    main_gpu=self._main_gpu)
         try:
             return self._trace_on(engine, toks, ExitOptions(mode="backbone"))

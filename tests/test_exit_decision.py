@@ -1,0 +1,91 @@
+"""The exit decision as graph ops (exit_decision="graph", the default when layers are offloaded)
+against the CPU op (the default on a CPU-only engine), on the same CPU: the scheduler's eval
+callback reads cos(h_in, h_out) computed by ggml ops on the layer's device and stops the graph at
+an exit. The two paths must take the same exits and compute the same logits, and the graph
+path must keep River's invariants (the rule, dynamic = forced, no cache holes)."""
+import numpy as np
+import pytest
+
+from river_gguf import Model
+from river_gguf.greedy import greedy
+
+PROSE = ("The river runs through the valley, past the old mill and the bridge, and on to the sea. "
+         "In spring the water rises and the fields along its banks turn green again.")
+TAUS = (0.97, 0.965, 0.96, 0.95, 0.98)
+
+
+@pytest.fixture(scope="module")
+def models(f16_path, q4_0_path):
+    return {d: Model(f16_path, river=q4_0_path, n_ctx=256, n_threads=1, threshold=0.97, exit_decision=d)
+            for d in ("cpu", "graph")}
+
+
+@pytest.fixture(scope="module")
+def tokens(models):
+    return models["cpu"].tokenize(PROSE)
+
+
+def test_which_path_runs(models, f16_path):
+    assert not models["cpu"].engine.exits_on_graph and models["graph"].engine.exits_on_graph
+    assert not Model(f16_path, n_ctx=32, n_threads=1).engine.exits_on_graph  # auto on a CPU-only engine
+    with pytest.raises(ValueError, match="exit_decision"):
+        Model(f16_path, n_ctx=32, n_threads=1, exit_decision="gpu")
+
+
+def test_similarities_agree(models, tokens):
+    cpu, graph = (models[d].similarity_trace(tokens[:24], mode="backbone") for d in ("cpu", "graph"))
+    assert len(cpu) == len(graph) and all(len(a) == len(b) == models["cpu"].n_layer for a, b in zip(cpu, graph))
+    # The CPU op sums in double, the graph in float: the same values to float rounding.
+    assert np.abs(np.array(cpu) - np.array(graph)).max() < 1e-5
+    # A prompt pass with exits: the batch's minimum, per layer.
+    for m in models.values():
+        m.engine.truncate(0)
+    _, k_cpu, s_cpu = models["cpu"].engine.eval(tokens, mode=1, threshold=0.9)
+    _, k_graph, s_graph = models["graph"].engine.eval(tokens, mode=1, threshold=0.9)
+    assert k_cpu == k_graph and np.abs(np.array(s_cpu) - np.array(s_graph)).max() < 1e-5
+
+
+def test_greedy_decoding_takes_the_same_exits(models, tokens):
+    def run(d, tau):
+        return greedy(models[d], tokens[:16], max_tokens=32, mode="river", threshold=tau)
+
+    for tau in TAUS:
+        cpu = run("cpu", tau)
+        if len(set(cpu.stats["exit_layers"])) > 2:
+            break
+    else:
+        pytest.fail(f"no threshold of {TAUS} mixes exits on this CPU")
+    graph = run("graph", tau)
+    assert graph.tokens == cpu.tokens and graph.stats["exit_layers"] == cpu.stats["exit_layers"]
+
+
+def test_graph_decision_follows_the_rule_and_equals_the_forced_exit(models, tokens):
+    m = models["graph"]
+    e = m.engine
+    tau, exited = 0.96, 0
+    for i in range(10, len(tokens)):
+        e.truncate(0)
+        e.eval(tokens[:i])
+        dyn, exit_layer, sims = e.eval([tokens[i]], mode=1, threshold=tau)
+        passed = [j for j, s in enumerate(sims) if s > tau]
+        if exit_layer < m.n_layer - 1:
+            exited += 1
+            assert passed == [exit_layer]  # the first layer that passes, and the graph stopped there
+            e.truncate(i)
+            fixed, _, _ = e.eval([tokens[i]], mode=3, exit_layer=exit_layer)
+            assert np.array_equal(dyn, fixed)
+        else:
+            assert passed in ([], [m.n_layer - 1])
+    assert exited, "no token exited early at tau 0.96 on this CPU"
+
+
+def test_no_cache_holes_after_graph_exits(f16_path, q4_0_path, tokens):
+    # A fresh model: its cache starts as NaN, so any row no layer wrote stays NaN.
+    m = Model(f16_path, river=q4_0_path, n_ctx=128, n_threads=1, threshold=0.96, exit_decision="graph")
+    g = greedy(m, tokens[:16], max_tokens=32, mode="river", threshold=0.96)
+    assert min(g.stats["exit_layers"]) < m.n_layer - 1
+    n = m.engine.n_past
+    for layer in range(m.n_layer):
+        for values in (False, True):
+            rows = m.engine.cache_rows(layer, values, n)
+            assert np.isfinite(rows).all(), f"hole in layer {layer} {'V' if values else 'K'}"

@@ -235,6 +235,7 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("layer_devices", &Engine::layer_devices,
                                "Where each layer and its KV cache live: 'CPU', 'GPU' or an RPC server's host:port.")
         .def_property_readonly("kept_graphs", &Engine::kept_graphs)
+        .def_property_readonly("graphs_built", &Engine::graphs_built)
         .def_property_readonly("hparams", [](const Engine& e) { return hparams(e.hparams()); })
         .def_property_readonly("metadata", [](const Engine& e) { return metadata(e.file()); })
         .def("cache_rows",

@@ -490,6 +490,10 @@ Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
     // Graph exit decisions need the scheduler's eval callback, so those graphs go through it.
     const bool keep = graph_reuse_ && spec.n == 1 && placement_.local() && !observer_ && !(spec.exits && exits_on_graph_);
     if (!keep) {
+        // The scheduler's allocation stays with the last graph built for it: a step of the same
+        // spec sets its inputs and runs that graph again (llama.cpp's can_reuse), so decoding
+        // with offloaded layers does not rebuild and re-plan every step.
+        if (graph_reuse_ && transient_ && transient_->spec == spec && !observer_) return *transient_;
         transient_.reset();
         transient_ = build(spec, false);
         return *transient_;
@@ -508,6 +512,7 @@ Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
 }
 
 std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
+    ++graphs_built_;
     auto g = std::make_unique<Graph>();
     g->spec = spec;
     // Sized to this graph's layers (a decoder layer is about 40 nodes; 64 leaves room), so that

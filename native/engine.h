@@ -151,6 +151,8 @@ public:
     void set_observer(ggml_backend_sched_eval_callback cb, void* data) { observer_ = cb; observer_data_ = data; }
     // Decode graphs currently kept for reuse.
     size_t kept_graphs() const { return graphs_.size(); }
+    // Graphs built so far (kept or not): fewer than the steps run when graphs are reused.
+    size_t graphs_built() const { return graphs_built_; }
 
 private:
     // What the graph ends in: nothing, the backbone's or the river's head, or the final norm
@@ -259,7 +261,8 @@ private:
     const Graph* running_ = nullptr;    // the graph exit_eval watches
 
     std::vector<std::unique_ptr<Graph>> graphs_;  // kept decode graphs, most recently used last
-    std::unique_ptr<Graph> transient_;
+    std::unique_ptr<Graph> transient_;  // the scheduler's graph (prompts, offloaded layers)
+    size_t graphs_built_ = 0;
     bool graph_reuse_;
     bool flash_attn_;
     int n_batch_;

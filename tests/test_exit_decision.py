@@ -89,3 +89,24 @@ def test_no_cache_holes_after_graph_exits(f16_path, q4_0_path, tokens):
         for values in (False, True):
             rows = m.engine.cache_rows(layer, values, n)
             assert np.isfinite(rows).all(), f"hole in layer {layer} {'V' if values else 'K'}"
+
+
+def test_scheduler_graphs_are_reused_bit_for_bit(f16_path, q4_0_path, models, tokens):
+    """Graph decisions run through the scheduler, whose last graph is run again when the next
+    step has the same spec (as graphs with offloaded layers are): reuse on and off give the
+    same bits, with dynamic exits, and reuse builds fewer graphs than steps."""
+    from river_gguf import _native
+
+    text = tokens * 12
+    runs = []
+    for reuse in (True, False):
+        e = _native.Engine(f16_path, q4_0_path, n_ctx=512, n_threads=1, graph_reuse=reuse, exit_decision="graph")
+        e.eval(text[:240])
+        built = e.graphs_built
+        steps = [e.eval([t], mode=1, threshold=0.97, min_exit_layer=2, river_head=True) for t in text[240:280]]
+        runs.append((steps, e.graphs_built - built))
+    (on, built_on), (off, built_off) = runs
+    assert built_off >= 40 and built_on < built_off
+    assert len({s[1] for s in on}) > 1  # a real mix of exit layers
+    for (la, ea, sa), (lb, eb, sb) in zip(on, off):
+        assert ea == eb and sa == sb and np.array_equal(la, lb)

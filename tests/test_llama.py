@@ -9,7 +9,7 @@ llama_cpp.Llama as the oracle:
   test_exact_cached_prompt_reuse_matches_fresh, test_loaded_exact_cached_prompt_reuse_matches_fresh,
   test_ram_cache_exact_prompt_hit_matches_fresh, test_shorter_prompt_prefix_reuse_matches_fresh
                                         -> the tests of the same names (transformer model case)
-  test_real_llama_embeddings            -> test_embeddings_need_embedding_true, tests/test_embeddings.py
+  test_real_llama_embeddings            -> test_embeddings_need_embedding_true, tests/test_llama_embeddings.py
 Beyond upstream: dict shapes key by key (stream / non-stream, logprobs, echo), max_tokens <= 0 and
 None, stop strings, suffix, logit_bias, stopping_criteria, exact sampler-chain parity on shared
 logits, seeded end-to-end sampling, River options and last_stats, constructor parameters, close.
@@ -549,7 +549,7 @@ def test_one_token_eval_is_a_decode_step(river_gguf_path):
 # ----- the object ------------------------------------------------------------------------------
 
 def test_embeddings_need_embedding_true(llm, ref):
-    # (the embeddings themselves: tests/test_embeddings.py)
+    # (the embeddings themselves: tests/test_llama_embeddings.py)
     with pytest.raises(RuntimeError) as ours:
         llm.embed("Hello World")
     with pytest.raises(RuntimeError) as theirs:

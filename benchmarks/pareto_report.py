@@ -39,6 +39,10 @@ CAVEATS = {
         "is not a multiple of 256). Types that rebuild that grid (Q4_K_M, Q4_K_S, Q5_0) are left out of the "
         "ladder (see model_zoo), so **there is no Q4_K_M row** and the targets that name it are n/a. The F16 "
         "already carries Q5_0-level error, so the ladder is compressed: Q8_0 sits almost on the F16."),
+    "gemma3-270m": (
+        "the F16 backbone is dequantized from the shipped \"Q4_K_M\" GGUF; its width (640) is not a multiple "
+        "of 256 either, so that file is mostly Q5_0, and the types that rebuild it (Q4_K_M, Q4_K_S, Q5_0) are "
+        "left out of the ladder, as for Qwen (assumed from the width, not measured for this model)."),
 }
 
 PREAMBLE = """# {title}: River early exit vs. the static quant ladder

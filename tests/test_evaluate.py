@@ -123,6 +123,9 @@ def test_plan_full_settings():
     assert max(x.exit_layer for x in full if x.kind == "fixed") < 23
     assert not [x for x in evaluate._plan(evaluate.full_settings("smollm2", plain_sweep="none"), ())
                 if x.setup == "F16+Q4_0"]
+    gemma = evaluate.full_settings("gemma3-270m")  # 18 layers: every tail leaves river layers
+    assert max(gemma.controls) < 17 and max(t for s in gemma.setups for t in s.river_only_tails) < 17
+    assert [x.kind for x in evaluate._plan(gemma, ())].count("preset") == 3
     with pytest.raises(ValueError):
         evaluate.full_settings("smollm2", plain_sweep="half")
     with pytest.raises(ValueError):

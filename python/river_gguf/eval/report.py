@@ -63,20 +63,25 @@ RIVER_GGUF = "river-gguf"        # Setup.backbone: the model's default River GGU
 # The static "river + backbone tail t" hybrids (0: the river alone), timed in stock llama.cpp,
 # per model: tails deep enough that the static curve reaches the speeds of the dynamic rows. Each
 # is also a river-only tail row on river_gguf, which must score the same (analyse's consistency).
-CONTROL_TAILS = {"smollm2": (0, 8), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12, 16)}
+CONTROL_TAILS = {"smollm2": (0, 8), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12, 16), "gemma3-270m": (0, 4, 8)}
 # The same static settings run on river_gguf (river-only + tail rows of the River GGUF setup).
-ENGINE_STATIC_TAILS = {"smollm2": (0, 2, 4, 8, 16), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12)}
+ENGINE_STATIC_TAILS = {"smollm2": (0, 2, 4, 8, 16), "qwen2.5-coder-0.5b": (0, 2, 4, 8, 12), "gemma3-270m": (0, 2, 4, 8)}
+N_LAYER = {"smollm2": 30, "qwen2.5-coder-0.5b": 24, "gemma3-270m": 18}
 # Per model: the dynamic sweep on the River GGUF (taus x tails), the plain sweep's default, and
 # the run's size (Qwen2.5-Coder-0.5B decodes ~3x slower than SmolLM2 here, so it scores fewer items).
-DYNAMIC_SWEEP = {"smollm2": ((0.97, 0.98, 0.99), (2,)), "qwen2.5-coder-0.5b": ((0.95, 0.97, 0.98), (2, 4))}
+DYNAMIC_SWEEP = {"smollm2": ((0.97, 0.98, 0.99), (2,)), "qwen2.5-coder-0.5b": ((0.95, 0.97, 0.98), (2, 4)),
+                 "gemma3-270m": ((0.95, 0.97, 0.98), (2,))}
 # (The plain F16 + round-to-nearest Q4_0 river is no longer what the converter makes; its sweep
 # stays available with --plain-sweep for the shuffle control.)
-PLAIN_SWEEP_DEFAULT = {"smollm2": "none", "qwen2.5-coder-0.5b": "none"}
+PLAIN_SWEEP_DEFAULT = {"smollm2": "none", "qwen2.5-coder-0.5b": "none", "gemma3-270m": "none"}
 # score_items None: the whole evaluation split (80 GSM8K + 131 HumanEval items). Every row decodes
 # every item, and the prompt's prefill costs more than the scored tokens, so prompts are cut short.
 RUN_SIZE = {"smollm2": dict(score_items=None, score_tokens=48, gen_items=3, gen_tokens=32, prompt_tokens=128),
             "qwen2.5-coder-0.5b": dict(score_items=None, score_tokens=48, gen_items=2, gen_tokens=32,
-                                       prompt_tokens=256)}
+                                       prompt_tokens=128),
+            # Gemma 3 270M: a 262k vocabulary, so its head dominates a step, and every scored
+            # position's KLD sums over 262k probabilities.
+            "gemma3-270m": dict(score_items=None, score_tokens=32, gen_items=2, gen_tokens=32, prompt_tokens=128)}
 # The two targets: (preset, ladder file it must be at least as fast as, ladder file whose ppl it must beat).
 # The bar: for each of these static files, some preset at least as fast and as close to F16.
 MATCH_REFS = ("Q4_0", "Q4_0-IMATRIX", "Q4_K_M", "Q4_K_M-IMATRIX", "Q8_0")
@@ -224,7 +229,7 @@ def full_settings(model: str = DEFAULT_MODEL, plain_sweep: Optional[str] = None)
     taus, tails = DYNAMIC_SWEEP[name]
     setups = [Setup("River GGUF", RIVER_GGUF, None, taus=taus, tails=tails,
                     river_only_tails=ENGINE_STATIC_TAILS[name], presets=True, river_head=True)]
-    n_layer = 30 if name == "smollm2" else 24
+    n_layer = N_LAYER[name]
     if plain_sweep == "full":
         setups.append(Setup("F16+Q4_0", "f16", "q4_0", taus=DEFAULT_TAUS,
                             fixed_exits=tuple(k for k in DEFAULT_FIXED_EXITS if k < n_layer - 1),

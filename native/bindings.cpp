@@ -179,6 +179,15 @@ PYBIND11_MODULE(_native, m) {
         "Serve this machine's devices with ggml's RPC server (ggml_backend_rpc_start_server). Blocks while it "
         "serves; returns a message when it could not start.");
 
+    m.def(
+        "fit_gpu_layers",
+        [](const std::vector<size_t>& layer_bytes, size_t head_bytes, size_t free_bytes, size_t reserve, int requested) {
+            const GpuFit f = fit_gpu_layers(layer_bytes, head_bytes, free_bytes, reserve, requested);
+            return py::make_tuple(f.n_layers, f.head);
+        },
+        py::arg("layer_bytes"), py::arg("head_bytes"), py::arg("free_bytes"), py::arg("reserve"), py::arg("requested"),
+        "How much of a GPU offload fits (placement.h): (layers, head on the GPU).");
+
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& path, const std::string& river_path, int n_ctx, int n_threads,
                          int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse, bool use_mmap,
@@ -230,6 +239,9 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("flash_attn", &Engine::flash_attn)
         .def_property_readonly("river_has_head", &Engine::river_has_head)
         .def_property_readonly("gpu_offload", &Engine::gpu_offload)
+        .def_property_readonly("gpu_layers", &Engine::gpu_layers,
+                               "Layers placed on the GPU: fewer than n_gpu_layers asked when they did not fit.")
+        .def_property_readonly("gpu_free", &Engine::gpu_free, "The GPU's free bytes before placing, as reported.")
         .def_property_readonly("exits_on_graph", &Engine::exits_on_graph,
                                "Whether the exit decision runs as graph ops read by the scheduler (else a CPU op).")
         .def_property_readonly("layer_devices", &Engine::layer_devices,

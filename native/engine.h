@@ -138,6 +138,9 @@ public:
     int n_past() const { return n_past_; }
     bool gpu_offload() const { return placement_.gpu != nullptr; }
     bool exits_on_graph() const { return exits_on_graph_; }
+    // Layers on the GPU (fewer than n_gpu_layers asked when they did not fit its free memory).
+    int gpu_layers() const { return placement_.gpu ? placement_.gpu_layers : 0; }
+    size_t gpu_free() const { return placement_.gpu_free; }
     // Where each layer (and its KV cache) lives: "CPU", "GPU" or an RPC server's host:port.
     const std::vector<std::string>& layer_devices() const { return placement_.layer_device; }
 

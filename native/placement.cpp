@@ -137,6 +137,21 @@ void repack_cpu_weights(ggml_backend_t cpu, const std::vector<LayerWeights*>& cp
 
 }  // namespace
 
+GpuFit fit_gpu_layers(const std::vector<size_t>& layer_bytes, size_t head_bytes, size_t free_bytes, size_t reserve,
+                      int requested) {
+    const int n_layer = static_cast<int>(layer_bytes.size());
+    const int want = std::clamp(requested, 0, n_layer);
+    GpuFit fit;
+    size_t used = reserve;
+    for (int il = n_layer - 1; il >= n_layer - want; --il) {
+        if (free_bytes && used + layer_bytes[il] > free_bytes) break;
+        used += layer_bytes[il];
+        ++fit.n_layers;
+    }
+    fit.head = requested > n_layer && fit.n_layers == n_layer && (!free_bytes || used + head_bytes <= free_bytes);
+    return fit;
+}
+
 void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cpu, BackboneWeights& backbone,
                    RiverWeights* river, std::vector<std::unique_ptr<RpcLink>>& links,
                    const std::function<void()>& check_links, Placement& out) {
@@ -152,12 +167,39 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
             out.gpu.reset(ggml_backend_dev_init(dev, nullptr));
         }
     }
-    const int first_gpu = out.gpu ? std::max(0, hp.n_layer - cfg.n_gpu_layers) : hp.n_layer;
-    const bool head_on_gpu = out.gpu && cfg.n_gpu_layers > hp.n_layer;
     // Each head gets its own slot: a tied head is placed apart from the embedding table,
     // which stays in the mapping for get_rows.
     std::vector<ggml_tensor**> heads = {&backbone.output};
     if (river && river->head) heads.push_back(&river->head);
+    if (out.gpu) {
+        // As many of the asked layers as fit the GPU's free memory (llama.cpp's --fit): the
+        // rest run on the CPU rather than the load failing on an allocation.
+        auto bytes_of = [](const std::vector<ggml_tensor**>& slots) {
+            size_t b = 0;
+            for (auto s : slots) b += *s ? ggml_nbytes(*s) : 0;
+            return b;
+        };
+        const size_t kv_row = size_t(hp.n_embd_k_gqa() + hp.n_embd_v_gqa()) * ggml_type_size(GGML_TYPE_F16);
+        std::vector<size_t> layer_bytes(hp.n_layer);
+        for (int il = 0; il < hp.n_layer; ++il) {
+            if (remote_of[il] >= 0) continue;  // on its RPC server: nothing of it on the GPU
+            layer_bytes[il] = bytes_of(layer_slots(backbone.layers[il])) + size_t(cfg.n_ctx) * kv_row;
+            if (river) layer_bytes[il] += bytes_of(layer_slots(river->layers[il]));
+        }
+        std::vector<ggml_tensor**> head_slots = heads;
+        head_slots.push_back(&backbone.output_norm);
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(ggml_backend_get_device(out.gpu.get()), &free, &total);
+        // Compute buffers: the logits of a batch, and a margin for the layers' activations.
+        const size_t reserve = (size_t(512) << 20) + size_t(cfg.n_batch) * hp.n_vocab * sizeof(float);
+        const GpuFit fit = fit_gpu_layers(layer_bytes, bytes_of(head_slots), free, reserve, cfg.n_gpu_layers);
+        out.gpu_free = free;
+        out.gpu_layers = fit.n_layers;
+        out.gpu_head = fit.head;
+        if (fit.n_layers == 0) out.gpu.reset();  // nothing fits: a CPU-only engine
+    }
+    const int first_gpu = out.gpu ? hp.n_layer - out.gpu_layers : hp.n_layer;
+    const bool head_on_gpu = out.gpu && out.gpu_head;
     // Whose weights of a remote layer live with it; the others stay local and the scheduler
     // runs them here, reading the layer's cache there.
     auto backbone_remote = [&](int il) { return remote_of[il] >= 0 && cfg.rpc_weights != 2; };

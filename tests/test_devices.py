@@ -3,7 +3,7 @@ Model(main_gpu=...)). On a CPU-only build the CPU is the only device and offload
 as in llama.cpp; on a GPU build the same checks hold for the GPUs found."""
 import pytest
 
-from river_gguf import Model
+from river_gguf import Model, _native
 from river_gguf.devices import list_devices, offload_gpus
 from river_gguf.testing import write_tiny_model
 
@@ -56,3 +56,20 @@ def test_info_devices_lists_them(capsys):
         assert d["name"] in out and d["type"] in out
     if not offload_gpus():
         assert "no GPU" in out
+
+
+def test_gpu_offload_fits_the_free_memory():
+    """The placement's fit (llama.cpp's --fit): the last layers first, the head only once every
+    layer is on the GPU, a reserve kept free; a backend that reports no memory fits all."""
+    fit = _native.fit_gpu_layers
+    layers = [100] * 10
+    assert fit(layers, 50, 0, 30, 99) == (10, True)           # no memory reported: everything asked
+    assert fit(layers, 50, 2000, 30, 99) == (10, True)        # plenty
+    assert fit(layers, 50, 1000, 30, 99) == (9, False)        # 30 + 9 * 100 fits, 10 layers do not
+    assert fit(layers, 50, 1060, 30, 99) == (10, False)       # all layers, but not the head
+    assert fit(layers, 50, 1080, 30, 99) == (10, True)
+    assert fit(layers, 50, 2000, 30, 4) == (4, False)         # only what was asked
+    assert fit(layers, 50, 2000, 30, 10) == (10, False)       # n_gpu_layers == n_layer: no head
+    assert fit(layers, 50, 100, 30, 99) == (0, False)         # nothing fits: a CPU-only engine
+    assert fit([100, 100, 700], 0, 600, 0, 99) == (0, False)  # from the last layer back, no gaps
+    assert fit(layers, 50, 2000, 30, 0) == (0, False)

@@ -6,6 +6,7 @@ Threads: every call that runs the engine holds the Model's lock (see the Model d
 import functools
 import os
 import threading
+import warnings
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import replace
 from typing import List, NamedTuple, Optional, Sequence, Union
@@ -216,6 +217,11 @@ class Model:
                                          main_gpu=self._main_gpu, use_mmap=self._use_mmap,
                                          flash_attn=self.flash_attn, exit_decision=exit_decision, **rpc_kw)
             self._vocab = native.Vocab(model_path)
+        asked = min(n_gpu_layers, self._engine.hparams["n_layer"])
+        if 0 < self._engine.gpu_layers < asked or (asked and not self._engine.gpu_layers and native.offload_gpus()):
+            warnings.warn(f"{model_path}: {self._engine.gpu_layers} of the {asked} layers asked for fit in the GPU's "
+                          f"free memory ({self._engine.gpu_free / 2**20:.0f} MiB); the rest run on the CPU",
+                          RuntimeWarning, stacklevel=2)
         self.hparams = self._engine.hparams
         self.metadata = self._engine.metadata
         if self._vocab.n_tokens != self.n_vocab:

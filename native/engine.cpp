@@ -648,14 +648,13 @@ bool Engine::decide_exit(int layer, const float* s, int64_t n, ggml_tensor* h_ou
     ExitState& st = exit_;
     float s_min = INFINITY;
     for (int64_t i = 0; i < n; ++i) s_min = std::min(s_min, s[i]);  // the batch exits together: the minimum decides
-    if (layer >= st.record_first && layer <= st.record_last) st.similarity->push_back(s_min);
-    if (!(st.may_exit && layer >= st.exit_first && layer <= st.exit_last && s_min > st.threshold)) return false;
-    // The river graph starts from this layer's output (read from whichever device holds it).
-    const int64_t d = h_out->ne[0];
-    std::vector<float> row(d);
+    if (st.records(layer)) st.similarity->push_back(s_min);
+    if (!(st.exit_allowed(layer) && s_min > st.threshold)) return false;
+    // The river graph starts from this layer's output, read from whichever device holds it into
+    // h_state_ (host memory).
+    const size_t row = sizeof(float) * h_out->ne[0];
     for (int64_t i = 0; i < n; ++i) {
-        ggml_backend_tensor_get(h_out, row.data(), i * h_out->nb[1], sizeof(float) * d);
-        std::memcpy(static_cast<char*>(h_state_->data) + i * h_state_->nb[1], row.data(), sizeof(float) * d);
+        ggml_backend_tensor_get(h_out, static_cast<char*>(h_state_->data) + i * h_state_->nb[1], i * h_out->nb[1], row);
     }
     st.exit_layer = layer;
     abort_ = true;
@@ -670,9 +669,7 @@ bool Engine::exit_eval(ggml_tensor* t, bool ask, void* user) {
     const ExitState& st = e.exit_;
     for (const ExitNode& node : e.running_->exit_nodes) {
         if (node.similarity != t) continue;
-        const bool read = (node.layer >= st.record_first && node.layer <= st.record_last) ||
-                          (st.may_exit && node.layer >= st.exit_first && node.layer <= st.exit_last);
-        if (ask) return read;
+        if (ask) return st.records(node.layer) || st.exit_allowed(node.layer);
         const int64_t n = t->ne[1];
         std::vector<float> s(n);
         ggml_backend_tensor_get(t, s.data(), 0, sizeof(float) * n);

@@ -199,6 +199,8 @@ private:
         int exit_first = 0, exit_last = -1;      // layers a token may leave after
         int exit_layer = -1;                     // set when the backbone graph stopped for an exit
         std::vector<float>* similarity = nullptr;
+        bool records(int l) const { return l >= record_first && l <= record_last; }
+        bool exit_allowed(int l) const { return may_exit && l >= exit_first && l <= exit_last; }
     };
     static void exit_node_op(ggml_tensor* dst, int ith, int nth, void* node);
     static bool abort_requested(void* engine);

@@ -218,7 +218,9 @@ void Engine::start_cpu(const EngineConfig& cfg) {
     ggml_threadpool_params tpp = ggml_threadpool_params_default(cfg.n_threads);
     // Workers sleep between graphs rather than spin: on a small shared machine a spinning
     // worker steals the core the next graph needs (measured: 100x slower decode under load).
-    // RIVER_GGML_POLL=1..100 turns polling back on for dedicated machines.
+    // RIVER_GGML_POLL=1..100 turns polling back on for dedicated machines. This governs ggml's
+    // own pool only: a ggml built with OpenMP (llama-cpp-python's default build) runs its
+    // threads as OpenMP's, whose waiting OMP_WAIT_POLICY / GOMP_SPINCOUNT set, for both sides.
     tpp.poll = 0;
     if (const char* poll = std::getenv("RIVER_GGML_POLL")) tpp.poll = static_cast<uint32_t>(std::atoi(poll));
     threadpool_.reset(ggml_threadpool_new(&tpp));

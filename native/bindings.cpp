@@ -248,6 +248,9 @@ PYBIND11_MODULE(_native, m) {
                                "Where each layer and its KV cache live: 'CPU', 'GPU' or an RPC server's host:port.")
         .def_property_readonly("kept_graphs", &Engine::kept_graphs)
         .def_property_readonly("graphs_built", &Engine::graphs_built)
+        .def_property_readonly("last_splits", &Engine::last_splits,
+                               "Backend splits of the last graph computed: each is a sync point whose inputs are copied "
+                               "across devices (1 on a CPU-only engine).")
         .def_property_readonly("hparams", [](const Engine& e) { return hparams(e.hparams()); })
         .def_property_readonly("metadata", [](const Engine& e) { return metadata(e.file()); })
         .def("cache_rows",

@@ -31,7 +31,8 @@ struct Engine::Graph {
     std::vector<uint8_t> meta;  // the context's tensor and graph descriptions
     ggml_context* ctx = nullptr;
     ggml_cgraph* gf = nullptr;
-    ggml_gallocr_t galloc = nullptr;  // a kept graph's own compute buffer
+    ggml_gallocr_t galloc = nullptr;  // a kept CPU graph's own compute buffer
+    ggml_backend_sched_ptr sched;     // a kept graph's own scheduler (offloaded layers, graph exits)
     BatchInputs in;
     ggml_tensor* tok_in = nullptr;
     ggml_tensor* logits = nullptr;
@@ -41,6 +42,7 @@ struct Engine::Graph {
     Graph(const Graph&) = delete;
     Graph& operator=(const Graph&) = delete;
     ~Graph() {
+        sched.reset();  // its compute buffers before the tensor descriptions they back
         if (galloc) ggml_gallocr_free(galloc);
         if (ctx) ggml_free(ctx);
     }
@@ -450,16 +452,19 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
     ggml_status status;
     if (g.galloc) {
         status = ggml_backend_graph_compute(cpu_.get(), g.gf);
+        last_splits_ = 1;
     } else {
+        ggml_backend_sched_t sched = g.sched ? g.sched.get() : sched_.get();
         const bool watch = spec.exits && exits_on_graph_;
         if (watch) {
             running_ = &g;
-            ggml_backend_sched_set_eval_callback(sched_.get(), &Engine::exit_eval, this);
+            ggml_backend_sched_set_eval_callback(sched, &Engine::exit_eval, this);
         } else if (observer_) {
-            ggml_backend_sched_set_eval_callback(sched_.get(), observer_, observer_data_);
+            ggml_backend_sched_set_eval_callback(sched, observer_, observer_data_);
         }
-        status = ggml_backend_sched_graph_compute(sched_.get(), g.gf);
-        if (watch || observer_) ggml_backend_sched_set_eval_callback(sched_.get(), nullptr, nullptr);
+        status = ggml_backend_sched_graph_compute(sched, g.gf);
+        last_splits_ = ggml_backend_sched_get_n_splits(sched);
+        if (watch || observer_) ggml_backend_sched_set_eval_callback(sched, nullptr, nullptr);
         running_ = nullptr;
     }
     if (abort_) {
@@ -487,10 +492,13 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
 }
 
 Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
-    // Kept: single-token graphs on a CPU-only engine. With a GPU or RPC devices the scheduler
-    // splits the graph across backends, and one scheduler per kept graph would cost too much memory.
-    // Graph exit decisions need the scheduler's eval callback, so those graphs go through it.
-    const bool keep = graph_reuse_ && spec.n == 1 && placement_.local() && !observer_ && !(spec.exits && exits_on_graph_);
+    // Kept: single-token graphs, on every placement (position-independent: a step sets its
+    // inputs and runs the same graph, so a GPU backend can replay it, e.g. as a CUDA graph). A
+    // dynamic step alternates between the backbone graph and a river graph per exit depth, so one
+    // reused graph would be rebuilt at every exit. On a CPU-only engine a kept graph owns its
+    // compute buffer; with offloaded layers, or graph exit decisions (the scheduler's eval
+    // callback), it owns a scheduler, whose buffers hold one token's activations.
+    const bool keep = graph_reuse_ && spec.n == 1 && !observer_;
     if (!keep) {
         // The scheduler's allocation stays with the last graph built for it: a step of the same
         // spec sets its inputs and runs that graph again (llama.cpp's can_reuse), so decoding
@@ -604,23 +612,31 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
         ggml_build_forward_expand(gf, g->logits);
     }
 
-    if (keep) {
-        // A kept graph owns its compute buffer, so switching between kept graphs needs no
-        // re-planning; only CPU-only engines keep graphs (see graph_for).
+    // A kept graph owns its compute buffer (or scheduler), so switching between kept graphs
+    // needs no re-planning (see graph_for).
+    if (keep && placement_.local() && !(spec.exits && exits_on_graph_)) {
         g->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(cpu_.get()));
         if (!g->galloc || !ggml_gallocr_alloc_graph(g->galloc, gf)) {
             throw std::runtime_error("cannot allocate the compute graph");
         }
-    } else {
-        ggml_backend_sched_reset(sched_.get());
-        // Exit decisions run here: they read h through the CPU, and stop the CPU backend. (An
-        // RPC device claims to support every op, a custom op included.)
-        for (int i = 0; i < ggml_graph_n_nodes(gf); ++i) {
-            ggml_tensor* node = ggml_graph_node(gf, i);
-            if (node->op == GGML_OP_CUSTOM) ggml_backend_sched_set_tensor_backend(sched_.get(), node, cpu_.get());
-        }
-        if (!ggml_backend_sched_alloc_graph(sched_.get(), gf)) throw std::runtime_error("cannot allocate the compute graph");
+        return g;
     }
+    ggml_backend_sched_t sched = sched_.get();
+    if (keep) {
+        g->sched.reset(ggml_backend_sched_new(backends_.data(), nullptr, static_cast<int>(backends_.size()), n_graph,
+                                              false, true));
+        if (!g->sched) throw std::runtime_error("cannot create the ggml scheduler");
+        sched = g->sched.get();
+    } else {
+        ggml_backend_sched_reset(sched);
+    }
+    // CPU exit decisions run here: they read h through the CPU, and stop the CPU backend. (An
+    // RPC device claims to support every op, a custom op included.)
+    for (int i = 0; i < ggml_graph_n_nodes(gf); ++i) {
+        ggml_tensor* node = ggml_graph_node(gf, i);
+        if (node->op == GGML_OP_CUSTOM) ggml_backend_sched_set_tensor_backend(sched, node, cpu_.get());
+    }
+    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw std::runtime_error("cannot allocate the compute graph");
     return g;
 }
 

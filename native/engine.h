@@ -156,6 +156,9 @@ public:
     size_t kept_graphs() const { return graphs_.size(); }
     // Graphs built so far (kept or not): fewer than the steps run when graphs are reused.
     size_t graphs_built() const { return graphs_built_; }
+    // Backend splits of the last graph computed (1 for a kept CPU graph): the sync points of a
+    // step, each of which copies its inputs across devices.
+    int last_splits() const { return last_splits_; }
 
 private:
     // What the graph ends in: nothing, the backbone's or the river's head, or the final norm
@@ -268,6 +271,7 @@ private:
     std::vector<std::unique_ptr<Graph>> graphs_;  // kept decode graphs, most recently used last
     std::unique_ptr<Graph> transient_;  // the scheduler's graph (prompts, offloaded layers)
     size_t graphs_built_ = 0;
+    int last_splits_ = 0;
     bool graph_reuse_;
     bool flash_attn_;
     int n_batch_;

@@ -8,16 +8,22 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36   # keep in step with pyproject.toml
 # A GPU backend beside the CPU: RIVER_GGUF_GPU=cuda (needs the CUDA toolkit, nvcc on PATH) or
 # RIVER_GGUF_GPU=vulkan (needs the Vulkan headers, 1.4 or newer, glslc and the loader). The engine
 # then builds against that ggml and offloads with n_gpu_layers / --ngl.
+# RIVER_GGUF_VENV: the virtual environment to make (default .venv), so that a GPU build can live
+# beside the CPU one (CI builds the Vulkan one as .venv-vulkan).
+VENV=${RIVER_GGUF_VENV:-.venv}
 GPU_ARGS="" GPU_LIB=""
 case "${RIVER_GGUF_GPU:-}" in
   "") ;;
   cuda) GPU_ARGS="-DGGML_CUDA=ON" GPU_LIB="libggml-cuda" ;;
-  vulkan) GPU_ARGS="-DGGML_VULKAN=ON" GPU_LIB="libggml-vulkan" ;;
+  vulkan)
+    VK_LOADER=$(ldconfig -p | awk '/libvulkan\.so\.1 .*x86-64|libvulkan\.so\.1 /{print $NF; exit}')
+    [ -n "$VK_LOADER" ] || { echo "no Vulkan loader (libvulkan.so.1): install it (Debian: apt-get install libvulkan1 glslc)" >&2; exit 2; }
+    GPU_ARGS="-DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR=$(./scripts/vulkan_headers.sh) -DVulkan_LIBRARY=$VK_LOADER" GPU_LIB="libggml-vulkan" ;;
   *) echo "RIVER_GGUF_GPU must be cuda or vulkan (or unset for the CPU alone), got '$RIVER_GGUF_GPU'" >&2; exit 2 ;;
 esac
 
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-. .venv/bin/activate
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+. "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 
 # llama-cpp-python compiles llama.cpp (about 5 minutes on 2 cores the first time; pip caches
@@ -38,6 +44,20 @@ amx = any(b'ggml_backend_amx_mul_mat' in open(f, 'rb').read() for f in cpu); \
 gpu = not '$GPU_LIB' or glob.glob(os.path.join(d, '$GPU_LIB.*')); \
 sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON_VERSION' or not glob.glob(os.path.join(d, 'libggml-rpc.*')) or not cpu or amx or not gpu)" 2>/dev/null
 }
+if ! llama_cpp_ready && [ -n "$GPU_LIB" ]; then
+  # A GPU build is made as a wheel of its own, kept under ~/.cache/river_gguf/wheels, and never
+  # put in pip's cache: pip keys built wheels by the source's URL alone, so a cached GPU wheel
+  # would be handed to the next CPU set-up (and the other way round).
+  WHEELS="$HOME/.cache/river_gguf/wheels/$RIVER_GGUF_GPU-$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-10)"
+  if ! ls "$WHEELS"/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION-*.whl >/dev/null 2>&1; then
+    echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC and $RIVER_GGUF_GPU, without AMX, into $WHEELS (first time: 20 min or more on 2 cores)"
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+      python -m pip wheel --no-cache-dir --no-deps -w "$WHEELS.partial" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+    mv "$WHEELS.partial" "$WHEELS"
+  fi
+  python -m pip install -q --force-reinstall "$WHEELS"/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION-*.whl
+  llama_cpp_ready || { echo "the wheel in $WHEELS lacks ggml's RPC library or $GPU_LIB, or has AMX: remove it and run again" >&2; exit 1; }
+fi
 if ! llama_cpp_ready; then
   echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC${RIVER_GGUF_GPU:+ and $RIVER_GGUF_GPU}, without AMX (first time: ~12 min${RIVER_GGUF_GPU:+, more with a GPU backend})"
   CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \

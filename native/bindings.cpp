@@ -262,6 +262,12 @@ PYBIND11_MODULE(_native, m) {
                  return a;
              },
              "Cache layer `layer`, rows [0, n) of K (values=False) or V, as float32 (for tests).")
+        .def("cache_poison",
+             [](const Engine& e, int layer) {
+                 return e.cache().finite_poison(layer) ? KvCache::poison_value_no_fa() : std::nanf("");
+             },
+             "What an unwritten entry of layer `layer`'s cache holds: NaN, or POISON_NO_FLASH where attention "
+             "spans masked rows (no flash attention, or a cache in device memory); for tests.")
         .def_property_readonly_static(
             "POISON_NO_FLASH", [](py::object) { return KvCache::poison_value_no_fa(); },
             "What an unwritten cache entry holds without flash attention (NaN with it).");

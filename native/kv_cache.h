@@ -35,7 +35,13 @@ public:
     // attention multiplies every row it spans (masked ones too, with weight 0) and 0 x NaN is
     // NaN, so NaN in the padded rows beyond the batch would poison correct steps. A slot a step
     // forgot to write then holds a whole row of that value, which a test can look for.
+    //
+    // A device's flash attention (ggml-vulkan's, at least) also multiplies the masked rows it
+    // spans, so caches in device memory get the finite poison with either layout, as a whole
+    // row of it.
     void poison();
+    // Whether layer il's cache holds the finite poison (else NaN).
+    bool finite_poison(int il) const;
     // The non-flash poison as float (F16 0x1E1E, bytes 0x1E): small, so that a masked row's
     // K.Q stays finite even where the CPU accumulates in F16.
     static float poison_value_no_fa();

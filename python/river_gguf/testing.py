@@ -240,14 +240,15 @@ class LlamaCppOracle:
     default), flash attention, 2 threads. The tests' reference for logits and greedy text.
 
     stop_at_any_eog: greedy() stops at any end-of-generation token (llama_vocab_is_eog), not only
-    at the EOS token; models whose chat turns end on another token (Qwen) need it."""
+    at the EOS token; models whose chat turns end on another token (Qwen) need it. n_gpu_layers:
+    llama.cpp's own offload (-1: every layer and the head), the reference for the GPU tests."""
 
-    def __init__(self, path, n_ctx: int = 512, stop_at_any_eog: bool = False):
+    def __init__(self, path, n_ctx: int = 512, stop_at_any_eog: bool = False, n_gpu_layers: int = 0):
         import llama_cpp
 
         self._llama_cpp = llama_cpp
         self.llm = llama_cpp.Llama(os.fspath(path), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, logits_all=True,
-                                   flash_attn=True, verbose=False)
+                                   flash_attn=True, n_gpu_layers=n_gpu_layers, verbose=False)
         self.stop_at_any_eog = stop_at_any_eog
 
     def logits(self, tokens):

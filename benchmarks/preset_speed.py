@@ -38,13 +38,21 @@ from river_gguf.eval import report as evaluate
 from river_gguf.eval import model_zoo
 from river_gguf.eval.llama_decode import LlamaDecoder  # noqa: E402
 
+# --gpu-check's settings beside the presets. "all tested": tau 1.0 runs the exit test after every
+# layer and no cos passes it (cos <= 1), so against "backbone" it prices the test alone.
+GPU_CHECK_SETTINGS = [
+    ("backbone", {"mode": "backbone"}),
+    ("river-only", {"mode": "river-only"}),
+    ("tau 0.97", {"mode": "river", "threshold": 0.97, "tail": 0, "river_attention": "river"}),
+    ("all tested", {"mode": "river", "threshold": 1.0, "min_exit_layer": 0, "tail": 0, "river_attention": "river"}),
+]
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 N_CTX = 1024
 
 
 class RiverRun:
-    def __init__(self, path, threads, join_weights=True):
-        self.m = Model(path, n_ctx=N_CTX, n_threads=threads)
+    def __init__(self, path, threads, join_weights=True, ngl=0):
+        self.m = Model(path, n_ctx=N_CTX, n_threads=threads, n_gpu_layers=ngl)
         self.engine = self.m.engine
         if not join_weights:  # the engine as before joined Q/K/V and gate/up weights, for comparison
             from river_gguf._loader import native
@@ -78,8 +86,8 @@ def paired_ratio(a, b, draws: int = 2000, seed: int = 20261201):
 
 
 class LlamaRun:
-    def __init__(self, path, threads):
-        self.dec = LlamaDecoder(path, N_CTX, threads)
+    def __init__(self, path, threads, ngl=0):
+        self.dec = LlamaDecoder(path, N_CTX, threads, n_gpu_layers=ngl)
         self.toks = self.dec.tokenize(PROMPT)
 
     def decode(self, n, _preset=None):
@@ -103,11 +111,22 @@ def main(argv=None) -> int:
     ap.add_argument("--static", default="f16,q8_0,q4_k_m,q4_0", help="llama.cpp's files to time (ladder kinds)")
     ap.add_argument("--static-file", action="append", default=[], metavar="LABEL=FILE",
                     help="also time this GGUF in llama.cpp (e.g. a static mix from benchmarks/mix_study.py)")
+    ap.add_argument("--ngl", type=int, default=0,
+                    help="layers offloaded to the GPU on both sides (-1: all, with the head and the river)")
+    ap.add_argument("--gpu-check", action="store_true",
+                    help="scripts/gpu_check.sh's table: the backbone, river-only, tau 0.97 and every layer tested "
+                         "(tau 1.0, which no similarity passes) beside the presets, against llama.cpp's file of the "
+                         "backbone's type and Q4_0, and the cost of one exit test")
     a = ap.parse_args(argv)
 
     path = a.river or evaluate.default_river_gguf(a.model, n_threads=a.threads, progress=False)
-    river = RiverRun(path, a.threads)
-    statics = {q.upper(): LlamaRun(model_zoo.derived(a.model, q), a.threads) for q in a.static.split(",") if q}
+    river = RiverRun(path, a.threads, ngl=a.ngl)
+    if a.gpu_check:
+        backbone_type = evaluate.river_types(river.m.engine.metadata)[1].lower()
+        a.static = ",".join(dict.fromkeys([backbone_type, "q4_0"]))
+        a.setting = [f"{label}={json.dumps(o)}" for label, o in GPU_CHECK_SETTINGS] + a.setting
+    statics = {q.upper(): LlamaRun(model_zoo.derived(a.model, q), a.threads, ngl=a.ngl)
+               for q in a.static.split(",") if q}
     for s in a.static_file:
         label, _, file = s.partition("=")
         statics[label] = LlamaRun(file, a.threads)
@@ -163,6 +182,14 @@ def main(argv=None) -> int:
         xs = " | ".join(f"{r[f'x_{k}']:.2f} [{r[f'x_{k}_ci'][0]:.2f}, {r[f'x_{k}_ci'][1]:.2f}]" for k in refs)
         print(f"| {r['config']} | {r['decode_tok_s']:.1f} | {xs} | {f('mib_per_token', '{:.0f}')} | "
               f"{f('predicted_tok_s', '{:.1f}')} | {f('x_predicted', '{:.2f}')} |")
+    if a.gpu_check:
+        # One exit test: the step time it adds over the plain backbone, per tested layer (the
+        # last layer is never tested: nothing is left for the river).
+        t_all, t_bb = 1 / med["River all tested"], 1 / med["River backbone"]
+        per = [(1 / x - 1 / y) / (L - 1) for x, y in zip(speeds["River all tested"], speeds["River backbone"])]
+        print(f"\nexit test: {1e6 * (t_all - t_bb) / (L - 1):.1f} us per tested layer (median step times; "
+              f"per round {', '.join(f'{1e6 * p:.1f}' for p in per)}), {L - 1} layers tested, "
+              f"{100 * (t_all / t_bb - 1):.1f}% of a backbone step in all")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"model": a.model, "river": path, "rows": rows, "threads": a.threads, "tokens": a.tokens,

@@ -1,5 +1,6 @@
 // The Python module: thin wrappers over Engine and Vocab. Native work runs with the GIL released.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include <pybind11/numpy.h>
@@ -94,6 +95,19 @@ void bind_quantize(py::module_& m);
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "river_gguf native engine (ggml)";
+    // ggml-vulkan reorders each split's nodes (its graph_optimize) and fuses neighbours. Graph exit
+    // decisions compute a split only up to a similarity node (the scheduler's eval callback), and
+    // such a partial split crashed lavapipe's heap (tests_gpu: a random qwen2 River GGUF, dynamic
+    // exits across the 256-row padding boundary); with the reordering off it runs and exits as the
+    // CPU op does. ggml-vulkan reads the variable at its first graph, so it is set here, before
+    // any, unless the user set it. llama.cpp in the same process runs without the reordering too.
+    if (!std::getenv("GGML_VK_DISABLE_GRAPH_OPTIMIZE")) {
+#ifdef _WIN32
+        _putenv_s("GGML_VK_DISABLE_GRAPH_OPTIMIZE", "1");
+#else
+        setenv("GGML_VK_DISABLE_GRAPH_OPTIMIZE", "1", 0);
+#endif
+    }
 
     static PyObject* format_error =
         py::register_exception<GgufFormatError>(m, "GGUFFormatError", PyExc_ValueError).ptr();

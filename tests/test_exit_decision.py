@@ -96,9 +96,9 @@ def test_no_cache_holes_after_graph_exits(f16_path, q4_0_path, models, tokens):
 
 
 def test_scheduler_graphs_are_reused_bit_for_bit(f16_path, q4_0_path, models, tokens):
-    """Graph decisions run through the scheduler, whose last graph is run again when the next
-    step has the same spec (as graphs with offloaded layers are): reuse on and off give the
-    same bits, with dynamic exits, and reuse builds fewer graphs than steps."""
+    """Graph decisions run through a scheduler: a kept single-token graph owns one (as graphs
+    with offloaded layers do), and is run again by the next step of the same spec: reuse on and
+    off give the same bits, with dynamic exits, and reuse builds fewer graphs than steps."""
     from river_gguf import _native
 
     text = tokens * 12

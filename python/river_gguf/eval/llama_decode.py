@@ -17,13 +17,14 @@ import numpy as np
 class LlamaDecoder:
     """One llama.cpp context on `path`; `decode` returns the seconds `llama_decode` took."""
 
-    def __init__(self, path: str, n_ctx: int, n_threads: int, n_batch: int = 512):
+    def __init__(self, path: str, n_ctx: int, n_threads: int, n_batch: int = 512, n_gpu_layers: int = 0):
         import llama_cpp
 
         self._lc = llama_cpp
         # The high-level object owns model and context lifetimes (and frees them on close).
         self.llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
-                                   n_threads_batch=n_threads, flash_attn=True, verbose=False)
+                                   n_threads_batch=n_threads, flash_attn=True, n_gpu_layers=n_gpu_layers,
+                                   verbose=False)
         self._ctx = self.llm._ctx.ctx
         self.n_vocab = self.llm.n_vocab()
         self.n_batch = n_batch

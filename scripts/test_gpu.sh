@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU test module (tests_gpu/) on a GPU build of its own: RIVER_GGUF_GPU=vulkan (the default)
+# or cuda, in RIVER_GGUF_VENV (default .venv-vulkan / .venv-cuda), made by scripts/setup.sh.
+# With no GPU, Vulkan runs on Mesa's lavapipe, a Vulkan driver on the CPU (GGML_VK_VISIBLE_DEVICES=0
+# lets ggml use it): this is how CI tests the device path. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export RIVER_GGUF_GPU=${RIVER_GGUF_GPU:-vulkan}
+export RIVER_GGUF_VENV=${RIVER_GGUF_VENV:-.venv-$RIVER_GGUF_GPU}
+if [ "$RIVER_GGUF_GPU" = vulkan ]; then
+  # The Vulkan loader, lavapipe and the shader compiler, from Debian (root only; else say what is missing).
+  need=()
+  for p in libvulkan1 mesa-vulkan-drivers glslc; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
+  if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+      apt-get install -y -q "${need[@]}" >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }
+    else
+      echo "install ${need[*]} (Debian packages) first" >&2; exit 2
+    fi
+  fi
+  export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}
+fi
+./scripts/setup.sh
+"$RIVER_GGUF_VENV/bin/python" -m pytest -q -p no:cacheprovider tests_gpu "$@"

@@ -176,8 +176,10 @@ void Engine::load(const EngineConfig& cfg) {
     fail_point("backend");
     place_weights(cfg, hp_, cpu_.get(), backbone_, river_.get(), links_, [this] { check_links(); }, placement_);
     fail_point("weights");
-    if (river_ && placement_.local()) {
+    if (river_ && (placement_.remote.empty() || cfg.rpc_weights == 0)) {
         // Placement is final: the mixed layers point at the placed (joined, repacked) tensors.
+        // A layer's backbone and river weights are on one device (the GPU moves both, as RPC
+        // does with rpc_weights="all"), so a mixed layer runs where the layer runs.
         for (int il = 0; il < hp_.n_layer; ++il) river_mixed_.push_back(with_attention_of(river_->layers[il],
                                                                                       backbone_.layers[il]));
     }
@@ -314,8 +316,8 @@ void Engine::check_request(const EvalRequest& req) const {
     }
     if (req.backbone_attention && needs_river && !river_mixed_.size()) {
         throw std::invalid_argument(
-            "backbone_attention needs the backbone's and the river's weights of every layer on one device "
-            "(the CPU): not available with GPU or RPC layers");
+            "backbone_attention needs each layer's backbone and river weights on one device: not available "
+            "with rpc_weights='backbone' or 'river'");
     }
     if (req.river_head && needs_river && !river_->head) {
         throw std::invalid_argument("river_head=True but the river has no output head");

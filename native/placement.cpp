@@ -196,6 +196,15 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
         out.gpu_free = free;
         out.gpu_layers = fit.n_layers;
         out.gpu_head = fit.head;
+        // A head the device cannot multiply (lavapipe: Qwen's 151936-row Q8_0 head exceeds its
+        // largest buffer range) stays on the CPU with the output norm, as llama.cpp keeps a
+        // weight the device's buffer type does not support in host memory.
+        ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(out.gpu.get());
+        for (ggml_tensor** s : heads) {
+            if (out.gpu_head && *s && !buft_supports_matmul(ggml_backend_get_device(out.gpu.get()), buft, *s)) {
+                out.gpu_head = false;
+            }
+        }
         if (fit.n_layers == 0) out.gpu.reset();  // nothing fits: a CPU-only engine
     }
     const int first_gpu = out.gpu ? hp.n_layer - out.gpu_layers : hp.n_layer;

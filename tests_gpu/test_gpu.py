@@ -12,10 +12,10 @@ import pytest
 
 from river_gguf import Model, _native
 from river_gguf.convert.build import build_river_gguf
-from river_gguf.convert.hybrid import write_hybrid_gguf
+from river_gguf.convert.hybrid import write_hybrid_gguf, write_mixed_gguf
 from river_gguf.devices import list_devices, offload_gpus
 from river_gguf.greedy import greedy
-from river_gguf.testing import write_tiny_model
+from river_gguf.testing import attention_from, write_tiny_model
 
 from conftest import PROSE
 
@@ -103,6 +103,16 @@ def test_invariant2_and_5_forced_exit_equals_hybrid_in_llama_cpp(k, tail, river_
 
 def test_invariant3_river_only_equals_the_river_in_llama_cpp(river_model, prose_tokens, q4_0_path, gpu_oracle):
     _same_as_oracle(river_model, gpu_oracle(q4_0_path), prose_tokens, mode="river-only", river_head=True)
+
+
+def test_invariant6_backbone_attention_equals_the_mixed_gguf(river_model, prose_tokens, f16_path, q4_0_path,
+                                                             tmp_path, gpu_oracle):
+    # River layers with the backbone's attention group (what the balanced preset runs), on the
+    # device where both weights of each layer live.
+    # The river file with every attention tensor from the backbone: what river-only runs then.
+    mixed = write_mixed_gguf(q4_0_path, str(tmp_path / "mixed.gguf"), {"bb": f16_path}, attention_from("bb"))
+    _same_as_oracle(river_model, gpu_oracle(str(mixed)), prose_tokens, mode="river-only", river_head=True,
+                    river_attention="backbone")
 
 
 def _mixed(exit_layers, n_layer):

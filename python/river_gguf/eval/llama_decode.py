@@ -4,7 +4,8 @@ and the Pareto report.
 llama-cpp-python's `Llama.eval` fills a batch in a Python loop and copies logits into its own
 score buffer after every call. That Python work is not llama.cpp's decode, so it is kept out of
 the clock here: only `llama_decode` itself is timed, as river_gguf's side times only its engine's
-eval. Flash attention is on, as the engine runs.
+eval. Flash attention is on, as the engine runs. With layers offloaded (n_gpu_layers) the clock
+includes llama_synchronize: a GPU's llama_decode returns before its work is done.
 """
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ class LlamaDecoder:
                 b.logits[i] = i == len(chunk) - 1
             t0 = time.perf_counter()
             rc = self._lc.llama_decode(self._ctx, b)
+            # On a GPU llama_decode returns once the work is queued; the clock stops when it is
+            # done (on the CPU, where decode is synchronous, this returns at once).
+            self._lc.llama_synchronize(self._ctx)
             secs += time.perf_counter() - t0
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed ({rc})")

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                for q in a.static.split(",") if q}
     for s in a.static_file:
         label, _, file = s.partition("=")
-        statics[label] = LlamaRun(file, a.threads)
+        statics[label] = LlamaRun(file, a.threads, ngl=a.ngl)
     configs = [] if a.no_presets else [(f"River {p}", river, p) for p in presets.NAMES if p in river.m.presets]
     for s in a.setting:
         label, _, js = s.partition("=")

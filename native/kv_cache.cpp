@@ -39,26 +39,35 @@ KvCache::KvCache(const HParams& hp, int n_ctx, ggml_type type, const std::vector
     poison();
 }
 
+bool KvCache::finite_poison_in(ggml_backend_buffer_t buf) const {
+    return v_trans_ || !ggml_backend_buffer_is_host(buf);
+}
+
 bool KvCache::finite_poison(int il) const {
     if (il < 0 || il >= static_cast<int>(k_.size())) throw std::out_of_range("layer index out of range");
-    return v_trans_ || !ggml_backend_buffer_is_host(k_[il]->buffer);
+    return finite_poison_in(k_[il]->buffer);
 }
 
 void KvCache::poison() {
     // 0x7E7E as f16 and 0x7E7E7E7E as f32 are both NaN; the finite poison is bytes 0x1E.
-    for (auto& b : buffers_) {
-        if (ggml_backend_buffer_is_host(b.get())) ggml_backend_buffer_clear(b.get(), v_trans_ ? kPoisonNoFaByte : 0x7E);
-    }
-    // A device buffer's clear is not a byte fill everywhere (ggml-vulkan fills 32-bit words with
-    // the value, giving 7E 00 00 00), so device caches get the bytes written, a chunk at a time.
     std::vector<uint8_t> chunk;
-    for (int il = 0; il < static_cast<int>(k_.size()); ++il) {
-        if (ggml_backend_buffer_is_host(k_[il]->buffer)) continue;
-        if (chunk.empty()) chunk.assign(size_t(1) << 20, kPoisonNoFaByte);
-        for (ggml_tensor* t : {k_[il], v_[il]}) {
-            const size_t size = ggml_nbytes(t);
-            for (size_t off = 0; off < size; off += chunk.size()) {
-                ggml_backend_tensor_set(t, chunk.data(), off, std::min(chunk.size(), size - off));
+    for (auto& b : buffers_) {
+        const uint8_t byte = finite_poison_in(b.get()) ? kPoisonNoFaByte : 0x7E;
+        if (ggml_backend_buffer_is_host(b.get())) {
+            ggml_backend_buffer_clear(b.get(), byte);
+            continue;
+        }
+        // A device buffer's clear is not a byte fill everywhere (ggml-vulkan fills 32-bit words
+        // with the value, giving 7E 00 00 00), so its tensors get the bytes written, a chunk at
+        // a time.
+        if (chunk.empty()) chunk.assign(size_t(1) << 20, byte);
+        for (size_t il = 0; il < k_.size(); ++il) {
+            for (ggml_tensor* t : {k_[il], v_[il]}) {
+                if (t->buffer != b.get()) continue;
+                const size_t size = ggml_nbytes(t);
+                for (size_t off = 0; off < size; off += chunk.size()) {
+                    ggml_backend_tensor_set(t, chunk.data(), off, std::min(chunk.size(), size - off));
+                }
             }
         }
     }

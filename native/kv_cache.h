@@ -52,6 +52,8 @@ public:
 private:
     int n_ctx_;
     bool v_trans_;
+    // The one rule for which poison a buffer gets: finite without flash attention or in device memory.
+    bool finite_poison_in(ggml_backend_buffer_t buf) const;
     std::vector<ggml_tensor*> k_, v_;
     // Owned from creation, so a constructor that fails half-way frees them; buffers are
     // declared last so they are freed before the contexts that describe their tensors.

@@ -53,7 +53,7 @@ if ! llama_cpp_ready && [ -n "$GPU_LIB" ]; then
   # would be handed to the next CPU set-up (and the other way round).
   WHEELS="$HOME/.cache/river_gguf/wheels/$RIVER_GGUF_GPU-$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-10)"
   if ! ls "$WHEELS"/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION-*.whl >/dev/null 2>&1; then
-    echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC and $RIVER_GGUF_GPU, without AMX, into $WHEELS (first time: 20 min or more on 2 cores)"
+    echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC and $RIVER_GGUF_GPU, without AMX, into $WHEELS (first time: about 15 min on 2 cores for Vulkan)"
     CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
       python -m pip wheel --no-cache-dir --no-deps -w "$WHEELS.partial" "$LLAMA_SRC"
     mv "$WHEELS.partial" "$WHEELS"
@@ -62,7 +62,8 @@ if ! llama_cpp_ready && [ -n "$GPU_LIB" ]; then
   llama_cpp_ready || { echo "the wheel in $WHEELS lacks ggml's RPC library or $GPU_LIB, or has AMX: remove it and run again" >&2; exit 1; }
 fi
 if ! llama_cpp_ready; then
-  echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC${RIVER_GGUF_GPU:+ and $RIVER_GGUF_GPU}, without AMX (first time: ~12 min${RIVER_GGUF_GPU:+, more with a GPU backend})"
+  # The CPU build (a GPU build is ready, or has stopped, above).
+  echo "== building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with RPC, without AMX (first time: ~12 min)"
   CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
     python -m pip install "$LLAMA_SRC"
   if ! llama_cpp_ready; then
@@ -72,7 +73,7 @@ if ! llama_cpp_ready; then
     CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
       python -m pip install --force-reinstall --no-deps "$LLAMA_SRC"
   fi
-  llama_cpp_ready || { echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION built without ggml's RPC library${GPU_LIB:+ or $GPU_LIB}, or with AMX" >&2; exit 1; }
+  llama_cpp_ready || { echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION built without ggml's RPC library, or with AMX" >&2; exit 1; }
 fi
 python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy gguf tqdm jinja2 pytest matplotlib
 # The server extra (river-gguf serve) and the official openai client its tests talk to it with.

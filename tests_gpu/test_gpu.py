@@ -176,10 +176,15 @@ def test_exits_agree_with_the_cpu_engine(f16_path, q4_0_path, prose_tokens, rive
     s_cpu = cpu.similarity_trace(toks)
     assert len(s_gpu) == len(s_cpu)
     assert max(abs(a - b) for ra, rb in zip(s_gpu, s_cpu) for a, b in zip(ra, rb)) < SIM_TOL
-    # Teacher-forced with exits live.
-    a = river_model.score(toks, prefix=8, mode="river", threshold=0.97)
-    b = cpu.score(toks, prefix=8, mode="river", threshold=0.97)
-    assert _mixed(b.exit_layers, cpu.n_layer)
+    # Teacher-forced with exits live, at the first threshold whose CPU run mixes exit layers
+    # (which one does depends on the CPU's rounding).
+    for tau in (0.97, 0.965, 0.96, 0.95, 0.98):
+        b = cpu.score(toks, prefix=8, mode="river", threshold=tau)
+        if _mixed(b.exit_layers, cpu.n_layer):
+            break
+    else:
+        pytest.fail("no threshold gives the CPU engine a mix of exits")
+    a = river_model.score(toks, prefix=8, mode="river", threshold=tau)
     assert np.mean(a.exit_layers == b.exit_layers) >= EXIT_AGREEMENT
 
 

@@ -363,6 +363,8 @@ HParams read_hparams(const GgufFile& f) {
     if (f.has_key(a + "rope.scale_linear")) {
         hp.rope_freq_scale = 1.0f / finite_float(f, a + "rope.scale_linear", 1.0f, /*allow_zero=*/false);
     }
+    hp.n_ctx_orig = bounded_int(f, a + "rope.scaling.original_context_length", hp.n_ctx_train, 1, kMaxContext);
+    hp.rope_attn_factor = finite_float(f, a + "rope.scaling.attn_factor", 1.0f, /*allow_zero=*/false);
 
     // llama.cpp's rope type per architecture: llama and granite rotate adjacent pairs, the
     // others the two halves of each head.

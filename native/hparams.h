@@ -27,6 +27,12 @@ struct HParams {
     float rope_freq_base = 10000.0f;
     float rope_freq_scale = 1.0f;
     int rope_type = 0;    // GGML_ROPE_TYPE_NORM or _NEOX
+    // The context the rope was trained for before any extension (rope.scaling.original_context_length,
+    // else context_length): phi3's LongRoPE picks its long factors for contexts beyond it.
+    int n_ctx_orig = 0;
+    // rope.scaling.attn_factor: cos and sin are scaled by it (LongRoPE's magnitude correction),
+    // as llama.cpp multiplies its rope attn_factor by this key for every architecture.
+    float rope_attn_factor = 1.0f;
 
     // Multipliers and caps beyond llama; 0 means "not applied", as in llama.cpp.
     float embedding_scale = 0.0f;  // token embeddings times this (granite; sqrt(n_embd) for gemma)

@@ -64,9 +64,9 @@ ggml_tensor* split_heads(ggml_context* ctx, ggml_tensor* t, int head_dim, int n_
 ggml_tensor* rope(const Layer& L, ggml_tensor* x) {
     const HParams& hp = L.hp;
     const bool swa = hp.is_swa(L.il);
-    return ggml_rope_ext(L.ctx, x, L.in.positions, L.rope_freqs, hp.n_rot, hp.rope_type, hp.n_ctx_train,
+    return ggml_rope_ext(L.ctx, x, L.in.positions, L.rope_freqs, hp.n_rot, hp.rope_type, hp.n_ctx_orig,
                          swa ? hp.rope_freq_base_swa : hp.rope_freq_base, swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale,
-                         /*ext_factor=*/0.0f, /*attn_factor=*/1.0f, /*beta_fast=*/32.0f, /*beta_slow=*/1.0f);
+                         /*ext_factor=*/0.0f, hp.rope_attn_factor, /*beta_fast=*/32.0f, /*beta_slow=*/1.0f);
 }
 
 // The KV write and the attention over cache layer il, then the output projection.

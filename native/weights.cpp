@@ -187,19 +187,24 @@ BackboneWeights load_backbone(const GgufFile& f, const HParams& hp) {
     w.output_norm = get(f, "output_norm.weight", {hp.n_embd}, WeightUse::Vector);
     w.output = get(f, "output.weight", {hp.n_embd, hp.n_vocab}, WeightUse::MatMul, false);
     if (!w.output) w.output = w.tok_embd;
-    // Per-dimension rope factors: llama's (llama3 scaling) and granite's. phi3's LongRoPE
-    // factors choose between two sets by context length; that is not implemented.
+    // Per-dimension rope factors: llama's (llama3 scaling) and granite's; phi3's LongRoPE
+    // factors are two sets, chosen by context length (rope_factors). Other architectures'
+    // loaders in llama.cpp ignore both.
     if (hp.arch == Arch::Llama || hp.arch == Arch::Qwen2 || hp.arch == Arch::Qwen3 || hp.arch == Arch::Granite) {
         w.rope_freqs = get(f, "rope_freqs.weight", {hp.n_rot / 2}, WeightUse::Vector, false);
     }
-    for (const char* name : {"rope_factors_long.weight", "rope_factors_short.weight"}) {
-        if (f.tensor(name)) {
-            throw UnsupportedModelError("'" + f.path() + "' has LongRoPE factors ('" + std::string(name) +
-                                        "'), which this engine does not implement");
-        }
+    if (hp.arch == Arch::Phi3) {
+        w.rope_long = get(f, "rope_factors_long.weight", {hp.n_rot / 2}, WeightUse::Vector, false);
+        w.rope_short = get(f, "rope_factors_short.weight", {hp.n_rot / 2}, WeightUse::Vector, false);
     }
     for (int il = 0; il < hp.n_layer; ++il) w.layers.push_back(load_layer(f, hp, "", il, false));
     return w;
+}
+
+ggml_tensor* BackboneWeights::rope_factors(const HParams& hp, int n_ctx) const {
+    if (rope_freqs) return rope_freqs;
+    if (!rope_long && !rope_short) return nullptr;
+    return GGML_PAD(int64_t(n_ctx), 256) > hp.n_ctx_orig ? rope_long : rope_short;
 }
 
 RiverWeights load_river(const GgufFile& f, const HParams& hp, const std::string& prefix) {

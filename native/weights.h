@@ -43,7 +43,14 @@ struct BackboneWeights {
     ggml_tensor* output_norm = nullptr;
     ggml_tensor* output = nullptr;      // the head; tok_embd when the model ties them
     ggml_tensor* rope_freqs = nullptr;  // llama3-style per-dimension rope factors
+    // phi3's LongRoPE factors: two sets, one for contexts within n_ctx_orig and one beyond.
+    ggml_tensor* rope_long = nullptr;
+    ggml_tensor* rope_short = nullptr;
     std::vector<LayerWeights> layers;
+
+    // The per-dimension rope factors a context of n_ctx positions runs with (nullptr: none).
+    // As llama.cpp, which compares its context rounded up to 256 positions.
+    ggml_tensor* rope_factors(const HParams& hp, int n_ctx) const;
 };
 
 // The exit river: the same layers at lower precision.

@@ -3,6 +3,8 @@ on random-weight models written by river_gguf.testing, and River's invariants (R
 
 Every prompt is longer than the sliding window of the models that have one (8 positions), so the
 windowed layers read a cache with rows outside their window, in the backbone and in the river."""
+import re
+
 import numpy as np
 import pytest
 
@@ -34,6 +36,8 @@ CASES = {
     "gemma3": ("gemma3", dict(n_layer=7, head_dim=32, sliding_window=WINDOW)),
     # joined Q/K/V and gate/up; 12 of 16 dims rotated; grouped KV heads
     "phi3": ("phi3", dict(n_layer=3, n_rot=12)),
+    # Phi-3-128k / Phi-4-mini: LongRoPE factors and attn_factor (n_ctx 256 runs the short set)
+    "phi3-longrope": ("phi3", dict(n_layer=3, n_rot=12, longrope=True)),
 }
 SWA_CASES = ("olmo2-swa", "gemma2", "gemma3")
 
@@ -222,6 +226,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     ("granite", "logit_scale", None, "format", r"lacks the required key granite\.logit_scale"),
     ("granite", "residual_scale", -1.0, "format", r"residual_scale = -1 is invalid"),
     ("olmo2", "attention.key_length", 32, "format", r"key_length = 32 is invalid"),
+    ("phi3", "rope.scaling.attn_factor", -1.0, "format", r"attn_factor = -1 is invalid"),
+    ("phi3", "rope.scaling.original_context_length", 0, "format", r"original_context_length = 0 is invalid"),
 ])
 def test_bad_family_hyperparameters_are_refused(arch, key, value, error, match, tmp_path):
     src = write_tiny_model(tmp_path / "src.gguf", arch)
@@ -246,11 +252,42 @@ def test_gemma3_window_period_and_sliding_rope_base_follow_the_file(extra, tmp_p
     assert np.abs(Model(src, n_ctx=128, n_threads=2).logits(toks) - ref).max() > 10 * LOGIT_TOL
 
 
-def test_phi3_longrope_factors_are_refused(tmp_path):
-    src = write_tiny_model(tmp_path / "src.gguf", "phi3")
-    dst = tmp_path / "longrope.gguf"
-    _rewrite(src, dst, None, None, extra_tensor=("rope_factors_long.weight", np.ones(8, dtype=np.float32)))
-    with pytest.raises(river_gguf.UnsupportedModelError, match=r"LongRoPE factors \('rope_factors_long\.weight'\)"):
+@pytest.fixture(scope="module")
+def longrope_file(tmp_path_factory):
+    arch, kw = CASES["phi3-longrope"]
+    return write_tiny_model(tmp_path_factory.mktemp("longrope") / "longrope.gguf", arch, **kw)
+
+
+@pytest.mark.parametrize("n_ctx", [256, 280, 512])
+def test_phi3_longrope_picks_its_factors_by_context_as_llama_cpp(n_ctx, longrope_file, oracle_factory):
+    # The file's original context is LONGROPE_ORIG_CTX = 300. 256 positions run the short
+    # factors; 280 would too by its length, but llama.cpp rounds a context up to 256 positions
+    # first (512) and so runs the long ones, as 512 does.
+    src = longrope_file
+    m = Model(src, n_ctx=n_ctx, n_threads=2)
+    toks = m.tokenize(PROSE)
+    assert np.abs(m.logits(toks) - oracle_factory(src, n_ctx).logits(toks)).max() < LOGIT_TOL
+
+
+def test_phi3_longrope_factors_and_attn_factor_are_live(longrope_file, tmp_path):
+    # Each part changes the logits, so the parity above tests all of them.
+    src = longrope_file
+    no_factor = tmp_path / "no-attn-factor.gguf"
+    _rewrite(src, no_factor, "phi3.rope.scaling.attn_factor", None)
+    toks = Model(src, n_ctx=8).tokenize(PROSE)
+    short = Model(src, n_ctx=256, n_threads=2).logits(toks)
+    long = Model(src, n_ctx=512, n_threads=2).logits(toks)
+    plain = Model(str(no_factor), n_ctx=256, n_threads=2).logits(toks)
+    assert np.abs(short - long).max() > 10 * LOGIT_TOL
+    assert np.abs(short - plain).max() > 10 * LOGIT_TOL
+
+
+@pytest.mark.parametrize("name", ["rope_factors_long.weight", "rope_factors_short.weight"])
+def test_phi3_longrope_factors_of_the_wrong_length_are_refused(name, tmp_path):
+    src = write_tiny_model(tmp_path / "src.gguf", "phi3", n_rot=12)
+    dst = tmp_path / "bad-factors.gguf"
+    _rewrite(src, dst, None, None, extra_tensor=(name, np.ones(5, dtype=np.float32)))
+    with pytest.raises(river_gguf.GGUFFormatError, match=re.escape(name)):
         Model(str(dst), n_ctx=16)
 
 

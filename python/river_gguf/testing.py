@@ -22,6 +22,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "phi
 SLIDING_WINDOW_ARCHS = ("olmo2", "gemma2", "gemma3")
 
 _CONTEXT_LENGTH = 512
+LONGROPE_ORIG_CTX = 300  # phi3 longrope files: contexts rounded up past it run the long factors
 _RMS_EPS = 1e-5  # also what SmolLM2 uses
 _ROPE_BASE = 10000.0
 
@@ -60,6 +61,7 @@ def write_tiny_model(
     dtype: str = "f32",
     sliding_window: int | None = None,
     n_rot: int | None = None,
+    longrope: bool = False,
 ) -> str:
     """Write a small random model of ``arch`` (one of ARCHS) that llama.cpp can run.
 
@@ -80,7 +82,9 @@ def write_tiny_model(
       phi3     joined attn_qkv, joined gate+up in ffn_up (2 x n_ff rows)
     ``sliding_window``: the window length (gemma2/gemma3 default 8; olmo2 none, where a window
     makes 3 of every 4 layers slide). ``n_rot``: rotated dims per head (partial rotary, phi3;
-    default the head size).
+    default the head size). ``longrope`` (phi3): LongRoPE's two factor sets (long and short,
+    unlike each other and 1), an original context of LONGROPE_ORIG_CTX positions (not a multiple of 256,
+    so llama.cpp's rounding of the context decides some choices) and a rope attn_factor.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
@@ -88,6 +92,8 @@ def write_tiny_model(
         raise ValueError("dtype must be 'f32' or 'f16'")
     if rope_freqs and arch not in ("llama", "granite"):
         raise ValueError("rope_freqs is only supported for llama and granite")
+    if longrope and arch != "phi3":
+        raise ValueError("longrope is only supported for phi3")
     if sliding_window is not None and arch not in SLIDING_WINDOW_ARCHS:
         raise ValueError(f"sliding_window is only supported for {', '.join(SLIDING_WINDOW_ARCHS)}")
     if tied and arch == "olmo2":
@@ -132,6 +138,9 @@ def write_tiny_model(
             w.add_uint32(f"{arch}.attention.value_length", hd)
         if sliding_window is not None:
             w.add_uint32(f"{arch}.attention.sliding_window", sliding_window)
+        if longrope:
+            w.add_uint32(f"{arch}.rope.scaling.original_context_length", LONGROPE_ORIG_CTX)
+            w.add_float32(f"{arch}.rope.scaling.attn_factor", 1.25)
         if arch == "granite":
             w.add_float32(f"{arch}.embedding_scale", 3.0)
             w.add_float32(f"{arch}.residual_scale", 0.6)
@@ -149,6 +158,10 @@ def write_tiny_model(
         if rope_freqs:
             # Per-dimension-pair divisors of the rotation frequency (llama3-style factors).
             w.add_tensor("rope_freqs.weight", np.linspace(1.0, 4.0, rot // 2, dtype=np.float32))
+        if longrope:
+            # Divisors of the rotation frequencies, within the original context and beyond it.
+            w.add_tensor("rope_factors_long.weight", np.linspace(1.0, 6.0, rot // 2, dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.5, rot // 2, dtype=np.float32))
 
         for i in range(n_layer):
             p = f"blk.{i}."

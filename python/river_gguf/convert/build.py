@@ -64,6 +64,8 @@ _HPARAM_KEYS = (
     "rope.scaling.type",
     "rope.scaling.factor",
     "rope.scale_linear",
+    "rope.scaling.original_context_length",
+    "rope.scaling.attn_factor",
     "vocab_size",
     # beyond llama: the window, caps and multipliers of gemma2/gemma3, olmo2 and granite
     "attention.sliding_window",

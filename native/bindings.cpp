@@ -17,6 +17,7 @@
 #include "vocab.h"
 
 namespace py = pybind11;
+using namespace pybind11::literals;  // "name"_a = value in py::dict
 using namespace river;
 
 namespace {
@@ -201,13 +202,26 @@ PYBIND11_MODULE(_native, m) {
         },
         py::arg("layer_bytes"), py::arg("head_bytes"), py::arg("free_bytes"), py::arg("reserve"), py::arg("requested"),
         "How much of a GPU offload fits (placement.h): (layers, head on the GPU).");
+    m.def(
+        "plan_gpu",
+        [](const std::vector<std::tuple<size_t, size_t, size_t>>& layers, size_t head_bytes, size_t budget,
+           size_t reserve, int requested) {
+            std::vector<LayerBytes> lb;
+            for (const auto& [backbone, river, kv] : layers) lb.push_back({backbone, river, kv});
+            const GpuPlan p = plan_gpu(lb, head_bytes, budget, reserve, requested);
+            auto flags = [](const std::vector<char>& v) { return std::vector<bool>(v.begin(), v.end()); };
+            return py::dict("backbone"_a = flags(p.backbone), "river"_a = flags(p.river), "kv_cache"_a = flags(p.kv),
+                            "head"_a = p.head, "river_first"_a = p.river_first, "bytes"_a = p.bytes);
+        },
+        py::arg("layers"), py::arg("head_bytes"), py::arg("budget"), py::arg("reserve"), py::arg("requested"),
+        "What of each layer goes to the GPU (placement.h plan_gpu); layers are (backbone, river, kv) bytes.");
 
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& path, const std::string& river_path, int n_ctx, int n_threads,
                          int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse, bool use_mmap,
                          std::vector<std::string> rpc_servers, int rpc_n_layers, std::vector<int> rpc_layers,
                          std::vector<float> rpc_split, int rpc_weights, double rpc_timeout, int main_gpu, bool flash_attn,
-                         const std::string& exit_decision) {
+                         const std::string& exit_decision, size_t gpu_memory) {
                  EngineConfig cfg;
                  cfg.path = path;
                  cfg.river_path = river_path;
@@ -216,6 +230,7 @@ PYBIND11_MODULE(_native, m) {
                  cfg.n_batch = n_batch;
                  cfg.n_gpu_layers = n_gpu_layers;
                  cfg.main_gpu = main_gpu;
+                 cfg.gpu_memory = gpu_memory;
                  cfg.repack = repack;
                  cfg.graph_reuse = graph_reuse;
                  cfg.fuse = fuse;
@@ -241,7 +256,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("rpc_servers") = std::vector<std::string>{}, py::arg("rpc_n_layers") = -1,
              py::arg("rpc_layers") = std::vector<int>{}, py::arg("rpc_split") = std::vector<float>{},
              py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0, py::arg("main_gpu") = 0, py::arg("flash_attn") = true,
-             py::arg("exit_decision") = "auto")
+             py::arg("exit_decision") = "auto", py::arg("gpu_memory") = size_t(0))
         .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
              py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0,
@@ -260,6 +275,21 @@ PYBIND11_MODULE(_native, m) {
                                "Whether the exit decision runs as graph ops read by the scheduler (else a CPU op).")
         .def_property_readonly("layer_devices", &Engine::layer_devices,
                                "Where each layer and its KV cache live: 'CPU', 'GPU' or an RPC server's host:port.")
+        .def_property_readonly(
+            "placement",
+            [](const Engine& e) {
+                const Placement& p = e.placement();
+                return py::dict("backbone"_a = p.backbone_device, "river"_a = p.river_device,
+                                "kv_cache"_a = p.layer_device, "head"_a = p.gpu && p.gpu_head ? "GPU" : "CPU",
+                                "river_first"_a = p.river_first, "gpu_free"_a = p.gpu_free,
+                                "gpu_budget"_a = p.gpu_budget, "gpu_bytes"_a = p.gpu_bytes,
+                                "backbone_bytes"_a = p.backbone_bytes, "river_bytes"_a = p.river_bytes,
+                                "kv_bytes"_a = p.kv_bytes, "head_bytes"_a = p.head_bytes);
+            },
+            "Where each layer's backbone, river and KV cache went ('CPU', 'GPU' or an RPC device), the head's "
+            "device, and the GPU's free memory, budget and use in bytes (counted only when a GPU was asked for).")
+        .def_property_readonly("hidden_state_device", &Engine::hidden_state_device,
+                               "Where the hidden state an exit hands to the river lives: 'CPU' or 'GPU'.")
         .def_property_readonly("kept_graphs", &Engine::kept_graphs)
         .def_property_readonly("graphs_built", &Engine::graphs_built)
         .def_property_readonly("last_splits", &Engine::last_splits,

@@ -34,6 +34,7 @@ struct EngineConfig {
     int n_batch = 512;           // prompt tokens per graph
     int n_gpu_layers = 0;        // the last n layers go to a GPU backend, when one exists
     int main_gpu = 0;            // which GPU: an index into devices.h offload_gpus() (discrete first)
+    size_t gpu_memory = 0;       // bytes the GPU placement may use (0: its free memory); placement.h plan_gpu
     bool repack = true;          // CPU mat-mul weights in the CPU's repacked buffer types, as llama.cpp does
     bool graph_reuse = true;     // keep single-token decode graphs (and their allocations) across steps
     bool fuse = true;            // repacked layers: Q/K/V and gate/up as one mul_mat each (same logits)
@@ -143,6 +144,9 @@ public:
     size_t gpu_free() const { return placement_.gpu_free; }
     // Where each layer (and its KV cache) lives: "CPU", "GPU" or an RPC server's host:port.
     const std::vector<std::string>& layer_devices() const { return placement_.layer_device; }
+    const Placement& placement() const { return placement_; }
+    // Where the hidden state an exit hands to the river lives: "CPU" or "GPU".
+    const char* hidden_state_device() const { return state_backend_ == cpu_.get() ? "CPU" : "GPU"; }
 
     // Forget cache rows n.. (keeps a shared prefix for the next prompt).
     void truncate(int n);
@@ -212,6 +216,7 @@ private:
     // One exit decision from a tested layer's similarities (both paths): records them, and on
     // an exit copies h_out to h_state_ and marks the graph stopped.
     bool decide_exit(int layer, const float* s, int64_t n, ggml_tensor* h_out);
+    void hand_over(ggml_tensor* h_out, int64_t n);  // h_out's n rows into h_state_
 
     void load(const EngineConfig& cfg);  // the constructor's work, in the steps below
     void load_weights(const EngineConfig& cfg);
@@ -237,6 +242,7 @@ private:
     std::unique_ptr<GgufFile> river_file_;
     HParams hp_;
     BackboneWeights backbone_;
+    ggml_tensor* rope_factors_ = nullptr;  // backbone_.rope_factors for this context (river layers too)
     std::unique_ptr<RiverWeights> river_;
     // Per layer: the river's weights with the backbone's attention group (backbone_attention);
     // pointers into backbone_ and river_, set once their placement is final.
@@ -259,6 +265,7 @@ private:
     ggml_context_ptr state_ctx_;
     ggml_backend_buffer_ptr state_buf_;
     ggml_tensor* h_state_ = nullptr;    // F32 [n_embd, n_batch]
+    ggml_backend_t state_backend_ = nullptr;  // where h_state_ lives (the GPU when there is one); not owned
 
     std::unique_ptr<KvCache> cache_;
     ggml_backend_sched_ptr sched_;      // for graphs that are not kept (prompts)

@@ -152,14 +152,53 @@ GpuFit fit_gpu_layers(const std::vector<size_t>& layer_bytes, size_t head_bytes,
     return fit;
 }
 
+GpuPlan plan_gpu(const std::vector<LayerBytes>& layers, size_t head_bytes, size_t budget, size_t reserve,
+                 int requested) {
+    const int n_layer = static_cast<int>(layers.size());
+    std::vector<size_t> whole(n_layer);
+    size_t kv = 0, river = 0;
+    for (int il = 0; il < n_layer; ++il) {
+        whole[il] = layers[il].backbone + layers[il].river + layers[il].kv;
+        kv += layers[il].kv;
+        river += layers[il].river;
+    }
+    const GpuFit fit = fit_gpu_layers(whole, head_bytes, budget, reserve, requested);
+    GpuPlan plan;
+    plan.backbone.assign(n_layer, 0);
+    plan.river.assign(n_layer, 0);
+    plan.kv.assign(n_layer, 0);
+    plan.head = fit.head;
+    plan.bytes = reserve + (fit.head ? head_bytes : 0);
+    for (int il = n_layer - fit.n_layers; il < n_layer; ++il) {
+        plan.backbone[il] = plan.river[il] = plan.kv[il] = 1;
+        plan.bytes += whole[il];
+    }
+    const bool all_placed = fit.n_layers == n_layer && fit.head;
+    size_t used = reserve + head_bytes + kv + river;
+    if (all_placed || requested <= n_layer || river == 0 || budget == 0 || used > budget) return plan;
+
+    GpuPlan first;
+    first.river_first = first.head = true;
+    first.river.assign(n_layer, 1);
+    first.kv.assign(n_layer, 1);
+    first.backbone.assign(n_layer, 0);
+    for (int il = 0; il < n_layer && used + layers[il].backbone <= budget; ++il) {
+        used += layers[il].backbone;
+        first.backbone[il] = 1;
+    }
+    first.bytes = used;
+    return first;
+}
+
 void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cpu, BackboneWeights& backbone,
                    RiverWeights* river, std::vector<std::unique_ptr<RpcLink>>& links,
                    const std::function<void()>& check_links, Placement& out) {
     connect_servers(cfg, links, check_links, out);
     const std::vector<int> remote_of = place_remote_layers(cfg, hp.n_layer, out);
 
-    // Offload the last n_gpu_layers layers (and the head once all layers are), as llama.cpp does;
-    // layers placed on RPC servers stay there.
+    // Offload the last n_gpu_layers layers (and the head once all layers are), as llama.cpp does,
+    // or, for a River model asked to offload everything that does not fit, the river, head and
+    // KV cache and the early backbone layers (plan_gpu); layers placed on RPC servers stay there.
     out.layer_backend.assign(hp.n_layer, cpu);
     if (cfg.n_gpu_layers > 0) {
         // Discrete GPUs first, then integrated ones; main_gpu picks one (devices.h).
@@ -171,31 +210,41 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
     // which stays in the mapping for get_rows.
     std::vector<ggml_tensor**> heads = {&backbone.output};
     if (river && river->head) heads.push_back(&river->head);
+    GpuPlan plan;
     if (out.gpu) {
-        // As many of the asked layers as fit the GPU's free memory (llama.cpp's --fit): the
-        // rest run on the CPU rather than the load failing on an allocation.
+        // As many of the asked layers as fit the GPU's free memory (llama.cpp's --fit), or the
+        // river first when the whole model does not (plan_gpu): the rest runs on the CPU rather
+        // than the load failing on an allocation.
         auto bytes_of = [](const std::vector<ggml_tensor**>& slots) {
             size_t b = 0;
             for (auto s : slots) b += *s ? ggml_nbytes(*s) : 0;
             return b;
         };
         const size_t kv_row = size_t(hp.n_embd_k_gqa() + hp.n_embd_v_gqa()) * ggml_type_size(GGML_TYPE_F16);
-        std::vector<size_t> layer_bytes(hp.n_layer);
+        std::vector<LayerBytes> layer_bytes(hp.n_layer);
         for (int il = 0; il < hp.n_layer; ++il) {
             if (remote_of[il] >= 0) continue;  // on its RPC server: nothing of it on the GPU
-            layer_bytes[il] = bytes_of(layer_slots(backbone.layers[il])) + size_t(cfg.n_ctx) * kv_row;
-            if (river) layer_bytes[il] += bytes_of(layer_slots(river->layers[il]));
+            layer_bytes[il].backbone = bytes_of(layer_slots(backbone.layers[il]));
+            layer_bytes[il].kv = size_t(cfg.n_ctx) * kv_row;
+            if (river) layer_bytes[il].river = bytes_of(layer_slots(river->layers[il]));
+        }
+        for (const LayerBytes& b : layer_bytes) {
+            out.backbone_bytes.push_back(b.backbone);
+            out.river_bytes.push_back(b.river);
+            out.kv_bytes.push_back(b.kv);
         }
         std::vector<ggml_tensor**> head_slots = heads;
         head_slots.push_back(&backbone.output_norm);
+        out.head_bytes = bytes_of(head_slots);
         size_t free = 0, total = 0;
         ggml_backend_dev_memory(ggml_backend_get_device(out.gpu.get()), &free, &total);
+        out.gpu_free = free;
+        out.gpu_budget = cfg.gpu_memory == 0 ? free : free == 0 ? cfg.gpu_memory : std::min(free, cfg.gpu_memory);
         // Compute buffers: the logits of a batch, and a margin for the layers' activations.
         const size_t reserve = (size_t(512) << 20) + size_t(cfg.n_batch) * hp.n_vocab * sizeof(float);
-        const GpuFit fit = fit_gpu_layers(layer_bytes, bytes_of(head_slots), free, reserve, cfg.n_gpu_layers);
-        out.gpu_free = free;
-        out.gpu_layers = fit.n_layers;
-        out.gpu_head = fit.head;
+        plan = plan_gpu(layer_bytes, out.head_bytes, out.gpu_budget, reserve, cfg.n_gpu_layers);
+        out.gpu_head = plan.head;
+        out.river_first = plan.river_first;
         // A head the device cannot multiply (lavapipe: Qwen's 151936-row Q8_0 head exceeds its
         // largest buffer range) stays on the CPU with the output norm, as llama.cpp keeps a
         // weight the device's buffer type does not support in host memory.
@@ -205,9 +254,12 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
                 out.gpu_head = false;
             }
         }
-        if (fit.n_layers == 0) out.gpu.reset();  // nothing fits: a CPU-only engine
+        out.gpu_bytes = plan.bytes - (plan.head && !out.gpu_head ? out.head_bytes : 0);
+        if (std::count(plan.kv.begin(), plan.kv.end(), 1) == 0) out.gpu.reset();  // nothing fits: CPU only
     }
-    const int first_gpu = out.gpu ? hp.n_layer - out.gpu_layers : hp.n_layer;
+    auto on_gpu = [&](const std::vector<char>& part, int il) {
+        return out.gpu && remote_of[il] < 0 && part[il];
+    };
     const bool head_on_gpu = out.gpu && out.gpu_head;
     // Whose weights of a remote layer live with it; the others stay local and the scheduler
     // runs them here, reading the layer's cache there.
@@ -228,11 +280,10 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
     }
     if (out.gpu) {
         std::vector<ggml_tensor**> slots;
-        for (int il = first_gpu; il < hp.n_layer; ++il) {
-            if (remote_of[il] >= 0) continue;
-            out.layer_backend[il] = out.gpu.get();
-            for (auto s : layer_slots(backbone.layers[il])) slots.push_back(s);
-            if (river) for (auto s : layer_slots(river->layers[il])) slots.push_back(s);
+        for (int il = 0; il < hp.n_layer; ++il) {
+            if (on_gpu(plan.kv, il)) out.layer_backend[il] = out.gpu.get();
+            if (on_gpu(plan.backbone, il)) for (auto s : layer_slots(backbone.layers[il])) slots.push_back(s);
+            if (river && on_gpu(plan.river, il)) for (auto s : layer_slots(river->layers[il])) slots.push_back(s);
         }
         if (head_on_gpu) {
             slots.push_back(&backbone.output_norm);
@@ -246,9 +297,8 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
     if (cfg.repack) {
         std::vector<LayerWeights*> cpu_layers;
         for (int il = 0; il < hp.n_layer; ++il) {
-            if (il >= first_gpu && remote_of[il] < 0) continue;  // on the GPU
-            if (!backbone_remote(il)) cpu_layers.push_back(&backbone.layers[il]);
-            if (river && !river_remote(il)) cpu_layers.push_back(&river->layers[il]);
+            if (!backbone_remote(il) && !on_gpu(plan.backbone, il)) cpu_layers.push_back(&backbone.layers[il]);
+            if (river && !river_remote(il) && !on_gpu(plan.river, il)) cpu_layers.push_back(&river->layers[il]);
         }
         std::vector<ggml_tensor**> cpu_matmuls;
         for (LayerWeights* w : cpu_layers) for (auto s : matmul_slots(*w)) cpu_matmuls.push_back(s);
@@ -257,8 +307,13 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
     }
 
     for (int il = 0; il < hp.n_layer; ++il) {
-        out.layer_device.push_back(remote_of[il] >= 0 ? out.remote_name[remote_of[il]]
-                                   : out.layer_backend[il] == cpu ? "CPU" : "GPU");
+        const std::string local = out.layer_backend[il] == cpu ? "CPU" : "GPU";
+        out.layer_device.push_back(remote_of[il] >= 0 ? out.remote_name[remote_of[il]] : local);
+        out.backbone_device.push_back(backbone_remote(il) ? out.remote_name[remote_of[il]]
+                                      : on_gpu(plan.backbone, il) ? "GPU" : "CPU");
+        out.river_device.push_back(!river ? "" : river_remote(il) ? out.remote_name[remote_of[il]]
+                                   : on_gpu(plan.river, il) ? "GPU" : "CPU");
+        out.gpu_layers += out.backbone_device.back() == "GPU";
     }
 }
 

@@ -20,7 +20,15 @@ case "${RIVER_GGUF_GPU:-}" in
   cuda) GPU_ARGS="-DGGML_CUDA=ON" GPU_LIB="libggml-cuda" ;;
   vulkan)
     VK_LOADER=$(ldconfig -p | awk '/libvulkan\.so\.1 / && !p {p = $NF} END {print p}')  # reads all: no SIGPIPE
-    [ -n "$VK_LOADER" ] || { echo "no Vulkan loader (libvulkan.so.1): install it (Debian: apt-get install libvulkan1 glslc)" >&2; exit 2; }
+    [ -n "$VK_LOADER" ] || { echo "no Vulkan loader (libvulkan.so.1): install it (Debian: apt-get install libvulkan1 glslc spirv-headers)" >&2; exit 2; }
+    # ggml-vulkan's CMake needs the SPIR-V headers' package config (find_package(SPIRV-Headers CONFIG)).
+    SPIRV_FOUND=""
+    for f in /usr/share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake /usr/lib/*/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake \
+             "${VULKAN_SDK:-/nonexistent}"/share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake; do
+      [ -f "$f" ] && SPIRV_FOUND=$f
+    done
+    [ -n "$SPIRV_FOUND" ] ||
+      { echo "no SPIR-V headers (SPIRV-HeadersConfig.cmake): install them (Debian: apt-get install spirv-headers)" >&2; exit 2; }
     GPU_ARGS="-DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR=$(./scripts/vulkan_headers.sh) -DVulkan_LIBRARY=$VK_LOADER" GPU_LIB="libggml-vulkan" ;;
   *) echo "RIVER_GGUF_GPU must be cuda or vulkan (or unset for the CPU alone), got '$RIVER_GGUF_GPU'" >&2; exit 2 ;;
 esac

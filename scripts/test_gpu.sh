@@ -8,9 +8,11 @@ cd "$(dirname "$0")/.."
 export RIVER_GGUF_GPU=${RIVER_GGUF_GPU:-vulkan}
 export RIVER_GGUF_VENV=${RIVER_GGUF_VENV:-.venv-$RIVER_GGUF_GPU}
 if [ "$RIVER_GGUF_GPU" = vulkan ]; then
-  # The Vulkan loader, lavapipe and the shader compiler, from Debian (root only; else say what is missing).
+  # The Vulkan loader, lavapipe, the shader compiler and the SPIR-V headers (ggml-vulkan's CMake
+  # finds them as a package: find_package(SPIRV-Headers CONFIG REQUIRED)), from Debian (root
+  # only; else say what is missing).
   need=()
-  for p in libvulkan1 mesa-vulkan-drivers glslc; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
+  for p in libvulkan1 mesa-vulkan-drivers glslc spirv-headers; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
   if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
       apt-get install -y -q "${need[@]}" >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }

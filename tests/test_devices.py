@@ -45,6 +45,7 @@ def test_main_gpu_is_checked(tiny_path):
     else:  # no GPU: every layer stays on the CPU whatever is asked, as llama.cpp does
         m = Model(tiny_path, n_ctx=32, n_threads=1, n_gpu_layers=-1, main_gpu=3)
         assert all(d == "CPU" for d in m.layer_devices)
+    assert m.engine.hidden_state_device == ("GPU" if gpus else "CPU")
 
 
 def test_info_devices_lists_them(capsys):
@@ -73,3 +74,57 @@ def test_gpu_offload_fits_the_free_memory():
     assert fit(layers, 50, 100, 30, 99) == (0, False)         # nothing fits: a CPU-only engine
     assert fit([100, 100, 700], 0, 600, 0, 99) == (0, False)  # from the last layer back, no gaps
     assert fit(layers, 50, 2000, 30, 0) == (0, False)
+
+
+def _plan(plan):
+    """(backbone, river, kv_cache) per layer as strings of G (GPU) and c (CPU), head, river_first."""
+    row = lambda k: "".join("G" if x else "c" for x in plan[k])  # noqa: E731
+    return row("backbone"), row("river"), row("kv_cache"), plan["head"], plan["river_first"]
+
+
+def test_the_gpu_plan_puts_the_river_first_when_the_model_does_not_fit():
+    """plan_gpu (the paper's VRAM eviction): a River model asked to offload everything that does
+    not fit keeps its river, head and KV cache on the GPU, then its backbone from the first layer
+    on; a plain model, a layer count asked for, or a budget too small for the river alone get
+    llama.cpp's fit (the last layers whole)."""
+    plan = _native.plan_gpu
+    layers = [(100, 40, 10)] * 5   # backbone, river, KV bytes per layer: 150 a layer, 750 in all
+    reserve, head = 30, 50         # river-first base: 30 + 50 + 5 * (40 + 10) = 330
+    assert _plan(plan(layers, head, 0, reserve, 99)) == ("GGGGG", "GGGGG", "GGGGG", True, False)  # no budget
+    assert _plan(plan(layers, head, 830, reserve, 99)) == ("GGGGG", "GGGGG", "GGGGG", True, False)  # it all fits
+    assert plan(layers, head, 830, reserve, 99)["bytes"] == 830
+    assert _plan(plan(layers, head, 829, reserve, 99)) == ("GGGGc", "GGGGG", "GGGGG", True, True)
+    assert _plan(plan(layers, head, 630, reserve, 99)) == ("GGGcc", "GGGGG", "GGGGG", True, True)
+    assert plan(layers, head, 630, reserve, 99)["bytes"] == 630
+    assert _plan(plan(layers, head, 429, reserve, 99)) == ("ccccc", "GGGGG", "GGGGG", True, True)
+    # Below the river-first base: llama.cpp's fit, the last whole layers that fit, no head.
+    assert _plan(plan(layers, head, 329, reserve, 99)) == ("ccccG", "ccccG", "ccccG", False, False)  # 30 + 150
+    # A layer count asked for is llama.cpp's, River model or not.
+    assert _plan(plan(layers, head, 630, reserve, 5)) == ("cGGGG", "cGGGG", "cGGGG", False, False)
+    assert _plan(plan(layers, head, 2000, reserve, 2)) == ("cccGG", "cccGG", "cccGG", False, False)
+    # No river: nothing to put first.
+    plain = [(140, 0, 10)] * 5
+    assert _plan(plan(plain, head, 630, reserve, 99)) == ("cGGGG", "cGGGG", "cGGGG", False, False)
+    # No gap in the backbone: a big early layer stops it even when a later one would fit.
+    assert _plan(plan([(300, 40, 10)] + layers[1:], head, 629, reserve, 99)) == \
+        ("ccccc", "GGGGG", "GGGGG", True, True)
+
+
+def test_the_gpu_memory_budget_is_checked(tiny_path):
+    from river_gguf.options import parse_bytes
+
+    assert parse_bytes("gpu_memory", 123) == 123
+    assert parse_bytes("gpu_memory", "512MiB") == 512 << 20
+    assert parse_bytes("gpu_memory", "1.5 GiB") == 3 << 29
+    assert parse_bytes("gpu_memory", "6G") == parse_bytes("gpu_memory", "6gb") == 6 << 30
+    for bad in (0, -1, True, 1.5, "", "GiB", "-1GiB", "nan", "inf GiB", "4 parsecs", "0.1", [1]):
+        with pytest.raises(ValueError, match="gpu_memory"):
+            parse_bytes("gpu_memory", bad)
+    with pytest.raises(ValueError, match="gpu_memory"):
+        Model(tiny_path, n_ctx=32, n_threads=1, n_gpu_layers=-1, gpu_memory="lots")
+    m = Model(tiny_path, n_ctx=32, n_threads=1, n_gpu_layers=-1, gpu_memory="1GiB")
+    p = m.placement
+    assert len(p["backbone"]) == len(p["kv_cache"]) == len(p["river"]) == m.hparams["n_layer"]
+    if not offload_gpus():  # no GPU: everything stays on the CPU and no GPU memory is counted
+        assert set(p["backbone"]) == set(p["kv_cache"]) == {"CPU"} and p["head"] == "CPU"
+        assert p["river"] == [""] * m.hparams["n_layer"] and not p["river_first"] and p["gpu_bytes"] == 0

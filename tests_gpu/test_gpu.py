@@ -63,14 +63,19 @@ def test_the_gpu_holds_every_layer(river_model):
     assert gpus and all(types[g] in ("GPU", "IGPU") for g in gpus)
     assert river_model.engine.gpu_offload and river_model.engine.exits_on_graph
     assert set(river_model.layer_devices) == {"GPU"}
+    assert river_model.engine.hidden_state_device == "GPU"  # an exit hands h over on the device
 
 
-# Plain files of several architectures, gemma3 with a sliding window shorter than the prompt.
+# Plain files of several architectures, gemma3 with a sliding window shorter than the prompt,
+# phi3 with LongRoPE at a context past its original one (the long factor set: a third input of
+# every rope op, kept in host memory).
 ARCH_CASES = {
     "qwen2": ("qwen2", dict(n_layer=3)),
     "qwen3": ("qwen3", dict(n_layer=3)),
     "gemma3": ("gemma3", dict(n_layer=7, head_dim=32, sliding_window=8)),
+    "phi3-longrope": ("phi3", dict(n_layer=3, longrope=True)),
 }
+ARCH_CTX = {"phi3-longrope": 512}  # > LONGROPE_ORIG_CTX; the others 256
 
 
 @pytest.mark.parametrize("name", ["smollm2-q4_0", "smollm2-f16"] + list(ARCH_CASES))
@@ -80,10 +85,11 @@ def test_backbone_equals_llama_cpp_offload(name, f16_path, q4_0_path, tmp_path, 
     else:
         arch, kw = ARCH_CASES[name]
         path = write_tiny_model(tmp_path / f"{name}.gguf", arch, seed=3, **kw)
-    m = Model(path, n_ctx=256, n_threads=2, n_gpu_layers=-1)
+    n_ctx = ARCH_CTX.get(name, 256)
+    m = Model(path, n_ctx=n_ctx, n_threads=2, n_gpu_layers=-1)
     toks = m.tokenize(PROSE)  # all of it: longer than gemma3's window of 8
     assert len(toks) > 40
-    _same_as_oracle(m, gpu_oracle(path, 256), toks, mode="backbone")
+    _same_as_oracle(m, gpu_oracle(path, n_ctx), toks, mode="backbone")
 
 
 def test_invariant1_threshold_above_one_is_the_backbone(river_model, prose_tokens):
@@ -203,6 +209,41 @@ def test_a_decode_step_splits_the_same_few_times_at_any_depth(f16_path, q4_0_pat
     n_layer = e.hparams["n_layer"]
     assert counts["graph"] <= 3, counts
     assert counts["cpu"] >= n_layer, counts
+
+
+def test_a_short_gpu_memory_budget_keeps_the_river_first(f16_path, q4_0_path, prose_tokens, river_model):
+    """gpu_memory below the model's size, n_gpu_layers=-1: the river, head and KV cache stay on
+    the GPU and the backbone follows from its first layer (the paper's VRAM eviction); the deep
+    backbone layers, which early-exiting tokens skip, stay in host memory."""
+    full = river_model.placement
+    n = river_model.n_layer
+    keep = n // 2
+    assert not full["river_first"] and (full["gpu_budget"] == 0 or full["gpu_bytes"] <= full["gpu_budget"])
+    # The whole placement's bytes less the last n - keep backbone layers (the head counted as
+    # the plan counts it, whether the device could take it or not).
+    budget = (full["gpu_bytes"] + (0 if full["head"] == "GPU" else full["head_bytes"])
+              - sum(full["backbone_bytes"][keep:]))
+    with pytest.warns(RuntimeWarning, match="deeper backbone layers run on the CPU"):
+        m = Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=2, threshold=0.97, n_gpu_layers=-1,
+                  gpu_memory=budget)
+    p = m.placement
+    assert p["river_first"] and p["gpu_budget"] == budget and p["gpu_bytes"] <= budget
+    assert p["backbone"] == ["GPU"] * keep + ["CPU"] * (n - keep)
+    assert p["river"] == ["GPU"] * n and p["kv_cache"] == ["GPU"] * n and p["head"] == full["head"]
+    assert m.layer_devices == ["GPU"] * n and m.engine.gpu_layers == keep
+    # River-only runs on the GPU alone: the same logits as the whole offload, bit for bit.
+    opts = dict(mode="river-only", river_head=True)
+    assert np.array_equal(m.logits(prose_tokens, **opts), river_model.logits(prose_tokens, **opts))
+    # The backbone's deep layers run on the CPU, which rounds differently: close, not equal.
+    ours, ref = m.logits(prose_tokens, mode="backbone"), river_model.logits(prose_tokens, mode="backbone")
+    assert np.isfinite(ours).all()
+    assert np.mean(ours.argmax(-1) == ref.argmax(-1)) >= EXIT_AGREEMENT
+    assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
+    s_ours, s_ref = m.similarity_trace(prose_tokens), river_model.similarity_trace(prose_tokens)
+    assert max(abs(a - b) for ra, rb in zip(s_ours, s_ref) for a, b in zip(ra, rb)) < SIM_TOL
+    # Dynamic exits across the split: exits from the GPU layers and the CPU ones both decode.
+    g = greedy(m, prose_tokens[:12], max_tokens=N_GREEDY, mode="river", threshold=0.97)
+    assert 0 < len(g.tokens) <= N_GREEDY and all(-1 <= k < n for k in g.stats["exit_layers"])
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,8 @@ Constructor: llama_cpp's parameters are all accepted.
     output: lora_path/lora_base, kv_overrides, rope_scaling_type, rope_freq_base/scale and the
     yarn_* overrides.
   - River exit options (keyword-only, passed to river_gguf.Model): river (a second GGUF as the
-    exit river), preset, mode, threshold, min_exit_layer, exit_layer, river_head, prefill, tail.
+    exit river), preset, mode, threshold, min_exit_layer, exit_layer, river_head, prefill, tail;
+    and gpu_memory, the GPU placement's budget (river_gguf.Model).
     create_completion, __call__, create_chat_completion and generate take the same options per
     call. Other unknown keyword arguments are ignored with a RuntimeWarning (llama_cpp ignores
     them silently).
@@ -246,6 +247,8 @@ class Llama:
         rpc_split: Optional[List[float]] = None,
         rpc_weights: str = "all",
         rpc_timeout: Optional[float] = 120.0,
+        # The GPU placement's budget (river_gguf.Model's gpu_memory)
+        gpu_memory: Optional[Union[int, str]] = None,
         **kwargs,
     ):
         self._closed = True  # until the end of __init__: close() and __del__ tolerate a half-made object
@@ -328,7 +331,8 @@ class Llama:
         self.river_model = None
         if not self._vocab_only:
             self.river_model = Model(model_path, river=river, n_ctx=n_ctx, n_threads=n_threads, n_batch=self.n_batch,
-                                     n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, use_mmap=_bool("use_mmap", use_mmap),
+                                     n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, gpu_memory=gpu_memory,
+                                     use_mmap=_bool("use_mmap", use_mmap),
                                      flash_attn=_bool("flash_attn", flash_attn), mode=mode,
                                      threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head,
                                      prefill=prefill, tail=tail, river_attention=river_attention, preset=preset,

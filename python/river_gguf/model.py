@@ -15,7 +15,7 @@ import numpy as np
 
 from ._loader import native
 from . import presets
-from .options import ExitOptions, check_river_options, is_bool, is_int
+from .options import ExitOptions, check_river_options, is_bool, is_int, parse_bytes
 from .results import ScoreResult, log_softmax_at
 from . import rpc
 
@@ -92,7 +92,13 @@ class Model:
     n_ctx, n_batch: ints in [1, 2**20]; n_threads: an int in [1, max_threads()] (None: half the
     CPUs); n_gpu_layers: an int (negative: all); main_gpu: which GPU they go to, an index into
     river_gguf.devices.offload_gpus() (discrete GPUs first, then integrated ones, as llama.cpp
-    orders them; without a GPU the layers stay on the CPU, as in llama.cpp). use_mmap: map the
+    orders them; without a GPU the layers stay on the CPU, as in llama.cpp). gpu_memory: the most
+    the GPU placement may use, in bytes or as a size ("6GiB"; default: the GPU's free memory).
+    With n_gpu_layers=-1 and a River model that does not fit it whole, the river, the head and
+    the KV cache go to the GPU first and the backbone follows from its first layer for as long as
+    it fits: the deep backbone layers, which tokens that exit early never run, stay in host
+    memory (`placement` says what went where). A plain model, or a layer count asked for, takes
+    the last layers that fit, as llama.cpp does. use_mmap: map the
     file (default) or read it into memory (also RIVER_GGUF_NO_MMAP=1), as llama.cpp's use_mmap.
     flash_attn: a bool; attention as llama.cpp computes it with flash attention on (True, the
     default: faster) or off (False: llama.cpp's KQ/softmax/KQV path over a transposed V cache).
@@ -152,6 +158,7 @@ class Model:
         n_batch: int = 512,
         n_gpu_layers: int = 0,
         main_gpu: int = 0,
+        gpu_memory: Optional[Union[int, str]] = None,
         use_mmap: bool = True,
         flash_attn: bool = True,
         mode: Optional[str] = None,
@@ -187,6 +194,7 @@ class Model:
         # -1 (any negative): everything, as in llama.cpp; clamped so it fits the native int.
         n_gpu_layers = 1 << 30 if n_gpu_layers < 0 else min(int(n_gpu_layers), 1 << 30)
         self._main_gpu = _int_arg("main_gpu", main_gpu, 0, 1 << 16)
+        self._gpu_memory = 0 if gpu_memory is None else parse_bytes("gpu_memory", gpu_memory)
         verbose = _bool_arg("verbose", verbose)
         rpc_kw = rpc.engine_kwargs(rpc_servers, rpc_layers, rpc_split, rpc_weights, rpc_timeout)
         self._use_mmap = _bool_arg("use_mmap", use_mmap)
@@ -214,14 +222,21 @@ class Model:
         # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
         with deferred_interrupts():
             self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
-                                         main_gpu=self._main_gpu, use_mmap=self._use_mmap,
+                                         main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
+                                         use_mmap=self._use_mmap,
                                          flash_attn=self.flash_attn, exit_decision=exit_decision, **rpc_kw)
             self._vocab = native.Vocab(model_path)
         asked = min(n_gpu_layers, self._engine.hparams["n_layer"])
-        if 0 < self._engine.gpu_layers < asked or (asked and not self._engine.gpu_layers and native.offload_gpus()):
-            warnings.warn(f"{model_path}: {self._engine.gpu_layers} of the {asked} layers asked for fit in the GPU's "
-                          f"free memory ({self._engine.gpu_free / 2**20:.0f} MiB); the rest run on the CPU",
+        placed = self._engine.placement
+        budget = (f"the GPU's budget ({placed['gpu_budget'] / 2**20:.0f} MiB: its free memory"
+                  + (", capped by gpu_memory)" if self._gpu_memory else ")"))
+        if placed["river_first"]:
+            warnings.warn(f"{model_path}: the river, head and KV cache and {self._engine.gpu_layers} of the {asked} "
+                          f"backbone layers fit in {budget}; the deeper backbone layers run on the CPU",
                           RuntimeWarning, stacklevel=2)
+        elif 0 < self._engine.gpu_layers < asked or (asked and not self._engine.gpu_layers and native.offload_gpus()):
+            warnings.warn(f"{model_path}: {self._engine.gpu_layers} of the {asked} layers asked for fit in {budget}; "
+                          "the rest run on the CPU", RuntimeWarning, stacklevel=2)
         self.hparams = self._engine.hparams
         self.metadata = self._engine.metadata
         if self._vocab.n_tokens != self.n_vocab:
@@ -276,8 +291,18 @@ class Model:
 
     @property
     def layer_devices(self) -> List[str]:
-        """Where each layer and its KV cache live: "CPU", "GPU" or an RPC server's host:port."""
+        """Where each layer's KV cache lives and its attention reads it: "CPU", "GPU" or an RPC
+        server's host:port. A layer's weights can live elsewhere (`placement`)."""
         return list(self._engine.layer_devices)
+
+    @property
+    def placement(self) -> dict:
+        """What went where: per layer, the device of its backbone weights ("backbone"), river
+        weights ("river"; "" without a river) and KV cache ("kv_cache"); the head's device;
+        "river_first" (the GPU budget held the river, head and KV cache but not the whole
+        backbone); and, when a GPU was asked for, its free memory, the budget, the bytes placed on
+        it (weights, KV cache and a compute reserve) and the bytes of each part."""
+        return dict(self._engine.placement)
 
     def _file_exit_options(self, profile: bool) -> ExitOptions:
         """Defaults stored in a River GGUF (river.* keys); plain files never exit by default."""
@@ -565,7 +590,7 @@ class Model:
             engine = native.Engine(self.model_path, "", len(toks), self.n_threads, min(self._n_batch, len(toks)),
                                    self._n_gpu_layers, use_mmap=self._use_mmap, flash_attn=self.flash_attn,
                                    exit_decision=self._exit_decision,
-                                   main_gpu=self._main_gpu)
+                                   main_gpu=self._main_gpu, gpu_memory=self._gpu_memory)
         try:
             return self._trace_on(engine, toks, ExitOptions(mode="backbone"))
         finally:

@@ -36,6 +36,32 @@ def is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not is_bool(x)
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
+               "tib": 1 << 40}
+
+
+def parse_bytes(name: str, v) -> int:
+    """A size in bytes: a positive int, or a string of a number and a binary unit ("512MiB",
+    "6G", "1.5GiB"; K/M/G/T and their -B/-iB forms all count in powers of 1024, as GPU memory
+    is reported). Anything else raises ValueError naming the argument."""
+    if is_int(v):
+        if v <= 0:
+            raise ValueError(f"{name} must be positive, got {v!r}")
+        return int(v)
+    if isinstance(v, str):
+        text = v.strip().lower().replace(" ", "")
+        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(number):]
+        try:
+            value = float(number)
+        except ValueError:
+            value = float("nan")
+        if unit in _BYTE_UNITS and math.isfinite(value) and value > 0 and value * _BYTE_UNITS[unit] >= 1:
+            return int(value * _BYTE_UNITS[unit])
+    raise ValueError(f"{name} must be a positive number of bytes or a size such as '4GiB' or '512MiB', got {v!r}")
+
+
 @dataclass(frozen=True)
 class ExitOptions:
     mode: str = "backbone"

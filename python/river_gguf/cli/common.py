@@ -45,6 +45,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngl", type=int, default=0, metavar="N", help="layers to offload to the GPU (-1: all)")
     p.add_argument("--main-gpu", type=int, default=0, metavar="I",
                    help="which GPU (river-gguf info --devices lists them; default 0: the first discrete one)")
+    p.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                   help="the most the GPU placement may use, e.g. 6GiB (default: its free memory); with --ngl -1, "
+                        "a River model that does not fit puts its river, head and KV cache there first")
     p.add_argument("--river", default=None, metavar="PATH", help="separate lower-precision GGUF used as river")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp/ggml log output")
     p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
@@ -129,12 +132,17 @@ def default_model_for_cli() -> str:
     return default_model_path()
 
 
+def gpu_model_kwargs(args) -> dict:
+    """Model/Llama keyword arguments of the GPU options add_model_args defines."""
+    return dict(n_gpu_layers=args.ngl, main_gpu=args.main_gpu, gpu_memory=args.gpu_memory)
+
+
 def load_model(args):
     """The River-level Model (river_gguf.Model) for a subcommand that evaluates or inspects."""
     from ..model import Model
 
     return Model(args.model or default_model_for_cli(), river=args.river, n_ctx=args.ctx, n_threads=args.threads,
-                 n_gpu_layers=args.ngl, main_gpu=args.main_gpu, verbose=args.verbose, **river_model_kwargs(args),
+                 verbose=args.verbose, **gpu_model_kwargs(args), **river_model_kwargs(args),
                  **rpc_model_kwargs(args))
 
 
@@ -149,7 +157,7 @@ def load_llama(args):
     # Flash attention: faster, and the setting the benchmarks compare llama.cpp at (Llama's own
     # default is llama_cpp's, off).
     return Llama(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads, flash_attn=True,
-                 n_gpu_layers=args.ngl, main_gpu=args.main_gpu, verbose=args.verbose, **river_model_kwargs(args),
+                 verbose=args.verbose, **gpu_model_kwargs(args), **river_model_kwargs(args),
                  **rpc_model_kwargs(args))
 
 

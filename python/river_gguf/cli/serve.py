@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from ..options import MODES
 from ..serve.settings import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
-from .common import UsageError, default_model_for_cli, rpc_model_kwargs
+from .common import UsageError, default_model_for_cli, gpu_model_kwargs, rpc_model_kwargs
 
 
 def register(sub, common) -> None:
@@ -78,5 +78,5 @@ def _load_model(args):
     # embedding=True: /v1/embeddings works (in this engine it costs nothing until called).
     return loader.model_class()(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads, flash_attn=True,
                                 embedding=True,
-                                n_gpu_layers=args.ngl, main_gpu=args.main_gpu, verbose=args.verbose, **river,
+                                verbose=args.verbose, **gpu_model_kwargs(args), **river,
                                 **rpc_model_kwargs(args))

@@ -147,3 +147,16 @@ def test_invalid_messages(messages):
 def test_bad_template_syntax():
     with pytest.raises(ValueError, match="invalid chat template"):
         format_chat("{% for %}", [{"role": "user", "content": "x"}], "", "")
+
+
+def test_a_files_broken_template_is_a_file_error():
+    # The formatter is built from a GGUF's tokenizer.chat_template when Llama loads: a template
+    # that does not compile is a defect of the file (a byte flip found by tests/test_fuzz.py),
+    # raised as GGUFFormatError, which is still a ValueError.
+    from river_gguf import GGUFFormatError
+    from river_gguf.chat import LimitedChatFormatter
+
+    with pytest.raises(GGUFFormatError, match="invalid chat template"):
+        LimitedChatFormatter("{% if x %}a{% endi %}", "</s>", "<s>")
+    assert issubclass(GGUFFormatError, ValueError)
+    LimitedChatFormatter("{% if x %}a{% endif %}", "</s>", "<s>")  # a sound one loads

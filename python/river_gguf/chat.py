@@ -34,6 +34,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import llama_cpp.llama_chat_format as llama_chat_format
 from llama_cpp.llama import StoppingCriteriaList
 
+from ._loader import native
+
 __all__ = ["format_chat", "render_chat", "validate_messages", "template_chat_handler", "LimitedChatFormatter",
            "CHATML_TEMPLATE", "VALID_ROLES", "TemplateLimitError"]
 
@@ -436,7 +438,9 @@ class LimitedChatFormatter(llama_chat_format.ChatFormatter):
         try:
             _compile(template)  # a syntax error shows when the model loads, as in llama_cpp
         except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"invalid chat template: {e}") from e
+            # The template is the file's (tokenizer.chat_template*): a defect of the file, raised
+            # as the file errors are (GGUFFormatError is a ValueError).
+            raise native.GGUFFormatError(f"invalid chat template: {e}") from e
 
     def __call__(self, *, messages, functions=None, function_call=None, tools=None, tool_choice=None, **kwargs):
         prompt = render_chat(self.template, messages, self.bos_token, self.eos_token, self.add_generation_prompt,

@@ -1,6 +1,6 @@
 """Prefill and decode speed of river_gguf (backbone) against llama.cpp, on SmolLM2 Q4_1 and F16.
 
-    PYTHONPATH=python python benchmarks/decode_speed.py [--threads 2] [--tokens 128] [--repeats 3] [--json out.json]
+    .venv/bin/python benchmarks/decode_speed.py [--threads 2] [--tokens 128] [--repeats 3] [--json out.json]
 
 Both engines get the same token ids, the same thread count, flash attention and an F16 KV
 cache, and do the same work per step: one token per eval, a copy of its logits row into

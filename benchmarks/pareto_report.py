@@ -1,6 +1,6 @@
 """The full River-vs-quant-ladder report for one model: table, JSON and Pareto plot.
 
-    RIVER_GGUF_CACHE=.cache/test PYTHONPATH=python python benchmarks/pareto_report.py \\
+    RIVER_GGUF_CACHE=.cache/test .venv/bin/python benchmarks/pareto_report.py \\
         [--model smollm2|qwen2.5-coder-0.5b] [--out reports/MODEL] [--items 10] [--tokens 80]
 
 Writes OUT/report.md, OUT/report.json and OUT/pareto.png. Everything is measured in one run, on
@@ -42,9 +42,13 @@ CAVEATS = {
         "ladder (see model_zoo), so **there is no Q4_K_M row** and the targets that name it are n/a. The F16 "
         "already carries Q5_0-level error, so the ladder is compressed: Q8_0 sits almost on the F16."),
     "gemma3-270m": (
-        "the F16 backbone is dequantized from the shipped \"Q4_K_M\" GGUF; its width (640) is not a multiple "
-        "of 256 either, so that file is mostly Q5_0, and the types that rebuild it (Q4_K_M, Q4_K_S, Q5_0) are "
-        "left out of the ladder, as for Qwen (assumed from the width, not measured for this model)."),
+        "the F16 backbone is dequantized from the shipped \"Q4_K_M\" GGUF. Its width (640) is not a multiple "
+        "of 256 either, so that file (read with gguf-py) holds 81 Q5_0 tensors (every 640-row matrix but "
+        "attn_v), 27 Q4_K (attn_output, 1024 rows), 9 Q6_K (half the ffn_down), Q8_0 attn_v and a Q8_0 "
+        "embedding table that is 179 of its 244 MB (the head is tied). The types that rebuild it (Q4_K_M, "
+        "Q4_K_S, Q5_0) are left out of the ladder, as for Qwen; its Q8_0 and Q6_K rows partly rebuild grids "
+        "too (the embedding; some ffn_down), which may put them nearer the F16 than on a model trained in float "
+        "(not measured)."),
 }
 
 PREAMBLE = """# {title}: River early exit vs. the static quant ladder
@@ -178,7 +182,7 @@ def main(argv=None) -> int:
             setattr(s, attr, v)
     t0 = time.time()
     rep = evaluate.run_eval(s)
-    rep["command"] = ("RIVER_GGUF_CACHE=.cache/test PYTHONPATH=python python benchmarks/pareto_report.py " + " ".join(
+    rep["command"] = ("RIVER_GGUF_CACHE=.cache/test .venv/bin/python benchmarks/pareto_report.py " + " ".join(
         shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))).strip()
     rep["plain_sweep"] = plain_sweep
     rep["notes"] = a.note or []

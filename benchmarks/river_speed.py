@@ -1,6 +1,6 @@
 """Decode speed of River mode against the backbone, river-only and llama.cpp, in one run.
 
-    PYTHONPATH=python python benchmarks/river_speed.py [--threads 2] [--tokens 128] [--repeats 3]
+    .venv/bin/python benchmarks/river_speed.py [--threads 2] [--tokens 128] [--repeats 3]
                                                        [--rivers q4_0,q4_k_m] [--json out.json]
 
 Backbone: the F16 SmolLM2 written from the shipped Q4_1. For each river type it builds (once,

@@ -1,7 +1,7 @@
 """The cost of ggml's RPC protocol: tokens/s with layers local against layers on an rpc-server
 over loopback, on SmolLM2 Q4_1 and Qwen2.5-Coder-0.5B.
 
-    PYTHONPATH=python python benchmarks/rpc_speed.py [--threads 2] [--tokens 64] [--repeats 3]
+    .venv/bin/python benchmarks/rpc_speed.py [--threads 2] [--tokens 64] [--repeats 3]
         [--models smollm2,qwen2.5-coder-0.5b] [--json out.json]
 
 One `river-gguf rpc-server` runs on this machine (loopback), with as many threads as the

@@ -1,7 +1,7 @@
 """Task accuracy, as the River paper judges it: HumanEval pass@1 and GSM8K exact match, greedy,
 for the F16 backbone, llama.cpp's static quants and every preset of the model's default River GGUF.
 
-    RIVER_GGUF_CACHE=.cache/test PYTHONPATH=python python benchmarks/task_accuracy.py \\
+    RIVER_GGUF_CACHE=.cache/test .venv/bin/python benchmarks/task_accuracy.py \\
         [--model qwen2.5-coder-0.5b] [--configs f16,q8_0,q4_0,preset:fast,...] [--limit N] [--out DIR]
 
 Every configuration runs on river_gguf's engine (a static file in backbone mode computes what
@@ -147,15 +147,28 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="default reports/MODEL")
     ap.add_argument("--merge", action="store_true",
                     help="keep the configurations OUT/tasks.json already holds and run only the others")
+    ap.add_argument("--merge-from", action="append", default=[], metavar="JSON",
+                    help="also keep the configurations of this tasks.json (another run's --out, e.g. one "
+                         "run beside this one); repeatable; implies --merge")
     a = ap.parse_args(argv)
     t0 = time.time()
     out = a.out or os.path.join("reports", a.model)
     os.makedirs(out, exist_ok=True)
     done = None
-    if a.merge and os.path.isfile(os.path.join(out, "tasks.json")):
-        with open(os.path.join(out, "tasks.json"), encoding="utf-8") as f:
-            done = json.load(f)
-    command = "RIVER_GGUF_CACHE=.cache/test PYTHONPATH=python python benchmarks/task_accuracy.py " + " ".join(
+    earlier = [os.path.join(out, "tasks.json")] if a.merge or a.merge_from else []
+    for path in [p for p in earlier if os.path.isfile(p)] + a.merge_from:
+        with open(path, encoding="utf-8") as f:
+            rep = json.load(f)
+        if done is None:
+            done = rep
+            continue
+        if (done.get("model"), done.get("humaneval_n"), done.get("gsm8k_n")) != \
+                (rep.get("model"), rep.get("humaneval_n"), rep.get("gsm8k_n")):
+            raise SystemExit(f"--merge-from {path}: its results are for another model or problem set")
+        done["commands"] = done.get("commands", []) + [c for c in rep.get("commands", [])
+                                                       if c not in done.get("commands", [])]
+        done["configs"].update({k: v for k, v in rep["configs"].items() if k not in done["configs"]})
+    command = "RIVER_GGUF_CACHE=.cache/test .venv/bin/python benchmarks/task_accuracy.py " + " ".join(
         argv if argv is not None else sys.argv[1:])
     commands = (done or {}).get("commands", []) + [command.strip()]
 

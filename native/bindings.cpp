@@ -288,8 +288,6 @@ PYBIND11_MODULE(_native, m) {
             },
             "Where each layer's backbone, river and KV cache went ('CPU', 'GPU' or an RPC device), the head's "
             "device, and the GPU's free memory, budget and use in bytes (counted only when a GPU was asked for).")
-        .def_property_readonly("hidden_state_device", &Engine::hidden_state_device,
-                               "Where the hidden state an exit hands to the river lives: 'CPU' or 'GPU'.")
         .def_property_readonly("kept_graphs", &Engine::kept_graphs)
         .def_property_readonly("graphs_built", &Engine::graphs_built)
         .def_property_readonly("last_splits", &Engine::last_splits,

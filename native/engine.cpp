@@ -246,21 +246,16 @@ void Engine::start_scheduler() {
     ggml_backend_cpu_set_abort_callback(cpu_.get(), &Engine::abort_requested, this);
 }
 
-// The hidden state a stopped backbone graph hands to the river graph. It lives on the GPU when
-// every river layer is there (a whole offload, or the river first under a budget): an exit then
-// copies h on the device, and no hidden state goes through host memory. A partial offload (the
-// last layers) runs early river layers on the CPU, so the state stays in host memory there.
+// The hidden state a stopped backbone graph hands to the river graph, in host memory: an exit
+// reads the exit layer's output rows into it from whichever device computed them. (Keeping it on
+// the GPU, with a device-to-device copy at the exit, crashed tests_gpu on lavapipe with a
+// segfault after several GPU engines had run; the cause was not found.)
 void Engine::make_state() {
     ggml_init_params sp{ggml_tensor_overhead() * 4, nullptr, /*no_alloc=*/true};
     state_ctx_.reset(ggml_init(sp));
     if (!state_ctx_) throw std::runtime_error("cannot create the hidden-state context");
     h_state_ = ggml_new_tensor_2d(state_ctx_.get(), GGML_TYPE_F32, hp_.n_embd, n_batch_);
-    const auto& river_on = placement_.river_device;
-    const bool river_on_gpu = std::all_of(river_on.begin(), river_on.end(), [](const std::string& d) {
-        return d == "GPU" || d.empty();  // empty: no river
-    });
-    state_backend_ = placement_.gpu && river_on_gpu ? placement_.gpu.get() : cpu_.get();
-    state_buf_.reset(ggml_backend_alloc_ctx_tensors(state_ctx_.get(), state_backend_));
+    state_buf_.reset(ggml_backend_alloc_ctx_tensors(state_ctx_.get(), cpu_.get()));
     if (!state_buf_) throw std::runtime_error("out of memory for the hidden-state buffer");
 }
 
@@ -681,31 +676,15 @@ bool Engine::decide_exit(int layer, const float* s, int64_t n, ggml_tensor* h_ou
     for (int64_t i = 0; i < n; ++i) s_min = std::min(s_min, s[i]);  // the batch exits together: the minimum decides
     if (st.records(layer)) st.similarity->push_back(s_min);
     if (!(st.exit_allowed(layer) && s_min > st.threshold)) return false;
-    hand_over(h_out, n);
+    // The river graph starts from this layer's output, read from whichever device holds it into
+    // h_state_ (host memory).
+    const size_t row = sizeof(float) * h_out->ne[0];
+    for (int64_t i = 0; i < n; ++i) {
+        ggml_backend_tensor_get(h_out, static_cast<char*>(h_state_->data) + i * h_state_->nb[1], i * h_out->nb[1], row);
+    }
     st.exit_layer = layer;
     abort_ = true;
     return true;
-}
-
-// The river graph starts from the exit layer's output: its n rows go to h_state_, device to
-// device where both are on the GPU (ggml_backend_tensor_copy picks the transfer: a copy on the
-// device, a set from host memory, or a read into it).
-void Engine::hand_over(ggml_tensor* h_out, int64_t n) {
-    const size_t row = sizeof(float) * h_out->ne[0];
-    if (ggml_is_contiguous(h_out) && h_out->type == GGML_TYPE_F32 && h_out->ne[0] == h_state_->ne[0]) {
-        ggml_init_params vp{ggml_tensor_overhead(), nullptr, /*no_alloc=*/true};
-        ggml_context_ptr vctx(ggml_init(vp));
-        if (!vctx) throw std::runtime_error("cannot create the hand-over context");
-        ggml_tensor* rows = ggml_view_2d(vctx.get(), h_state_, h_state_->ne[0], n, h_state_->nb[1], 0);
-        if (ggml_backend_view_init(rows) != GGML_STATUS_SUCCESS) throw std::runtime_error("cannot view h_state");
-        ggml_backend_tensor_copy(h_out, rows);
-        return;
-    }
-    std::vector<char> host(row);  // strided rows: one at a time through host memory
-    for (int64_t i = 0; i < n; ++i) {
-        ggml_backend_tensor_get(h_out, host.data(), i * h_out->nb[1], row);
-        ggml_backend_tensor_set(h_state_, host.data(), i * h_state_->nb[1], row);
-    }
 }
 
 bool Engine::exit_eval(ggml_tensor* t, bool ask, void* user) {

@@ -145,8 +145,6 @@ public:
     // Where each layer (and its KV cache) lives: "CPU", "GPU" or an RPC server's host:port.
     const std::vector<std::string>& layer_devices() const { return placement_.layer_device; }
     const Placement& placement() const { return placement_; }
-    // Where the hidden state an exit hands to the river lives: "CPU" or "GPU".
-    const char* hidden_state_device() const { return state_backend_ == cpu_.get() ? "CPU" : "GPU"; }
 
     // Forget cache rows n.. (keeps a shared prefix for the next prompt).
     void truncate(int n);
@@ -216,7 +214,6 @@ private:
     // One exit decision from a tested layer's similarities (both paths): records them, and on
     // an exit copies h_out to h_state_ and marks the graph stopped.
     bool decide_exit(int layer, const float* s, int64_t n, ggml_tensor* h_out);
-    void hand_over(ggml_tensor* h_out, int64_t n);  // h_out's n rows into h_state_
 
     void load(const EngineConfig& cfg);  // the constructor's work, in the steps below
     void load_weights(const EngineConfig& cfg);
@@ -265,7 +262,6 @@ private:
     ggml_context_ptr state_ctx_;
     ggml_backend_buffer_ptr state_buf_;
     ggml_tensor* h_state_ = nullptr;    // F32 [n_embd, n_batch]
-    ggml_backend_t state_backend_ = nullptr;  // where h_state_ lives (the GPU when there is one); not owned
 
     std::unique_ptr<KvCache> cache_;
     ggml_backend_sched_ptr sched_;      // for graphs that are not kept (prompts)

@@ -45,7 +45,6 @@ def test_main_gpu_is_checked(tiny_path):
     else:  # no GPU: every layer stays on the CPU whatever is asked, as llama.cpp does
         m = Model(tiny_path, n_ctx=32, n_threads=1, n_gpu_layers=-1, main_gpu=3)
         assert all(d == "CPU" for d in m.layer_devices)
-    assert m.engine.hidden_state_device == ("GPU" if gpus else "CPU")
 
 
 def test_info_devices_lists_them(capsys):

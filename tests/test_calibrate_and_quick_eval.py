@@ -37,4 +37,7 @@ def test_eval_quick_cli(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert (out / "pareto.png").stat().st_size > 10_000
     assert "|" in (out / "report.md").read_text()
-    assert report  # the sanity assertions themselves are the exit status checked above
+    # The sanity assertions are the exit status checked above; the speed rounds are measured
+    # and reported, never asserted (a timing depends on what else runs on the cores).
+    assert report["analysis"]["sanity"] and "river decode faster than backbone" not in report["analysis"]["sanity"]
+    assert report["analysis"]["speed"]["river_tok_s"] > 0 and report["analysis"]["speed"]["backbone_tok_s"] > 0

@@ -51,8 +51,8 @@ def time_llama(tool: str, f16: str, text_file: str, threads: int, out_dir: str) 
     if r.returncode != 0:
         raise SystemExit(f"llama-imatrix failed ({r.returncode}):\n{r.stderr[-3000:]}")
     log = r.stdout + r.stderr
-    # "compute_imatrix: tokenizing the input .." then "... N chunks, n_ctx=512, batch_size=..."
-    m = re.search(r"computing over (\d+) chunks?, n_ctx=(\d+)", log) or re.search(r"(\d+) chunks.*?n_ctx=(\d+)", log)
+    # compute_imatrix logs "computing over N chunks, n_ctx=512, batch_size=..., n_seq=..."
+    m = re.search(r"computing over (\d+) chunks?, n_ctx=(\d+)", log)
     if not m:
         raise SystemExit("cannot read llama-imatrix's chunk count from its log:\n" + log[-3000:])
     tokens = int(m.group(1)) * int(m.group(2))

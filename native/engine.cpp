@@ -247,9 +247,10 @@ void Engine::start_scheduler() {
 }
 
 // The hidden state a stopped backbone graph hands to the river graph, in host memory: an exit
-// reads the exit layer's output rows into it from whichever device computed them. (Keeping it on
-// the GPU, with a device-to-device copy at the exit, crashed tests_gpu on lavapipe with a
-// segfault after several GPU engines had run; the cause was not found.)
+// reads the exit layer's output rows into it from whichever device computed them. (A copy kept on
+// the GPU, device to device at the exit, was taken out while a tests_gpu segfault on lavapipe was
+// traced; the segfault followed a phi3 LongRoPE case instead, but the device copy never had a
+// passing device run.)
 void Engine::make_state() {
     ggml_init_params sp{ggml_tensor_overhead() * 4, nullptr, /*no_alloc=*/true};
     state_ctx_.reset(ggml_init(sp));

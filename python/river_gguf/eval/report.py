@@ -797,8 +797,7 @@ def analyse(report: dict) -> dict:
     # is no sanity check of the files or the engine.
     sc = report.get("speed_check")
     if sc:
-        out["speed"] = {"river decode faster than backbone": sc["river_tok_s"] > sc["backbone_tok_s"],
-                        "river_tok_s": sc["river_tok_s"], "backbone_tok_s": sc["backbone_tok_s"]}
+        out["speed"] = {"river_tok_s": sc["river_tok_s"], "backbone_tok_s": sc["backbone_tok_s"]}
     return out
 
 

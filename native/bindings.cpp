@@ -60,21 +60,28 @@ py::dict hparams(const HParams& hp) {
     return d;
 }
 
-py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold, int min_exit_layer,
-               int exit_layer, bool river_head, bool all_logits, bool trace, int tail, bool backbone_attention,
-               bool embeddings) {
+// The exit setting of an eval or draft call.
+EvalRequest exit_request(int mode, float threshold, int min_exit_layer, int exit_layer, bool river_head, int tail,
+                         bool backbone_attention) {
     if (!is_exit_mode(mode)) throw std::invalid_argument("bad mode");
     EvalRequest req;
-    req.tokens = std::move(tokens);
     req.mode = static_cast<ExitMode>(mode);
     req.threshold = threshold;
     req.min_exit_layer = min_exit_layer;
     req.exit_layer = exit_layer;
     req.river_head = river_head;
-    req.all_logits = all_logits;
-    req.trace = trace;
     req.tail = tail;
     req.backbone_attention = backbone_attention;
+    return req;
+}
+
+py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold, int min_exit_layer,
+               int exit_layer, bool river_head, bool all_logits, bool trace, int tail, bool backbone_attention,
+               bool embeddings) {
+    EvalRequest req = exit_request(mode, threshold, min_exit_layer, exit_layer, river_head, tail, backbone_attention);
+    req.tokens = std::move(tokens);
+    req.all_logits = all_logits;
+    req.trace = trace;
     req.embeddings = embeddings;
     EvalResult res;
     {
@@ -86,6 +93,18 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold
     py::array_t<float> logits({res.n_rows, width});
     std::memcpy(logits.mutable_data(), res.logits.data(), res.logits.size() * sizeof(float));
     return py::make_tuple(logits, res.exit_layer, res.similarity);
+}
+
+py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, int mode, float threshold, int min_exit_layer,
+                int exit_layer, bool river_head, int tail, bool backbone_attention) {
+    EvalRequest how = exit_request(mode, threshold, min_exit_layer, exit_layer, river_head, tail, backbone_attention);
+    std::vector<float> probs;
+    std::vector<int32_t> tokens;
+    {
+        py::gil_scoped_release release;
+        tokens = e.draft(token, std::move(how), n_max, p_min, &probs);
+    }
+    return py::make_tuple(tokens, probs);
 }
 
 }  // namespace
@@ -261,6 +280,11 @@ PYBIND11_MODULE(_native, m) {
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
              py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0,
              py::arg("backbone_attention") = false, py::arg("embeddings") = false)
+        .def("draft", &draft, py::arg("token"), py::arg("n_max"), py::arg("p_min") = 0.0f, py::arg("mode") = 0,
+             py::arg("threshold") = 2.0f, py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1,
+             py::arg("river_head") = false, py::arg("tail") = 0, py::arg("backbone_attention") = false,
+             "Lossless decoding's draft: up to n_max greedy tokens after `token` under this exit setting, each "
+             "kept while its probability is >= p_min; n_past is unchanged. Returns (tokens, probabilities).")
         .def("truncate", &Engine::truncate)
         .def_property_readonly("n_past", &Engine::n_past)
         .def_property_readonly("n_ctx", &Engine::n_ctx)

@@ -298,6 +298,38 @@ EvalResult Engine::eval(const EvalRequest& req) {
     return out;
 }
 
+std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, float p_min, std::vector<float>* probs) {
+    if (n_max < 0) throw std::invalid_argument("n_max must be >= 0");
+    if (std::isnan(p_min)) throw std::invalid_argument("p_min is NaN");
+    if (how.all_logits || how.embeddings || how.trace) throw std::invalid_argument("a draft takes one row of logits");
+    const int start = n_past_;
+    // The verify batch evaluates `token` and every draft: all must fit the context.
+    n_max = std::min(n_max, cache_->n_ctx() - start - 1);
+    std::vector<int32_t> drafts;
+    try {
+        int32_t cur = token;
+        for (int i = 0; i < n_max; ++i) {
+            how.tokens.assign(1, cur);
+            const EvalResult r = eval(how);
+            const float* l = r.logits.data();
+            const int n_vocab = r.n_cols;
+            const int best = static_cast<int>(std::max_element(l, l + n_vocab) - l);
+            double sum = 0;  // p(best) = 1 / sum_j exp(l_j - l_best)
+            for (int j = 0; j < n_vocab; ++j) sum += std::exp(double(l[j]) - l[best]);
+            const float p = static_cast<float>(1.0 / sum);
+            if (!(p >= p_min)) break;  // a NaN row drafts nothing
+            drafts.push_back(best);
+            if (probs) probs->push_back(p);
+            cur = best;
+        }
+    } catch (...) {
+        n_past_ = start;
+        throw;
+    }
+    n_past_ = start;
+    return drafts;
+}
+
 void Engine::check_request(const EvalRequest& req) const {
     const int n = static_cast<int>(req.tokens.size());
     if (n == 0) throw std::invalid_argument("no tokens to evaluate");

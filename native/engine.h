@@ -149,6 +149,13 @@ public:
     // Forget cache rows n.. (keeps a shared prefix for the next prompt).
     void truncate(int n);
     EvalResult eval(const EvalRequest& req);
+    // The draft of lossless decoding: from `token` at position n_past, up to n_max greedy tokens
+    // under the exit setting `how` (river-only, or River's exit), each kept only while its
+    // probability under the draft is at least p_min. The drafts' cache rows are left for the
+    // backbone's verify batch to overwrite: n_past is the same on return. Each draft's
+    // probability goes to `probs` when given.
+    std::vector<int32_t> draft(int32_t token, EvalRequest how, int n_max, float p_min,
+                               std::vector<float>* probs = nullptr);
     const KvCache& cache() const { return *cache_; }
 
     // Observe every node through the scheduler's eval callback (used to collect activation

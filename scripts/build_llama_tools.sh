@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's own command-line tools (llama-imatrix by default) from the source archive of
-# the pinned llama-cpp-python, so that a benchmark can compare with them on the same text and
-# the same ggml: benchmarks/imatrix_cost.py runs llama-imatrix beside the converter's imatrix.
-# The binaries go to .cache/llama-tools/bin (ignored by git). About 8 minutes on 2 cores.
-#   ./scripts/build_llama_tools.sh [TARGET ...]      (default: llama-imatrix)
+# Builds llama.cpp's own command-line tools from the source archive of the pinned
+# llama-cpp-python, so that a benchmark can compare with them on the same text and the same ggml:
+# benchmarks/imatrix_cost.py runs llama-imatrix beside the converter's imatrix, and
+# benchmarks/lossless_speed.py runs llama-speculative beside lossless mode.
+# The binaries go to .cache/llama-tools/build/bin (ignored by git). About 10 minutes on 2 cores.
+#   ./scripts/build_llama_tools.sh [TARGET ...]   (default: llama-imatrix llama-quantize llama-speculative)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=$(sed -n 's/^LLAMA_CPP_PYTHON_VERSION=\([0-9.]*\).*/\1/p' scripts/setup.sh)
 DIR=.cache/llama-tools
-TARGETS=("${@:-llama-imatrix}")
+TARGETS=("$@"); [ ${#TARGETS[@]} -gt 0 ] || TARGETS=(llama-imatrix llama-quantize llama-speculative)
 mkdir -p "$DIR"
 SDIST=${RIVER_GGUF_LLAMA_SDIST:-}
 if [ -z "$SDIST" ]; then
@@ -23,7 +24,7 @@ SRC="$DIR/llama_cpp_python-$VERSION"
 # The same CPU flags as setup.sh's llama-cpp-python build (no AMX kernels: see there).
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$SRC/vendor/llama.cpp" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TOOLS=ON \
-  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
+  -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
   -DBUILD_SHARED_LIBS=OFF -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" >/dev/null
 cmake --build "$DIR/build" -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" --target "${TARGETS[@]}" >/dev/null
 for t in "${TARGETS[@]}"; do echo "$DIR/build/bin/$t"; done

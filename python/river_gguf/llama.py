@@ -105,7 +105,7 @@ from .chat import template_chat_handler
 from .model import Model
 from .llama_sampling import SamplerChain, apply_processors, check_grammar, logit_bias_processor, top_logprobs_order
 from .options import is_int
-from .results import exit_stats
+from .results import exit_stats, lossless_stats
 
 __all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList",
            "ModelPathError"]
@@ -115,7 +115,7 @@ STATE_MAGIC = b"RIVERGGUF-STATE1"
 
 #: River exit options the constructor and the calls accept, beside llama_cpp's own parameters.
 RIVER_OPTIONS = ("preset", "mode", "threshold", "min_exit_layer", "exit_layer", "river_head", "prefill", "tail",
-                 "river_attention")
+                 "river_attention", "draft_max", "draft_p_min", "draft_mode")
 
 #: llama_cpp constructor parameters that change what llama.cpp computes and that the engine
 #: cannot honour: refused when given a non-default value. name -> default.
@@ -241,6 +241,9 @@ class Llama:
         prefill: Optional[str] = None,
         tail: Optional[int] = None,
         river_attention: Optional[str] = None,
+        draft_max: Optional[int] = None,
+        draft_p_min: Optional[float] = None,
+        draft_mode: Optional[str] = None,
         # Layers on other machines (ggml RPC; newer llama-cpp-python takes rpc_servers too)
         rpc_servers: Optional[Union[str, List[str]]] = None,
         rpc_layers: Optional[Union[int, List[int]]] = None,
@@ -336,6 +339,7 @@ class Llama:
                                      flash_attn=_bool("flash_attn", flash_attn), mode=mode,
                                      threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head,
                                      prefill=prefill, tail=tail, river_attention=river_attention, preset=preset,
+                                     draft_max=draft_max, draft_p_min=draft_p_min, draft_mode=draft_mode,
                                      verbose=self.verbose, rpc_servers=rpc_servers, rpc_layers=rpc_layers,
                                      rpc_split=rpc_split, rpc_weights=rpc_weights, rpc_timeout=rpc_timeout)
             if self.river_model.n_vocab != self._n_vocab:
@@ -344,7 +348,8 @@ class Llama:
             self._lock = self.river_model.lock
             self._default_opts = self._resolve_options({})  # checks exit_layer now
         elif river is not None or any(v is not None for v in (preset, mode, threshold, min_exit_layer, exit_layer,
-                                                                  river_head, prefill, tail, river_attention)):
+                                                                  river_head, prefill, tail, river_attention,
+                                                                  draft_max, draft_p_min, draft_mode)):
             raise ValueError("River options need the engine; this Llama is vocab_only")
         self._n_ctx = n_ctx
 
@@ -357,6 +362,9 @@ class Llama:
         self._last_logits_pos = -1
         self._last_exit_layer = -1
         self._requires_eval = True      # restored or truncated state must evaluate before sampling
+        # Lossless mode: the logits rows of the last verify batch, from position _verify_first.
+        self._verify_rows: Optional[np.ndarray] = None
+        self._verify_first = 0
         # What the engine's KV cache holds: tokens, under which exit options, since which epoch.
         self._kv_tokens: List[int] = []
         self._kv_opts = None
@@ -616,7 +624,10 @@ class Llama:
             if self._acc:  # tokens the call counted as reused had to be computed after all
                 self._acc["cached"] = max(0, self._acc["cached"] - len(rest))
 
-    def _eval_tokens(self, tokens: List[int], prompt: bool, opts, want_rows: bool) -> None:
+    def _eval_tokens(self, tokens: List[int], prompt: bool, opts, want_rows: bool, draft: bool = False) -> None:
+        """Evaluate `tokens` after the n_tokens evaluated. draft (lossless mode, one token): the
+        river drafts after it, and the token and its drafts are verified in one backbone batch,
+        whose every row is kept for sampling (_logits_row)."""
         if not tokens:
             return
         m = self._require_engine()
@@ -624,11 +635,21 @@ class Llama:
         if n + k > self._n_ctx:
             raise native.ContextOverflowError(
                 f"{k} new tokens after {n} evaluated need {n + k} positions, but n_ctx is {self._n_ctx}")
+        self._verify_rows = None
         with self._lock:
             self._sync_kv(opts)
             t0 = time.perf_counter()
-            logits, exit_layer, _ = m.eval(tokens, opts, prompt=prompt, all_logits=want_rows)
-            self._count("prefill" if prompt else "decode", k, time.perf_counter() - t0)
+            if draft:
+                drafts = m.draft(tokens[0], opts)[0]
+                t1 = time.perf_counter()
+                tokens = tokens + drafts
+                k = len(tokens)
+                logits, exit_layer, _ = m.eval(tokens, opts, prompt=True, all_logits=True)
+                self._count_round(len(drafts), t1 - t0, time.perf_counter() - t1)
+                self._verify_rows, self._verify_first = logits, n
+            else:
+                logits, exit_layer, _ = m.eval(tokens, opts, prompt=prompt, all_logits=want_rows)
+                self._count("prefill" if prompt else "decode", k, time.perf_counter() - t0)
             self._kv_tokens.extend(tokens)
         self.input_ids[n:n + k] = tokens
         if want_rows:
@@ -659,14 +680,19 @@ class Llama:
             raise ValueError(f"idx must be an evaluated position in [0, {self.n_tokens}), got {idx!r}")
         if pos == self._last_logits_pos and self._last_logits is not None:
             return self._last_logits
+        if self._verify_rows is not None and 0 <= pos - self._verify_first < len(self._verify_rows):
+            return self._verify_rows[pos - self._verify_first]
         if pos < self._rows_valid:
             return self.scores[pos]
         raise ValueError(f"the logits of position {pos} were not kept: create the Llama with logits_all=True "
                          "to sample from any evaluated position")
 
-    def _sample_row(self, chain: SamplerChain, logits: np.ndarray, processors) -> int:
+    def _sample_row(self, chain: SamplerChain, logits: np.ndarray, processors, n_seen: Optional[int] = None) -> int:
+        """Sample from `logits`, the row that follows the first n_seen tokens (default: all
+        evaluated); logits processors see those tokens, as they do in llama_cpp."""
         if processors:
-            logits = apply_processors(processors, self.input_ids[: self.n_tokens], np.array(logits, copy=True))
+            seen = self.input_ids[: self.n_tokens if n_seen is None else n_seen]
+            logits = apply_processors(processors, seen, np.array(logits, copy=True))
         return chain.sample(logits)
 
     def _chain(self, *, top_k, top_p, min_p, typical_p, temp, repeat_penalty, frequency_penalty, presence_penalty,
@@ -708,12 +734,22 @@ class Llama:
     # ----- generation ------------------------------------------------------------------------
     def _stats_begin(self) -> None:
         self._acc = {"cached": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
-                     "exit_layers": []}
+                     "exit_layers": [], "rounds": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
 
     def _count(self, kind: str, n: int, seconds: float) -> None:
         if self._acc:
             self._acc[kind + "_tokens"] += n
             self._acc[kind + "_s"] += seconds
+
+    def _count_round(self, drafted: int, draft_s: float, verify_s: float) -> None:
+        """One lossless round: its time is decode time; its tokens count as they are sampled."""
+        a = self._acc
+        if a:
+            a["rounds"] += 1
+            a["drafted"] += drafted
+            a["draft_s"] += draft_s
+            a["verify_s"] += verify_s
+            a["decode_s"] += draft_s + verify_s
 
     def _stats_end(self, opts) -> None:
         a = self._acc
@@ -730,6 +766,9 @@ class Llama:
             "tail": opts.tail,
         }
         stats.update(exit_stats(a["exit_layers"], self.river_model.n_layer, opts.tail))
+        if opts.lossless:
+            stats.update(lossless_stats(a["rounds"], a["drafted"], a["accepted"], a["draft_s"], a["verify_s"]),
+                         draft_max=opts.draft_max, draft_p_min=opts.draft_p_min, draft_mode=opts.draft_mode)
         self.last_stats = stats
 
     def _run(self, tokens: List[int], reset: bool, chain: SamplerChain, processors, stopping_criteria, opts,
@@ -760,13 +799,24 @@ class Llama:
         sample_idx = self.n_tokens + len(tokens) - 1
         first = True
         while True:
-            self._eval_tokens(tokens, first or len(tokens) > 1, opts, want_rows)
+            # A decode step is one token. In lossless mode the river drafts after it and the
+            # backbone verifies the token and its drafts in one batch; the rows are sampled in
+            # order below, and the first sampled token that differs from the draft at its
+            # position ends the round (llama.cpp's speculative rule), so every token is the one
+            # the backbone's logits give the chain.
+            step = not first and len(tokens) == 1
+            drafting = step and opts.lossless
+            self._eval_tokens(tokens, not step, opts, want_rows, draft=drafting)
             first = False
             while sample_idx < self.n_tokens:
                 logits = self._logits_row(sample_idx)
-                token = self._sample_row(chain, logits, processors)
+                token = self._sample_row(chain, logits, processors, sample_idx + 1)
                 self._acc["exit_layers"].append(self._last_exit_layer)
                 sample_idx += 1
+                if drafting:
+                    self._acc["decode_tokens"] += 1
+                    if sample_idx < self.n_tokens and token == self.input_ids[sample_idx]:
+                        self._acc["accepted"] += 1
                 if stopping_criteria is not None and stopping_criteria(self.input_ids[:sample_idx], logits):
                     return
                 more = yield token

@@ -9,7 +9,7 @@ import threading
 import warnings
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import replace
-from typing import List, NamedTuple, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -168,6 +168,9 @@ class Model:
         prefill: Optional[str] = None,
         tail: Optional[int] = None,
         river_attention: Optional[str] = None,
+        draft_max: Optional[int] = None,
+        draft_p_min: Optional[float] = None,
+        draft_mode: Optional[str] = None,
         preset: Optional[str] = None,
         verbose: bool = False,
         rpc_servers: Optional[Union[str, Sequence[str]]] = None,
@@ -245,6 +248,7 @@ class Model:
             )
         check_river_options(self.has_river, model_path, threshold=threshold, min_exit_layer=min_exit_layer,
                             river_head=river_head, prefill=prefill, tail=tail, river_attention=river_attention,
+                            draft_max=draft_max, draft_p_min=draft_p_min, draft_mode=draft_mode,
                             preset=preset)
         self.exit_options = ExitOptions()  # backbone-only while the file's defaults are worked out
         try:
@@ -259,12 +263,14 @@ class Model:
         # Check the caller's options before a profile spends time on the defaults.
         ExitOptions(mode="river" if self.has_river else "backbone").with_overrides(
             mode=mode, threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill,
-            tail=tail, river_attention=river_attention,
+            tail=tail, river_attention=river_attention, draft_max=draft_max, draft_p_min=draft_p_min,
+            draft_mode=draft_mode,
         ).validate(self.n_layer, self.has_river)
         self._base_options = self._file_exit_options(profile=threshold is None and not self.presets)
         self.exit_options = self._with_preset(self._base_options, self.preset).with_overrides(
             mode=mode, threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill,
-            tail=tail, river_attention=river_attention,
+            tail=tail, river_attention=river_attention, draft_max=draft_max, draft_p_min=draft_p_min,
+            draft_mode=draft_mode,
         ).validate(self.n_layer, self.has_river)
 
     # ----- properties -------------------------------------------------------------------
@@ -477,6 +483,25 @@ class Model:
                                 _bool_arg("trace", trace)))
 
     @_locked
+    def draft(self, token: int, options: Optional[ExitOptions] = None) -> Tuple[List[int], List[float]]:
+        """Lossless decoding's draft: `token` goes at position n_past, and the river proposes up to
+        options.draft_max greedy tokens after it (drafted as options.draft_mode says), each kept
+        while its probability under the draft is >= options.draft_p_min. The KV cache still holds
+        n_past positions on return; the rows the drafts wrote beyond it are the verify batch's to
+        overwrite. Returns (draft tokens, their probabilities under the draft)."""
+        tok = self._check_token(token)
+        if self._engine.n_past + 1 > self.n_ctx:
+            raise native.ContextOverflowError(f"no room after {self._engine.n_past} positions in n_ctx={self.n_ctx}")
+        opts = self.exit_options if options is None else options
+        if not isinstance(opts, ExitOptions):
+            raise ValueError(f"options must be ExitOptions (from Model.options), got {type(opts).__name__}")
+        if not self.has_river:
+            raise ValueError(f"{self.model_path} has no river to draft with")
+        opts.validate(self.n_layer, self.has_river)
+        tokens, probs = self._engine.draft(tok, **opts.draft_args())
+        return list(tokens), list(probs)
+
+    @_locked
     def collect_activations(self, tokens: Sequence[int], stats) -> None:
         """One backbone pass over `tokens` from an empty cache, adding each mat-mul's input
         activations to `stats` (native.ActivationStats, for the importance matrix)."""
@@ -545,16 +570,39 @@ class Model:
         opts = self.options(**options)
         self._clear()
         logits, exit_layer, _ = self._eval(toks[:prefix], opts, prompt=True)
+        rows = logits[-1:]  # rows[j] predicts toks[i + j]
         logprobs, exits, kept = [], [], []
-        for i in range(prefix, len(toks)):
-            logprobs.append(log_softmax_at(logits[-1], toks[i]))
-            exits.append(exit_layer)
-            if keep_logits:
-                kept.append(np.array(logits[-1], dtype=np.float32))
-            if i + 1 < len(toks):
-                logits, exit_layer, _ = self._eval([toks[i]], opts, prompt=False)
+        i = prefix
+        while True:
+            for row in rows:
+                logprobs.append(log_softmax_at(row, toks[i]))
+                exits.append(exit_layer)
+                if keep_logits:
+                    kept.append(np.array(row, dtype=np.float32))
+                i += 1
+            if i == len(toks):
+                break
+            rows, exit_layer = self._score_step(toks, i - 1, opts)
         return ScoreResult(np.array(logprobs), np.array(exits, dtype=np.int32),
                            np.stack(kept) if keep_logits else None)
+
+    def _score_step(self, toks: List[int], i: int, opts: ExitOptions):
+        """Teacher-forced decode of toks[i] after the cache's i positions: the logits rows that
+        predict toks[i+1], ... and their exit layer. A decode step gives one row. In lossless
+        mode the river drafts after toks[i], the backbone verifies toks[i] and the drafts in one
+        batch, and the rows up to the first draft that differs from the text are kept (the rest
+        leave the cache), as lossless generation keeps them when the text is what it samples."""
+        if not opts.lossless:
+            logits, exit_layer, _ = self._eval([toks[i]], opts, prompt=False)
+            return logits, exit_layer
+        drafts, _ = self._engine.draft(toks[i], **opts.draft_args())
+        drafts = list(drafts)[: len(toks) - i - 2]  # no row past the text's last prediction
+        logits, exit_layer, _ = self._eval([toks[i]] + drafts, opts, prompt=True, all_logits=True)
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == toks[i + 1 + accepted]:
+            accepted += 1
+        self._engine.truncate(i + 1 + accepted)
+        return logits[: accepted + 1], exit_layer
 
     @_locked
     def similarity_trace(self, tokens: Sequence[int], **options) -> List[List[float]]:

@@ -12,14 +12,22 @@ from ._loader import native as _native  # already loaded by the package's __init
 EXIT_MODES = dict(_native.EXIT_MODES)
 _BACKBONE, _RIVER, _RIVER_ONLY, _FIXED = (EXIT_MODES[m] for m in ("backbone", "river", "river-only", "fixed"))
 
-MODES = ("river", "backbone", "river-only")
+#: "lossless": the river drafts tokens and the backbone verifies them in one batch, so the output
+#: is the backbone's, token for token (Llama's token loop; Model.score teacher-forced).
+MODES = ("river", "backbone", "river-only", "lossless")
+#: How lossless decoding drafts: every layer from the river, or River's exit rule (backbone layers
+#: until cos(h_in, h_out) > threshold, the river above).
+DRAFT_MODES = ("river-only", "river")
+#: The most drafts a lossless round may verify in one batch.
+MAX_DRAFT = 64
 # Whose attention weights a river layer runs: its own, or the backbone's (with its own FFN).
 RIVER_ATTENTION = ("river", "backbone")
 PREFILL_POLICIES = ("backbone", "river")
 
 #: Options that only mean something when the model has a river; given to a plain model they
 #: raise instead of being silently ignored. (`mode` and `exit_layer` are checked by what they ask.)
-RIVER_OPTIONS = ("threshold", "min_exit_layer", "river_head", "prefill", "tail", "river_attention", "preset")
+RIVER_OPTIONS = ("threshold", "min_exit_layer", "river_head", "prefill", "tail", "river_attention", "preset",
+                 "draft_max", "draft_p_min", "draft_mode")
 
 
 def is_int(x) -> bool:
@@ -72,6 +80,12 @@ class ExitOptions:
     prefill: str = "backbone"       # "backbone": prompts never exit; "river": sequence-level exit
     tail: int = 0                   # exited tokens rejoin the backbone for the last `tail` layers
     river_attention: str = "river"  # "backbone": river layers run the backbone's attention weights
+    # Lossless mode: at most draft_max drafts a round, each kept while its probability under the
+    # draft is >= draft_p_min (llama.cpp's --draft-max / --draft-p-min), drafted as draft_mode says
+    # with the options above (threshold, river_head, tail, river_attention).
+    draft_max: int = 4
+    draft_p_min: float = 0.0
+    draft_mode: str = "river-only"
 
     def validate(self, n_layer: int, has_river: bool) -> "ExitOptions":
         if not isinstance(self.mode, str) or self.mode not in MODES:
@@ -90,6 +104,12 @@ class ExitOptions:
             raise ValueError(f"river_attention must be one of {RIVER_ATTENTION}, got {self.river_attention!r}")
         if not is_int(self.tail) or not 0 <= self.tail < n_layer:
             raise ValueError(f"tail must be an int in [0, {n_layer - 1}], got {self.tail!r}")
+        if not is_int(self.draft_max) or not 0 <= self.draft_max <= MAX_DRAFT:
+            raise ValueError(f"draft_max must be an int in [0, {MAX_DRAFT}], got {self.draft_max!r}")
+        if not is_real(self.draft_p_min) or not 0.0 <= self.draft_p_min <= 1.0:
+            raise ValueError(f"draft_p_min must be a number in [0, 1], got {self.draft_p_min!r}")
+        if not isinstance(self.draft_mode, str) or self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         uses_river = self.mode != "backbone" or (self.exit_layer is not None and self.exit_layer < n_layer - 1)
         if uses_river and not has_river:
             raise ValueError(
@@ -112,11 +132,14 @@ class ExitOptions:
         """The setting's name in statistics: the mode, or "exit_layer=k" for a forced exit."""
         return self.mode if self.exit_layer is None else f"exit_layer={self.exit_layer}"
 
+    @property
+    def lossless(self) -> bool:
+        return self.mode == "lossless" and self.exit_layer is None
+
     def engine_args(self, prompt: bool) -> dict:
-        """Arguments of _native.Engine.eval for a prompt batch or a decode step."""
-        args = dict(threshold=float(self.threshold), min_exit_layer=int(self.min_exit_layer),
-                    river_head=bool(self.river_head), exit_layer=-1, tail=int(self.tail),
-                    backbone_attention=self.river_attention == "backbone")
+        """Arguments of _native.Engine.eval for a prompt batch or a decode step (in lossless
+        mode, the backbone's verify batch)."""
+        args = self._setting_args()
         if self.exit_layer is not None:
             args.update(mode=_FIXED, exit_layer=int(self.exit_layer))
         elif self.mode == "river-only":
@@ -126,6 +149,18 @@ class ExitOptions:
         else:
             args.update(mode=_BACKBONE)
         return args
+
+    def draft_args(self) -> dict:
+        """Arguments of _native.Engine.draft: the exit setting lossless mode drafts with."""
+        args = self._setting_args()
+        args.update(mode=_RIVER if self.draft_mode == "river" else _RIVER_ONLY, n_max=int(self.draft_max),
+                    p_min=float(self.draft_p_min))
+        return args
+
+    def _setting_args(self) -> dict:
+        return dict(threshold=float(self.threshold), min_exit_layer=int(self.min_exit_layer),
+                    river_head=bool(self.river_head), exit_layer=-1, tail=int(self.tail),
+                    backbone_attention=self.river_attention == "backbone")
 
 
 def check_river_options(has_river: bool, where: str, **given) -> None:

@@ -22,6 +22,20 @@ def exit_stats(exit_layers: List[int], n_layer: int, tail: int = 0) -> dict:
     }
 
 
+def lossless_stats(rounds: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> dict:
+    """Summary of lossless decoding's rounds: each drafts some tokens with the river and verifies
+    them in one backbone batch; `accepted` drafts equalled the token sampled at their position."""
+    return {
+        "rounds": rounds,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else float("nan"),
+        "mean_accepted": accepted / rounds if rounds else float("nan"),
+        "draft_s": draft_s,
+        "verify_s": verify_s,
+    }
+
+
 @dataclass
 class ScoreResult:
     logprobs: np.ndarray        # log p(actual next token), one per scored token

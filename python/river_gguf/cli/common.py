@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from ..options import MODES, RIVER_ATTENTION
+from ..options import DRAFT_MODES, MODES, RIVER_ATTENTION
 
 PROG = "river-gguf"
 
@@ -91,7 +91,16 @@ def rpc_model_kwargs(args) -> dict:
 
 
 def add_exit_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=MODES, default=None, help="exit mode (default: the file's own)")
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="exit mode (default: the file's own); lossless: the river drafts, the backbone verifies, "
+                        "and the text is the backbone's")
+    p.add_argument("--draft-max", type=int, default=None, metavar="N",
+                   help="lossless: at most N drafts a round (default 4)")
+    p.add_argument("--draft-p-min", type=float, default=None, metavar="P",
+                   help="lossless: stop drafting at a draft whose probability is below P (default 0)")
+    p.add_argument("--draft-mode", choices=DRAFT_MODES, default=None,
+                   help="lossless: draft with every layer from the river (river-only, default) or with River's "
+                        "exit rule (river: backbone layers until cos > TAU)")
     p.add_argument("--threshold", "--tau", dest="threshold", type=float, default=None, metavar="TAU",
                    help="exit when cos(h_in, h_out) >= TAU (> 1: never)")
     p.add_argument("--exit-layer", type=int, default=None, metavar="K",
@@ -164,7 +173,7 @@ def load_llama(args):
 def river_model_kwargs(args) -> dict:
     """The exit options given on the command line (None: the file's own)."""
     return {k: getattr(args, k, None) for k in ("mode", "threshold", "river_head", "preset", "tail",
-                                                "river_attention")}
+                                                "river_attention", "draft_max", "draft_p_min", "draft_mode")}
 
 
 def sampling_kwargs(args) -> dict:
@@ -188,7 +197,13 @@ def summary_line(stats: dict, llm) -> str:
              f"decode {s['decode_tokens']} tok @ {s['decode_tok_s']:.1f} tok/s",
              f"{s['completion_tokens']} tokens, finish={s['finish_reason']}"]
     m = llm.river_model
-    if m.has_river:
+    if s.get("mode") == "lossless":
+        rate = s["acceptance_rate"]
+        parts.append(f"mode=lossless drafted={s['drafted']} accepted={s['accepted']} "
+                     f"({'-' if math.isnan(rate) else f'{100 * rate:.0f}%'}) "
+                     f"mean_accepted={s['mean_accepted']:.2f}/{s['draft_max']} "
+                     f"draft {s['draft_s']:.2f}s verify {s['verify_s']:.2f}s")
+    elif m.has_river:
         hist = " ".join(f"{k}:{v}" for k, v in s["exit_histogram"].items())
         mean = s["mean_exit_layer"]
         parts.append(f"mode={s['mode']}" + (f" tau={s['threshold']:g}" if s["mode"] == "river" else "")

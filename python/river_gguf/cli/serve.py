@@ -3,13 +3,12 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..options import MODES
 from ..serve.settings import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
-from .common import UsageError, default_model_for_cli, gpu_model_kwargs, rpc_model_kwargs
+from .common import UsageError, default_model_for_cli, gpu_model_kwargs, river_model_kwargs, rpc_model_kwargs
 
 
 def register(sub, common) -> None:
-    p = sub.add_parser("serve", parents=[common.model],
+    p = sub.add_parser("serve", parents=[common.model, common.exit],
                        help="serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
                             "/v1/chat/completions, /v1/models)")
     p.add_argument("--n-ctx", dest="ctx", type=int, default=argparse.SUPPRESS, metavar="N",
@@ -21,13 +20,6 @@ def register(sub, common) -> None:
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else no key)")
     p.add_argument("--alias", default=None, metavar="NAME",
                    help="model name shown in /v1/models and in responses (default: the file name)")
-    p.add_argument("--preset", default=None, metavar="NAME",
-                   help="a River GGUF's stored setting: fast, balanced, quality (default: the file's own)")
-    p.add_argument("--mode", choices=MODES, default=None, help="exit mode (default: the file's own)")
-    p.add_argument("--threshold", "--tau", dest="threshold", type=float, default=None, metavar="TAU",
-                   help="exit when cos(h_in, h_out) >= TAU")
-    p.add_argument("--tail", type=int, default=None, metavar="T",
-                   help="exited tokens rejoin the backbone for the last T layers")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info: one line per request)")
     p.set_defaults(func=run)
@@ -73,7 +65,7 @@ def _load_model(args):
     from ..serve import loader
 
     path = args.model or default_model_for_cli()
-    river = dict(mode=args.mode, threshold=args.threshold, preset=args.preset, tail=args.tail)
+    river = dict(river_model_kwargs(args), exit_layer=args.exit_layer)
     # flash_attn=True: as `generate` and `chat` (cli/common.load_llama); Llama defaults to off.
     # embedding=True: /v1/embeddings works (in this engine it costs nothing until called).
     return loader.model_class()(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads, flash_attn=True,

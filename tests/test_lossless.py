@@ -238,3 +238,29 @@ def test_options_are_checked(river_gguf_path, q4_0_path):
     m.eval(list(range(1, 61)), m.options(mode="backbone"), prompt=True)
     drafts, _ = m.draft(5, m.options(mode="lossless", draft_max=16))
     assert len(drafts) <= 64 - 60 - 1
+
+
+# --- when it pays (calibrate.lossless) -----------------------------------------------------------------
+
+def test_cost_model_of_a_round():
+    from river_gguf.calibrate.lossless import Costs, best_draft_max, predicted_speedup, tokens_per_round
+
+    assert tokens_per_round(0.0, 4) == 1.0 and tokens_per_round(1.0, 4) == 5.0
+    assert tokens_per_round(0.5, 2) == pytest.approx(1.75)
+    # Weight-bound backbone (a batch of 5 costs 1.4 steps) and a draft at a third of a step.
+    bound = Costs(step=0.105, draft=0.035, verify={n: 0.105 * (1 + 0.1 * (n - 1)) for n in range(2, 7)})
+    choice = best_draft_max(bound, 0.9)
+    assert choice["pays"] and choice["speedup"] == pytest.approx(predicted_speedup(bound, 0.9, choice["draft_max"]))
+    assert choice["speedup"] == max(choice["per_k"].values())
+    # A batch that costs as much as its tokens' steps never pays, whatever the acceptance.
+    flat = Costs(step=0.011, draft=0.005, verify={n: 0.011 * n for n in range(2, 7)})
+    assert not best_draft_max(flat, 0.95)["pays"]
+
+
+def test_acceptance_from_the_grid():
+    from river_gguf.calibrate.lossless import river_only_acceptance
+
+    grid = [{"options": {"mode": "river-only", "tail": 2}, "same_top": 95.0},
+            {"options": {"mode": "river-only", "river_head": True}, "same_top": 87.5}]
+    assert river_only_acceptance(grid) == pytest.approx(0.875)
+    assert river_only_acceptance(grid[:1]) is None

@@ -64,7 +64,15 @@ def test_tune_rechooses_from_timed_grid_and_changes_no_tensor(tuned_pair, tmp_pa
     options = [r["options"] for r in grid]
     assert set(m.presets) == set(presets.NAMES)
     for name, p in m.presets.items():
-        assert p["options"] in options and p["kld"] == grid[options.index(p["options"])]["kld"]
+        if p["options"].get("mode") == "lossless":  # only where it was predicted to beat the backbone
+            assert res["lossless"]["pays"] and p["kld"] == 0.0
+            assert p["options"]["draft_max"] == res["lossless"]["draft_max"]
+        else:
+            assert p["options"] in options and p["kld"] == grid[options.index(p["options"])]["kld"]
+    # Lossless mode is priced from timed costs and the grid's acceptance, and said so.
+    lossless = res["lossless"]
+    assert set(lossless["costs"]) == {"step", "draft", "verify"} and 0 <= lossless["acceptance"] <= 1
+    assert lossless["line"].startswith("lossless") and str(lossless["draft_max"]) in lossless["line"]
     # The stored choice is presets.choose on the timed rows and bounds: a pure function of them.
     again = presets.choose(res["rows"], anchors["bounds"])
     assert {n: p["options"] for n, p in again.items()} == {n: p["options"] for n, p in m.presets.items()}

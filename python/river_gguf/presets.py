@@ -83,7 +83,8 @@ def type_cost(type_name: str, n_elements: int) -> float:
 
 
 # The exit options a preset may set (ExitOptions fields).
-OPTION_KEYS = ("mode", "threshold", "min_exit_layer", "tail", "river_head", "exit_layer", "river_attention")
+OPTION_KEYS = ("mode", "threshold", "min_exit_layer", "tail", "river_head", "exit_layer", "river_attention",
+               "draft_max", "draft_p_min", "draft_mode")
 # What a setting that leaves them out means (a preset is a whole setting, Model._with_preset).
 PLAIN_OPTIONS = {"tail": 0, "min_exit_layer": 0, "river_attention": "river"}
 
@@ -178,7 +179,9 @@ def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[st
         p = presets[name]
         o = p["options"]
         what = o.get("mode", "river")
-        if what == "river":
+        if what == "lossless":
+            what = f"lossless draft_max={o.get('draft_max')}"
+        elif what == "river":
             what = f"tau={o.get('threshold')} min_exit={o.get('min_exit_layer', 0)}"
         if o.get("river_attention", "river") != "river":
             what += f" river_attention={o['river_attention']}"

@@ -11,6 +11,13 @@ in a temp folder with llama.cpp's quantizer from the backbone, which the River G
 llama.cpp), interleaved over `rounds` rounds. Each setting's cost is its median seconds per
 decode step relative to river-only's, and each tier's bound the anchor's, as in the cost model;
 presets.choose then picks per tier, and the file is rewritten atomically (metadata only).
+
+It also prices lossless mode (calibrate.lossless): the backbone's step, the draft step and verify
+batches are timed in the engine, and with the grid's river-only acceptance they predict lossless
+speed against the backbone alone and the best draft_max. Where lossless beats the backbone, it
+joins the rows as a setting at the backbone's KL divergence (zero) and its predicted cost per
+token, so a tier (quality, usually) stores it only where it is cheaper than every setting as
+close; where it does not pay, the result says so with the numbers.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from typing import Dict, List
 from .. import presets as presets_mod
 from ..gguf_meta import set_river_metadata
 from ..greedy import greedy
+from . import lossless
 
 PROMPT = ("The river rose in the hills above the town and ran through three valleys before it reached "
           "the sea. In spring, when the snow melted,")
@@ -41,11 +49,15 @@ def _anchor_files(path: str, folder: str, n_threads: int, progress) -> Dict[str,
     return out
 
 
+#: The largest draft_max tune considers for lossless mode.
+MAX_DRAFT = 8
+
+
 def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write: bool = True,
          progress: bool = True) -> dict:
     """Time the stored grid and the anchors on this machine and choose the presets again.
-    Returns {"presets", "rows", "anchors", "seconds_per_step"}; with write=True the presets,
-    anchors and the timings are stored in the file."""
+    Returns {"presets", "rows", "anchors", "seconds_per_step", "lossless"}; with write=True the
+    presets, anchors and the timings are stored in the file."""
     from tqdm import tqdm
 
     from ..eval.llama_decode import LlamaDecoder
@@ -90,11 +102,18 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
     base = step[f"grid{river_only}"]
     rows = [dict(r, relative_cost=step[f"grid{i}"] / base, seconds_per_step=step[f"grid{i}"])
             for i, r in enumerate(grid)]
+    lossless_res = _price_lossless(m, grid, rounds)
+    if lossless_res["pays"]:
+        per_token = lossless_res["costs"]["step"] / lossless_res["speedup"]
+        rows.append({"options": {"mode": "lossless", "draft_max": lossless_res["draft_max"]}, "kld": 0.0,
+                     "same_top": 100.0, "relative_cost": per_token / base, "seconds_per_step": per_token,
+                     "mean_exit_layer": float(m.n_layer - 1)})
     bounds = {name: step[kind] / base for name, kind in presets_mod.TIERS}
     chosen = presets_mod.choose(rows, bounds)
     anchors_meta = {"measure": "timed", "seconds_per_step": {k: step[k] for _, k in presets_mod.TIERS},
                     "river_only": base, "bounds": bounds}
-    res = {"presets": chosen, "rows": rows, "anchors": anchors_meta, "seconds_per_step": step}
+    res = {"presets": chosen, "rows": rows, "anchors": anchors_meta, "seconds_per_step": step,
+           "lossless": lossless_res}
     del m  # release the mapping before the file is rewritten
     if write:
         default = presets_mod.DEFAULT_PRESET
@@ -102,7 +121,19 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
             presets_mod.PRESET_KEY: presets_mod.dump(chosen),
             presets_mod.ANCHORS_KEY: presets_mod.dump(anchors_meta),
             TUNED_KEY: presets_mod.dump({"threads": n_threads, "tokens": tokens, "rounds": rounds,
-                                         "seconds_per_step": step}),
+                                         "seconds_per_step": step, "lossless": lossless_res}),
             presets_mod.DEFAULT_KEY: default,
         })
     return res
+
+
+def _price_lossless(model, grid: List[dict], rounds: int) -> dict:
+    """Lossless mode's predicted speed here: costs timed in the engine, acceptance from the grid."""
+    acceptance = lossless.river_only_acceptance(grid)
+    if acceptance is None:
+        raise ValueError("the grid has no river-only row with its same-top rate")
+    opts = model.options(mode="lossless", draft_max=MAX_DRAFT)
+    costs = lossless.measure_costs(model, opts, MAX_DRAFT + 1, rounds=rounds)
+    choice = lossless.best_draft_max(costs, acceptance)
+    return dict(choice, costs=costs.as_dict(), line=lossless.describe(choice, costs),
+                per_k={str(k): v for k, v in choice["per_k"].items()})

@@ -32,6 +32,7 @@ def _run(args) -> int:
     st = res["seconds_per_step"]
     for _, kind in presets_mod.TIERS:
         print(f"llama.cpp {kind.upper()}: {1 / st[kind]:.1f} tok/s")
+    print(res["lossless"]["line"])
     for line in presets_mod.describe(res["presets"], presets_mod.DEFAULT_PRESET):
         print(f"preset {line}")
     print("(not written: --dry-run)" if args.dry_run else f"wrote the presets into {args.model}")

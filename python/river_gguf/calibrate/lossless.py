@@ -1,0 +1,119 @@
+"""When lossless mode pays: its speed against the backbone alone, predicted from the costs of a
+backbone step, a draft step and a verify batch, and the rate at which drafts are accepted.
+
+A lossless round drafts k tokens with the river (k draft steps: the token before them and the
+first k-1 drafts) and verifies the token and the k drafts in one backbone batch of k+1. With each
+draft accepted with probability a, independently, the round gives 1 + a + ... + a^k tokens (the
+accepted drafts and the backbone's token after them), so
+
+    speedup(k) = (1 - a^(k+1)) / (1 - a) * step / (k * draft + verify(k+1))
+
+against the backbone alone, which spends `step` per token. A batch of k+1 costs far less than k+1
+steps only where a step is bound by weight bytes (F16 backbones, large models, GPUs); where it is
+not, no k pays and best_draft_max says so. The acceptance comes from calibration: the river-only
+setting's same-top-token rate against the backbone, teacher-forced (the grid's `same_top`).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+#: The prompt the costs are timed after (the cost of a step depends little on the text).
+PROMPT = ("The river rose in the hills above the town and ran through three valleys before it reached "
+          "the sea. In spring, when the snow melted,")
+
+
+@dataclass
+class Costs:
+    """Seconds of one backbone decode step, one draft step, and a verify batch of n tokens."""
+    step: float
+    draft: float
+    verify: Dict[int, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "draft": self.draft, "verify": {str(n): s for n, s in self.verify.items()}}
+
+
+def tokens_per_round(acceptance: float, k: int) -> float:
+    """Expected tokens a round gives with k drafts, each accepted with probability `acceptance`."""
+    a = min(max(float(acceptance), 0.0), 1.0)
+    return float(k + 1) if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def predicted_speedup(costs: Costs, acceptance: float, k: int) -> float:
+    """Lossless decoding with k drafts a round, in tokens per second, over the backbone alone."""
+    if k == 0:
+        return 1.0
+    return tokens_per_round(acceptance, k) * costs.step / (k * costs.draft + costs.verify[k + 1])
+
+
+def best_draft_max(costs: Costs, acceptance: float) -> dict:
+    """The draft_max with the highest predicted speedup among the verify sizes timed, and whether
+    it beats the backbone alone: {"draft_max", "speedup", "pays", "per_k": {k: speedup}}."""
+    per_k = {n - 1: predicted_speedup(costs, acceptance, n - 1) for n in sorted(costs.verify) if n >= 2}
+    if not per_k:
+        raise ValueError("no verify batch of 2 or more tokens was timed")
+    k = max(per_k, key=per_k.get)
+    return {"draft_max": k, "speedup": per_k[k], "pays": per_k[k] > 1.0, "per_k": per_k,
+            "acceptance": acceptance}
+
+
+def describe(choice: dict, costs: Costs) -> str:
+    """One line saying whether lossless pays here, with the numbers behind it."""
+    k = choice["draft_max"]
+    head = (f"lossless: draft_max={k} predicts {choice['speedup']:.2f}x the backbone alone"
+            if choice["pays"] else
+            f"lossless does not pay here: the best, draft_max={k}, predicts {choice['speedup']:.2f}x the backbone")
+    return (f"{head} (backbone step {1e3 * costs.step:.1f} ms, draft step {1e3 * costs.draft:.1f} ms, "
+            f"verify of {k + 1} {1e3 * costs.verify[k + 1]:.1f} ms = {costs.verify[k + 1] / costs.step:.2f} steps, "
+            f"acceptance {100 * choice['acceptance']:.0f}%)")
+
+
+def river_only_acceptance(grid_rows: Sequence[dict]) -> Optional[float]:
+    """The calibration acceptance of river-only drafts: the plain river-only setting's same-top
+    rate against the backbone, as a fraction (None when the grid has no such row)."""
+    for r in grid_rows:
+        o = r.get("options", {})
+        if (o.get("mode") == "river-only" and not o.get("tail") and o.get("river_attention", "river") == "river"
+                and r.get("same_top") is not None):
+            v = float(r["same_top"])
+            return v / 100.0 if v > 1.0 else v
+    return None
+
+
+def measure_costs(model, options, max_batch: int, rounds: int = 5, steps: int = 16) -> Costs:
+    """Time, in `model`'s engine, a backbone decode step, a draft step (options' draft setting)
+    and verify batches of 2..max_batch tokens, each the median of `rounds` interleaved rounds of
+    `steps` runs after the same prompt. The engine is timed alone (no sampling)."""
+    e = model.engine
+    prompt = model.tokenize(PROMPT)
+    if len(prompt) + steps + max_batch >= model.n_ctx:
+        raise ValueError(f"n_ctx={model.n_ctx} is too small to time {steps} steps after the prompt")
+    backbone = options.engine_args(prompt=True)
+    draft = options.draft_args()
+    draft_eval = {k: v for k, v in draft.items() if k not in ("n_max", "p_min")}
+    times: Dict[str, List[float]] = {}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        fn()
+        times.setdefault(name, []).append(time.perf_counter() - t0)
+
+    with model.lock:
+        model.begin()
+        e.eval(prompt, **backbone)
+        base = e.n_past
+        for _ in range(rounds):
+            for mode, args in (("step", backbone), ("draft", draft_eval)):
+                e.truncate(base)
+                for i in range(steps):
+                    timed(mode, lambda: e.eval([prompt[i % len(prompt)]], **args))
+            for n in range(2, max_batch + 1):
+                for i in range(max(steps // n, 2)):
+                    e.truncate(base)
+                    timed(f"verify{n}", lambda: e.eval(prompt[:n], all_logits=True, **backbone))
+        model.begin()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return Costs(step=med["step"], draft=med["draft"], verify={n: med[f"verify{n}"] for n in range(2, max_batch + 1)})

@@ -192,7 +192,6 @@ def main(argv=None) -> int:
             per_round[name].append(statistics.mean(got[name]))
 
     base = per_round["backbone (river_gguf)"]
-    spec_name = f"llama-speculative k={ks[-1]}" if not args.no_speculative else None
     print(f"\n{args.model}, {args.backbone} backbone + Q4_0-imatrix river, {'sampled' if args.sampled else 'greedy'}, "
           f"{args.prompts} prompts x {args.tokens} tokens, {args.rounds} rounds, {args.threads} threads\n")
     print("| row | tok/s | x backbone | x llama-speculative (same k) | acceptance |")
@@ -208,9 +207,9 @@ def main(argv=None) -> int:
                  "x_speculative": vs_spec, "acceptance": statistics.mean(acc) if acc else None,
                  "rounds": per_round[name]}
         table.append(entry)
-        print(f"| {name} | {med:.2f} | {entry['x_backbone']:.2f} | "
-              f"{'-' if math.isnan(vs_spec) or name.startswith('llama-spec') else f'{vs_spec:.2f}'} | "
-              f"{'-' if entry['acceptance'] is None else f'{100 * entry['acceptance']:.0f}%'} |")
+        spec_cell = "-" if math.isnan(vs_spec) or name.startswith("llama-spec") else f"{vs_spec:.2f}"
+        acc_cell = "-" if entry["acceptance"] is None else f"{100 * entry['acceptance']:.0f}%"
+        print(f"| {name} | {med:.2f} | {entry['x_backbone']:.2f} | {spec_cell} | {acc_cell} |")
     out = {"model": args.model, "backbone": args.backbone, "sampled": args.sampled, "tokens": args.tokens,
            "prompts": args.prompts, "rounds": args.rounds, "threads": args.threads, "rows": table}
     if args.costs:

@@ -29,6 +29,12 @@ and to llama-speculative is the geometric mean of the per-round ratios.
 (llama-speculative then accepts drafts by its stochastic rule). --costs also times the engine's
 step, draft step and verify batches (calibrate.lossless.measure_costs) and prints the speedup
 they predict at the acceptance measured in the run. Run it alone on the machine.
+
+    .venv/bin/python benchmarks/lossless_speed.py --shape llama-3.2-1b --acceptance 0.87,0.92
+
+times only those costs, on a random-weight F16 model of that shape (testing.RANDOM_SHAPES, written
+once into the cache) with a Q4_0 river, and prints the speedup they predict at each acceptance (the
+ones measured on the real models): the cost of a step does not depend on the weights.
 """
 import argparse
 import json
@@ -124,6 +130,34 @@ def speculative_row(target: str, draft: str, prompt: str, tokens: int, k: int, p
             "drafted": drafted}
 
 
+def shape_costs(shape: str, acceptances, threads: int, max_draft: int) -> dict:
+    """Step, draft and verify costs of a random-weight model of `shape`, and the speedups they
+    predict at each acceptance."""
+    from river_gguf import Model
+    from river_gguf.convert.build import build_river_gguf
+    from river_gguf.testing import write_random_shape
+
+    f16 = cache_dir() / f"random-{shape}.f16.gguf"
+    if not f16.is_file():
+        write_random_shape(f16, shape)
+    river = cache_dir() / f"random-{shape}.f16+q4_0.river.gguf"
+    if not river.is_file():
+        build_river_gguf(str(f16), river, river_type="q4_0", backbone_type="f16", imatrix=None, presets=False,
+                         threshold=2.0, progress=True, n_threads=threads)
+    m = Model(str(river), n_ctx=512, n_threads=threads)
+    costs = lossless_cost.measure_costs(m, m.options(mode="lossless", draft_max=max_draft), max_draft + 1,
+                                        rounds=3, steps=8)
+    out = {"shape": shape, "costs": costs.as_dict(), "predicted": {}}
+    print(f"\n{shape} (random F16 + Q4_0 river, {threads} threads): step {1e3 * costs.step:.1f} ms, "
+          f"draft step {1e3 * costs.draft:.1f} ms, verify "
+          + ", ".join(f"{n}: {1e3 * v:.1f} ms ({v / costs.step:.2f} steps)" for n, v in costs.verify.items()))
+    for a in acceptances:
+        choice = lossless_cost.best_draft_max(costs, a)
+        out["predicted"][str(a)] = choice
+        print(lossless_cost.describe(choice, costs))
+    return out
+
+
 def gmean_ratio(a, b):
     return math.exp(statistics.mean(math.log(x / y) for x, y in zip(a, b)))
 
@@ -138,13 +172,24 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-max", default="3,5", help="comma-separated draft_max values (default 3,5)")
     ap.add_argument("--draft-p-min", type=float, default=0.0)
     ap.add_argument("--exit-tau", type=float, default=None, help="also a lossless row with River-exit drafts at TAU")
+    ap.add_argument("--static", default="q8_0",
+                    help="more llama.cpp rows: comma-separated ladder files (model_zoo kinds; default q8_0, the "
+                         "speed an F16 lossless backbone would have to reach to dominate it; '' for none)")
     ap.add_argument("--sampled", action="store_true", help="sample (temp 0.8, top-k 40, top-p 0.9, penalty 1.1)")
     ap.add_argument("--no-speculative", action="store_true", help="leave out llama-speculative")
     ap.add_argument("--costs", action="store_true", help="also time step, draft and verify costs and predict")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--shape", default=None, help="only the costs of a random-weight model of this shape")
+    ap.add_argument("--acceptance", default="0.85,0.9", help="with --shape: acceptances to predict at")
     args = ap.parse_args(argv)
     ks = [int(x) for x in args.draft_max.split(",")]
+    if args.shape:
+        out = shape_costs(args.shape, [float(a) for a in args.acceptance.split(",")], args.threads, max(ks))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     if not args.no_speculative and not os.path.exists(SPECULATIVE):
         ap.error(f"{SPECULATIVE} is missing: run ./scripts/build_llama_tools.sh (or pass --no-speculative)")
 
@@ -154,7 +199,10 @@ def main(argv=None) -> int:
     texts = prompts(args.model, args.prompts)
     sampling = SAMPLING if args.sampled else GREEDY
     llm = Llama(river, n_ctx=N_CTX, n_threads=args.threads, flash_attn=True, verbose=False)
-    dec = LlamaDecoder(target, N_CTX, args.threads)
+    decoders = {args.backbone: LlamaDecoder(target, N_CTX, args.threads)}
+    for kind in filter(None, args.static.split(",")):
+        if kind not in decoders:
+            decoders[kind] = LlamaDecoder(model_zoo.derived(args.model, kind), N_CTX, args.threads)
 
     rows = {f"lossless k={k}": ("river", dict(mode="lossless", draft_max=k, draft_p_min=args.draft_p_min))
             for k in ks}
@@ -163,7 +211,8 @@ def main(argv=None) -> int:
             "river", dict(mode="lossless", draft_max=ks[-1], draft_p_min=args.draft_p_min, draft_mode="river",
                           threshold=args.exit_tau))
     rows["backbone (river_gguf)"] = ("river", dict(mode="backbone"))
-    rows[f"llama.cpp {args.backbone} (llama_decode)"] = ("llama_cpp", None)
+    for kind in decoders:
+        rows[f"llama.cpp {kind} (llama_decode)"] = ("llama_cpp", kind)
     if not args.no_speculative:
         for k in ks:
             rows[f"llama-speculative k={k}"] = ("speculative", k)
@@ -179,7 +228,7 @@ def main(argv=None) -> int:
                 if kind == "river":
                     r = river_row(llm, text, args.tokens, sampling, **arg)
                 elif kind == "llama_cpp":
-                    r = llama_cpp_row(dec, llm, text, args.tokens)
+                    r = llama_cpp_row(decoders[arg], llm, text, args.tokens)
                 else:
                     r = speculative_row(target, draft, text, args.tokens, arg, args.draft_p_min, args.threads,
                                         args.sampled)
@@ -200,7 +249,8 @@ def main(argv=None) -> int:
     for name in rows:
         med = statistics.median(per_round[name])
         acc = [d["acceptance"] for d in detail[name] if "acceptance" in d]
-        k = rows[name][1].get("draft_max") if isinstance(rows[name][1], dict) else rows[name][1]
+        kind, arg = rows[name]
+        k = arg.get("draft_max") if kind == "river" else arg if kind == "speculative" else None
         same_k = f"llama-speculative k={k}" if k is not None and not args.no_speculative else None
         vs_spec = gmean_ratio(per_round[name], per_round[same_k]) if same_k in per_round else float("nan")
         entry = {"row": name, "tok_s": med, "x_backbone": gmean_ratio(per_round[name], base),
@@ -220,7 +270,8 @@ def main(argv=None) -> int:
         choice = lossless_cost.best_draft_max(costs, acc)
         print("\n" + lossless_cost.describe(choice, costs))
         out.update(costs=costs.as_dict(), prediction=choice)
-    dec.close()
+    for d in decoders.values():
+        d.close()
     llm.close()
     if args.json:
         with open(args.json, "w") as f:

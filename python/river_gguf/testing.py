@@ -35,14 +35,27 @@ def _tokenizer_kvs() -> tuple:
     return tuple(metadata_items(reader, skip))
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter) -> int:
-    """Give ``writer`` SmolLM2's tokenizer; return its vocab size."""
-    n_vocab = 0
-    for key, value, vtype, sub_type in _tokenizer_kvs():
+#: llama.cpp's token type of the tokens that pad a vocabulary to a model's size: never produced
+#: by the tokenizer, so the text a test writes tokenizes as with SmolLM2's own vocabulary.
+_UNUSED_TOKEN = 5
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, n_vocab: int | None = None) -> int:
+    """Give ``writer`` SmolLM2's tokenizer, padded with unused tokens to n_vocab when that is
+    larger (the shapes of Llama 3's 128256-token vocabulary); return its vocab size."""
+    kvs = list(_tokenizer_kvs())
+    base = next(len(v) for k, v, _, _ in kvs if k == "tokenizer.ggml.tokens")
+    if n_vocab is not None and n_vocab < base:
+        raise ValueError(f"n_vocab must be at least SmolLM2's {base}, got {n_vocab}")
+    extra = 0 if n_vocab is None else n_vocab - base
+    pad = {"tokenizer.ggml.tokens": [f"<|unused_{i}|>" for i in range(extra)],
+           "tokenizer.ggml.token_type": [_UNUSED_TOKEN] * extra,
+           "tokenizer.ggml.scores": [0.0] * extra}
+    for key, value, vtype, sub_type in kvs:
+        if extra and key in pad:
+            value = list(value) + pad[key]
         writer.add_key_value(key, value, vtype, sub_type=sub_type)
-        if key == "tokenizer.ggml.tokens":
-            n_vocab = len(value)
-    return n_vocab
+    return base + extra
 
 
 def write_tiny_model(
@@ -62,6 +75,7 @@ def write_tiny_model(
     sliding_window: int | None = None,
     n_rot: int | None = None,
     longrope: bool = False,
+    n_vocab: int | None = None,
 ) -> str:
     """Write a small random model of ``arch`` (one of ARCHS) that llama.cpp can run.
 
@@ -85,6 +99,10 @@ def write_tiny_model(
     default the head size). ``longrope`` (phi3): LongRoPE's two factor sets (long and short,
     unlike each other and 1), an original context of LONGROPE_ORIG_CTX positions (not a multiple of 256,
     so llama.cpp's rounding of the context decides some choices) and a rope attn_factor.
+    ``n_vocab``: pad SmolLM2's vocabulary with unused tokens to this size (RANDOM_SHAPES).
+
+    Tensors are drawn and written one at a time, so a model of any size (RANDOM_SHAPES: Llama
+    3.1 8B's shape is 16 GB in F16) never sits in memory whole.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
@@ -108,19 +126,26 @@ def write_tiny_model(
     wdt = np.float16 if dtype == "f16" else np.float32
     rng = np.random.default_rng(seed)
 
-    def mat(n_out: int, n_in: int, gain: float = 0.8) -> np.ndarray:
+    # Each tensor is a (shape, dtype, draw) triple: its data is drawn when it is written, in the
+    # order the tensors are listed, so the same seed gives the same weights at any size.
+    def mat(n_out: int, n_in: int, gain: float = 0.8):
         # numpy shape (n_out, n_in) == GGUF ne [n_in, n_out], as llama.cpp expects for weights
-        return (rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(wdt)
+        return (n_out, n_in), wdt, lambda: (rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(wdt)
 
-    def vec(n: int, mean: float, std: float) -> np.ndarray:
-        return (mean + std * rng.standard_normal(n)).astype(np.float32)
+    def vec(n: int, mean: float, std: float):
+        return (n,), np.float32, lambda: (mean + std * rng.standard_normal(n)).astype(np.float32)
 
-    with atomic_output(path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, arch)) as w:
+    def const(a: np.ndarray):
+        return a.shape, a.dtype, lambda: a
+
+    tensors = []
+
+    with atomic_output(path) as tmp, contextlib.closing(_StreamingWriter(tmp, arch, tensors)) as w:
         # llama.cpp's vocabulary loader looks up Phi-3's own special tokens ("</s>", ...) in
         # any model whose general.name contains "phi3" or "phi-3"; SmolLM2's vocabulary has
         # none of them, so that name would not load.
         w.add_name("tiny-phi-family" if arch == "phi3" else f"tiny-{arch}")
-        n_vocab = _copy_tokenizer(w)
+        n_vocab = _copy_tokenizer(w, n_vocab)
         w.add_file_type(1 if dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
         w.add_uint32(f"{arch}.block_count", n_layer)
         w.add_uint32(f"{arch}.context_length", _CONTEXT_LENGTH)
@@ -151,17 +176,18 @@ def write_tiny_model(
             w.add_float32(f"{arch}.final_logit_softcapping", 4.0)
 
         # std 0.1: gives logits of std ~0.8 when the embedding doubles as the (tied) LM head.
-        w.add_tensor("token_embd.weight", (rng.standard_normal((n_vocab, n_embd)) * 0.1).astype(wdt))
+        w.add_tensor("token_embd.weight", ((n_vocab, n_embd), wdt,
+                                           lambda: (rng.standard_normal((n_vocab, n_embd)) * 0.1).astype(wdt)))
         w.add_tensor("output_norm.weight", vec(n_embd, 1.0, 0.05))
         if not tied:
             w.add_tensor("output.weight", mat(n_vocab, n_embd, gain=1.0))
         if rope_freqs:
             # Per-dimension-pair divisors of the rotation frequency (llama3-style factors).
-            w.add_tensor("rope_freqs.weight", np.linspace(1.0, 4.0, rot // 2, dtype=np.float32))
+            w.add_tensor("rope_freqs.weight", const(np.linspace(1.0, 4.0, rot // 2, dtype=np.float32)))
         if longrope:
             # Divisors of the rotation frequencies, within the original context and beyond it.
-            w.add_tensor("rope_factors_long.weight", np.linspace(1.0, 6.0, rot // 2, dtype=np.float32))
-            w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.5, rot // 2, dtype=np.float32))
+            w.add_tensor("rope_factors_long.weight", const(np.linspace(1.0, 6.0, rot // 2, dtype=np.float32)))
+            w.add_tensor("rope_factors_short.weight", const(np.linspace(1.0, 1.5, rot // 2, dtype=np.float32)))
 
         for i in range(n_layer):
             p = f"blk.{i}."
@@ -197,10 +223,49 @@ def write_tiny_model(
             if arch == "olmo2" or gemma:
                 w.add_tensor(p + "post_ffw_norm.weight", vec(n_embd, 1.0, 0.05))
 
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_streamed()
     return os.fspath(path)
+
+
+class _StreamingWriter(gguf.GGUFWriter):
+    """gguf's writer, but add_tensor takes a (shape, dtype, draw) triple and write_streamed draws
+    and writes each tensor's data in turn."""
+
+    def __init__(self, path, arch, tensors: list):
+        super().__init__(path, arch)
+        self._lazy = tensors
+
+    def add_tensor(self, name, spec):  # noqa: D102 (see the class)
+        shape, dtype, draw = spec
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        self.add_tensor_info(name, shape, np.dtype(dtype), nbytes)
+        self._lazy.append((shape, draw))
+
+    def write_streamed(self) -> None:
+        self.write_header_to_file()
+        self.write_kv_data_to_file()
+        self.write_ti_data_to_file()
+        for shape, draw in self._lazy:
+            a = draw()
+            assert a.shape == tuple(shape)
+            self.write_tensor_data(a)
+
+
+#: Random-weight shapes of the models users run (write_random_shape): for timing anything whose
+#: cost does not depend on the weights (a step, a batch, a conversion), with their real
+#: vocabulary size.
+RANDOM_SHAPES = {
+    "llama-3.2-1b": dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, tied=True, n_vocab=128256),
+    "llama-3.2-3b": dict(n_layer=28, n_embd=3072, n_head=24, n_head_kv=8, n_ff=8192, tied=True, n_vocab=128256),
+    "llama-3.1-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, tied=False, n_vocab=128256),
+}
+
+
+def write_random_shape(path: str | os.PathLike, shape: str, seed: int = 0) -> str:
+    """An F16 llama model with random weights in one of RANDOM_SHAPES."""
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
+    return write_tiny_model(path, "llama", dtype="f16", seed=seed, **RANDOM_SHAPES[shape])
 
 
 def attention_from(key: str):
@@ -227,10 +292,49 @@ def write_unsupported_arch(path: str | os.PathLike, arch: str = "mamba") -> str:
         w.add_uint32(f"{arch}.context_length", _CONTEXT_LENGTH)
         w.add_uint32(f"{arch}.embedding_length", 16)
         w.add_tensor("token_embd.weight", np.zeros((32, 16), dtype=np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_streamed()
     return os.fspath(path)
+
+
+class _StreamingWriter(gguf.GGUFWriter):
+    """gguf's writer, but add_tensor takes a (shape, dtype, draw) triple and write_streamed draws
+    and writes each tensor's data in turn."""
+
+    def __init__(self, path, arch, tensors: list):
+        super().__init__(path, arch)
+        self._lazy = tensors
+
+    def add_tensor(self, name, spec):  # noqa: D102 (see the class)
+        shape, dtype, draw = spec
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        self.add_tensor_info(name, shape, np.dtype(dtype), nbytes)
+        self._lazy.append((shape, draw))
+
+    def write_streamed(self) -> None:
+        self.write_header_to_file()
+        self.write_kv_data_to_file()
+        self.write_ti_data_to_file()
+        for shape, draw in self._lazy:
+            a = draw()
+            assert a.shape == tuple(shape)
+            self.write_tensor_data(a)
+
+
+#: Random-weight shapes of the models users run (write_random_shape): for timing anything whose
+#: cost does not depend on the weights (a step, a batch, a conversion), with their real
+#: vocabulary size.
+RANDOM_SHAPES = {
+    "llama-3.2-1b": dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, tied=True, n_vocab=128256),
+    "llama-3.2-3b": dict(n_layer=28, n_embd=3072, n_head=24, n_head_kv=8, n_ff=8192, tied=True, n_vocab=128256),
+    "llama-3.1-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, tied=False, n_vocab=128256),
+}
+
+
+def write_random_shape(path: str | os.PathLike, shape: str, seed: int = 0) -> str:
+    """An F16 llama model with random weights in one of RANDOM_SHAPES."""
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
+    return write_tiny_model(path, "llama", dtype="f16", seed=seed, **RANDOM_SHAPES[shape])
 
 
 def truncate_copy(src: str | os.PathLike, dst: str | os.PathLike, keep_fraction: float = 0.5) -> str:

@@ -64,7 +64,7 @@ class LlamaSide:
     name = "llama.cpp"
 
     def __init__(self, path, threads):
-        from river_gguf.eval.llama_decode import LlamaDecoder
+        from river_gguf.measure.llama_decode import LlamaDecoder
 
         self.dec = LlamaDecoder(path, N_CTX, threads)
 

@@ -53,9 +53,9 @@ except ImportError:
 
 from river_gguf.calibrate import lossless as lossless_cost  # noqa: E402
 from river_gguf.default_model import cache_dir  # noqa: E402
-from river_gguf.eval import data as eval_data  # noqa: E402
+from river_gguf.measure import data as eval_data  # noqa: E402
 from river_gguf.eval import model_zoo  # noqa: E402
-from river_gguf.eval.llama_decode import LlamaDecoder  # noqa: E402
+from river_gguf.measure.llama_decode import LlamaDecoder  # noqa: E402
 from river_gguf.llama import Llama  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

@@ -28,8 +28,9 @@ from tqdm import tqdm  # noqa: E402
 from river_gguf import Model, presets  # noqa: E402
 from river_gguf.convert.hybrid import write_mixed_gguf  # noqa: E402
 from river_gguf.default_model import cache_dir  # noqa: E402
-from river_gguf.eval import data as eval_data  # noqa: E402
-from river_gguf.eval import divergence, model_zoo  # noqa: E402
+from river_gguf.measure import data as eval_data  # noqa: E402
+from river_gguf.measure import divergence
+from river_gguf.eval import model_zoo  # noqa: E402
 from river_gguf.eval import report as evaluate  # noqa: E402
 
 ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")

@@ -36,7 +36,7 @@ from river_gguf import Model, presets  # noqa: E402
 from river_gguf.eval import report as evaluate
 
 from river_gguf.eval import model_zoo
-from river_gguf.eval.llama_decode import LlamaDecoder  # noqa: E402
+from river_gguf.measure.llama_decode import LlamaDecoder  # noqa: E402
 
 # --gpu-check's settings beside the presets. "all tested": tau 1.0 runs the exit test after every
 # layer and no cos passes it (cos <= 1), so against "backbone" it prices the test alone.

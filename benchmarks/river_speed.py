@@ -81,7 +81,7 @@ class RiverRun:
 
 class LlamaRun:
     def __init__(self, path, threads):
-        from river_gguf.eval.llama_decode import LlamaDecoder
+        from river_gguf.measure.llama_decode import LlamaDecoder
 
         self.dec = LlamaDecoder(path, N_CTX, threads)
         self.toks = self.dec.tokenize(PROMPT)

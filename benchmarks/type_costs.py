@@ -29,7 +29,7 @@ except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from river_gguf.eval import model_zoo  # noqa: E402
-from river_gguf.eval.llama_decode import LlamaDecoder  # noqa: E402
+from river_gguf.measure.llama_decode import LlamaDecoder  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 

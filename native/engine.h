@@ -11,6 +11,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
 #include "ggml-cpu.h"
+#include "engine_config.h"
 #include "gguf_file.h"
 #include "hparams.h"
 #include "kv_cache.h"
@@ -19,44 +20,6 @@
 #include "weights.h"
 
 namespace river {
-
-enum class ExitDecision {
-    Auto = 0,   // on the graph when layers are offloaded (GPU or RPC), else the CPU op
-    Cpu = 1,    // a CPU custom op after each tested layer
-    Graph = 2,  // ggml ops on the layer's device, read by the scheduler's eval callback
-};
-
-struct EngineConfig {
-    std::string path;            // backbone GGUF (or a River GGUF)
-    std::string river_path;      // a separate river GGUF; empty when none or when embedded
-    int n_ctx = 2048;
-    int n_threads = 1;
-    int n_batch = 512;           // prompt tokens per graph
-    int n_gpu_layers = 0;        // the last n layers go to a GPU backend, when one exists
-    int main_gpu = 0;            // which GPU: an index into devices.h offload_gpus() (discrete first)
-    size_t gpu_memory = 0;       // bytes the GPU placement may use (0: its free memory); placement.h plan_gpu
-    bool repack = true;          // CPU mat-mul weights in the CPU's repacked buffer types, as llama.cpp does
-    bool graph_reuse = true;     // keep single-token decode graphs (and their allocations) across steps
-    bool fuse = true;            // repacked layers: Q/K/V and gate/up as one mul_mat each (same logits)
-    bool use_mmap = true;        // map the GGUF files; false (or RIVER_GGUF_NO_MMAP=1) reads them
-    // Attention as ggml_flash_attn_ext (llama.cpp with flash_attn on), else llama.cpp's
-    // non-flash path (KQ, soft_max_ext, V^T x KQ) over a V cache stored transposed; each gives
-    // llama.cpp's logits with the same setting.
-    bool flash_attn = true;
-    // Where the exit decision runs. The CPU op reads the hidden states in place and stops the
-    // CPU backend; with layers on a GPU or an RPC server it pulls h_in and h_out to the CPU
-    // after every tested layer, splitting the graph there. On the graph, cos(h_in, h_out) is
-    // computed by ggml ops on the layer's own device, and the scheduler's eval callback reads
-    // one float per token and stops the graph at an exit.
-    ExitDecision exit_decision = ExitDecision::Auto;
-    // Layers on other machines through ggml-rpc (rpc_link.h). Layer l's KV cache lives on its device.
-    std::vector<std::string> rpc_servers;  // host:port of each server
-    int rpc_n_layers = -1;                 // the last n layers go remote (-1: all); ignored when rpc_layers is set
-    std::vector<int> rpc_layers;           // exactly these layers go remote
-    std::vector<float> rpc_split;          // share of the remote layers per remote device; empty: by free memory
-    int rpc_weights = 0;                   // whose weights of a remote layer go with it: 0 both, 1 backbone, 2 river
-    double rpc_timeout = 120;              // seconds a server may take to answer; <= 0: no limit
-};
 
 enum class ExitMode {
     Backbone = 0,   // never exit

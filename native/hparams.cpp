@@ -5,31 +5,13 @@
 #include <cstdio>
 #include <set>
 
+#include "arch.h"
 #include "errors.h"
+#include "hparams_read.h"
 
 namespace river {
 
 namespace {
-
-// The GGUF names of the architectures this engine runs.
-constexpr struct {
-    const char* name;
-    Arch arch;
-} kArchs[] = {
-    {"llama", Arch::Llama},   {"qwen2", Arch::Qwen2},   {"qwen3", Arch::Qwen3},   {"granite", Arch::Granite},
-    {"olmo2", Arch::Olmo2},   {"gemma2", Arch::Gemma2}, {"gemma3", Arch::Gemma3}, {"phi3", Arch::Phi3},
-};
-
-// Upper bounds on the integer hyperparameters. Far above any released model, low enough that
-// every product the engine forms (rows x columns, heads x head size, cache sizes) fits in 64 bits
-// and every value fits in an int.
-constexpr int64_t kMaxLayers = 4096;
-constexpr int64_t kMaxEmbd = int64_t(1) << 20;
-constexpr int64_t kMaxFF = int64_t(1) << 22;
-constexpr int64_t kMaxHeads = int64_t(1) << 14;
-constexpr int64_t kMaxHeadDim = int64_t(1) << 14;
-constexpr int64_t kMaxContext = int64_t(1) << 30;
-constexpr int64_t kMaxVocab = int64_t(1) << 30;
 
 std::string num(double v) {
     char buf[32];
@@ -37,22 +19,9 @@ std::string num(double v) {
     return buf;
 }
 
-[[noreturn]] void bad_value(const GgufFile& f, const std::string& key, const std::string& value, const std::string& rule) {
-    throw GgufFormatError("'" + f.path() + "': " + key + " = " + value + " is invalid (" + rule + ")");
-}
-
 int in_range(const GgufFile& f, const std::string& key, int64_t v, int64_t lo, int64_t hi) {
     if (v < lo || v > hi) bad_value(f, key, std::to_string(v), "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
     return static_cast<int>(v);
-}
-
-// An integer key; `def` when absent (a negative def marks a required key).
-int bounded_int(const GgufFile& f, const std::string& key, int64_t def, int64_t lo, int64_t hi) {
-    if (!f.has_key(key)) {
-        if (def < 0) throw GgufFormatError("'" + f.path() + "' lacks the required key " + key);
-        return static_cast<int>(def);
-    }
-    return in_range(f, key, f.get_int(key, def), lo, hi);
 }
 
 // llama.cpp lets some counts vary per layer; this engine needs them uniform.
@@ -66,14 +35,6 @@ int uniform_int(const GgufFile& f, const std::string& key, int64_t def, int64_t 
         throw UnsupportedModelError("per-layer values of '" + key + "' differ; only uniform layers are supported");
     }
     return in_range(f, key, v[0], lo, hi);
-}
-
-float finite_float(const GgufFile& f, const std::string& key, float def, bool allow_zero) {
-    const float v = f.get_float(key, def);
-    if (!std::isfinite(v) || v < 0.0f || (!allow_zero && v == 0.0f)) {
-        bad_value(f, key, num(v), allow_zero ? "must be finite and >= 0" : "must be finite and > 0");
-    }
-    return v;
 }
 
 // The layer index of "blk.N.*" (after `prefix`), or -1 for other names. Indices too long to
@@ -187,24 +148,38 @@ void check_river_metadata(const GgufFile& f, int n_layer) {
     f.get_str("river.default_preset");
 }
 
-// Layer il slides its window unless it is the last of each group of `period` layers (llama.cpp's
-// swa pattern: gemma2 alternates, gemma3 has one global layer in six).
+}  // namespace
+
+void bad_value(const GgufFile& f, const std::string& key, const std::string& value, const std::string& rule) {
+    throw GgufFormatError("'" + f.path() + "': " + key + " = " + value + " is invalid (" + rule + ")");
+}
+
+int bounded_int(const GgufFile& f, const std::string& key, int64_t def, int64_t lo, int64_t hi) {
+    if (!f.has_key(key)) {
+        if (def < 0) throw GgufFormatError("'" + f.path() + "' lacks the required key " + key);
+        return static_cast<int>(def);
+    }
+    return in_range(f, key, f.get_int(key, def), lo, hi);
+}
+
+float finite_float(const GgufFile& f, const std::string& key, float def, bool allow_zero) {
+    const float v = f.get_float(key, def);
+    if (!std::isfinite(v) || v < 0.0f || (!allow_zero && v == 0.0f)) {
+        bad_value(f, key, num(v), allow_zero ? "must be finite and >= 0" : "must be finite and > 0");
+    }
+    return v;
+}
+
+void require_key(const GgufFile& f, const std::string& key) {
+    if (!f.has_key(key)) throw GgufFormatError("'" + f.path() + "' lacks the required key " + key);
+}
+
 std::vector<bool> swa_pattern(int n_layer, int period) {
     std::vector<bool> swa(n_layer);
     for (int il = 0; il < n_layer; ++il) swa[il] = il % period < period - 1;
     return swa;
 }
 
-// The window length of gemma2 and gemma3: with 0 every position would be masked.
-int sliding_window(const GgufFile& f, const std::string& a) {
-    const std::string key = a + "attention.sliding_window";
-    if (!f.has_key(key)) throw GgufFormatError("'" + f.path() + "' lacks the required key " + key);
-    return bounded_int(f, key, -1, 1, kMaxContext);
-}
-
-// Head sizes some families fix, which llama.cpp asserts or shapes its tensors by (a file that
-// breaks them crashes stock llama.cpp): K and V heads of one size, Q/K/V as wide as the model
-// (olmo2, phi3), rope over whole heads (granite, olmo2).
 void require_head_sizes(const GgufFile& f, const HParams& hp, const std::string& a, bool model_wide, bool rope_whole_head) {
     if (hp.head_dim_v != hp.head_dim_k || (model_wide && int64_t(hp.head_dim_k) * hp.n_head != hp.n_embd)) {
         bad_value(f, a + "attention.key_length", std::to_string(hp.head_dim_k),
@@ -217,97 +192,10 @@ void require_head_sizes(const GgufFile& f, const HParams& hp, const std::string&
     }
 }
 
-// What each family adds to llama's hyperparameters, with llama.cpp's keys and defaults.
-void read_family_hparams(const GgufFile& f, HParams& hp, const std::string& a) {
-    hp.attn_scale = 1.0f / std::sqrt(float(hp.head_dim_k));
-    switch (hp.arch) {
-        case Arch::Llama:
-        case Arch::Qwen2:
-        case Arch::Qwen3:
-            break;
-        case Arch::Granite: {
-            require_head_sizes(f, hp, a, /*model_wide=*/false, /*rope_whole_head=*/true);
-            // Granite turns rope off with rope.scaling.finetuned = false; no released model does.
-            if (f.has_key(a + "rope.scaling.finetuned") && f.get_int(a + "rope.scaling.finetuned", 1) == 0) {
-                throw UnsupportedModelError("granite without rope (" + a + "rope.scaling.finetuned = false) is not supported");
-            }
-            if (!f.has_key(a + "logit_scale")) throw GgufFormatError("'" + f.path() + "' lacks the required key " + a + "logit_scale");
-            hp.logit_scale = finite_float(f, a + "logit_scale", 1.0f, /*allow_zero=*/false);
-            hp.residual_scale = finite_float(f, a + "residual_scale", 0.0f, /*allow_zero=*/true);
-            hp.embedding_scale = finite_float(f, a + "embedding_scale", 0.0f, /*allow_zero=*/true);
-            const float scale = finite_float(f, a + "attention.scale", 0.0f, /*allow_zero=*/true);
-            if (scale != 0.0f) hp.attn_scale = scale;
-            break;
-        }
-        case Arch::Olmo2: {
-            require_head_sizes(f, hp, a, /*model_wide=*/true, /*rope_whole_head=*/true);
-            const std::string window = a + "attention.sliding_window";
-            hp.n_swa = f.has_key(window) ? bounded_int(f, window, 0, 0, kMaxContext) : 0;
-            if (hp.n_swa > 0) {
-                // OLMo 3's layout: three sliding layers, then one global, unless the file says otherwise.
-                const std::string pattern = a + "attention.sliding_window_pattern";
-                if (f.has_key(pattern) && f.get_int_array(pattern).size() > 1) {
-                    throw UnsupportedModelError("a per-layer " + pattern + " is not supported (only a period)");
-                }
-                hp.swa_layers = swa_pattern(hp.n_layer, bounded_int(f, pattern, 4, 1, kMaxLayers));
-                // Sliding layers rotate with the global base and no scaling (llama.cpp's olmo2 graph).
-                hp.rope_freq_base_swa = hp.rope_freq_base;
-                hp.rope_freq_scale_swa = 1.0f;
-            }
-            break;
-        }
-        case Arch::Gemma2:
-        case Arch::Gemma3: {
-            hp.embedding_scale = std::sqrt(float(hp.n_embd));
-            hp.scale_q = true;
-            // The largest Gemma 2 and Gemma 3 (27B, told apart by depth) scale by the model's
-            // width per head, not by the head size.
-            const int n_layer_27b = hp.arch == Arch::Gemma2 ? 46 : 62;
-            if (hp.n_layer == n_layer_27b) hp.attn_scale = 1.0f / std::sqrt(float(hp.n_embd / hp.n_head));
-            // gemma2 requires the window (as in llama.cpp); a gemma3 without one runs another
-            // graph in llama.cpp (every layer global, a final logit cap), which is not implemented.
-            if (hp.arch == Arch::Gemma3 && f.get_int(a + "attention.sliding_window", 0) == 0) {
-                throw UnsupportedModelError("'" + f.path() + "': gemma3 without a sliding window (" + a +
-                                            "attention.sliding_window absent or 0) is not supported");
-            }
-            hp.n_swa = sliding_window(f, a);
-            // gemma3 may set its period (llama.cpp reads it); gemma2's is fixed at 2.
-            const std::string pattern = a + "attention.sliding_window_pattern";
-            if (f.has_key(pattern) && (hp.arch == Arch::Gemma2 || f.get_int_array(pattern).size() > 1)) {
-                throw UnsupportedModelError("'" + f.path() + "' sets " + pattern + "; " +
-                                            (hp.arch == Arch::Gemma2 ? "gemma2 runs llama.cpp's fixed alternation"
-                                                                     : "only a period (one number) is supported"));
-            }
-            if (hp.arch == Arch::Gemma2) {
-                hp.swa_layers = swa_pattern(hp.n_layer, 2);
-                hp.rope_freq_base_swa = hp.rope_freq_base;
-                hp.rope_freq_scale_swa = hp.rope_freq_scale;
-                hp.attn_softcap = finite_float(f, a + "attn_logit_softcapping", 50.0f, /*allow_zero=*/false);
-                hp.final_softcap = finite_float(f, a + "final_logit_softcapping", 30.0f, /*allow_zero=*/false);
-            } else {
-                // Sliding layers keep Gemma's original rope (base 10000, unscaled); global
-                // layers take the file's base and scaling.
-                hp.swa_layers = swa_pattern(hp.n_layer, bounded_int(f, pattern, 6, 1, kMaxLayers));
-                hp.rope_freq_base_swa = finite_float(f, a + "rope.freq_base_swa", 10000.0f, /*allow_zero=*/false);
-                hp.rope_freq_scale_swa = 1.0f;
-            }
-            break;
-        }
-        case Arch::Phi3:
-            require_head_sizes(f, hp, a, /*model_wide=*/true, /*rope_whole_head=*/false);
-            hp.scale_q = true;
-            // llama.cpp reads phi3's attention.sliding_window but runs every layer globally
-            // (its phi3 loader turns the window off), so it is ignored here too.
-            break;
-    }
-}
-
-}  // namespace
-
 const char* supported_architectures() {
     static const std::string text = [] {
         std::string s;
-        for (const auto& a : kArchs) s += (s.empty() ? "" : ", ") + std::string(a.name);
+        for (const ArchSpec* a : arch_specs()) s += (s.empty() ? "" : ", ") + std::string(a->name);
         return s;
     }();
     return text.c_str();
@@ -317,10 +205,8 @@ HParams read_hparams(const GgufFile& f) {
     check_text(f);
     HParams hp;
     hp.arch_name = f.get_str("general.architecture");
-    const auto* known = std::find_if(std::begin(kArchs), std::end(kArchs), [&](const auto& a) { return hp.arch_name == a.name; });
-    if (known != std::end(kArchs)) {
-        hp.arch = known->arch;
-    } else {
+    hp.arch = find_arch(hp.arch_name);
+    if (!hp.arch) {
         throw UnsupportedModelError("unsupported architecture '" + hp.arch_name + "' in '" + f.path() +
                                     "'; supported: " + supported_architectures());
     }
@@ -366,10 +252,9 @@ HParams read_hparams(const GgufFile& f) {
     hp.n_ctx_orig = bounded_int(f, a + "rope.scaling.original_context_length", hp.n_ctx_train, 1, kMaxContext);
     hp.rope_attn_factor = finite_float(f, a + "rope.scaling.attn_factor", 1.0f, /*allow_zero=*/false);
 
-    // llama.cpp's rope type per architecture: llama and granite rotate adjacent pairs, the
-    // others the two halves of each head.
-    hp.rope_type = hp.arch == Arch::Llama || hp.arch == Arch::Granite ? GGML_ROPE_TYPE_NORMAL : GGML_ROPE_TYPE_NEOX;
-    read_family_hparams(f, hp, a);
+    hp.rope_type = hp.arch->rope_type;
+    hp.attn_scale = 1.0f / std::sqrt(float(hp.head_dim_k));
+    hp.arch->read_hparams(f, hp, a);
 
     const ggml_tensor* emb = f.tensor("token_embd.weight");
     if (!emb) throw UnsupportedModelError("'" + f.path() + "' has no token_embd.weight");

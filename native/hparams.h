@@ -7,11 +7,10 @@
 
 namespace river {
 
-// Decoder families, each with its own layer function in layer_graph.cpp.
-enum class Arch { Llama, Qwen2, Qwen3, Granite, Olmo2, Gemma2, Gemma3, Phi3 };
+struct ArchSpec;  // arch.h: the family's facts (native/models/)
 
 struct HParams {
-    Arch arch = Arch::Llama;
+    const ArchSpec* arch = nullptr;
     std::string arch_name;
     int n_layer = 0;
     int n_embd = 0;
@@ -26,7 +25,7 @@ struct HParams {
     float rms_eps = 1e-5f;
     float rope_freq_base = 10000.0f;
     float rope_freq_scale = 1.0f;
-    int rope_type = 0;    // GGML_ROPE_TYPE_NORM or _NEOX
+    int rope_type = 0;    // GGML_ROPE_TYPE_NORMAL or _NEOX (the family's)
     // The context the rope was trained for before any extension (rope.scaling.original_context_length,
     // else context_length): phi3's LongRoPE picks its long factors for contexts beyond it.
     int n_ctx_orig = 0;

@@ -7,7 +7,7 @@
 #include <set>
 #include <stdexcept>
 
-#include "engine.h"
+#include "engine_config.h"
 #ifdef RIVER_HAVE_RPC
 #include "ggml-rpc.h"
 #endif

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "engine_config.h"
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
 #include "hparams.h"
@@ -13,8 +14,6 @@
 #include "weights.h"
 
 namespace river {
-
-struct EngineConfig;
 
 // The devices a load placed layers on and the copies of weights it made there. Members are
 // destroyed in reverse order: the copied weights before the backends they live on. An Engine

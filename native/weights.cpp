@@ -6,6 +6,7 @@
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
 
+#include "arch.h"
 #include "errors.h"
 
 namespace river {
@@ -45,63 +46,8 @@ ggml_tensor* get(const GgufFile& f, const std::string& name, std::vector<int64_t
 }
 
 LayerWeights load_layer(const GgufFile& f, const HParams& hp, const std::string& prefix, int il, bool river) {
-    const std::string p = prefix + "blk." + std::to_string(il) + ".";
-    const int64_t e = hp.n_embd, q = int64_t(hp.n_head) * hp.head_dim_k;
-    const int64_t k = hp.n_embd_k_gqa(), v = hp.n_embd_v_gqa(), o = int64_t(hp.n_head) * hp.head_dim_v;
-    auto vec = [&](const std::string& n, int64_t len, bool required = true) {
-        return get(f, p + n, {len}, WeightUse::Vector, required, river);
-    };
-    auto mat = [&](const std::string& n, int64_t in, int64_t out) { return get(f, p + n, {in, out}, WeightUse::MatMul, true, river); };
-    // Tensors llama.cpp would use but this engine does not run: refused rather than ignored.
-    auto refuse_if_present = [&](const std::string& n, const std::string& what) {
-        if (f.tensor(p + n)) {
-            throw UnsupportedModelError("'" + f.path() + "' has '" + p + n + "' (" + what + "), which this engine does not run for " +
-                                        hp.arch_name);
-        }
-    };
-    const Arch a = hp.arch;
-    const bool gemma = a == Arch::Gemma2 || a == Arch::Gemma3;
     LayerWeights w;
-    // olmo2 normalizes after attention and FFN only.
-    if (a != Arch::Olmo2) w.attn_norm = vec("attn_norm.weight", e);
-    if (a == Arch::Phi3 && f.tensor(p + "attn_qkv.weight")) {
-        w.wqkv = mat("attn_qkv.weight", e, q + k + v);
-    } else {
-        if (a != Arch::Phi3) refuse_if_present("attn_qkv.weight", "a joined Q/K/V weight");
-        w.wq = mat("attn_q.weight", e, q);
-        w.wk = mat("attn_k.weight", e, k);
-        w.wv = mat("attn_v.weight", e, v);
-    }
-    w.wo = mat("attn_output.weight", o, e);
-    const bool biased = a == Arch::Qwen2;
-    w.bq = vec("attn_q.bias", q, biased);
-    w.bk = vec("attn_k.bias", k, biased);
-    w.bv = vec("attn_v.bias", v, biased);
-    if (a == Arch::Qwen3 || a == Arch::Gemma3) {
-        w.q_norm = vec("attn_q_norm.weight", hp.head_dim_k);
-        w.k_norm = vec("attn_k_norm.weight", hp.head_dim_k);
-    }
-    if (a == Arch::Olmo2) {
-        w.q_norm = vec("attn_q_norm.weight", q);
-        w.k_norm = vec("attn_k_norm.weight", k);
-    }
-    if (gemma || a == Arch::Olmo2) {
-        w.attn_post_norm = vec("post_attention_norm.weight", e);
-        w.ffn_post_norm = vec("post_ffw_norm.weight", e);
-    }
-    if (a != Arch::Olmo2) w.ffn_norm = vec("ffn_norm.weight", e);
-    if (a == Arch::Phi3) {
-        w.ffn_gate_up = mat("ffn_up.weight", e, 2 * int64_t(hp.n_ff));  // gate rows, then up rows
-    } else {
-        w.ffn_gate = mat("ffn_gate.weight", e, hp.n_ff);
-        w.ffn_up = mat("ffn_up.weight", e, hp.n_ff);
-    }
-    w.ffn_down = mat("ffn_down.weight", hp.n_ff, e);
-    if (a == Arch::Granite || a == Arch::Phi3) {
-        refuse_if_present("attn_output.bias", "an attention output bias");
-        for (const char* b : {"ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"}) refuse_if_present(b, "an FFN bias");
-        refuse_if_present("ffn_gate_inp.weight", "a mixture of experts");
-    }
+    hp.arch->load_layer(LayerLoader(f, hp, prefix, il, river), w);
     return w;
 }
 
@@ -114,6 +60,61 @@ std::string any_river_tensor(const GgufFile& f) {
 }
 
 }  // namespace
+
+LayerLoader::LayerLoader(const GgufFile& f, const HParams& hp, const std::string& prefix, int il, bool river)
+    : hp(hp),
+      e(hp.n_embd),
+      q(int64_t(hp.n_head) * hp.head_dim_k),
+      k(hp.n_embd_k_gqa()),
+      v(hp.n_embd_v_gqa()),
+      o(int64_t(hp.n_head) * hp.head_dim_v),
+      f_(f),
+      p_(prefix + "blk." + std::to_string(il) + "."),
+      river_(river) {}
+
+ggml_tensor* LayerLoader::vec(const std::string& name, int64_t len, bool required) const {
+    return get(f_, p_ + name, {len}, WeightUse::Vector, required, river_);
+}
+
+ggml_tensor* LayerLoader::mat(const std::string& name, int64_t in, int64_t out) const {
+    return get(f_, p_ + name, {in, out}, WeightUse::MatMul, true, river_);
+}
+
+bool LayerLoader::has(const std::string& name) const { return f_.tensor(p_ + name) != nullptr; }
+
+void LayerLoader::refuse(const std::string& name, const std::string& what) const {
+    if (has(name)) {
+        throw UnsupportedModelError("'" + f_.path() + "' has '" + p_ + name + "' (" + what +
+                                    "), which this engine does not run for " + hp.arch_name);
+    }
+}
+
+void load_qkvo(const LayerLoader& ld, LayerWeights& w, bool biases_required) {
+    ld.refuse("attn_qkv.weight", "a joined Q/K/V weight");
+    w.wq = ld.mat("attn_q.weight", ld.e, ld.q);
+    w.wk = ld.mat("attn_k.weight", ld.e, ld.k);
+    w.wv = ld.mat("attn_v.weight", ld.e, ld.v);
+    w.wo = ld.mat("attn_output.weight", ld.o, ld.e);
+    load_qkv_biases(ld, w, biases_required);
+}
+
+void load_qkv_biases(const LayerLoader& ld, LayerWeights& w, bool required) {
+    w.bq = ld.vec("attn_q.bias", ld.q, required);
+    w.bk = ld.vec("attn_k.bias", ld.k, required);
+    w.bv = ld.vec("attn_v.bias", ld.v, required);
+}
+
+void load_gated_ffn(const LayerLoader& ld, LayerWeights& w) {
+    w.ffn_gate = ld.mat("ffn_gate.weight", ld.e, ld.hp.n_ff);
+    w.ffn_up = ld.mat("ffn_up.weight", ld.e, ld.hp.n_ff);
+    w.ffn_down = ld.mat("ffn_down.weight", ld.hp.n_ff, ld.e);
+}
+
+void refuse_biases_and_experts(const LayerLoader& ld) {
+    ld.refuse("attn_output.bias", "an attention output bias");
+    for (const char* b : {"ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"}) ld.refuse(b, "an FFN bias");
+    ld.refuse("ffn_gate_inp.weight", "a mixture of experts");
+}
 
 bool cpu_can_matmul(const ggml_tensor* w) {
     // The CPU device answers yes for any weight type with an F32 input, but its kernels
@@ -187,13 +188,13 @@ BackboneWeights load_backbone(const GgufFile& f, const HParams& hp) {
     w.output_norm = get(f, "output_norm.weight", {hp.n_embd}, WeightUse::Vector);
     w.output = get(f, "output.weight", {hp.n_embd, hp.n_vocab}, WeightUse::MatMul, false);
     if (!w.output) w.output = w.tok_embd;
-    // Per-dimension rope factors: llama's (llama3 scaling) and granite's; phi3's LongRoPE
-    // factors are two sets, chosen by context length (rope_factors). Other architectures'
-    // loaders in llama.cpp ignore both.
-    if (hp.arch == Arch::Llama || hp.arch == Arch::Qwen2 || hp.arch == Arch::Qwen3 || hp.arch == Arch::Granite) {
+    // Per-dimension rope factors, where the family reads them (ArchSpec::rope_factors): one set
+    // (llama3 scaling), or phi3's LongRoPE sets, chosen by context length (rope_factors).
+    // llama.cpp's loaders of the other families ignore both.
+    if (hp.arch->rope_factors == RopeFactors::Freqs) {
         w.rope_freqs = get(f, "rope_freqs.weight", {hp.n_rot / 2}, WeightUse::Vector, false);
     }
-    if (hp.arch == Arch::Phi3) {
+    if (hp.arch->rope_factors == RopeFactors::LongRope) {
         w.rope_long = get(f, "rope_factors_long.weight", {hp.n_rot / 2}, WeightUse::Vector, false);
         w.rope_short = get(f, "rope_factors_short.weight", {hp.n_rot / 2}, WeightUse::Vector, false);
     }

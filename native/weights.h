@@ -60,6 +60,37 @@ struct RiverWeights {
     ggml_tensor* head = nullptr;      // quantized output head, when present
 };
 
+// A layer's tensors, looked up by name in one file ("blk.N." after the prefix) and checked
+// against the shapes the hyperparameters give: each family's load_layer (native/models/) asks
+// for the tensors it has.
+class LayerLoader {
+public:
+    LayerLoader(const GgufFile& f, const HParams& hp, const std::string& prefix, int il, bool river);
+    const HParams& hp;
+    const int64_t e, q, k, v, o;  // widths: the embedding, Q, K, V and the attention output
+    // A 1-D F32 tensor of `len` (nullptr when absent and not required).
+    ggml_tensor* vec(const std::string& name, int64_t len, bool required = true) const;
+    // A mul_mat weight mapping `in` to `out`.
+    ggml_tensor* mat(const std::string& name, int64_t in, int64_t out) const;
+    bool has(const std::string& name) const;
+    // A tensor llama.cpp would use but this engine does not run: refused rather than ignored.
+    void refuse(const std::string& name, const std::string& what) const;
+
+private:
+    const GgufFile& f_;
+    std::string p_;
+    bool river_;  // a river's shape that differs from the backbone's is another model
+};
+
+// The pieces most families' layers share.
+// Separate Q, K, V and the output projection, with optional (or required) Q/K/V biases.
+void load_qkvo(const LayerLoader& ld, LayerWeights& w, bool biases_required);
+void load_qkv_biases(const LayerLoader& ld, LayerWeights& w, bool required);
+// ffn_gate, ffn_up, ffn_down.
+void load_gated_ffn(const LayerLoader& ld, LayerWeights& w);
+// llama.cpp's loader would run these; this engine does not: refused.
+void refuse_biases_and_experts(const LayerLoader& ld);
+
 // prefix "" for a plain GGUF, "river." for the river inside a River GGUF.
 BackboneWeights load_backbone(const GgufFile& f, const HParams& hp);
 RiverWeights load_river(const GgufFile& f, const HParams& hp, const std::string& prefix);

@@ -13,7 +13,8 @@ from river_gguf import Model
 from river_gguf.greedy import greedy
 from river_gguf.convert.build import build_river_gguf
 from river_gguf.convert.hybrid import write_hybrid_gguf
-from river_gguf.testing import write_backbone_attention_oracle, write_tiny_model
+from river_gguf.testing import write_tiny_model
+from river_gguf.convert.hybrid import write_backbone_attention_oracle
 
 from conftest import PROSE
 from test_engine_parity import LOGIT_TOL
@@ -297,7 +298,7 @@ def _rewrite(src, dst, key, value, extra_tensor=None):
     import contextlib
 
     import gguf
-    from river_gguf.gguf_io import metadata_items
+    from river_gguf.gguf.io import metadata_items
 
     r = gguf.GGUFReader(src)
     with contextlib.closing(gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))) as w:

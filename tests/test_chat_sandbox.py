@@ -127,7 +127,7 @@ def test_the_budget_is_per_call_and_per_thread():
 def test_create_chat_completion_with_a_hostile_template(tmp_path):
     """The limits guard river_gguf.Llama's handlers for a file's templates (and so the server)."""
     from river_gguf import Llama
-    from river_gguf.gguf_meta import set_river_metadata
+    from river_gguf.gguf.meta import set_river_metadata
     from river_gguf.testing import write_tiny_model
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_layer=2)

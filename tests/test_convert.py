@@ -83,7 +83,7 @@ def test_round_trip_metadata(river_gguf_path, f16_path):
 
 
 def test_round_trip_tensors(river_gguf_path, f16_path, q4_0_path):
-    from river_gguf.river_format import river_tensors
+    from river_gguf.gguf.river_index import river_tensors
 
     out, bb, q4 = _reader(river_gguf_path), _reader(f16_path), _reader(q4_0_path)
     # The GGUF index is the backbone's, in its order, with its types and bytes (format 2).
@@ -205,7 +205,7 @@ def test_options_written_and_inputs_unchanged(tmp_path):
     assert meta["river.type"] == "from-file" and meta["river.threshold_source"] == "user"
     assert meta["river.river_file"] == "rv.gguf" and meta["river.river_sha256"] == before[rv]
     assert "river.profile_predicted_mean_exit_layer" not in meta
-    from river_gguf.river_format import river_tensors
+    from river_gguf.gguf.river_index import river_tensors
 
     r = gguf.GGUFReader(out)
     river = {t.name: t for t in river_tensors(r)}
@@ -259,7 +259,7 @@ def test_river_gguf_input_refused_then_replaced(tmp_path):
     assert [t.name for t in plain] == [t.name for t in b.tensors]
     for x, y in zip(plain, b.tensors):
         assert x.tensor_type == y.tensor_type and np.array_equal(x.data, y.data)
-    from river_gguf.river_format import river_tensors
+    from river_gguf.gguf.river_index import river_tensors
 
     river = river_tensors(r)
     n_layer_tensors = sum(t.name.startswith("blk.") for t in b.tensors)
@@ -352,7 +352,7 @@ def test_river_head_type(tmp_path):
     bb = _tiny(tmp_path, n_embd=64, tied=True)
     out = tmp_path / "h.river.gguf"
     _build_tiny(bb, out, river_type="q4_0", river_head_type="q8_0")
-    from river_gguf.river_format import river_tensors
+    from river_gguf.gguf.river_index import river_tensors
 
     types = {t.name: t.tensor_type for t in river_tensors(gguf.GGUFReader(out))}
     assert types["river.token_embd.weight"] == QT.Q8_0 and types["river.blk.0.attn_q.weight"] == QT.Q4_0
@@ -381,6 +381,6 @@ def test_q8_0_backbone_parity(tmp_path, f16_path, oracle_factory):
     ours = m.logits(toks, mode="backbone")
     ref = oracle_factory(q8, 256).logits(toks)
     assert np.abs(ours - ref).max() < 2e-3 and (ours.argmax(1) == ref.argmax(1)).all()
-    from river_gguf.river_format import river_tensors
+    from river_gguf.gguf.river_index import river_tensors
 
     assert any(t.name.startswith("river.blk.") and t.tensor_type == QT.Q4_0 for t in river_tensors(_reader(str(out))))

@@ -30,11 +30,12 @@ import pytest
 import gguf
 
 import river_gguf
-from river_gguf import default_model, gguf_io
+from river_gguf import default_model
+from river_gguf.gguf import io as gguf_io
 from river_gguf.calibrate import presets as calibrate_presets
 from river_gguf.convert import build as convert
 from river_gguf.convert.build import build_river_gguf
-from river_gguf.gguf_io import deferred_interrupts
+from river_gguf.gguf.io import deferred_interrupts
 from river_gguf.testing import write_tiny_model
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -491,7 +492,7 @@ def test_presets_measured_on_the_staged_file(tiny, tmp_path, monkeypatch):
     seen = []
 
     def fake_presets(path, **kw):
-        from river_gguf.gguf_meta import set_river_metadata
+        from river_gguf.gguf.meta import set_river_metadata
 
         seen.append(path)
         assert not out.exists()  # the output's name holds nothing until the file is complete

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from river_gguf import Model
-from river_gguf.eval import divergence
+from river_gguf.measure import divergence
 from river_gguf.eval import report as evaluate
-from river_gguf.eval import data as eval_data
+from river_gguf.measure import data as eval_data
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from river_gguf.eval import data as eval_data
+from river_gguf.measure import data as eval_data
 
 from river_gguf.calibrate import tau as tau_calibration
 from river_gguf.eval import render
 from river_gguf.eval import report as evaluate
-from river_gguf.eval import scoring
+from river_gguf.measure import scoring
 from river_gguf.eval.report import Setup, Settings
 
 
@@ -254,7 +254,7 @@ def test_set_river_metadata_roundtrip(tmp_path):
     import gguf
     from gguf import GGMLQuantizationType as QT
 
-    from river_gguf.gguf_meta import set_river_metadata
+    from river_gguf.gguf.meta import set_river_metadata
 
     path = tmp_path / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -353,7 +353,7 @@ def small_river_gguf(f16_path, tmp_path_factory):
     it builds in seconds): one dynamic preset with a tail, one static river-only + tail."""
     from river_gguf import presets
     from river_gguf.convert.build import build_river_gguf
-    from river_gguf.gguf_meta import set_river_metadata
+    from river_gguf.gguf.meta import set_river_metadata
 
     path = tmp_path_factory.mktemp("rg") / "smollm2.river.gguf"
     build_river_gguf(f16_path, path, threshold=0.98, progress=False, imatrix=None, presets=False,

@@ -17,7 +17,8 @@ from river_gguf import Model, _native
 from river_gguf.convert.build import build_river_gguf
 from river_gguf.convert.hybrid import write_hybrid_gguf
 from river_gguf.llama import Llama
-from river_gguf.testing import write_backbone_attention_oracle, write_tiny_model
+from river_gguf.testing import write_tiny_model
+from river_gguf.convert.hybrid import write_backbone_attention_oracle
 
 from conftest import PROSE
 from test_engine_parity import LOGIT_TOL

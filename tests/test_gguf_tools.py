@@ -1,4 +1,4 @@
-"""Tests of the GGUF helper modules (gguf_io, default_model, testing) against llama.cpp."""
+"""Tests of the GGUF helper modules (gguf.io, default_model, testing) against llama.cpp."""
 from __future__ import annotations
 
 import collections
@@ -15,7 +15,8 @@ import llama_cpp
 
 from river_gguf import default_model as dm  # noqa: E402
 from river_gguf.greedy import greedy
-from river_gguf import gguf_io, testing  # noqa: E402
+from river_gguf import testing  # noqa: E402
+from river_gguf.gguf import io as gguf_io  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
 PROMPT = b"The capital of France is"

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from river_gguf import GGUFFormatError, Model, _native
-from river_gguf.eval import data as eval_data
+from river_gguf.measure import data as eval_data
 from river_gguf.eval import report as evaluate
-from river_gguf.eval import scoring
-from river_gguf.gguf_io import copy_metadata
+from river_gguf.measure import scoring
+from river_gguf.gguf.io import copy_metadata
 from river_gguf.convert.imatrix import (
     Imatrix,
     calibration_texts,

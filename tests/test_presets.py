@@ -7,7 +7,7 @@ import pytest
 
 from river_gguf import Model, presets
 from river_gguf.convert.build import build_river_gguf
-from river_gguf.gguf_meta import set_river_metadata
+from river_gguf.gguf.meta import set_river_metadata
 from river_gguf.testing import write_tiny_model
 
 
@@ -198,7 +198,7 @@ def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
 def test_static_settings_scored_in_one_pass_match_decode(tiny_river):
     # The batched shortcut for river-only settings computes what teacher-forced decoding does, up
     # to summation order (batched mat-mul and tiled attention kernels vs the single-token ones).
-    from river_gguf.eval import divergence
+    from river_gguf.measure import divergence
 
     m = Model(tiny_river, n_ctx=128, n_threads=1)
     toks = m.tokenize("the quick brown fox jumps over the lazy dog " * 3)

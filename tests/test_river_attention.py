@@ -8,7 +8,7 @@ import pytest
 from river_gguf import Model
 from river_gguf.greedy import greedy
 from river_gguf.convert.hybrid import write_hybrid_gguf, write_mixed_gguf
-from river_gguf.testing import attention_from
+from river_gguf.convert.hybrid import attention_from
 
 from conftest import PROSE
 from test_engine_parity import LOGIT_TOL

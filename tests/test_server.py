@@ -467,7 +467,7 @@ def test_chat_template_limits_guard_the_server(tmp_path):
     """A file whose chat template never ends: the server answers 400 naming the limit, in about
     the time limit, and keeps serving."""
     from river_gguf import chat
-    from river_gguf.gguf_meta import set_river_metadata
+    from river_gguf.gguf.meta import set_river_metadata
     from river_gguf.testing import write_tiny_model
 
     path = write_tiny_model(tmp_path / "hostile.gguf", "llama", n_layer=2)

@@ -25,7 +25,7 @@ def test_sandbox_limits_memory_network_and_exit_status():
 
 
 def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
-    from river_gguf.eval.data import humaneval_items
+    from river_gguf.measure.data import humaneval_items
 
     probs = tasks.humaneval_problems()
     assert len(probs) == 164

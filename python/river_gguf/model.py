@@ -18,6 +18,10 @@ from . import presets
 from .options import ExitOptions, check_river_options, is_bool, is_int, parse_bytes
 from .results import ScoreResult, log_softmax_at
 from . import rpc
+import llama_cpp._logger as llama_logger
+from .gguf.io import deferred_interrupts
+from .default_model import default_model_path
+from .profile import default_threshold
 
 Prompt = Union[str, Sequence[int]]
 
@@ -181,8 +185,6 @@ class Model:
         exit_decision: str = "auto",
     ):
         if model_path is None:
-            from .default_model import default_model_path
-
             model_path = default_model_path()
         model_path = _path_arg("model_path", model_path)
         river = _path_arg("river", river) if river is not None else None
@@ -208,7 +210,6 @@ class Model:
         if preset is not None and not isinstance(preset, str):
             raise ValueError(f"preset must be a str, got {preset!r}")
 
-        import llama_cpp._logger as llama_logger
 
         llama_logger.set_verbose(verbose)  # libllama's vocab loader is chatty
         self.model_path = model_path
@@ -219,7 +220,6 @@ class Model:
         self._n_gpu_layers = n_gpu_layers
         self._lock = threading.RLock()
         self._epoch = 0  # bumped whenever a call clears the KV cache; a stream keeps the value it made
-        from .gguf_io import deferred_interrupts
 
         # libllama logs through llama-cpp-python's ctypes callback, which drops a KeyboardInterrupt
         # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
@@ -318,7 +318,6 @@ class Model:
         threshold = md.get("river.threshold", 2.0)
         if "river.threshold" not in md and profile:
             # Two plain files carry no calibrated tau: profile the backbone, as the converter does.
-            from .profile import default_threshold
 
             threshold = default_threshold(self)["threshold"]
         return ExitOptions(
@@ -632,7 +631,6 @@ class Model:
         toks = self._check_tokens(tokens)
         if not toks:
             raise ValueError("no tokens to profile")
-        from .gguf_io import deferred_interrupts
 
         with deferred_interrupts():
             engine = native.Engine(self.model_path, "", len(toks), self.n_threads, min(self._n_batch, len(toks)),

@@ -42,6 +42,9 @@ import json
 from typing import Dict, List, Optional
 
 import numpy as np
+import gguf
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from .gguf.river_index import river_tensors
 
 PRESET_KEY = "river.presets"
 DEFAULT_KEY = "river.default_preset"
@@ -75,8 +78,6 @@ def type_cost(type_name: str, n_elements: int) -> float:
     """Cost of one product with a weight of `n_elements` elements of ggml type `type_name`."""
     c = TYPE_COST.get(type_name)
     if c is None:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
         c = 8.0 * size / block / 8.5
     return c * n_elements
@@ -226,7 +227,6 @@ def weight_bytes(model, measure: str = "bytes") -> tuple:
     river.output/river.token_embd, the backbone's its output or tied token_embd).
     measure="cost" gives each weight matrix's decode cost (type_cost) instead of its bytes
     (1-D tensors cost nothing: they are alike on every side)."""
-    import gguf
 
     if measure not in ("bytes", "cost"):
         raise ValueError(f"measure must be 'bytes' or 'cost', got {measure!r}")
@@ -235,8 +235,6 @@ def weight_bytes(model, measure: str = "bytes") -> tuple:
     if model.river_path:
         rv_ts = [(t.name, t) for t in gguf.GGUFReader(model.river_path).tensors]
     else:
-        from .river_format import river_tensors
-
         rv_ts = [(t.name[len("river."):], t) for t in river_tensors(bb)]
     bb_sizes = {n: _measure(t, measure) for n, t in bb_ts}
     rv_sizes = {n: _measure(t, measure) for n, t in rv_ts}
@@ -346,8 +344,6 @@ def _llama_cpp_type(kind: str, role: str, layer: int, n_layer: int, row: int) ->
 
 
 def _type_bytes(type_name: str, n_elements: int) -> float:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     return n_elements / block * size
 
@@ -373,8 +369,6 @@ def static_step_bytes(tensors: Dict[str, tuple], n_layer: int, kind: str, measur
 
 
 def _plain_tensor_shapes(model) -> Dict[str, tuple]:
-    import gguf
-
     r = gguf.GGUFReader(model.model_path)
     return {t.name: tuple(int(x) for x in t.shape) for t in r.tensors if not t.name.startswith("river.")}
 

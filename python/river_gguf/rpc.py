@@ -11,6 +11,7 @@ import math
 from typing import List, Optional, Sequence, Union
 
 from .options import is_bool, is_int
+from ._loader import require_rpc
 
 #: Whose weights of a remote layer go with it (its KV cache always does): both models', only
 #: the backbone's (the river's layers then run locally on the remote cache), or only the river's.
@@ -102,7 +103,6 @@ def engine_kwargs(servers, layers: Layers = None, split: Optional[Sequence[float
         kw["rpc_timeout"] = float(timeout)
     else:
         raise ValueError(f"rpc_timeout must be seconds > 0 (None: no limit), got {timeout!r}")
-    from ._loader import require_rpc
 
     require_rpc("rpc_servers")
     return kw

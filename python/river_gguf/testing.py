@@ -12,10 +12,9 @@ import os
 import numpy as np
 import gguf
 
-from .convert.hybrid import write_hybrid_gguf, write_mixed_gguf
 from .default_model import default_model_path
-from .gguf_io import atomic_output, metadata_items
-from .presets import ATTENTION_KINDS
+from .gguf.io import atomic_output, metadata_items
+import llama_cpp
 
 ARCHS = ("llama", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "phi3")
 # Architectures whose files may set a sliding window (gemma2 and gemma3 require one).
@@ -268,22 +267,6 @@ def write_random_shape(path: str | os.PathLike, shape: str, seed: int = 0) -> st
     return write_tiny_model(path, "llama", dtype="f16", seed=seed, **RANDOM_SHAPES[shape])
 
 
-def attention_from(key: str):
-    """A write_mixed_gguf pick: every layer's attention tensors (presets.ATTENTION_KINDS, the
-    group river_attention="backbone" swaps) from the source `key`, the rest from the base."""
-    return lambda name: key if name.startswith("blk.") and name.split(".")[2] in ATTENTION_KINDS else None
-
-
-def write_backbone_attention_oracle(backbone_path, river_path, folder) -> str:
-    """The plain GGUF that river-only with the backbone's attention (river_attention="backbone")
-    computes: the river alone, with every attention tensor of each layer from the backbone.
-    Written into `folder` (with the river-only file it starts from); returns its path."""
-    river_only = os.path.join(os.fspath(folder), "river-only.gguf")
-    write_hybrid_gguf(river_path, river_path, river_only, exit_layer=-1, river_head=True)
-    mixed = os.path.join(os.fspath(folder), "backbone-attention.gguf")
-    return write_mixed_gguf(river_only, mixed, {"bb": backbone_path}, attention_from("bb"))
-
-
 def write_unsupported_arch(path: str | os.PathLike, arch: str = "mamba") -> str:
     """A small but well-formed GGUF whose architecture the engine does not implement."""
     with atomic_output(path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, arch)) as w:
@@ -292,49 +275,10 @@ def write_unsupported_arch(path: str | os.PathLike, arch: str = "mamba") -> str:
         w.add_uint32(f"{arch}.context_length", _CONTEXT_LENGTH)
         w.add_uint32(f"{arch}.embedding_length", 16)
         w.add_tensor("token_embd.weight", np.zeros((32, 16), dtype=np.float32))
-        w.write_streamed()
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
     return os.fspath(path)
-
-
-class _StreamingWriter(gguf.GGUFWriter):
-    """gguf's writer, but add_tensor takes a (shape, dtype, draw) triple and write_streamed draws
-    and writes each tensor's data in turn."""
-
-    def __init__(self, path, arch, tensors: list):
-        super().__init__(path, arch)
-        self._lazy = tensors
-
-    def add_tensor(self, name, spec):  # noqa: D102 (see the class)
-        shape, dtype, draw = spec
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        self.add_tensor_info(name, shape, np.dtype(dtype), nbytes)
-        self._lazy.append((shape, draw))
-
-    def write_streamed(self) -> None:
-        self.write_header_to_file()
-        self.write_kv_data_to_file()
-        self.write_ti_data_to_file()
-        for shape, draw in self._lazy:
-            a = draw()
-            assert a.shape == tuple(shape)
-            self.write_tensor_data(a)
-
-
-#: Random-weight shapes of the models users run (write_random_shape): for timing anything whose
-#: cost does not depend on the weights (a step, a batch, a conversion), with their real
-#: vocabulary size.
-RANDOM_SHAPES = {
-    "llama-3.2-1b": dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, tied=True, n_vocab=128256),
-    "llama-3.2-3b": dict(n_layer=28, n_embd=3072, n_head=24, n_head_kv=8, n_ff=8192, tied=True, n_vocab=128256),
-    "llama-3.1-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, tied=False, n_vocab=128256),
-}
-
-
-def write_random_shape(path: str | os.PathLike, shape: str, seed: int = 0) -> str:
-    """An F16 llama model with random weights in one of RANDOM_SHAPES."""
-    if shape not in RANDOM_SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
-    return write_tiny_model(path, "llama", dtype="f16", seed=seed, **RANDOM_SHAPES[shape])
 
 
 def truncate_copy(src: str | os.PathLike, dst: str | os.PathLike, keep_fraction: float = 0.5) -> str:
@@ -361,8 +305,6 @@ class LlamaCppOracle:
     llama.cpp's own offload (-1: every layer and the head), the reference for the GPU tests."""
 
     def __init__(self, path, n_ctx: int = 512, stop_at_any_eog: bool = False, n_gpu_layers: int = 0):
-        import llama_cpp
-
         self._llama_cpp = llama_cpp
         self.llm = llama_cpp.Llama(os.fspath(path), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, logits_all=True,
                                    flash_attn=True, n_gpu_layers=n_gpu_layers, verbose=False)

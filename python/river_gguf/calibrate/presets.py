@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from ..eval import divergence
-from ..eval.scoring import calibration_items, prepare
-from ..gguf_meta import set_river_metadata
+from ..measure import divergence
+from ..measure.scoring import calibration_items, prepare
+from ..gguf.meta import set_river_metadata
 from ..presets import (DEFAULT_PRESET, DEFAULT_KEY, EXIT_TEST_COST, GRID_KEY, PRESET_KEY, ANCHORS_KEY,
                        backbone_layers_per_step, choose, complete, dump, grid, setting_step, step_bytes,
                        tier_bounds, weight_bytes)
 from . import open_model
+from tqdm import tqdm
 
 
 def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool = True,
@@ -25,7 +26,6 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     is the step's decode cost (step_bytes over weight_bytes(measure="cost")), against the tier
     bounds of tier_bounds; each row also records the bytes the step reads.
     Returns {"presets", "rows", "anchors", "backbone_ppl", ...}."""
-    from tqdm import tqdm
 
     items = calibration_items() if items is None else items
     prepared = [p for its in items.values() for p in prepare(model, its, score_tokens)]

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from ..eval import data as eval_data
-from ..eval.scoring import calibration_items, prepare, score_items
+from ..measure import data as eval_data
+from ..measure.scoring import calibration_items, prepare, score_items
 from . import open_model
+from tqdm import tqdm
+from ..gguf.meta import set_river_metadata
 
 # Dense where SmolLM2's mid-layer similarities live: mean exit layer moves from ~2 to ~28 here.
 DEFAULT_TAUS = (0.96, 0.97, 0.975, 0.98, 0.9825, 0.985, 0.9875, 0.99, 0.995)
@@ -32,7 +34,6 @@ def calibrate(model, budget: float = 0.02, taus: Sequence[float] = DEFAULT_TAUS,
     """Pick tau: the fastest one whose calibration perplexity (tokens pooled over domains) is
     within `budget` of the backbone's. items: {domain: [Item]} (default: calibration split of
     GSM8K and HumanEval, 8 items each). opts: further exit options (river_head, min_exit_layer)."""
-    from tqdm import tqdm
 
     items = calibration_items() if items is None else items
     prepared = [p for its in items.values() for p in prepare(model, its, score_tokens)]
@@ -74,7 +75,6 @@ def calibration_metadata(res: dict) -> dict:
 def calibrate_file(path: str, budget: float, n_threads: int = 2, progress: bool = True,
                    items_per_domain: int = 8, score_tokens: int = 96) -> dict:
     """Calibrate tau of a River GGUF in place (atomic rewrite of its metadata)."""
-    from ..gguf_meta import set_river_metadata
 
     m = open_model(path, n_ctx=1024, n_threads=n_threads)
     items = calibration_items(per_domain=items_per_domain)

@@ -28,9 +28,13 @@ import tempfile
 from typing import Dict, List
 
 from .. import presets as presets_mod
-from ..gguf_meta import set_river_metadata
+from ..gguf.meta import set_river_metadata
 from ..greedy import greedy
 from . import lossless
+from ..gguf.io import quantize
+from tqdm import tqdm
+from ..measure.llama_decode import LlamaDecoder
+from ..model import Model
 
 PROMPT = ("The river rose in the hills above the town and ran through three valleys before it reached "
           "the sea. In spring, when the snow melted,")
@@ -38,8 +42,6 @@ TUNED_KEY = "river.presets_tuned"
 
 
 def _anchor_files(path: str, folder: str, n_threads: int, progress) -> Dict[str, str]:
-    from ..gguf_io import quantize
-
     out = {}
     for _, kind in presets_mod.TIERS:
         dst = os.path.join(folder, f"anchor.{kind}.gguf")
@@ -58,10 +60,7 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
     """Time the stored grid and the anchors on this machine and choose the presets again.
     Returns {"presets", "rows", "anchors", "seconds_per_step", "lossless"}; with write=True the
     presets, anchors and the timings are stored in the file."""
-    from tqdm import tqdm
 
-    from ..eval.llama_decode import LlamaDecoder
-    from ..model import Model
 
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")

@@ -20,7 +20,7 @@ def _errors():
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``tools/add_river_gguf.py`` and ``river-gguf convert``."""
-    from ..gguf_io import FTYPES  # light: no native module
+    from ..gguf.io import FTYPES  # light: no native module
 
     p.add_argument("backbone", metavar="BACKBONE.gguf", nargs="?", default=None,
                    help="backbone GGUF (F16/BF16/Q8_0 recommended; default: an F16 of the default "
@@ -122,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
     native = _errors()
     if args.backbone is None:
         from ..default_model import default_river_path, derived_model
-        from ..gguf_io import check_output_path
+        from ..gguf.io import check_output_path
 
         try:
             if args.output is not None:

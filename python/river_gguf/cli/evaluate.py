@@ -110,7 +110,7 @@ def _cmd_calibrate(args) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(json_safe(res), f, indent=1)
     if args.write:
-        from ..gguf_meta import set_river_metadata
+        from ..gguf.meta import set_river_metadata
 
         path = m.model_path
         del m

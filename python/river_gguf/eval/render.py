@@ -9,7 +9,7 @@ import os
 from typing import Dict, Optional
 
 from ..results import json_safe
-from . import divergence
+from ..measure import divergence
 from .report import KLD_REFS, SPEED_REFS
 
 

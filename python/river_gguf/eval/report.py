@@ -48,10 +48,23 @@ import numpy as np
 from .. import presets
 
 from ..calibrate.tau import DEFAULT_TAUS
-from . import data as eval_data
-from . import divergence
-from .scoring import (GreedyRun, LlamaCppRunner, agreement, greedy_river, histogram, prepare, score_forced,
+from ..measure import data as eval_data
+from ..measure import divergence
+from ..measure.scoring import (GreedyRun, LlamaCppRunner, agreement, greedy_river, histogram, prepare, score_forced,
                       shuffle_exits)
+from . import model_zoo
+from ..convert.build import DEFAULT_RIVER_TYPE
+from ..default_model import cache_dir
+from ..presets import PRESET_KEY
+import gguf
+import hashlib
+from ..convert.hybrid import write_hybrid_gguf
+from .. import presets as presets_mod
+import dataclasses
+from tqdm import tqdm
+from ..model import Model
+from ..convert.build import build_river_gguf
+from ..calibrate.presets import calibrate_presets_file
 
 DEFAULT_FIXED_EXITS = (0, 5, 10, 15, 20, 24, 27)
 SHUFFLE_SEED = 1234
@@ -90,22 +103,18 @@ KLD_REFS = ("Q8_0", "Q4_K_M")
 
 
 def _zoo(model: str):
-    from . import model_zoo
-
     return model_zoo._model(model)
 
 
 def default_river_type(model: str = DEFAULT_MODEL) -> str:
     """The converter's default river type, unless it would rebuild the grid the model's F16 was
     dequantized from (Qwen2.5-Coder's F16 is a dequantized Q4_K_M): then q4_0."""
-    from ..convert.build import DEFAULT_RIVER_TYPE
 
     return "q4_0" if DEFAULT_RIVER_TYPE in _zoo(model).rebuilds_source else DEFAULT_RIVER_TYPE
 
 
 def river_gguf_path(model: str = DEFAULT_MODEL) -> str:
     """Where the report keeps the model's default River GGUF (one name per model, in the cache)."""
-    from ..default_model import cache_dir
 
     return str(cache_dir() / f"{_zoo(model).stem}.q8_0+{default_river_type(model)}-imatrix.presets.river.gguf")
 
@@ -116,28 +125,21 @@ def default_river_gguf(model: str = DEFAULT_MODEL, rebuild: bool = False, n_thre
     backbone, imatrix river of default_river_type collected on the calibration split, profiled
     tau, measured presets), built once and cached (`rebuild` builds it again, e.g. after the
     converter changed)."""
-    from . import model_zoo
 
-    from ..presets import PRESET_KEY
 
     path = river_gguf_path(model)
     if rebuild or not os.path.isfile(path):
-        from ..convert.build import build_river_gguf
-
         build_river_gguf(model_zoo.derived(model, "f16", progress=progress), path, progress=progress,
                          n_threads=n_threads, river_type=default_river_type(model))
     elif PRESET_KEY not in _metadata(path, (PRESET_KEY,)):
         # A file from before build_river_gguf stored presets in the staged file (its output is
         # now complete or absent).
-        from ..calibrate.presets import calibrate_presets_file
 
         calibrate_presets_file(path, n_threads=n_threads, progress=progress)
     return path
 
 
 def _metadata(path: str, keys: Sequence[str]) -> dict:
-    import gguf
-
     r = gguf.GGUFReader(path)
     return {k: r.fields[k].contents() for k in keys if k in r.fields}
 
@@ -147,9 +149,7 @@ def control_path(model: str, tail: int, river_file: Optional[str] = None) -> str
     GGUF, its last `tail` layers from the file's backbone (tail 0: the river alone). Named
     after the River GGUF's backbone and river hashes (so a rebuilt River GGUF gets new controls)
     and kept beside it."""
-    import hashlib
 
-    from ..convert.hybrid import write_hybrid_gguf
 
     river_file = river_file or default_river_gguf(model)
     md = _metadata(river_file, ("river.backbone_sha256", "river.river_sha256"))
@@ -316,7 +316,6 @@ def _plan(settings: Settings, ladder: Optional[Sequence[str]] = None,
           preset_names: Optional[Dict[str, Sequence[str]]] = None) -> List[Row]:
     """The rows of a run. ladder: derived kinds (default settings.ladder, else ()); preset_names:
     per setup with presets=True, the presets its file stores (default: fast, balanced, quality)."""
-    from .. import presets as presets_mod
 
     rows: List[Row] = []
     ladder = (settings.ladder or ()) if ladder is None else ladder
@@ -367,8 +366,6 @@ def _setup_of(settings: Settings, name: str) -> Setup:
 
 
 def _ordered_presets(names) -> List[str]:
-    from .. import presets as presets_mod
-
     return sorted(names, key=lambda n: (presets_mod.NAMES.index(n) if n in presets_mod.NAMES else 99, n))
 
 
@@ -387,7 +384,6 @@ def _settled_options(model, opts: dict) -> tuple:
 def _resolved_options(model, opts: dict) -> dict:
     """The full exit options a row runs with (its preset, if any, resolved to its settings); a
     plain file's are just the backbone (river options would be refused)."""
-    import dataclasses
 
     o = dataclasses.asdict(model.options(**_whole(model, opts)))
     return o if model.has_river else {"mode": o["mode"], "exit_layer": o["exit_layer"]}
@@ -401,10 +397,7 @@ def _whole(model, opts: dict) -> dict:
 
 def run_eval(settings: Settings) -> dict:
     """Run the whole plan; returns the report dict (see write_outputs)."""
-    from tqdm import tqdm
 
-    from . import model_zoo
-    from ..model import Model
 
     t_start = time.perf_counter()
     name = _zoo(settings.model).name

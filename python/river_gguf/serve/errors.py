@@ -6,6 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from .._loader import native
 
 log = logging.getLogger("river_gguf.serve")
 
@@ -41,7 +42,6 @@ def error_body(message: str, type: str = INVALID_REQUEST, param: Optional[str] =
 def from_model_error(e: BaseException) -> APIError:
     """What a model call's exception means to the client. The model checks its own arguments:
     ValueError/TypeError are the request's fault (400); anything else is the server's (500)."""
-    from .._loader import native  # loaded with the model already
 
     if isinstance(e, APIError):
         return e

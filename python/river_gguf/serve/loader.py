@@ -1,5 +1,6 @@
 """Which model class serves, and the name it is served under."""
 import os
+from ..llama import Llama
 
 
 def model_class():
@@ -7,7 +8,6 @@ def model_class():
     response_format, tools and llama-cpp-python's sampling parameters work as on its server. The
     server needs only what protocol.ServedModel names, and refuses (400) parameters the class
     does not take."""
-    from ..llama import Llama
 
     return Llama
 

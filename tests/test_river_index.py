@@ -10,10 +10,11 @@ import gguf
 import numpy as np
 import pytest
 
-from river_gguf import GGUFFormatError, Model, river_format
+from river_gguf import GGUFFormatError, Model
+from river_gguf.gguf import river_index
 from river_gguf.convert.build import FORMAT_VERSION, RIVER_PREFIX, build_river_gguf, upgrade_river_gguf
-from river_gguf.convert.gguf_copy import new_writer, plain_tensors, write_tensors
-from river_gguf.gguf_meta import set_river_metadata
+from river_gguf.gguf.copy import new_writer, plain_tensors, write_tensors
+from river_gguf.gguf.meta import set_river_metadata
 from river_gguf.testing import LlamaCppOracle, write_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the river runs to the sea."
@@ -32,19 +33,19 @@ def files(tmp_path_factory):
 def _write_format1(river_path, out):
     """The old layout: river tensors in the GGUF index, river.format_version 1, no river index."""
     r = gguf.GGUFReader(river_path)
-    rv = river_format.river_tensors(r)
+    rv = river_index.river_tensors(r)
     with contextlib.closing(new_writer(str(out), r)) as w:  # river.* keys left out, then put back
         for key, field in r.fields.items():
-            if key.startswith(RIVER_PREFIX) and key not in river_format.INDEX_KEYS + (river_format.VERSION_KEY,):
+            if key.startswith(RIVER_PREFIX) and key not in river_index.INDEX_KEYS + (river_index.VERSION_KEY,):
                 w.add_key_value(key, field.contents(), field.types[0])
-        w.add_key_value(river_format.VERSION_KEY, 1, gguf.GGUFValueType.UINT32)
+        w.add_key_value(river_index.VERSION_KEY, 1, gguf.GGUFValueType.UINT32)
         write_tensors(w, [(t.name, t) for t in plain_tensors(r)] + [(t.name, t) for t in rv], False, "v1")
     return out
 
 
 def test_llama_cpp_opens_a_river_gguf_as_its_backbone(files):
     bb, river, _ = files
-    assert river_format.format_version(gguf.GGUFReader(river)) == FORMAT_VERSION == 2
+    assert river_index.format_version(gguf.GGUFReader(river)) == FORMAT_VERSION == 2
     toks = Model(bb, n_ctx=64, n_threads=1).tokenize(TEXT)
     ours = LlamaCppOracle(river, n_ctx=64).logits(toks)
     assert np.array_equal(ours, LlamaCppOracle(bb, n_ctx=64).logits(toks))
@@ -54,9 +55,9 @@ def test_the_river_lies_outside_the_gguf_index(files):
     _, river, _ = files
     r = gguf.GGUFReader(river)
     assert not any(t.name.startswith(RIVER_PREFIX) for t in r.tensors)
-    rv = river_format.river_tensors(r)
+    rv = river_index.river_tensors(r)
     assert {t.name for t in rv} >= {"river.blk.0.attn_q.weight", "river.token_embd.weight"}
-    assert all(t.data_offset >= river_format.river_data_start(r) for t in rv)
+    assert all(t.data_offset >= river_index.river_data_start(r) for t in rv)
     assert all(t.data_offset % 32 == 0 for t in rv)
 
 
@@ -78,7 +79,7 @@ def test_format1_is_read_and_upgraded(files, tmp_path):
     bb, river, _ = files
     v1 = _write_format1(river, tmp_path / "old.river.gguf")
     r1 = gguf.GGUFReader(str(v1))
-    assert river_format.format_version(r1) == 1 and any(t.name.startswith(RIVER_PREFIX) for t in r1.tensors)
+    assert river_index.format_version(r1) == 1 and any(t.name.startswith(RIVER_PREFIX) for t in r1.tensors)
     del r1
     m1 = Model(str(v1), n_ctx=64, n_threads=1)
     toks = m1.tokenize(TEXT)
@@ -107,7 +108,7 @@ def test_upgrade_cli(files, tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "format 1 -> 2" in r.stdout
-    assert river_format.format_version(gguf.GGUFReader(str(out))) == 2
+    assert river_index.format_version(gguf.GGUFReader(str(out))) == 2
 
 
 def test_metadata_rewrite_keeps_the_river(files, tmp_path):
@@ -134,9 +135,9 @@ def test_a_damaged_river_index_is_a_clear_error(files, tmp_path, damage):
     else:
         bad.write_bytes(data)
         r = gguf.GGUFReader(river)
-        n = len(r.fields[river_format.NAMES_KEY].contents())
+        n = len(r.fields[river_index.NAMES_KEY].contents())
         del r
-        up = {"offset": {river_format.DATA_SIZE_KEY: 64}, "version": {river_format.VERSION_KEY: 3}}.get(damage)
+        up = {"offset": {river_index.DATA_SIZE_KEY: 64}, "version": {river_index.VERSION_KEY: 3}}.get(damage)
         if up is not None:
             set_river_metadata(str(bad), up)
         else:
@@ -147,17 +148,17 @@ def test_a_damaged_river_index_is_a_clear_error(files, tmp_path, damage):
 
 def _rewrite_array(path, damage, n):
     """Rewrite one river index array in place of the file (types: an unknown type id; names: too few)."""
-    from river_gguf.gguf_io import atomic_output, metadata_items
+    from river_gguf.gguf.io import atomic_output, metadata_items
 
     r = gguf.GGUFReader(str(path))
-    river = river_format.river_tensors(r)
-    start = river_format.river_data_start(r)
+    river = river_index.river_tensors(r)
+    start = river_index.river_data_start(r)
     with atomic_output(str(path)) as tmp:
         with contextlib.closing(gguf.GGUFWriter(tmp, r.fields["general.architecture"].contents())) as w:
             for key, value, vtype, sub in metadata_items(r, skip={"general.alignment"}):
-                if damage == "type" and key == river_format.TYPES_KEY:
+                if damage == "type" and key == river_index.TYPES_KEY:
                     value = [999] + list(value)[1:]
-                if damage == "names" and key == river_format.NAMES_KEY:
+                if damage == "names" and key == river_index.NAMES_KEY:
                     value = list(value)[:-1]
                 w.add_key_value(key, value, vtype, sub_type=sub)
             for t in r.tensors:
@@ -167,4 +168,4 @@ def _rewrite_array(path, damage, n):
             w.write_ti_data_to_file()
             for t in r.tensors:
                 w.write_tensor_data(np.ascontiguousarray(t.data))
-        river_format.append_river_data(tmp, [(t.name, t) for t in river], [t.data_offset - start for t in river], 32)
+        river_index.append_river_data(tmp, [(t.name, t) for t in river], [t.data_offset - start for t in river], 32)

@@ -14,6 +14,7 @@ from . import data as eval_data
 from . import divergence
 from ..greedy import greedy
 from ..options import ExitOptions
+from .llama_decode import LlamaDecoder
 
 Prepared = List[Tuple[List[int], int]]  # (tokens, prefix) per item
 
@@ -145,8 +146,6 @@ class LlamaCppRunner:
     on river_gguf's side (llama_decode.LlamaDecoder)."""
 
     def __init__(self, path: str, n_ctx: int, n_threads: int):
-        from .llama_decode import LlamaDecoder
-
         self.decoder = LlamaDecoder(path, n_ctx, n_threads)
 
     def greedy(self, prompt: List[int], n_new: int) -> Tuple[List[int], int, float, List[int]]:

@@ -23,6 +23,7 @@ import numpy as np
 import gguf
 from tqdm import tqdm
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
+import llama_cpp
 
 # llama.cpp's LLAMA_FTYPE_MOSTLY_F16; general.file_type for an F16 conversion.
 _FILE_TYPE_MOSTLY_F16 = 1
@@ -356,7 +357,6 @@ def quantize_params(src_path, dst_path, ftype: str, n_threads: int):
     if not os.path.isfile(os.fspath(src_path)):
         raise FileNotFoundError(f"model file not found: {os.fspath(src_path)}")
     check_output_path(dst_path, inputs=[src_path])
-    import llama_cpp  # imported lazily: loading the shared library is slow
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, FTYPES[key])
@@ -367,7 +367,6 @@ def quantize_params(src_path, dst_path, ftype: str, n_threads: int):
 def run_quantize(src_path, dst_path, ftype: str, params) -> str:
     """Run ``llama_model_quantize`` into a temp file renamed to ``dst_path``; Ctrl-C is held until
     it returns (llama.cpp's ctypes log callback would drop it)."""
-    import llama_cpp
 
     with atomic_output(dst_path) as tmp:
         with deferred_interrupts():

@@ -8,12 +8,19 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..river_format import RIVER_PREFIX, read_field
+from .river_index import RIVER_PREFIX, read_field
+from .._loader import native
+from .io import deferred_interrupts
+import gguf
+from .river_index import river_tensors
+from .io import temp_name
+from .io import copy_metadata
+from tqdm import tqdm
+from . import river_index
+import numpy as np
 
 
 def _errors():
-    from .._loader import native  # when a file is opened: the native module takes a while to load
-
     return native
 
 
@@ -25,7 +32,6 @@ def check_loadable(path: str) -> dict:
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"model file not found: {path}")
-    from ..gguf_io import deferred_interrupts
 
     native = _errors()
     with deferred_interrupts():  # libllama's vocab loader logs through a ctypes callback (see _open_model)
@@ -36,8 +42,6 @@ def check_loadable(path: str) -> dict:
 
 
 def open_reader(path: str):
-    import gguf
-
     return gguf.GGUFReader(path)
 
 
@@ -51,8 +55,6 @@ def np_shape(t) -> Tuple[int, ...]:
 
 
 def type_name(t) -> str:
-    import gguf
-
     return gguf.GGMLQuantizationType(int(t.tensor_type)).name
 
 
@@ -70,7 +72,6 @@ def plain_tensors(reader) -> List[Any]:
 def river_tensors_by_name(reader, prefix: str) -> Dict[str, Any]:
     """The river's tensors of ``reader`` by plain name (``prefix`` stripped): from the GGUF index
     (format 1) or the river index (format 2)."""
-    from ..river_format import river_tensors
 
     try:
         return {t.name[len(prefix):]: t for t in river_tensors(reader) if t.name.startswith(prefix)}
@@ -88,8 +89,7 @@ def same_file(a: str, b: str) -> bool:
 def temp_path(near: str, suffix: str):
     """A private temp file name next to ``near`` (``.<name>.<pid>.<random><suffix>``), removed on
     every exit Python sees: an error, KeyboardInterrupt, SystemExit. One that a killed process
-    left behind is removed by the next conversion to ``near`` (gguf_io.remove_stale_temp_files)."""
-    from ..gguf_io import temp_name
+    left behind is removed by the next conversion to ``near`` (gguf.io.remove_stale_temp_files)."""
 
     tmp = temp_name(near, suffix)
     try:
@@ -101,8 +101,6 @@ def temp_path(near: str, suffix: str):
 
 def new_writer(path: str, reader, skip_prefix: Optional[str] = RIVER_PREFIX):
     """A GGUFWriter with ``reader``'s metadata (keys under ``skip_prefix`` left out)."""
-    import gguf
-    from ..gguf_io import copy_metadata
 
     w = gguf.GGUFWriter(path, arch(reader))
     skip = {"general.alignment"}
@@ -117,7 +115,6 @@ def new_writer(path: str, reader, skip_prefix: Optional[str] = RIVER_PREFIX):
 
 def write_tensors(w, plan: Sequence[Tuple[str, Any]], progress: bool, desc: str) -> None:
     """Declare ``(out_name, reader_tensor)`` pairs, write header/KV/info, then stream the raw bytes."""
-    from tqdm import tqdm
 
     for name, t in plan:
         w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
@@ -132,21 +129,19 @@ def write_river_file(path: str, reader, entries, plan, river_plan, progress: boo
     """Write a format-2 River GGUF: ``reader``'s metadata (river.* left out) plus ``entries``, the
     backbone ``plan`` in the GGUF index, and ``river_plan`` after the backbone's data with its
     index in the metadata."""
-    from .. import river_format
 
     with contextlib.closing(new_writer(path, reader)) as w:
         for key, value, vtype in entries:
-            if key != river_format.VERSION_KEY:  # add_index writes it
+            if key != river_index.VERSION_KEY:  # add_index writes it
                 w.add_key_value(key, value, vtype)
-        offsets = river_format.add_index(w, river_plan)
+        offsets = river_index.add_index(w, river_plan)
         alignment = int(w.data_alignment)
         write_tensors(w, plan, progress, desc=desc)
-    river_format.append_river_data(path, river_plan, offsets, alignment, progress=progress)
+    river_index.append_river_data(path, river_plan, offsets, alignment, progress=progress)
 
 
 def write_one(w, t) -> None:
     """Copy one tensor's bytes (from the reader's memory map) to the output."""
-    import numpy as np
 
     w.write_tensor_data(np.ascontiguousarray(t.data))
 

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
 
 import numpy as np
+from gguf.quants import quant_shape_to_byte_shape
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGUFValueType as VT
+from tqdm import tqdm
 
 FORMAT_VERSION = 2
 RIVER_PREFIX = "river."
@@ -74,8 +78,6 @@ def river_data_start(reader) -> int:
 
 
 def _typed_view(raw: np.ndarray, qtype, ne: Sequence[int]) -> np.ndarray:
-    from gguf.quants import quant_shape_to_byte_shape
-
     dims = tuple(int(x) for x in reversed(list(ne)))
     dtype = _ELEMENT_DTYPES.get(qtype.name)
     if dtype is not None:
@@ -87,7 +89,6 @@ def river_tensors(reader) -> List[Any]:
     """The river's tensors of a River GGUF as (name, ...) reader-like objects with full `river.`
     names: version 1 from the GGUF index, version 2 from the river index. [] for a plain GGUF.
     Raises ValueError when the index is malformed or points outside the file."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     version = format_version(reader)
     if version <= 1:
@@ -135,7 +136,6 @@ def river_tensors(reader) -> List[Any]:
 def index_entries(river: Sequence[Tuple[str, Any]], alignment: int) -> Tuple[List[tuple], List[int], int]:
     """Metadata entries (key, value, GGUFValueType, sub_type) of the river index for `river`, a list
     of (full name, reader tensor); also each tensor's offset and the data size."""
-    from gguf import GGUFValueType as VT
 
     offsets, pos = [], 0
     for _, t in river:
@@ -159,7 +159,6 @@ def index_entries(river: Sequence[Tuple[str, Any]], alignment: int) -> Tuple[Lis
 def add_index(writer, river: Sequence[Tuple[str, Any]]) -> List[int]:
     """Add the version-2 key and the river index to a GGUFWriter (before its KV data is written);
     returns the tensors' offsets for append_river_data."""
-    from gguf import GGUFValueType as VT
 
     entries, offsets, _ = index_entries(river, int(writer.data_alignment))
     writer.add_key_value(VERSION_KEY, FORMAT_VERSION, VT.UINT32)
@@ -172,7 +171,6 @@ def append_river_data(path: str, river: Sequence[Tuple[str, Any]], offsets: Sequ
                       progress: bool = False) -> None:
     """Append the river's bytes to a finished GGUF at `path` (the backbone's data ends the file),
     at `offsets` from the first aligned position after the backbone's data."""
-    from tqdm import tqdm
 
     with open(path, "r+b") as f:
         f.seek(0, os.SEEK_END)

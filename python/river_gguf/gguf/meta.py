@@ -12,12 +12,14 @@ from typing import Any, Dict
 
 import numpy as np
 
-from .gguf_io import atomic_output, metadata_items
+from .io import atomic_output, metadata_items
+from gguf import GGUFValueType as VT
+import gguf
+from tqdm import tqdm
+from . import river_index
 
 
 def _value_type(value: Any, old_type=None):
-    from gguf import GGUFValueType as VT
-
     if old_type is not None and old_type != VT.ARRAY:
         return old_type  # keep the type the file already uses for this key
     if isinstance(value, (bool, np.bool_)):
@@ -32,8 +34,6 @@ def _value_type(value: Any, old_type=None):
 
 
 def _coerce(value: Any, vtype):
-    from gguf import GGUFValueType as VT
-
     if vtype == VT.BOOL:
         return bool(value)
     if vtype in (VT.FLOAT32, VT.FLOAT64):
@@ -51,21 +51,17 @@ def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = Fals
     to `path`, which then replaces it.
     Returns the values as written (floats rounded to float32 where the key is FLOAT32).
     """
-    import gguf
-    from gguf import GGUFValueType as VT
-    from tqdm import tqdm
 
     path = os.fspath(path)
     for k in updates:
         if not isinstance(k, str) or not k or k.startswith("GGUF.") or k == "general.architecture":
             raise ValueError(f"cannot set metadata key {k!r}")
     reader = gguf.GGUFReader(path)
-    from . import river_format
 
     # A format-2 River GGUF keeps its river after the backbone's data: carried over as it is, at
     # the same offsets from the river's start (the index in the metadata does not change).
-    river = river_format.river_tensors(reader) if river_format.format_version(reader) >= 2 else []
-    river_start = river_format.river_data_start(reader) if river else 0
+    river = river_index.river_tensors(reader) if river_index.format_version(reader) >= 2 else []
+    river_start = river_index.river_data_start(reader) if river else 0
     arch = reader.fields["general.architecture"].contents()
     align_field = reader.fields.get("general.alignment")
     written: Dict[str, Any] = {}
@@ -100,7 +96,7 @@ def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = Fals
                 w.write_tensor_data(np.ascontiguousarray(t.data))
             alignment = int(w.data_alignment)
         if river:
-            river_format.append_river_data(tmp, [(t.name, t) for t in river],
+            river_index.append_river_data(tmp, [(t.name, t) for t in river],
                                            [t.data_offset - river_start for t in river], alignment)
     del reader, river
     for k in f32_keys:

@@ -1,0 +1,210 @@
+// river_gguf._native.Engine: load, eval and draft (GIL released), the KV cache, placement.
+#include <cstring>
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "engine.h"
+
+namespace py = pybind11;
+using namespace pybind11::literals;  // "name"_a = value in py::dict
+
+namespace river {
+
+namespace {
+
+py::dict metadata(const GgufFile& f) {
+    py::dict d;
+    gguf_context* g = f.meta();
+    for (int64_t i = 0; i < gguf_get_n_kv(g); ++i) {
+        const char* key = gguf_get_key(g, i);
+        switch (gguf_get_kv_type(g, i)) {
+            case GGUF_TYPE_STRING: d[key] = py::str(gguf_get_val_str(g, i)); break;
+            case GGUF_TYPE_FLOAT32: d[key] = gguf_get_val_f32(g, i); break;
+            case GGUF_TYPE_FLOAT64: d[key] = gguf_get_val_f64(g, i); break;
+            case GGUF_TYPE_BOOL: d[key] = gguf_get_val_bool(g, i); break;
+            // Exact: get_int refuses values past INT64_MAX, which only hyperparameters must fit.
+            case GGUF_TYPE_UINT64: d[key] = py::int_(gguf_get_val_u64(g, i)); break;
+            case GGUF_TYPE_ARRAY: break;  // vocab-sized arrays; read them with the gguf package if needed
+            default: d[key] = f.get_int(key, 0); break;
+        }
+    }
+    return d;
+}
+
+py::dict hparams(const HParams& hp) {
+    py::dict d;
+    d["arch"] = hp.arch_name;
+    d["n_layer"] = hp.n_layer;
+    d["n_embd"] = hp.n_embd;
+    d["n_head"] = hp.n_head;
+    d["n_head_kv"] = hp.n_head_kv;
+    d["n_ff"] = hp.n_ff;
+    d["head_dim"] = hp.head_dim_k;
+    d["n_rot"] = hp.n_rot;
+    d["n_vocab"] = hp.n_vocab;
+    d["n_ctx_train"] = hp.n_ctx_train;
+    d["rms_eps"] = hp.rms_eps;
+    d["rope_freq_base"] = hp.rope_freq_base;
+    d["rope_freq_scale"] = hp.rope_freq_scale;
+    d["n_swa"] = hp.n_swa;
+    return d;
+}
+
+// The exit setting of an eval or draft call.
+EvalRequest exit_request(int mode, float threshold, int min_exit_layer, int exit_layer, bool river_head, int tail,
+                         bool backbone_attention) {
+    if (!is_exit_mode(mode)) throw std::invalid_argument("bad mode");
+    EvalRequest req;
+    req.mode = static_cast<ExitMode>(mode);
+    req.threshold = threshold;
+    req.min_exit_layer = min_exit_layer;
+    req.exit_layer = exit_layer;
+    req.river_head = river_head;
+    req.tail = tail;
+    req.backbone_attention = backbone_attention;
+    return req;
+}
+
+py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold, int min_exit_layer,
+               int exit_layer, bool river_head, bool all_logits, bool trace, int tail, bool backbone_attention,
+               bool embeddings) {
+    EvalRequest req = exit_request(mode, threshold, min_exit_layer, exit_layer, river_head, tail, backbone_attention);
+    req.tokens = std::move(tokens);
+    req.all_logits = all_logits;
+    req.trace = trace;
+    req.embeddings = embeddings;
+    EvalResult res;
+    {
+        py::gil_scoped_release release;
+        res = e.eval(req);
+    }
+    // Rows of logits (n_vocab wide), or of embeddings (n_embd wide).
+    const int width = res.n_rows ? res.n_cols : (embeddings ? e.hparams().n_embd : e.hparams().n_vocab);
+    py::array_t<float> logits({res.n_rows, width});
+    std::memcpy(logits.mutable_data(), res.logits.data(), res.logits.size() * sizeof(float));
+    return py::make_tuple(logits, res.exit_layer, res.similarity);
+}
+
+py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, int mode, float threshold, int min_exit_layer,
+                int exit_layer, bool river_head, int tail, bool backbone_attention) {
+    EvalRequest how = exit_request(mode, threshold, min_exit_layer, exit_layer, river_head, tail, backbone_attention);
+    std::vector<float> probs;
+    std::vector<int32_t> tokens;
+    {
+        py::gil_scoped_release release;
+        tokens = e.draft(token, std::move(how), n_max, p_min, &probs);
+    }
+    return py::make_tuple(tokens, probs);
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+    py::class_<Engine>(m, "Engine")
+        .def(py::init([](const std::string& path, const std::string& river_path, int n_ctx, int n_threads,
+                         int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse, bool use_mmap,
+                         std::vector<std::string> rpc_servers, int rpc_n_layers, std::vector<int> rpc_layers,
+                         std::vector<float> rpc_split, int rpc_weights, double rpc_timeout, int main_gpu, bool flash_attn,
+                         const std::string& exit_decision, size_t gpu_memory) {
+                 EngineConfig cfg;
+                 cfg.path = path;
+                 cfg.river_path = river_path;
+                 cfg.n_ctx = n_ctx;
+                 cfg.n_threads = n_threads;
+                 cfg.n_batch = n_batch;
+                 cfg.n_gpu_layers = n_gpu_layers;
+                 cfg.main_gpu = main_gpu;
+                 cfg.gpu_memory = gpu_memory;
+                 cfg.repack = repack;
+                 cfg.graph_reuse = graph_reuse;
+                 cfg.fuse = fuse;
+                 cfg.use_mmap = use_mmap;
+                 cfg.flash_attn = flash_attn;
+                 if (exit_decision == "auto") cfg.exit_decision = ExitDecision::Auto;
+                 else if (exit_decision == "cpu") cfg.exit_decision = ExitDecision::Cpu;
+                 else if (exit_decision == "graph") cfg.exit_decision = ExitDecision::Graph;
+                 else throw std::invalid_argument("exit_decision must be 'auto', 'cpu' or 'graph', got '" + exit_decision + "'");
+                 cfg.rpc_servers = std::move(rpc_servers);
+                 cfg.rpc_n_layers = rpc_n_layers;
+                 cfg.rpc_layers = std::move(rpc_layers);
+                 cfg.rpc_split = std::move(rpc_split);
+                 if (rpc_weights < 0 || rpc_weights > 2) throw std::invalid_argument("rpc_weights must be 0, 1 or 2");
+                 cfg.rpc_weights = rpc_weights;
+                 cfg.rpc_timeout = rpc_timeout;
+                 py::gil_scoped_release release;
+                 return std::make_unique<Engine>(cfg);
+             }),
+             py::arg("path"), py::arg("river_path") = "", py::arg("n_ctx") = 2048, py::arg("n_threads") = 1,
+             py::arg("n_batch") = 512, py::arg("n_gpu_layers") = 0, py::arg("repack") = true,
+             py::arg("graph_reuse") = true, py::arg("fuse") = true, py::arg("use_mmap") = true,
+             py::arg("rpc_servers") = std::vector<std::string>{}, py::arg("rpc_n_layers") = -1,
+             py::arg("rpc_layers") = std::vector<int>{}, py::arg("rpc_split") = std::vector<float>{},
+             py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0, py::arg("main_gpu") = 0, py::arg("flash_attn") = true,
+             py::arg("exit_decision") = "auto", py::arg("gpu_memory") = size_t(0))
+        .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
+             py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
+             py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0,
+             py::arg("backbone_attention") = false, py::arg("embeddings") = false)
+        .def("draft", &draft, py::arg("token"), py::arg("n_max"), py::arg("p_min") = 0.0f, py::arg("mode") = 0,
+             py::arg("threshold") = 2.0f, py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1,
+             py::arg("river_head") = false, py::arg("tail") = 0, py::arg("backbone_attention") = false,
+             "Lossless decoding's draft: up to n_max greedy tokens after `token` under this exit setting, each "
+             "kept while its probability is >= p_min; n_past is unchanged. Returns (tokens, probabilities).")
+        .def("truncate", &Engine::truncate)
+        .def_property_readonly("n_past", &Engine::n_past)
+        .def_property_readonly("n_ctx", &Engine::n_ctx)
+        .def_property_readonly("has_river", &Engine::has_river)
+        .def_property_readonly("flash_attn", &Engine::flash_attn)
+        .def_property_readonly("river_has_head", &Engine::river_has_head)
+        .def_property_readonly("gpu_offload", &Engine::gpu_offload)
+        .def_property_readonly("gpu_layers", &Engine::gpu_layers,
+                               "Layers placed on the GPU: fewer than n_gpu_layers asked when they did not fit.")
+        .def_property_readonly("gpu_free", &Engine::gpu_free, "The GPU's free bytes before placing, as reported.")
+        .def_property_readonly("exits_on_graph", &Engine::exits_on_graph,
+                               "Whether the exit decision runs as graph ops read by the scheduler (else a CPU op).")
+        .def_property_readonly("layer_devices", &Engine::layer_devices,
+                               "Where each layer and its KV cache live: 'CPU', 'GPU' or an RPC server's host:port.")
+        .def_property_readonly(
+            "placement",
+            [](const Engine& e) {
+                const Placement& p = e.placement();
+                return py::dict("backbone"_a = p.backbone_device, "river"_a = p.river_device,
+                                "kv_cache"_a = p.layer_device, "head"_a = p.gpu && p.gpu_head ? "GPU" : "CPU",
+                                "river_first"_a = p.river_first, "gpu_free"_a = p.gpu_free,
+                                "gpu_budget"_a = p.gpu_budget, "gpu_bytes"_a = p.gpu_bytes,
+                                "backbone_bytes"_a = p.backbone_bytes, "river_bytes"_a = p.river_bytes,
+                                "kv_bytes"_a = p.kv_bytes, "head_bytes"_a = p.head_bytes);
+            },
+            "Where each layer's backbone, river and KV cache went ('CPU', 'GPU' or an RPC device), the head's "
+            "device, and the GPU's free memory, budget and use in bytes (counted only when a GPU was asked for).")
+        .def_property_readonly("kept_graphs", &Engine::kept_graphs)
+        .def_property_readonly("graphs_built", &Engine::graphs_built)
+        .def_property_readonly("last_splits", &Engine::last_splits,
+                               "Backend splits of the last graph computed: each is a sync point whose inputs are copied "
+                               "across devices (1 on a CPU-only engine).")
+        .def_property_readonly("hparams", [](const Engine& e) { return hparams(e.hparams()); })
+        .def_property_readonly("metadata", [](const Engine& e) { return metadata(e.file()); })
+        .def("cache_rows",
+             [](const Engine& e, int layer, bool values, int n) {
+                 std::vector<float> rows = e.cache().read(layer, values, n);
+                 const int width = static_cast<int>(rows.size() / std::max(n, 1));
+                 py::array_t<float> a({n, width});
+                 std::memcpy(a.mutable_data(), rows.data(), rows.size() * sizeof(float));
+                 return a;
+             },
+             "Cache layer `layer`, rows [0, n) of K (values=False) or V, as float32 (for tests).")
+        .def("cache_poison",
+             [](const Engine& e, int layer) {
+                 return e.cache().finite_poison(layer) ? KvCache::poison_value_no_fa() : std::nanf("");
+             },
+             "What an unwritten entry of layer `layer`'s cache holds: NaN, or POISON_NO_FLASH where attention "
+             "spans masked rows (no flash attention, or a cache in device memory); for tests.")
+        .def_property_readonly_static(
+            "POISON_NO_FLASH", [](py::object) { return KvCache::poison_value_no_fa(); },
+            "What an unwritten cache entry holds without flash attention (NaN with it).");
+}
+
+}  // namespace river

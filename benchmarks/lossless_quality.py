@@ -8,7 +8,7 @@ Model.score: in lossless mode each round drafts with the river, verifies the tok
 in one backbone batch, and keeps the rows up to the first draft that differs from the text, so
 every scored row comes from a verify batch over a cache the river drafted into. The reference is
 the backbone file (the F16 or Q8_0 the River GGUF's backbone is) in mode="backbone", one token a
-step. KL divergence and same-top-token % with 95% item-bootstrap intervals (eval/divergence.py);
+step. KL divergence and same-top-token % with 95% item-bootstrap intervals (measure/divergence.py);
 river-only is scored beside it for scale, and the draft acceptance of the text (the share of
 drafts the backbone would accept, teacher-forced, is river-only's same-top rate). Writes reports/<model>/lossless.md and .json.
 """

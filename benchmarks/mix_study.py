@@ -6,7 +6,7 @@
 Each row is a plain GGUF: a base quant with some tensor kinds (attention, ffn_down, ...) taken
 from a more precise file of the same model (convert.hybrid.write_mixed_gguf). All are scored by
 the same code, teacher-forced on the evaluation split against the F16's next-token distribution
-(static files: one batched pass per item, eval/divergence.py), and listed with the weight bytes
+(static files: one batched pass per item, measure/divergence.py), and listed with the weight bytes
 one decode step reads (every layer matrix and the head). Mixes are cached beside the model's
 derived files. --river FILE adds a row per preset of that River GGUF, scored the same way (decode
 path, exits live), with the weight bytes its steps read on average. Each row has paired intervals

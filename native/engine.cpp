@@ -122,6 +122,9 @@ void check_same_model(const HParams& a, const HParams& b, const GgufFile& fa, co
     differ("embedding_scale", a.embedding_scale, b.embedding_scale);
     differ("residual_scale", a.residual_scale, b.residual_scale);
     differ("logit_scale", a.logit_scale, b.logit_scale);
+    differ("rope.scaling.factor", a.rope_freq_scale, b.rope_freq_scale);
+    differ("the rope's YaRN mix", a.rope_ext_factor, b.rope_ext_factor);
+    differ("attention.temperature_scale", a.attn_temp_scale, b.attn_temp_scale);
     if (a.swa_layers != b.swa_layers) throw RiverMismatchError("river '" + fb.path() + "' slides its window on other layers than backbone '" + fa.path() + "'");
     // Same vocabulary, token by token: a river from another tokenizer would be nonsense.
     const int64_t ka = gguf_find_key(fa.meta(), "tokenizer.ggml.tokens");
@@ -466,6 +469,17 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
         ggml_backend_tensor_set(g.in.v_idxs, idx.data(), 0, idx.size() * sizeof(int64_t));
     }
     if (g.tok_in) ggml_backend_tensor_set(g.tok_in, tokens, 0, sizeof(int32_t) * n);
+    if (g.in.attn_temp) {
+        // llama.cpp's llm_graph_input_attn_temp, in its types: a float position over an unsigned
+        // floor, the logarithm in double.
+        const uint32_t floor_scale = static_cast<uint32_t>(hp_.attn_temp_floor);
+        std::vector<float> temp(n);
+        for (int i = 0; i < n; ++i) {
+            const float p = static_cast<float>(pos[i]);
+            temp[i] = static_cast<float>(std::log(std::floor(p / floor_scale) + 1.0) * hp_.attn_temp_scale + 1.0);
+        }
+        ggml_backend_tensor_set(g.in.attn_temp, temp.data(), 0, sizeof(float) * n);
+    }
     // Causal mask: token i (at position n_past+i) sees positions 0..n_past+i; padding is masked.
     // F16 for flash attention, F32 without, as llama.cpp (0 and -inf either way).
     const int n_kv = spec.n_kv;
@@ -605,6 +619,10 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     if (runs_swa) {
         in.kq_mask_swa = ggml_new_tensor_2d(ctx, mask_type, spec.n_kv, n);
         ggml_set_input(in.kq_mask_swa);
+    }
+    if (hp_.attn_temp_scale != 0.0f && !spec.spans.empty()) {
+        in.attn_temp = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, 1, n);
+        ggml_set_input(in.attn_temp);
     }
 
     ggml_tensor* h;

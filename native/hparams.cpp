@@ -192,6 +192,20 @@ void require_head_sizes(const GgufFile& f, const HParams& hp, const std::string&
     }
 }
 
+void read_yarn(const GgufFile& f, HParams& hp, const std::string& a) {
+    hp.rope_ext_factor = 1.0f;
+    hp.rope_beta_fast = finite_float(f, a + "rope.scaling.yarn_beta_fast", 32.0f, /*allow_zero=*/true);
+    hp.rope_beta_slow = finite_float(f, a + "rope.scaling.yarn_beta_slow", 1.0f, /*allow_zero=*/true);
+    const float log_mul = finite_float(f, a + "rope.scaling.yarn_log_multiplier", 0.0f, /*allow_zero=*/true);
+    // llama.cpp's yarn_attn_factor (llama-context.cpp), in its float operations and order: the
+    // magnitude correction for the scale, divided by the one ggml's YaRN rope applies itself.
+    const float factor = 1.0f / hp.rope_freq_scale;
+    auto mscale = [](float scale, float m) { return scale <= 1.0f ? 1.0f : (0.1f * m * logf(scale) + 1.0f); };
+    float yarn = log_mul != 0.0f ? mscale(factor, 1.0f) / mscale(factor, log_mul) : mscale(factor, 1.0f);
+    yarn *= 1.0f / (1.0f + 0.1f * logf(factor));
+    hp.rope_attn_factor = yarn * hp.rope_attn_factor;
+}
+
 const char* supported_architectures() {
     static const std::string text = [] {
         std::string s;
@@ -239,19 +253,20 @@ HParams read_hparams(const GgufFile& f) {
 
     // Linear scaling may be given as a factor (new key) or directly as a scale (old key).
     const std::string scaling = f.get_str(a + "rope.scaling.type", "none");
-    if (scaling != "none" && scaling != "linear" && !(scaling == "llama3")) {
-        throw UnsupportedModelError("rope scaling type '" + scaling + "' is not supported (none, linear, llama3 via rope_freqs)");
+    if (scaling != "none" && scaling != "linear" && scaling != "llama3" && scaling != "yarn") {
+        throw UnsupportedModelError("rope scaling type '" + scaling +
+                                    "' is not supported (none, linear, yarn, llama3 via rope_freqs)");
     }
     if (f.has_key(a + "rope.scaling.factor")) {
         const float factor = finite_float(f, a + "rope.scaling.factor", 1.0f, /*allow_zero=*/false);
-        if (scaling == "linear") hp.rope_freq_scale = 1.0f / factor;
+        if (scaling == "linear" || scaling == "yarn") hp.rope_freq_scale = 1.0f / factor;
     }
     if (f.has_key(a + "rope.scale_linear")) {
         hp.rope_freq_scale = 1.0f / finite_float(f, a + "rope.scale_linear", 1.0f, /*allow_zero=*/false);
     }
     hp.n_ctx_orig = bounded_int(f, a + "rope.scaling.original_context_length", hp.n_ctx_train, 1, kMaxContext);
     hp.rope_attn_factor = finite_float(f, a + "rope.scaling.attn_factor", 1.0f, /*allow_zero=*/false);
-
+    if (scaling == "yarn") read_yarn(f, hp, a);
     hp.rope_type = hp.arch->rope_type;
     hp.attn_scale = 1.0f / std::sqrt(float(hp.head_dim_k));
     hp.arch->read_hparams(f, hp, a);

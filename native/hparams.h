@@ -29,9 +29,17 @@ struct HParams {
     // The context the rope was trained for before any extension (rope.scaling.original_context_length,
     // else context_length): phi3's LongRoPE picks its long factors for contexts beyond it.
     int n_ctx_orig = 0;
-    // rope.scaling.attn_factor: cos and sin are scaled by it (LongRoPE's magnitude correction),
-    // as llama.cpp multiplies its rope attn_factor by this key for every architecture.
+    // What cos and sin are scaled by: rope.scaling.attn_factor (LongRoPE's magnitude correction),
+    // times YaRN's, as llama.cpp computes its yarn_attn_factor for every architecture.
     float rope_attn_factor = 1.0f;
+    // YaRN (rope.scaling.type = yarn): the extrapolation mix (1, else 0) and its ramp's bounds.
+    float rope_ext_factor = 0.0f;
+    float rope_beta_fast = 32.0f;
+    float rope_beta_slow = 1.0f;
+    // Llama 4's attention temperature (mistral3): Q of the token at position p is scaled by
+    // log(floor(p / attn_temp_floor) + 1) * attn_temp_scale + 1; 0 means not applied.
+    float attn_temp_scale = 0.0f;
+    int attn_temp_floor = 0;
 
     // Multipliers and caps beyond llama; 0 means "not applied", as in llama.cpp.
     float embedding_scale = 0.0f;  // token embeddings times this (granite; sqrt(n_embd) for gemma)

@@ -29,6 +29,10 @@ float finite_float(const GgufFile& f, const std::string& key, float def, bool al
 // A key that must be present (GgufFormatError naming it otherwise).
 void require_key(const GgufFile& f, const std::string& key);
 
+// YaRN's keys (rope.scaling.yarn_*) and the magnitude correction llama.cpp derives from them;
+// rope_freq_scale must already hold 1 / rope.scaling.factor.
+void read_yarn(const GgufFile& f, HParams& hp, const std::string& a);
+
 // Layer il slides its window unless it is the last of each group of `period` layers (llama.cpp's
 // swa pattern: gemma2 alternates, gemma3 has one global layer in six).
 std::vector<bool> swa_pattern(int n_layer, int period);

@@ -27,6 +27,9 @@ struct BatchInputs {
     // Same type, causal and within the sliding window; nullptr unless the graph
     // runs a sliding-window layer.
     ggml_tensor* kq_mask_swa = nullptr;
+    // F32 [1, 1, n_tokens]: each token's attention temperature (hp.attn_temp_scale), by which its
+    // roped Q is multiplied; nullptr when the model has none.
+    ggml_tensor* attn_temp = nullptr;
 };
 
 // Token embeddings from `table` (backbone's or river's), with the architecture's input scale.

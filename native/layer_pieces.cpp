@@ -44,7 +44,7 @@ ggml_tensor* rope(const LayerGraph& L, ggml_tensor* x) {
     const bool swa = hp.is_swa(L.il);
     return ggml_rope_ext(L.ctx, x, L.in.positions, L.rope_freqs, hp.n_rot, hp.rope_type, hp.n_ctx_orig,
                          swa ? hp.rope_freq_base_swa : hp.rope_freq_base, swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale,
-                         /*ext_factor=*/0.0f, hp.rope_attn_factor, /*beta_fast=*/32.0f, /*beta_slow=*/1.0f);
+                         hp.rope_ext_factor, hp.rope_attn_factor, hp.rope_beta_fast, hp.rope_beta_slow);
 }
 
 // The KV write and the attention over cache layer il, then the output projection.

@@ -1,4 +1,4 @@
-"""The architectures beyond llama/qwen (granite, olmo2, gemma2, gemma3, phi3) against stock llama.cpp,
+"""The architectures beyond llama/qwen (granite, olmo2, gemma2, gemma3, phi3, mistral3) against stock llama.cpp,
 on random-weight models written by river_gguf.testing, and River's invariants (RIVER.md 1-6) on each.
 
 Every prompt is longer than the sliding window of the models that have one (8 positions), so the
@@ -39,6 +39,9 @@ CASES = {
     "phi3": ("phi3", dict(n_layer=3, n_rot=12)),
     # Phi-3-128k / Phi-4-mini: LongRoPE factors and attn_factor (n_ctx 256 runs the short set)
     "phi3-longrope": ("phi3", dict(n_layer=3, n_rot=12, longrope=True)),
+    # Ministral 3: YaRN rope and the attention temperature, over an original context of 40
+    # positions that every prompt here runs past (the temperature changes there)
+    "mistral3": ("mistral3", dict(n_layer=3)),
 }
 SWA_CASES = ("olmo2-swa", "gemma2", "gemma3")
 
@@ -313,3 +316,29 @@ def _rewrite(src, dst, key, value, extra_tensor=None):
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
+
+
+# --- rope scaling with the real models' hyperparameters ----------------------------------------------
+
+@pytest.mark.parametrize("rope", ["llama3.1", "llama3.2"])
+def test_llama3_rope_factors_match_llama_cpp(rope, tmp_path, oracle_factory):
+    # Llama 3.1/3.2's rope base (500000) and per-dimension factors over 64-wide heads.
+    path = write_tiny_model(tmp_path / f"{rope}.gguf", "llama", n_layer=2, n_embd=128, n_head=2, n_head_kv=1,
+                            rope_freqs=rope, seed=4)
+    m = Model(path, n_ctx=256, n_threads=2)
+    _same_as_oracle(m, oracle_factory(path, 256), m.tokenize(PROSE))
+
+
+def test_mistral3_temperature_is_live(tmp_path):
+    from river_gguf.testing import YARN_ORIG_CTX
+
+    # The attention temperature scales Q from the original context on: the same weights without
+    # it give the same logits up to position YARN_ORIG_CTX - 1 and others after it.
+    a = write_tiny_model(tmp_path / "a.gguf", "mistral3", n_layer=3, seed=11)
+    b = write_tiny_model(tmp_path / "b.gguf", "mistral3", n_layer=3, seed=11, attn_temperature=0.0)
+    toks = Model(a, n_ctx=8).tokenize(PROSE)
+    assert len(toks) > YARN_ORIG_CTX + 8
+    la = Model(a, n_ctx=256, n_threads=2).logits(toks)
+    lb = Model(b, n_ctx=256, n_threads=2).logits(toks)
+    assert np.array_equal(la[:YARN_ORIG_CTX], lb[:YARN_ORIG_CTX])
+    assert np.abs(la[YARN_ORIG_CTX:] - lb[YARN_ORIG_CTX:]).max(axis=1).min() > LOGIT_TOL

@@ -32,7 +32,7 @@ import gguf
 import river_gguf
 from river_gguf import default_model
 from river_gguf.gguf import io as gguf_io
-from river_gguf.calibrate import presets as calibrate_presets
+from river_gguf.calibrate import preset_grid
 from river_gguf.convert import build as convert
 from river_gguf.convert.build import build_river_gguf
 from river_gguf.gguf.io import deferred_interrupts
@@ -306,7 +306,7 @@ def test_temp_files_removed_on_every_exit(tiny, tmp_path, monkeypatch, exc):
     def boom(*a, **k):  # after the river is quantized and the staged output written
         raise exc("stop")
 
-    monkeypatch.setattr(calibrate_presets, "calibrate_presets_file", boom)
+    monkeypatch.setattr(preset_grid, "calibrate_presets_file", boom)
     with pytest.raises(exc):
         _build_tiny(tiny, tmp_path / "out.gguf", presets=True)
     assert _files(tmp_path) == set()
@@ -500,7 +500,7 @@ def test_presets_measured_on_the_staged_file(tiny, tmp_path, monkeypatch):
         assert os.path.dirname(path) == str(tmp_path) and name.startswith(".out.gguf.") and name.endswith(".tmp")
         return set_river_metadata(path, {"river.presets": "{}", "river.default_preset": "balanced"})
 
-    monkeypatch.setattr(calibrate_presets, "calibrate_presets_file", fake_presets)
+    monkeypatch.setattr(preset_grid, "calibrate_presets_file", fake_presets)
     finals = []
     meta = _build_tiny(tiny, out, presets=True, finalize=lambda p: finals.append(p) or {"x": 1})
     assert len(seen) == 1 and finals == seen

@@ -1,4 +1,4 @@
-"""KL divergence from the F16 backbone (eval/divergence.py): the measure the Pareto report and
+"""KL divergence from the F16 backbone (measure/divergence.py): the measure the Pareto report and
 `river-gguf eval` judge every configuration by."""
 import numpy as np
 import pytest

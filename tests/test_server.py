@@ -23,7 +23,7 @@ import pytest
 import river_gguf
 from river_gguf import Llama
 from river_gguf.greedy import greedy
-from river_gguf.serve import loader
+from river_gguf.serve import served_model
 from river_gguf.serve.protocol import accepts
 from river_gguf.serve.settings import API_KEY_ENV
 
@@ -320,7 +320,7 @@ def test_parameters_the_model_lacks_get_400(server, client, local, q4_1_path, na
     """Known OpenAI parameters are passed on only to a model class that takes them; the served
     class decides (river_gguf.Model has no grammar sampler and no presence penalty)."""
     kw = dict(model=ALIAS, messages=CHAT, max_tokens=8, temperature=0, **{name: value})
-    if accepts(loader.model_class().create_chat_completion, name):
+    if accepts(served_model.model_class().create_chat_completion, name):
         content = client.chat.completions.create(**kw).choices[0].message.content
         assert content is not None
         if name == "response_format":  # JSON mode through the grammar sampler

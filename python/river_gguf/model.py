@@ -11,17 +11,16 @@ from collections.abc import Sequence as _SequenceABC
 from dataclasses import replace
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
+import llama_cpp._logger as llama_logger
 import numpy as np
 
+from . import presets, rpc
 from ._loader import native
-from . import presets
-from .options import ExitOptions, check_river_options, is_bool, is_int, parse_bytes
-from .results import ScoreResult, log_softmax_at
-from . import rpc
-import llama_cpp._logger as llama_logger
-from .gguf.io import deferred_interrupts
 from .default_model import default_model_path
+from .gguf.io import deferred_interrupts
+from .options import EXIT_DECISIONS, ExitOptions, RiverOptions, check_river_options, is_bool, is_int, parse_bytes
 from .profile import default_threshold
+from .results import ScoreResult, log_softmax_at
 
 Prompt = Union[str, Sequence[int]]
 
@@ -85,8 +84,6 @@ def _locked(method):
 
     return wrapper
 
-
-EXIT_DECISIONS = ("auto", "cpu", "graph")
 
 class Model:
     """A GGUF model on the river_gguf engine.
@@ -156,34 +153,20 @@ class Model:
         self,
         model_path: Optional[str] = None,
         *,
-        river: Optional[str] = None,
         n_ctx: int = 2048,
         n_threads: Optional[int] = None,
         n_batch: int = 512,
         n_gpu_layers: int = 0,
         main_gpu: int = 0,
-        gpu_memory: Optional[Union[int, str]] = None,
         use_mmap: bool = True,
         flash_attn: bool = True,
-        mode: Optional[str] = None,
-        threshold: Optional[float] = None,
-        min_exit_layer: Optional[int] = None,
-        river_head: Optional[bool] = None,
-        prefill: Optional[str] = None,
-        tail: Optional[int] = None,
-        river_attention: Optional[str] = None,
-        draft_max: Optional[int] = None,
-        draft_p_min: Optional[float] = None,
-        draft_mode: Optional[str] = None,
-        preset: Optional[str] = None,
         verbose: bool = False,
-        rpc_servers: Optional[Union[str, Sequence[str]]] = None,
-        rpc_layers: Optional[Union[int, Sequence[int]]] = None,
-        rpc_split: Optional[Sequence[float]] = None,
-        rpc_weights: str = "all",
-        rpc_timeout: Optional[float] = rpc.DEFAULT_TIMEOUT,
-        exit_decision: str = "auto",
+        river_options: Optional[RiverOptions] = None,
+        **river_kw,
     ):
+        ro = RiverOptions.of(river_options, **river_kw)
+        river, preset = ro.river, ro.preset
+        self._call_defaults: dict = {}
         if model_path is None:
             model_path = default_model_path()
         model_path = _path_arg("model_path", model_path)
@@ -199,17 +182,16 @@ class Model:
         # -1 (any negative): everything, as in llama.cpp; clamped so it fits the native int.
         n_gpu_layers = 1 << 30 if n_gpu_layers < 0 else min(int(n_gpu_layers), 1 << 30)
         self._main_gpu = _int_arg("main_gpu", main_gpu, 0, 1 << 16)
-        self._gpu_memory = 0 if gpu_memory is None else parse_bytes("gpu_memory", gpu_memory)
+        self._gpu_memory = 0 if ro.gpu_memory is None else parse_bytes("gpu_memory", ro.gpu_memory)
         verbose = _bool_arg("verbose", verbose)
-        rpc_kw = rpc.engine_kwargs(rpc_servers, rpc_layers, rpc_split, rpc_weights, rpc_timeout)
+        rpc_kw = rpc.engine_kwargs(ro.rpc_servers, ro.rpc_layers, ro.rpc_split, ro.rpc_weights, ro.rpc_timeout)
         self._use_mmap = _bool_arg("use_mmap", use_mmap)
         self.flash_attn = _bool_arg("flash_attn", flash_attn)
-        if exit_decision not in EXIT_DECISIONS:
-            raise ValueError(f"exit_decision must be one of {', '.join(EXIT_DECISIONS)}, got {exit_decision!r}")
-        self._exit_decision = exit_decision
+        if ro.exit_decision not in EXIT_DECISIONS:
+            raise ValueError(f"exit_decision must be one of {', '.join(EXIT_DECISIONS)}, got {ro.exit_decision!r}")
+        self._exit_decision = ro.exit_decision
         if preset is not None and not isinstance(preset, str):
             raise ValueError(f"preset must be a str, got {preset!r}")
-
 
         llama_logger.set_verbose(verbose)  # libllama's vocab loader is chatty
         self.model_path = model_path
@@ -227,7 +209,7 @@ class Model:
             self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
                                          main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
                                          use_mmap=self._use_mmap,
-                                         flash_attn=self.flash_attn, exit_decision=exit_decision, **rpc_kw)
+                                         flash_attn=self.flash_attn, exit_decision=ro.exit_decision, **rpc_kw)
             self._vocab = native.Vocab(model_path)
         asked = min(n_gpu_layers, self._engine.hparams["n_layer"])
         placed = self._engine.placement
@@ -246,10 +228,7 @@ class Model:
             raise native.GGUFFormatError(
                 f"{model_path}: vocabulary has {self._vocab.n_tokens} tokens but token_embd has {self.n_vocab} rows"
             )
-        check_river_options(self.has_river, model_path, threshold=threshold, min_exit_layer=min_exit_layer,
-                            river_head=river_head, prefill=prefill, tail=tail, river_attention=river_attention,
-                            draft_max=draft_max, draft_p_min=draft_p_min, draft_mode=draft_mode,
-                            preset=preset)
+        ro.check_river(self.has_river, model_path)
         self.exit_options = ExitOptions()  # backbone-only while the file's defaults are worked out
         try:
             self.presets = presets.parse(self.metadata) if self.has_river else {}
@@ -260,18 +239,19 @@ class Model:
                              "(calibrate it: river-gguf calibrate MODEL --write)")
         self.preset = preset if preset is not None else (
             self.metadata.get(presets.DEFAULT_KEY, presets.DEFAULT_PRESET) if self.presets else None)
+        # The exit setting given at load: exit_layer names a setting of its own (as in a call),
+        # the rest override the preset.
+        overrides = {k: v for k, v in ro.exit_overrides().items() if k not in ("preset", "exit_layer")}
+        self._call_defaults = {} if ro.exit_layer is None else {"exit_layer": ro.exit_layer}
         # Check the caller's options before a profile spends time on the defaults.
         ExitOptions(mode="river" if self.has_river else "backbone").with_overrides(
-            mode=mode, threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill,
-            tail=tail, river_attention=river_attention, draft_max=draft_max, draft_p_min=draft_p_min,
-            draft_mode=draft_mode,
-        ).validate(self.n_layer, self.has_river)
-        self._base_options = self._file_exit_options(profile=threshold is None and not self.presets)
+            **overrides, **self._call_defaults).validate(self.n_layer, self.has_river)
+        self._base_options = self._file_exit_options(profile=ro.threshold is None and not self.presets)
         self.exit_options = self._with_preset(self._base_options, self.preset).with_overrides(
-            mode=mode, threshold=threshold, min_exit_layer=min_exit_layer, river_head=river_head, prefill=prefill,
-            tail=tail, river_attention=river_attention, draft_max=draft_max, draft_p_min=draft_p_min,
-            draft_mode=draft_mode,
-        ).validate(self.n_layer, self.has_river)
+            **overrides).validate(self.n_layer, self.has_river)
+        if self._call_defaults:
+            self.exit_options = self.options()
+        self.river_options = ro
 
     # ----- properties -------------------------------------------------------------------
     @property
@@ -343,6 +323,7 @@ class Model:
 
     def options(self, preset: Optional[str] = None, **overrides) -> ExitOptions:
         """The exit options a call with these arguments runs with (see the class docstring)."""
+        overrides = {**self._call_defaults, **{k: v for k, v in overrides.items() if v is not None}}
         check_river_options(self.has_river, self.model_path, preset=preset, **overrides)
         if preset is not None:
             base = self._with_preset(self._base_options, preset)

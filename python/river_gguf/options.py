@@ -1,8 +1,16 @@
-"""Exit options: which weights run each layer, resolved per call from a model's defaults."""
+"""River's options, defined once.
+
+RiverOptions is everything River adds to loading a model: the river, the defaults of the exit
+setting (a preset, the mode, tau, lossless drafting...), and where layers run (a GPU budget, RPC
+servers, where the exit decision runs). Model, Llama, the CLI and the server take it (or its
+fields as keyword arguments) and forward it; the CLI's flags come from its fields' metadata. The
+fields a call may override (EXIT_FIELDS) resolve per call, from the file's defaults, into
+ExitOptions: which weights run each layer of that call.
+"""
 import math
 import numbers
-from dataclasses import dataclass, fields, replace
-from typing import Optional
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
 
@@ -24,10 +32,10 @@ MAX_DRAFT = 64
 RIVER_ATTENTION = ("river", "backbone")
 PREFILL_POLICIES = ("backbone", "river")
 
-#: Options that only mean something when the model has a river; given to a plain model they
-#: raise instead of being silently ignored. (`mode` and `exit_layer` are checked by what they ask.)
-RIVER_OPTIONS = ("threshold", "min_exit_layer", "river_head", "prefill", "tail", "river_attention", "preset",
-                 "draft_max", "draft_p_min", "draft_mode")
+#: Seconds an RPC server may take to answer one request before the Model gives up on it.
+RPC_TIMEOUT = 120.0
+EXIT_DECISIONS = ("auto", "cpu", "graph")
+RPC_WEIGHTS = ("all", "backbone", "river")
 
 
 def is_int(x) -> bool:
@@ -163,11 +171,114 @@ class ExitOptions:
                     backbone_attention=self.river_attention == "backbone")
 
 
+def _flag(*flags: str, help: str, parse: Optional[str] = None, bool_flag: bool = False, **argparse_kw) -> dict:
+    """A field's command-line flag (cli/common.py adds one per field): argparse's keywords, a
+    --flag/--no-flag pair for a bool, or `parse`, how its text becomes the value ("layers", "floats")."""
+    return {"flags": flags, "help": help, "parse": parse, "bool_flag": bool_flag, "argparse": argparse_kw}
+
+
+def _exit(*flags, river_only: bool = True, **kw) -> Any:
+    """A field of the exit setting: None means the file's own default; calls may override it.
+    river_only: it means nothing without a river, so a plain model refuses it."""
+    return field(default=None, metadata={"exit": True, "river_only": river_only, **_flag(*flags, **kw)})
+
+
+def _place(default, *flags, **kw) -> Any:
+    """A field of where things run: fixed when the model loads."""
+    return field(default=default, metadata={"exit": False, "river_only": False, **_flag(*flags, **kw)})
+
+
+@dataclass(frozen=True)
+class RiverOptions:
+    """What River adds to loading a model (see the module docstring). Every field's None (or
+    default) leaves the choice to the file and the engine."""
+    river: Optional[str] = _place(None, "--river", metavar="PATH",
+                                  help="a separate lower-precision GGUF of the same model, used as the river")
+    preset: Optional[str] = _exit("--preset", metavar="NAME",
+                                  help="one of the River GGUF's stored settings: fast, balanced, quality (default: "
+                                       "the file's default, balanced); the options below override it")
+    mode: Optional[str] = _exit("--mode", river_only=False, choices=MODES,
+                                help="exit mode (default: the file's own); lossless: the river drafts, the "
+                                     "backbone verifies, and the text is the backbone's")
+    threshold: Optional[float] = _exit("--threshold", "--tau", type=float, metavar="TAU",
+                                       help="exit when cos(h_in, h_out) > TAU (> 1: never)")
+    min_exit_layer: Optional[int] = _exit("--min-exit-layer", type=int, metavar="N",
+                                          help="backbone layers every token runs before it may exit")
+    exit_layer: Optional[int] = _exit("--exit-layer", river_only=False, type=int, metavar="K",
+                                      help="force every decoded token out after backbone layer K")
+    river_head: Optional[bool] = _exit("--river-head", bool_flag=True,
+                                       help="exited tokens use the river's own output head")
+    prefill: Optional[str] = _exit("--prefill", choices=PREFILL_POLICIES,
+                                   help="prompts run the backbone, or River's sequence-level exit")
+    tail: Optional[int] = _exit("--tail", type=int, metavar="T",
+                                help="exited tokens rejoin the backbone for the last T layers")
+    river_attention: Optional[str] = _exit("--river-attention", choices=RIVER_ATTENTION,
+                                           help="whose attention weights river layers run: their own, or the "
+                                                "backbone's (with the river's FFN)")
+    draft_max: Optional[int] = _exit("--draft-max", type=int, metavar="N",
+                                     help="lossless: at most N drafts a round (default 4)")
+    draft_p_min: Optional[float] = _exit("--draft-p-min", type=float, metavar="P",
+                                         help="lossless: stop drafting at a draft whose probability is below P "
+                                              "(default 0)")
+    draft_mode: Optional[str] = _exit("--draft-mode", choices=DRAFT_MODES,
+                                      help="lossless: draft with every layer from the river (river-only, the "
+                                           "default) or with River's exit rule (river: backbone layers until "
+                                           "cos > TAU)")
+    gpu_memory: Optional[Union[int, str]] = _place(
+        None, "--gpu-memory", metavar="SIZE",
+        help="the most the GPU placement may use, e.g. 6GiB (default: its free memory); with --ngl -1, a River "
+             "model that does not fit puts its river, head and KV cache there first")
+    exit_decision: str = _place("auto", "--exit-decision", choices=EXIT_DECISIONS,
+                                help="where the exit test runs: auto (graph with offloaded layers, else cpu), "
+                                     "cpu or graph")
+    rpc_servers: Optional[Union[str, Sequence[str]]] = _place(
+        None, "--rpc", metavar="HOST:PORT[,...]",
+        help="put layers on these RPC servers (river-gguf rpc-server; trusted networks only)")
+    rpc_layers: Optional[Union[int, Sequence[int]]] = _place(
+        None, "--rpc-layers", metavar="N|LIST", parse="layers",
+        help="layers on the RPC servers: N (the last N, -1: all; default all) or a list like 0-3,8")
+    rpc_split: Optional[Sequence[float]] = _place(
+        None, "--rpc-split", metavar="S1,S2,...", parse="floats",
+        help="each remote device's share of those layers (default: by free memory)")
+    rpc_weights: str = _place("all", "--rpc-weights", choices=RPC_WEIGHTS,
+                              help="whose weights of a remote layer go with it (default all; its KV cache "
+                                   "always does)")
+    rpc_timeout: Optional[float] = _place(RPC_TIMEOUT, "--rpc-timeout", type=float, metavar="S",
+                                          help=f"seconds an RPC server may take to answer (default {RPC_TIMEOUT:g})")
+
+    @classmethod
+    def of(cls, river_options: Optional["RiverOptions"] = None, **kw) -> "RiverOptions":
+        """These options: `river_options` (default: all unset) with the keyword arguments that
+        are not None on top. An unknown name raises TypeError, as a function's would."""
+        base = river_options if river_options is not None else cls()
+        if not isinstance(base, RiverOptions):
+            raise ValueError(f"river_options must be a RiverOptions, got {type(base).__name__}")
+        unknown = sorted(set(kw) - set(NAMES))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r} (River options are: {', '.join(NAMES)})")
+        return replace(base, **{k: v for k, v in kw.items() if v is not None})
+
+    def exit_overrides(self) -> Dict[str, Any]:
+        """The exit setting fields that are set, as call overrides."""
+        return {k: getattr(self, k) for k in EXIT_FIELDS if getattr(self, k) is not None}
+
+    def check_river(self, has_river: bool, where: str) -> None:
+        """Refuse options that only mean something with a river, on a model without one: they
+        would do nothing. (`mode` and `exit_layer` are checked by what they ask.)"""
+        check_river_options(has_river, where, **{k: getattr(self, k) for k in RIVER_ONLY})
+
+
+#: Every RiverOptions field, the ones a call may override, and those that need a river.
+NAMES = tuple(f.name for f in fields(RiverOptions))
+EXIT_FIELDS = tuple(f.name for f in fields(RiverOptions) if f.metadata["exit"])
+RIVER_ONLY = tuple(f.name for f in fields(RiverOptions) if f.metadata["river_only"])
+
+
 def check_river_options(has_river: bool, where: str, **given) -> None:
     """Refuse river options (not None) on a model without a river: they would do nothing."""
     if has_river:
         return
-    for name in RIVER_OPTIONS:
+    for name in RIVER_ONLY:
         if given.get(name) is not None:
             raise ValueError(f"{name}={given[name]!r} is a river option, but {where} has no river "
                              "(convert it with tools/add_river_gguf.py, or pass river=PATH)")

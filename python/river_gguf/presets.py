@@ -41,9 +41,10 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional
 
-import numpy as np
 import gguf
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from .gguf.river_index import river_tensors
 
 PRESET_KEY = "river.presets"

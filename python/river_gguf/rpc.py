@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Sequence, Union
 
-from .options import is_bool, is_int
 from ._loader import require_rpc
+from .options import is_bool, is_int
 
 #: Whose weights of a remote layer go with it (its KV cache always does): both models', only
 #: the backbone's (the river's layers then run locally on the remote cache), or only the river's.

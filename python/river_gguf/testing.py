@@ -9,19 +9,26 @@ import contextlib
 import functools
 import os
 
-import numpy as np
 import gguf
+import llama_cpp
+import numpy as np
 
 from .default_model import default_model_path
 from .gguf.io import atomic_output, metadata_items
-import llama_cpp
 
-ARCHS = ("llama", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "phi3", "mistral3")
 # Architectures whose files may set a sliding window (gemma2 and gemma3 require one).
 SLIDING_WINDOW_ARCHS = ("olmo2", "gemma2", "gemma3")
 
 _CONTEXT_LENGTH = 512
 LONGROPE_ORIG_CTX = 300  # phi3 longrope files: contexts rounded up past it run the long factors
+# mistral3 files: YaRN's original context, short so that a test's prompt runs past it (where the
+# attention temperature starts to grow), and Ministral 3's YaRN and temperature settings.
+YARN_ORIG_CTX = 40
+MINISTRAL3_ROPE = dict(factor=16.0, beta_fast=32.0, beta_slow=1.0, log_multiplier=1.0, temperature_scale=0.1)
+# Llama 3.1 and 3.2's rope scaling (rope_freqs computed from these, as llama.cpp's converter does).
+LLAMA3_ROPE = {"llama3.1": dict(base=500000.0, factor=8.0, low=1.0, high=4.0, original=8192),
+               "llama3.2": dict(base=500000.0, factor=32.0, low=1.0, high=4.0, original=8192)}
 _RMS_EPS = 1e-5  # also what SmolLM2 uses
 _ROPE_BASE = 10000.0
 
@@ -68,13 +75,14 @@ def write_tiny_model(
     n_ff: int = 128,
     head_dim: int | None = None,
     tied: bool = False,
-    rope_freqs: bool = False,
+    rope_freqs: bool | str = False,
     seed: int = 0,
     dtype: str = "f32",
     sliding_window: int | None = None,
     n_rot: int | None = None,
     longrope: bool = False,
     n_vocab: int | None = None,
+    attn_temperature: float | None = None,
 ) -> str:
     """Write a small random model of ``arch`` (one of ARCHS) that llama.cpp can run.
 
@@ -99,6 +107,11 @@ def write_tiny_model(
     unlike each other and 1), an original context of LONGROPE_ORIG_CTX positions (not a multiple of 256,
     so llama.cpp's rounding of the context decides some choices) and a rope attn_factor.
     ``n_vocab``: pad SmolLM2's vocabulary with unused tokens to this size (RANDOM_SHAPES).
+    ``rope_freqs``: True writes made-up per-dimension factors; "llama3.1" or "llama3.2" writes
+    the rope base and the factors those models use (LLAMA3_ROPE), computed as llama.cpp's
+    converter computes them. mistral3 files get Ministral 3's YaRN and attention temperature
+    (MINISTRAL3_ROPE) over an original context of YARN_ORIG_CTX positions; ``attn_temperature``
+    replaces its temperature scale (0: none written).
 
     Tensors are drawn and written one at a time, so a model of any size (RANDOM_SHAPES: Llama
     3.1 8B's shape is 16 GB in F16) never sits in memory whole.
@@ -107,8 +120,10 @@ def write_tiny_model(
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     if dtype not in ("f32", "f16"):
         raise ValueError("dtype must be 'f32' or 'f16'")
-    if rope_freqs and arch not in ("llama", "granite"):
-        raise ValueError("rope_freqs is only supported for llama and granite")
+    if rope_freqs and arch not in ("llama", "granite", "mistral3"):
+        raise ValueError("rope_freqs is only supported for llama, granite and mistral3")
+    if isinstance(rope_freqs, str) and rope_freqs not in LLAMA3_ROPE:
+        raise ValueError(f"rope_freqs must be a bool or one of {', '.join(LLAMA3_ROPE)}")
     if longrope and arch != "phi3":
         raise ValueError("longrope is only supported for phi3")
     if sliding_window is not None and arch not in SLIDING_WINDOW_ARCHS:
@@ -153,7 +168,8 @@ def write_tiny_model(
         w.add_uint32(f"{arch}.attention.head_count", n_head)
         w.add_uint32(f"{arch}.attention.head_count_kv", n_head_kv)
         # gemma3: a base unlike the sliding layers' fixed 10000, so a layer that takes the wrong one shows.
-        w.add_float32(f"{arch}.rope.freq_base", 100000.0 if arch == "gemma3" else _ROPE_BASE)
+        base = LLAMA3_ROPE[rope_freqs]["base"] if isinstance(rope_freqs, str) else _ROPE_BASE
+        w.add_float32(f"{arch}.rope.freq_base", 100000.0 if arch == "gemma3" else base)
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", _RMS_EPS)
         w.add_uint32(f"{arch}.vocab_size", n_vocab)
         w.add_uint32(f"{arch}.rope.dimension_count", rot)
@@ -164,6 +180,17 @@ def write_tiny_model(
             w.add_uint32(f"{arch}.attention.sliding_window", sliding_window)
         if longrope:
             w.add_uint32(f"{arch}.rope.scaling.original_context_length", LONGROPE_ORIG_CTX)
+        if arch == "mistral3":
+            r = MINISTRAL3_ROPE
+            w.add_string(f"{arch}.rope.scaling.type", "yarn")
+            w.add_float32(f"{arch}.rope.scaling.factor", r["factor"])
+            w.add_uint32(f"{arch}.rope.scaling.original_context_length", YARN_ORIG_CTX)
+            w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", r["beta_fast"])
+            w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", r["beta_slow"])
+            w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", r["log_multiplier"])
+            temperature = r["temperature_scale"] if attn_temperature is None else attn_temperature
+            if temperature:
+                w.add_float32(f"{arch}.attention.temperature_scale", temperature)
             w.add_float32(f"{arch}.rope.scaling.attn_factor", 1.25)
         if arch == "granite":
             w.add_float32(f"{arch}.embedding_scale", 3.0)
@@ -182,7 +209,9 @@ def write_tiny_model(
             w.add_tensor("output.weight", mat(n_vocab, n_embd, gain=1.0))
         if rope_freqs:
             # Per-dimension-pair divisors of the rotation frequency (llama3-style factors).
-            w.add_tensor("rope_freqs.weight", const(np.linspace(1.0, 4.0, rot // 2, dtype=np.float32)))
+            factors = (_llama3_rope_factors(rot, **LLAMA3_ROPE[rope_freqs]) if isinstance(rope_freqs, str)
+                       else np.linspace(1.0, 4.0, rot // 2, dtype=np.float32))
+            w.add_tensor("rope_freqs.weight", const(factors))
         if longrope:
             # Divisors of the rotation frequencies, within the original context and beyond it.
             w.add_tensor("rope_factors_long.weight", const(np.linspace(1.0, 6.0, rot // 2, dtype=np.float32)))
@@ -224,6 +253,23 @@ def write_tiny_model(
 
         w.write_streamed()
     return os.fspath(path)
+
+
+def _llama3_rope_factors(dim: int, base: float, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """Llama 3's per-dimension rope divisors: 1 for short wavelengths, `factor` for long ones,
+    and a smooth mix between (the formula of llama.cpp's convert_hf_to_gguf.py)."""
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 class _StreamingWriter(gguf.GGUFWriter):

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
+from tqdm import tqdm
+
+from ..gguf.meta import set_river_metadata
 from ..measure import data as eval_data
 from ..measure.scoring import calibration_items, prepare, score_items
 from . import open_model
-from tqdm import tqdm
-from ..gguf.meta import set_river_metadata
 
 # Dense where SmolLM2's mid-layer similarities live: mean exit layer moves from ~2 to ~28 here.
 DEFAULT_TAUS = (0.96, 0.97, 0.975, 0.98, 0.9825, 0.985, 0.9875, 0.99, 0.995)

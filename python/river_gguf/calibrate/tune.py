@@ -1,4 +1,4 @@
-"""Choose a River GGUF's presets again (`river-gguf tune FILE`, river_gguf.cli.tune) from decode speeds timed on this
+"""Choose a River GGUF's presets again (`river-gguf tune FILE`, river_gguf.cli.tune_cmd) from decode speeds timed on this
 machine, instead of the stored cost model.
 
 The converter chooses the presets by a cost model fitted once on one machine (presets.TYPE_COST),
@@ -27,14 +27,15 @@ import statistics
 import tempfile
 from typing import Dict, List
 
+from tqdm import tqdm
+
 from .. import presets as presets_mod
+from ..gguf.io import quantize
 from ..gguf.meta import set_river_metadata
 from ..greedy import greedy
-from . import lossless
-from ..gguf.io import quantize
-from tqdm import tqdm
 from ..measure.llama_decode import LlamaDecoder
 from ..model import Model
+from . import lossless
 
 PROMPT = ("The river rose in the hills above the town and ran through three valleys before it reached "
           "the sea. In spring, when the snow melted,")

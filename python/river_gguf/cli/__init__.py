@@ -11,7 +11,7 @@ import os
 import sys
 from typing import List, Optional
 
-from . import convert, evaluate, info, rpc_server, serve, text, tune
+from . import convert_cmd, evaluate, info, rpc_server, serve_cmd, text, tune_cmd
 from .common import PROG, UsageError, common_parents
 
 __all__ = ["main", "build_parser", "UsageError", "PROG"]
@@ -20,12 +20,12 @@ SUBCOMMANDS = [
     text.register_generate,
     text.register_chat,
     info.register,
-    convert.register,
-    convert.register_upgrade,
+    convert_cmd.register,
+    convert_cmd.register_upgrade,
     evaluate.register_eval,
     evaluate.register_calibrate,
-    tune.register,
-    serve.register,
+    tune_cmd.register,
+    serve_cmd.register,
     rpc_server.register,
 ]
 

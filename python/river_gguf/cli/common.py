@@ -5,10 +5,16 @@ import argparse
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
-from ..options import DRAFT_MODES, MODES, RIVER_ATTENTION
+from .. import rpc
+from .._loader import HAS_RPC, require_rpc
+from ..default_model import default_model_path, default_river_path
+from ..llama import Llama
+from ..model import Model
+from ..options import RiverOptions
+from ..results import json_safe
 
 PROG = "river-gguf"
 
@@ -45,76 +51,49 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngl", type=int, default=0, metavar="N", help="layers to offload to the GPU (-1: all)")
     p.add_argument("--main-gpu", type=int, default=0, metavar="I",
                    help="which GPU (river-gguf info --devices lists them; default 0: the first discrete one)")
-    p.add_argument("--gpu-memory", default=None, metavar="SIZE",
-                   help="the most the GPU placement may use, e.g. 6GiB (default: its free memory); with --ngl -1, "
-                        "a River model that does not fit puts its river, head and KV cache there first")
-    p.add_argument("--river", default=None, metavar="PATH", help="separate lower-precision GGUF used as river")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp/ggml log output")
-    p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
-                   help="put layers on these RPC servers (river-gguf rpc-server; trusted networks only)")
-    p.add_argument("--rpc-layers", default=None, metavar="N|LIST",
-                   help="layers on the RPC servers: N (the last N, -1: all; default all) or a list like 0-3,8")
-    p.add_argument("--rpc-split", default=None, metavar="S1,S2,...",
-                   help="each remote device's share of those layers (default: by free memory)")
-    p.add_argument("--rpc-weights", choices=("all", "backbone", "river"), default="all",
-                   help="whose weights of a remote layer go with it (default all; its KV cache always does)")
-    p.add_argument("--rpc-timeout", type=float, default=None, metavar="S",
-                   help="seconds an RPC server may take to answer (default 120)")
-
-
-def rpc_model_kwargs(args) -> dict:
-    """Model's rpc_* arguments from --rpc and friends (ValueError when ggml has no RPC)."""
-    from .. import rpc
-
-    kw = {}
-    if getattr(args, "rpc", None) is not None:
-        from .._loader import HAS_RPC, require_rpc
-
-        if not HAS_RPC:  # a ValueError, reported as a usage error (Model raises RuntimeError)
-            try:
-                require_rpc("--rpc")
-            except RuntimeError as e:
-                raise ValueError(str(e)) from None
-        kw["rpc_servers"] = args.rpc
-    if getattr(args, "rpc_layers", None) is not None:
-        kw["rpc_layers"] = rpc.parse_layers_spec(args.rpc_layers)
-    if getattr(args, "rpc_split", None) is not None:
-        try:
-            kw["rpc_split"] = [float(x) for x in args.rpc_split.split(",")]
-        except ValueError:
-            raise ValueError(f"--rpc-split {args.rpc_split!r}: give numbers separated by commas") from None
-    if getattr(args, "rpc_weights", "all") != "all":
-        kw["rpc_weights"] = args.rpc_weights
-    if getattr(args, "rpc_timeout", None) is not None:
-        kw["rpc_timeout"] = args.rpc_timeout
-    return kw
+    _add_river_fields(p, exit=False)
 
 
 def add_exit_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=MODES, default=None,
-                   help="exit mode (default: the file's own); lossless: the river drafts, the backbone verifies, "
-                        "and the text is the backbone's")
-    p.add_argument("--draft-max", type=int, default=None, metavar="N",
-                   help="lossless: at most N drafts a round (default 4)")
-    p.add_argument("--draft-p-min", type=float, default=None, metavar="P",
-                   help="lossless: stop drafting at a draft whose probability is below P (default 0)")
-    p.add_argument("--draft-mode", choices=DRAFT_MODES, default=None,
-                   help="lossless: draft with every layer from the river (river-only, default) or with River's "
-                        "exit rule (river: backbone layers until cos > TAU)")
-    p.add_argument("--threshold", "--tau", dest="threshold", type=float, default=None, metavar="TAU",
-                   help="exit when cos(h_in, h_out) >= TAU (> 1: never)")
-    p.add_argument("--exit-layer", type=int, default=None, metavar="K",
-                   help="force every decoded token out after backbone layer K")
-    p.add_argument("--river-head", action=argparse.BooleanOptionalAction, default=None,
-                   help="use the river's own output head for exited tokens")
-    p.add_argument("--preset", default=None, metavar="NAME",
-                   help="one of the River GGUF's stored settings: fast, balanced, quality (default: the file's "
-                        "default, balanced); the options above override it")
-    p.add_argument("--tail", type=int, default=None, metavar="T",
-                   help="exited tokens rejoin the backbone for the last T layers")
-    p.add_argument("--river-attention", choices=RIVER_ATTENTION, default=None,
-                   help="whose attention weights river layers run: their own, or the backbone's (with the "
-                        "river's FFN)")
+    _add_river_fields(p, exit=True)
+
+
+def _add_river_fields(p: argparse.ArgumentParser, exit: bool) -> None:
+    """One flag per RiverOptions field of the group (the exit setting, or where things run),
+    from the field's metadata: the options are declared once, in river_gguf.options."""
+    for f in fields(RiverOptions):
+        if f.metadata["exit"] != exit:
+            continue
+        kw = dict(f.metadata["argparse"])
+        if f.metadata["bool_flag"]:
+            kw["action"] = argparse.BooleanOptionalAction
+        p.add_argument(*f.metadata["flags"], dest=f.name, default=None, help=f.metadata["help"], **kw)
+
+
+def river_options(args) -> RiverOptions:
+    """The RiverOptions given on the command line (a flag left out: the file's or the engine's
+    default). ValueError for a value that does not parse."""
+    given = {}
+    for f in fields(RiverOptions):
+        v = getattr(args, f.name, None)
+        if v is None:
+            continue
+        parse = f.metadata["parse"]
+        if parse == "layers":
+            v = rpc.parse_layers_spec(v)
+        elif parse == "floats":
+            try:
+                v = [float(x) for x in v.split(",")]
+            except ValueError:
+                raise ValueError(f"{f.metadata['flags'][0]} {v!r}: give numbers separated by commas") from None
+        given[f.name] = v
+    if given.get("rpc_servers") is not None and not HAS_RPC:
+        try:  # a ValueError, reported as a usage error (Model raises RuntimeError)
+            require_rpc("--rpc")
+        except RuntimeError as e:
+            raise ValueError(str(e)) from None
+    return RiverOptions.of(**given)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, n_default: Optional[int], temp_default: float) -> None:
@@ -131,7 +110,6 @@ def add_sampling_args(p: argparse.ArgumentParser, n_default: Optional[int], temp
 
 def default_model_for_cli() -> str:
     """The default River GGUF once `river-gguf convert` made it, else the shipped Q4_1 file."""
-    from ..default_model import default_model_path, default_river_path
 
     river = default_river_path()
     if os.path.exists(river):
@@ -141,39 +119,27 @@ def default_model_for_cli() -> str:
     return default_model_path()
 
 
-def gpu_model_kwargs(args) -> dict:
-    """Model/Llama keyword arguments of the GPU options add_model_args defines."""
-    return dict(n_gpu_layers=args.ngl, main_gpu=args.main_gpu, gpu_memory=args.gpu_memory)
+def _model_kwargs(args) -> dict:
+    """Model/Llama keyword arguments of the options add_model_args defines."""
+    return dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=args.ngl, main_gpu=args.main_gpu,
+                verbose=args.verbose, river_options=river_options(args))
 
 
 def load_model(args):
     """The River-level Model (river_gguf.Model) for a subcommand that evaluates or inspects."""
-    from ..model import Model
-
-    return Model(args.model or default_model_for_cli(), river=args.river, n_ctx=args.ctx, n_threads=args.threads,
-                 verbose=args.verbose, **gpu_model_kwargs(args), **river_model_kwargs(args),
-                 **rpc_model_kwargs(args))
+    return Model(args.model or default_model_for_cli(), **_model_kwargs(args))
 
 
-def load_llama(args):
-    """The text model (river_gguf.Llama) for generate and chat: the same one the server runs."""
-    from ..llama import Llama
-
+def load_llama(args, model_class=None, **kw):
+    """The text model (river_gguf.Llama, or `model_class` with its interface) for generate, chat
+    and serve: one class, so the same prompt, seed and settings give the same text in each."""
     path = args.model or default_model_for_cli()
     for p in (path, args.river):
         if p is not None and not os.path.exists(p):
             raise FileNotFoundError(f"model file not found: {p}")  # as `info` and Model say it
     # Flash attention: faster, and the setting the benchmarks compare llama.cpp at (Llama's own
     # default is llama_cpp's, off).
-    return Llama(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads, flash_attn=True,
-                 verbose=args.verbose, **gpu_model_kwargs(args), **river_model_kwargs(args),
-                 **rpc_model_kwargs(args))
-
-
-def river_model_kwargs(args) -> dict:
-    """The exit options given on the command line (None: the file's own)."""
-    return {k: getattr(args, k, None) for k in ("mode", "threshold", "river_head", "preset", "tail",
-                                                "river_attention", "draft_max", "draft_p_min", "draft_mode")}
+    return (model_class or Llama)(path, flash_attn=True, **_model_kwargs(args), **kw)
 
 
 def sampling_kwargs(args) -> dict:
@@ -181,11 +147,8 @@ def sampling_kwargs(args) -> dict:
     per-call exit options."""
     if not args.temp >= 0:  # llama_cpp reads a negative temperature as greedy; on a command line it is a typo
         raise UsageError(f"--temp must be a temperature >= 0 (0: greedy), got {args.temp}")
-    kw = dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-              min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop or [])
-    if getattr(args, "exit_layer", None) is not None:
-        kw["exit_layer"] = args.exit_layer
-    return kw
+    return dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop or [])
 
 
 # ----- output --------------------------------------------------------------------------
@@ -213,10 +176,6 @@ def summary_line(stats: dict, llm) -> str:
     return "[" + " | ".join(parts) + "]"
 
 
-def json_safe(x):
-    from ..results import json_safe  # imported here: keeps numpy off the CLI's start-up path
-
-    return json_safe(x)
 
 
 def stream_to_stdout(chunks, chat: bool) -> str:

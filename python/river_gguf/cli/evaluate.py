@@ -3,10 +3,16 @@
 Heavy imports stay inside the handlers: this module is imported whenever the parser is built.
 """
 import argparse
+import json
 import sys
 
+from ..calibrate import tau as tau_calibration
 from ..calibrate.tau import parse_budget
 from ..eval import model_zoo  # light: no numpy, no native module
+from ..eval import render
+from ..eval import report as evaluate
+from ..gguf.meta import set_river_metadata
+from ..results import json_safe
 from .common import UsageError, load_model
 
 
@@ -19,9 +25,6 @@ def _floats(s: str):
 
 # ----- eval ----------------------------------------------------------------------------
 def _cmd_eval(args) -> int:
-    from ..eval import render
-    from ..eval import report as evaluate
-
     s = evaluate.quick_settings(args.model) if args.quick else evaluate.full_settings(args.model)
     domains = [d for d in args.domains.split(",") if d.strip()] + list(args.text or [])
     if not domains:
@@ -79,10 +82,7 @@ def register_eval(subparsers, common=None) -> None:
 
 # ----- calibrate -----------------------------------------------------------------------
 def _cmd_calibrate(args) -> int:
-    import json
 
-    from ..calibrate import tau as tau_calibration
-    from ..results import json_safe
 
     if args.model is None:
         raise UsageError("calibrate needs a River GGUF (or a backbone with --river)")
@@ -110,8 +110,6 @@ def _cmd_calibrate(args) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(json_safe(res), f, indent=1)
     if args.write:
-        from ..gguf.meta import set_river_metadata
-
         path = m.model_path
         del m
         written = set_river_metadata(path, tau_calibration.calibration_metadata(res))

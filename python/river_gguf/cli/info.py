@@ -1,13 +1,13 @@
 """`river-gguf info`: a model's architecture, river and presets."""
 import os
 
+from .. import presets
+from ..devices import list_devices, offload_gpus
 from .common import load_model
 
 
 # ----- info ----------------------------------------------------------------------------
 def _print_devices() -> None:
-    from ..devices import list_devices, offload_gpus
-
     devs = list_devices()
     gpus = offload_gpus()
     rows = [("device", "type", "free MiB", "total MiB", "main_gpu", "description")]
@@ -47,8 +47,6 @@ def _cmd_info(args) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     if m.presets:
-        from .. import presets
-
         print("frontier (presets: KLD measured on the calibration split; cost per decode step by the stored cost "
               "model, or timed by river-gguf tune):")
         for line in presets.describe(m.presets, m.metadata.get(presets.DEFAULT_KEY, presets.DEFAULT_PRESET)):

@@ -12,6 +12,8 @@ import socket
 import sys
 import threading
 
+from .._loader import HAS_RPC, RPC_FIX, native
+from ..model import default_threads, max_threads
 from .common import PROG
 
 DEFAULT_PORT = 50052  # llama.cpp's rpc-server default
@@ -51,9 +53,6 @@ def _check_address(host: str, port: int) -> None:
 
 
 def _cmd_rpc_server(args) -> int:
-    from .._loader import HAS_RPC, RPC_FIX, native
-    from ..model import default_threads, max_threads
-
     # SIGTERM ends the server as Ctrl-C does (exit 143 rather than 130).
     stop = {"code": 0}
 

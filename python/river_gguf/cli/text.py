@@ -4,6 +4,7 @@ import json
 import sys
 from typing import Optional
 
+from .._loader import native
 from .common import UsageError, json_safe, load_llama, sampling_kwargs, stream_to_stdout, summary_line
 
 
@@ -63,8 +64,6 @@ def _read_line(interactive: bool) -> Optional[str]:
 
 
 def _cmd_chat(args) -> int:
-    from .._loader import native
-
     ContextOverflowError = native.ContextOverflowError
     llm = load_llama(args)
     base = [{"role": "system", "content": args.system}] if args.system else []

@@ -27,7 +27,7 @@ model: the F16 SmolLM2 is itself a dequantized Q4_1, so such a river reproduces 
 nearly exactly; likewise a Q4_K_M river of a model dequantized from Q4_K_M (model_zoo picks
 q4_0 for those).
 
-The command line (``river-gguf convert``, ``tools/add_river_gguf.py``) is river_gguf.cli.convert.
+The command line (``river-gguf convert``, ``tools/add_river_gguf.py``) is river_gguf.cli.convert_cmd.
 """
 from __future__ import annotations
 
@@ -35,26 +35,26 @@ import contextlib
 import hashlib
 import math
 import os
+import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..calibrate import open_model as _open_model  # noqa: E402  (light: its imports are lazy)
-from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX, read_field  # (2: the river after the backbone's data)
-from ..gguf.copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, temp_path,
-                        type_name, write_plain_copy, write_river_file)
-from .._loader import native
-import numpy as np
-from ..gguf import river_index
-from ..gguf.io import atomic_output, check_output_path
 import gguf
-from ..gguf import io as gguf_io
-import llama_cpp._logger as llama_logger
-from ..gguf.io import remove_stale_temp_files
-from ..gguf.io import FTYPES, check_output_path
+import numpy as np
+
 from .. import presets as presets_mod
-from . import imatrix as imx
-from ..calibrate import presets as calibrate_presets
+from .._loader import native
+from ..calibrate import open_model as _open_model
+from ..calibrate import preset_grid
+from ..gguf import io as gguf_io
+from ..gguf import river_index
+from ..gguf.copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, temp_path,
+                         type_name, write_plain_copy, write_river_file)
+from ..gguf.io import FTYPES, LlamaLog, atomic_output, captured_llama_log, check_output_path, remove_stale_temp_files
+from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX, read_field  # (2: the river after the backbone's data)
 from ..profile import default_threshold
+from . import imatrix as imx
+
 DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
 IMATRIX_AUTO = "auto"     # collect the importance matrix on the calibration split
 PREFILL_CHOICES = ("backbone", "river")
@@ -79,6 +79,9 @@ _HPARAM_KEYS = (
     "rope.scale_linear",
     "rope.scaling.original_context_length",
     "rope.scaling.attn_factor",
+    "rope.scaling.yarn_beta_fast",
+    "rope.scaling.yarn_beta_slow",
+    "rope.scaling.yarn_log_multiplier",
     "vocab_size",
     # beyond llama: the window, caps and multipliers of gemma2/gemma3, olmo2 and granite
     "attention.sliding_window",
@@ -89,6 +92,7 @@ _HPARAM_KEYS = (
     "embedding_scale",
     "residual_scale",
     "logit_scale",
+    "attention.temperature_scale",
 )
 
 # Tensor types that are not quantized: llama.cpp quantizes from these without "requantizing".
@@ -97,13 +101,9 @@ _FLOAT_TYPE_NAMES = {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"}
 _MAX_LISTED = 6  # mismatches listed in one error message
 
 
-# ----- errors -------------------------------------------------------------------------
-def _errors():
-    return native
-
 
 def _mismatch(msg: str) -> Exception:
-    return _errors().RiverMismatchError(msg)
+    return native.RiverMismatchError(msg)
 
 
 # ----- reading --------------------------------------------------------------------------
@@ -216,10 +216,8 @@ def upgrade_river_gguf(src: str, dst: str, progress: bool = True) -> dict:
     return {"from": version, "to": FORMAT_VERSION}
 
 
-def _quantize_river(src: str, dst: str, river_type: str, n_threads: int, requantize: bool,
-                    head_type: Optional[str] = None) -> None:
-
-    llama_logger.set_verbose(False)  # llama.cpp logs every tensor it quantizes
+def _quantize(src: str, dst: str, river_type: str, n_threads: int, requantize: bool,
+              head_type: Optional[str] = None) -> None:
     # A quantized backbone (e.g. Q8_0): llama.cpp refuses to requantize unless told to.
     gguf_io.quantize(src, dst, river_type, n_threads=n_threads, allow_requantize=requantize, head_type=head_type)
 
@@ -256,6 +254,8 @@ def build_river_gguf(
     river_head_type: Optional[str] = None,
     finalize: Optional[Callable[[str], Optional[dict]]] = None,
     calibration_tokens: Optional[int] = None,
+    report: Optional[Callable[[str], None]] = None,
+    verbose: bool = False,
 ) -> dict:
     """Write ``out_path``: the backbone GGUF plus a river; return the river.* metadata written.
 
@@ -281,6 +281,9 @@ def build_river_gguf(
     calibration_tokens: tokens each preset setting is scored on (teacher-forced decode), and a
         tenth of the token budget of the imatrix collection; None (default) sizes it to the model
         (calibration_token_budget: 1,024 for small models, fewer for large ones).
+    report: called with one line per step (the river's quantization and its fallback types, the
+        importance matrix, the threshold), for a caller to print; llama.cpp's own log is kept
+        (gguf.io.captured_llama_log) and printed to stderr only with verbose=True.
     finalize: called with the path of the complete staged file (presets stored) before it is
         renamed to ``out_path``, e.g. to calibrate it; it may rewrite that file atomically
         (gguf.meta.set_river_metadata) and return metadata to add to the result.
@@ -352,90 +355,32 @@ def build_river_gguf(
             "to replace its river, or start from the plain backbone"
         )
 
-    imatrix_meta = []
-    with temp_path(out_path, ".tmp") as staged:  # the output, complete before it gets its name
+    log = LlamaLog(echo=(lambda line: print(line, file=sys.stderr)) if verbose else None)
+    say = report if report is not None else (lambda line: None)
+    with captured_llama_log(log), temp_path(out_path, ".tmp") as staged:  # the output, complete before it gets its name
         # Intermediate files (river quantizations, stripped copies) are gone before the presets are
         # measured: only the staged output stays on disk while that runs.
         with contextlib.ExitStack() as stack:
+            plain = _plain_source(bb, backbone_path, out_path, stack)
             if river_path is not None:
-                rv = open_reader(river_path)
-                if is_river_gguf(rv):
-                    raise ValueError(
-                        f"river {river_path} is itself a River GGUF; pass a plain GGUF (or build from the backbone)"
-                    )
-                compare_models(bb, rv)
-                river_src, type_label = river_path, "from-file"
+                river_src, type_label, imatrix_meta = _river_from_file(river_path, bb)
             else:
-                src = backbone_path
-                if bb_has_river:  # quantize the plain backbone, not the old river
-                    src = stack.enter_context(temp_path(out_path, ".backbone.tmp"))
-                    write_plain_copy(bb, src)
-                requant = any(type_name(t) not in _FLOAT_TYPE_NAMES for t in plain_tensors(bb) if len(t.shape) >= 2)
-                if requant:
-                    warnings.warn(f"{backbone_path} is already quantized; the river is requantized from it", stacklevel=2)
-                river_src = stack.enter_context(temp_path(out_path, ".river.tmp"))
-                _quantize_river(src, river_src, river_type, n_threads, requant, head_type=river_head_type)
-                type_label = river_type if river_head_type is None else f"{river_type} (head {river_head_type})"
-                if imatrix is not None:
-                    if imatrix == IMATRIX_AUTO:
-                        imat = imx.collect_imatrix(src, _imatrix_texts(calibration_tokens), n_threads=n_threads, progress=progress,
-                                                   dataset="calibration split (gsm8k, humaneval; item % 5 == 0)")
-                        imatrix_label = f"collected: {imat.datasets[0] if imat.datasets else 'calibration split'}"
-                    else:
-                        imat = imx.read_imatrix_gguf(imatrix)
-                        imatrix_label = f"file: {os.path.basename(os.fspath(imatrix))}"
-                    weighted = stack.enter_context(temp_path(out_path, ".river-imatrix.tmp"))
-                    imx.quantize_with_imatrix(src, river_src, weighted, imat, progress=progress, n_threads=n_threads)
-                    river_src = weighted
-                    imatrix_meta = [("river.imatrix", imatrix_label, "s"), ("river.imatrix_tokens", int(imat.n_tokens), "u")]
-                    type_label = f"{river_type}+imatrix"
-                rv = open_reader(river_src)
-                compare_models(bb, rv)
-
+                river_src, type_label, imatrix_meta = _make_river(
+                    plain(), out_path, stack, bb, river_type, river_head_type, imatrix, calibration_tokens,
+                    n_threads, progress, log, say)
+            rv = open_reader(river_src)
+            compare_models(bb, rv)
             if backbone_type is not None:
                 # The stored backbone is a quantization of the input; the river came from the input.
                 stored = stack.enter_context(temp_path(out_path, ".backbone-q.tmp"))
-                src_bb = backbone_path
-                if bb_has_river:
-                    src_bb = stack.enter_context(temp_path(out_path, ".backbone-plain.tmp"))
-                    write_plain_copy(bb, src_bb)
-                _quantize_river(src_bb, stored, backbone_type, n_threads,
-                                any(type_name(t) not in _FLOAT_TYPE_NAMES for t in plain_tensors(bb) if len(t.shape) >= 2))
+                mark = log.mark()
+                _quantize(plain(), stored, backbone_type, n_threads, _is_quantized(bb))
+                say(f"backbone: {backbone_type}: {log.quantize_summary(mark)}")
                 bb = open_reader(stored)
-
-            meta: Dict[str, Any] = {}
-            if threshold is None:
-                model = _open_model(backbone_path, n_threads=n_threads)
-                prof = default_threshold(model)
-                del model
-                meta_threshold = float(prof["threshold"])
-                source = f"profile-q{prof['quantile']:.2f}"
-            else:
-                prof, meta_threshold, source = None, float(threshold), "user"
-
-
-            VT = gguf.GGUFValueType
-            entries = [
-                ("river.format_version", FORMAT_VERSION, VT.UINT32),
-                ("river.type", type_label, VT.STRING),
-                ("river.threshold", meta_threshold, VT.FLOAT32),
-                ("river.threshold_source", source, VT.STRING),
-                ("river.min_exit_layer", int(min_exit_layer), VT.UINT32),
-                ("river.prefill", prefill, VT.STRING),
-                ("river.head", bool(river_head), VT.BOOL),
-                ("river.backbone_file", os.path.basename(backbone_path), VT.STRING),
-                ("river.backbone_sha256", sha256_file(backbone_path), VT.STRING),
-                ("river.river_file", os.path.basename(river_path) if river_path else f"(quantized {type_label})",
-                 VT.STRING),
-                ("river.river_sha256", sha256_file(river_src), VT.STRING),
-                ("river.tail", int(tail), VT.UINT32),
-                ("river.backbone_type", backbone_type or "as input", VT.STRING),
-            ]
-            entries += [(k, v, VT.STRING if t == "s" else VT.UINT32) for k, v, t in imatrix_meta]
-            if prof is not None:
-                entries.append(("river.profile_predicted_mean_exit_layer", float(prof["predicted_mean_exit_layer"]),
-                                VT.FLOAT32))
-
+            meta_threshold, source, prof = _threshold(threshold, backbone_path, n_threads)
+            say(f"threshold: {meta_threshold:.4f} ({source})")
+            entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
+                                     min_exit_layer, prefill, river_head, tail, backbone_type, imatrix_meta, prof)
             rv_by_name = {t.name: t for t in rv.tensors}
             plan = [(t.name, t) for t in plain_tensors(bb)]
             river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
@@ -443,21 +388,113 @@ def build_river_gguf(
             if "output.weight" in rv_by_name:
                 river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
             write_river_file(staged, bb, entries, plan, river_plan, progress, f"river {os.path.basename(out_path)}")
-            meta.update({k: v for k, v, _ in entries})
+            meta: Dict[str, Any] = {k: v for k, v, _ in entries}
             # float32 as stored, so callers compare against what Model(out).metadata reads
-
             meta["river.threshold"] = float(np.float32(meta_threshold))
             if prof is not None:
                 meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
         if presets:
             per_domain, score_tokens = preset_scoring(calibration_tokens)
-            meta.update(calibrate_presets.calibrate_presets_file(staged, n_threads=n_threads, progress=progress,
-                                                                 items_per_domain=per_domain,
-                                                                 score_tokens=score_tokens))
+            meta.update(preset_grid.calibrate_presets_file(staged, n_threads=n_threads, progress=progress,
+                                                           items_per_domain=per_domain, score_tokens=score_tokens))
         if finalize is not None:
             meta.update(finalize(staged) or {})
         os.replace(staged, out_path)
     return meta
+
+
+def _is_quantized(reader) -> bool:
+    return any(type_name(t) not in _FLOAT_TYPE_NAMES for t in plain_tensors(reader) if len(t.shape) >= 2)
+
+
+def _plain_source(bb, backbone_path: str, out_path: str, stack):
+    """A function giving the backbone as a plain GGUF to quantize from: the input itself, or (a
+    River GGUF whose river is replaced) a copy without its river, written once when first asked."""
+    made: List[str] = []
+
+    def plain() -> str:
+        if not is_river_gguf(bb):
+            return backbone_path
+        if not made:
+            made.append(stack.enter_context(temp_path(out_path, ".backbone.tmp")))
+            write_plain_copy(bb, made[0])
+        return made[0]
+
+    return plain
+
+
+def _river_from_file(river_path: str, bb):
+    rv = open_reader(river_path)
+    if is_river_gguf(rv):
+        raise ValueError(f"river {river_path} is itself a River GGUF; pass a plain GGUF (or build from the backbone)")
+    compare_models(bb, rv)
+    return river_path, "from-file", []
+
+
+def _make_river(src: str, out_path: str, stack, bb, river_type: str, river_head_type, imatrix, calibration_tokens,
+                n_threads: int, progress: bool, log: LlamaLog, say) -> Tuple[str, str, list]:
+    """Quantize the river from `src` (with an importance matrix unless imatrix is None): (its
+    file, its type label, the river.imatrix* entries)."""
+    requant = _is_quantized(bb)
+    if requant:
+        warnings.warn(f"{src} is already quantized; the river is requantized from it", stacklevel=3)
+    river_src = stack.enter_context(temp_path(out_path, ".river.tmp"))
+    mark = log.mark()
+    _quantize(src, river_src, river_type, n_threads, requant, head_type=river_head_type)
+    type_label = river_type if river_head_type is None else f"{river_type} (head {river_head_type})"
+    if imatrix is None:
+        say(f"river: {type_label}: {log.quantize_summary(mark)}")
+        return river_src, type_label, []
+    if imatrix == IMATRIX_AUTO:
+        imat = imx.collect_imatrix(src, _imatrix_texts(calibration_tokens), n_threads=n_threads, progress=progress,
+                                   dataset="calibration split (gsm8k, humaneval; item % 5 == 0)")
+        imatrix_label = f"collected: {imat.datasets[0] if imat.datasets else 'calibration split'}"
+    else:
+        imat = imx.read_imatrix_gguf(imatrix)
+        imatrix_label = f"file: {os.path.basename(os.fspath(imatrix))}"
+    say(f"imatrix: {int(imat.n_tokens)} tokens ({imatrix_label})")
+    weighted = stack.enter_context(temp_path(out_path, ".river-imatrix.tmp"))
+    mark = log.mark()
+    imx.quantize_with_imatrix(src, river_src, weighted, imat, progress=progress, n_threads=n_threads)
+    say(f"river: {river_type} with the importance matrix: {log.quantize_summary(mark)}")
+    return weighted, f"{river_type}+imatrix", [("river.imatrix", imatrix_label, "s"),
+                                               ("river.imatrix_tokens", int(imat.n_tokens), "u")]
+
+
+def _threshold(threshold: Optional[float], backbone_path: str, n_threads: int):
+    """(tau, where it came from, the profile or None): the user's, or profiled on the backbone."""
+    if threshold is not None:
+        return float(threshold), "user", None
+    model = _open_model(backbone_path, n_threads=n_threads)
+    prof = default_threshold(model)
+    del model
+    return float(prof["threshold"]), f"profile-q{prof['quantile']:.2f}", prof
+
+
+def _river_entries(backbone_path, river_path, river_src, type_label, threshold, source, min_exit_layer, prefill,
+                   river_head, tail, backbone_type, imatrix_meta, prof) -> list:
+    """The river.* keys of the file (docs/format.md)."""
+    VT = gguf.GGUFValueType
+    entries = [
+        ("river.format_version", FORMAT_VERSION, VT.UINT32),
+        ("river.type", type_label, VT.STRING),
+        ("river.threshold", threshold, VT.FLOAT32),
+        ("river.threshold_source", source, VT.STRING),
+        ("river.min_exit_layer", int(min_exit_layer), VT.UINT32),
+        ("river.prefill", prefill, VT.STRING),
+        ("river.head", bool(river_head), VT.BOOL),
+        ("river.backbone_file", os.path.basename(backbone_path), VT.STRING),
+        ("river.backbone_sha256", sha256_file(backbone_path), VT.STRING),
+        ("river.river_file", os.path.basename(river_path) if river_path else f"(quantized {type_label})", VT.STRING),
+        ("river.river_sha256", sha256_file(river_src), VT.STRING),
+        ("river.tail", int(tail), VT.UINT32),
+        ("river.backbone_type", backbone_type or "as input", VT.STRING),
+    ]
+    entries += [(k, v, VT.STRING if t == "s" else VT.UINT32) for k, v, t in imatrix_meta]
+    if prof is not None:
+        entries.append(("river.profile_predicted_mean_exit_layer", float(prof["predicted_mean_exit_layer"]),
+                        VT.FLOAT32))
+    return entries
 
 
 # ----- how much calibration -------------------------------------------------------------

@@ -12,12 +12,12 @@ import os
 import re
 
 from .._loader import native
-from ..presets import ATTENTION_KINDS
-from ..gguf.river_index import RIVER_PREFIX, read_field
-from .build import compare_models
-from ..gguf.copy import (arch, check_loadable, new_writer, open_reader, plain_tensors, river_tensors_by_name,
-                        same_file, write_tensors)
+from ..gguf.copy import (arch, check_loadable, new_writer, open_reader, plain_tensors, river_tensors_by_name, same_file,
+                         write_tensors)
 from ..gguf.io import atomic_output, check_output_path
+from ..gguf.river_index import RIVER_PREFIX, read_field
+from ..presets import ATTENTION_KINDS
+from .build import compare_models
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 

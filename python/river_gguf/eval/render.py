@@ -8,8 +8,8 @@ import math
 import os
 from typing import Dict, Optional
 
-from ..results import json_safe
 from ..measure import divergence
+from ..results import json_safe
 from .report import KLD_REFS, SPEED_REFS
 
 
@@ -137,26 +137,32 @@ def markdown(report: dict) -> str:
     for setup, v in a["vs_ladder"].items():
         who = "static" if setup == "static" else "River"
         name = "static river (+ backbone tail) controls" if setup == "static" else setup
-        if "q4_k_m" in v:
-            q = v["q4_k_m"]
-            y = q["river_kld_at_speed"]
-            out.append(f"- {name} frontier at Q4_K_M's speed ({q['ladder_tok_s']:.1f} tok/s, kld {q['ladder_kld']:.4f}): "
-                       + (f"{who} kld {y:.4f} -> {who + ' wins' if q['river_wins'] else 'Q4_K_M wins'}"
-                          if y is not None else
-                          f"no {who} point reaches that speed (max {q['river_max_tok_s']:.1f} tok/s) -> Q4_K_M wins"
-                          if q["river_max_tok_s"] < q["ladder_tok_s"] else
-                          f"every {who} point is faster (outside the frontier's range)"))
-        if "q8_0" in v:
-            q = v["q8_0"]
-            b = q["river_best_tok_s_at_or_below_kld"]
-            out.append(f"- {name} frontier at Q8_0's kld ({q['ladder_kld']:.4f}, {q['ladder_tok_s']:.1f} tok/s): "
-                       + (f"best {who} speed {b:.1f} tok/s -> {who + ' wins' if q['river_wins'] else 'Q8_0 wins'}"
-                          if b is not None else
-                          f"no {who} point reaches that kld (best {q['river_min_kld']:.4f}) -> Q8_0 wins"))
+        out += [_frontier_line(name, who, kind, v[kind]) for kind in ("q4_k_m", "q8_0") if kind in v]
     return "\n".join(out) + "\n"
 
 
+def _frontier_line(name: str, who: str, kind: str, q: dict) -> str:
+    """The frontier of `name` against one ladder file: at Q4_K_M's speed (which KLD does it
+    reach?) or at Q8_0's KLD (which speed?)."""
+    ref = kind.upper()
+    wins = f"{who} wins" if q["river_wins"] else f"{ref} wins"
+    if kind == "q4_k_m":
+        y = q["river_kld_at_speed"]
+        head = f"- {name} frontier at Q4_K_M's speed ({q['ladder_tok_s']:.1f} tok/s, kld {q['ladder_kld']:.4f}): "
+        if y is not None:
+            return head + f"{who} kld {y:.4f} -> {wins}"
+        if q["river_max_tok_s"] < q["ladder_tok_s"]:
+            return head + f"no {who} point reaches that speed (max {q['river_max_tok_s']:.1f} tok/s) -> Q4_K_M wins"
+        return head + f"every {who} point is faster (outside the frontier's range)"
+    b = q["river_best_tok_s_at_or_below_kld"]
+    head = f"- {name} frontier at Q8_0's kld ({q['ladder_kld']:.4f}, {q['ladder_tok_s']:.1f} tok/s): "
+    if b is not None:
+        return head + f"best {who} speed {b:.1f} tok/s -> {wins}"
+    return head + f"no {who} point reaches that kld (best {q['river_min_kld']:.4f}) -> Q8_0 wins"
+
+
 def pareto_plot(report: dict, path: str) -> None:
+    # matplotlib is the optional `eval` extra, and slow to import: only when a plot is drawn.
     import matplotlib
 
     matplotlib.use("Agg")

@@ -36,6 +36,8 @@ exit against the static tail hybrids at equal measured speed.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 import os
 import statistics
@@ -43,28 +45,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import gguf
 import numpy as np
+from tqdm import tqdm
 
 from .. import presets
-
+from .. import presets as presets_mod
+from ..calibrate.preset_grid import calibrate_presets_file
 from ..calibrate.tau import DEFAULT_TAUS
+from ..convert.build import DEFAULT_RIVER_TYPE, build_river_gguf
+from ..convert.hybrid import write_hybrid_gguf
+from ..default_model import cache_dir
 from ..measure import data as eval_data
 from ..measure import divergence
 from ..measure.scoring import (GreedyRun, LlamaCppRunner, agreement, greedy_river, histogram, prepare, score_forced,
-                      shuffle_exits)
-from . import model_zoo
-from ..convert.build import DEFAULT_RIVER_TYPE
-from ..default_model import cache_dir
-from ..presets import PRESET_KEY
-import gguf
-import hashlib
-from ..convert.hybrid import write_hybrid_gguf
-from .. import presets as presets_mod
-import dataclasses
-from tqdm import tqdm
+                               shuffle_exits)
 from ..model import Model
-from ..convert.build import build_river_gguf
-from ..calibrate.presets import calibrate_presets_file
+from ..presets import PRESET_KEY
+from . import model_zoo
 
 DEFAULT_FIXED_EXITS = (0, 5, 10, 15, 20, 24, 27)
 SHUFFLE_SEED = 1234
@@ -103,7 +101,7 @@ KLD_REFS = ("Q8_0", "Q4_K_M")
 
 
 def _zoo(model: str):
-    return model_zoo._model(model)
+    return model_zoo.model(model)
 
 
 def default_river_type(model: str = DEFAULT_MODEL) -> str:

@@ -19,19 +19,18 @@ written to escape it.
 """
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
-import signal
-import gzip
-import json
-from ..measure.data import package_file
-from ..measure.data import gsm8k_items
-from ..measure.data import is_calibration
+
+from ..measure.data import gsm8k_items, is_calibration, package_file
 
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ", '\n"""', "\n```")
 GSM8K_STOPS = ("\n\nQuestion:", "\nQuestion:", "\n\n\n")
@@ -60,7 +59,7 @@ class SandboxResult:
 
 def _limits(memory_mb: int, cpu_s: int):
     def apply():  # runs in the child between fork and exec
-        import resource
+        import resource  # POSIX only, and only the child needs it
 
         mem = memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -69,7 +68,7 @@ def _limits(memory_mb: int, cpu_s: int):
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         try:  # a private network namespace: no interface but a down loopback (needs privilege)
-            import ctypes
+            import ctypes  # in the child: nothing but this call uses it
 
             ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET
         except Exception:

@@ -8,20 +8,14 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .river_index import RIVER_PREFIX, read_field
-from .._loader import native
-from .io import deferred_interrupts
 import gguf
-from .river_index import river_tensors
-from .io import temp_name
-from .io import copy_metadata
-from tqdm import tqdm
-from . import river_index
 import numpy as np
+from tqdm import tqdm
 
-
-def _errors():
-    return native
+from .._loader import native
+from . import river_index
+from .io import copy_metadata, deferred_interrupts, temp_name
+from .river_index import RIVER_PREFIX, read_field, river_tensors
 
 
 def check_loadable(path: str) -> dict:
@@ -33,7 +27,6 @@ def check_loadable(path: str) -> dict:
     if not os.path.exists(path):
         raise FileNotFoundError(f"model file not found: {path}")
 
-    native = _errors()
     with deferred_interrupts():  # libllama's vocab loader logs through a ctypes callback (see _open_model)
         engine = native.Engine(path, "", 8, 1, 8, 0)  # n_ctx=8: a tiny KV cache, opens in milliseconds
     hparams = dict(engine.hparams)
@@ -76,7 +69,7 @@ def river_tensors_by_name(reader, prefix: str) -> Dict[str, Any]:
     try:
         return {t.name[len(prefix):]: t for t in river_tensors(reader) if t.name.startswith(prefix)}
     except ValueError as e:
-        raise _errors().GGUFFormatError(str(e)) from None
+        raise native.GGUFFormatError(str(e)) from None
 
 
 def same_file(a: str, b: str) -> bool:

@@ -17,13 +17,17 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any, Iterable, Iterator
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, List, Optional
 
-import numpy as np
 import gguf
-from tqdm import tqdm
-from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 import llama_cpp
+import llama_cpp._logger as llama_logger
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType as VT
+from tqdm import tqdm
 
 # llama.cpp's LLAMA_FTYPE_MOSTLY_F16; general.file_type for an F16 conversion.
 _FILE_TYPE_MOSTLY_F16 = 1
@@ -196,6 +200,67 @@ def _same_file(a: str, b: str) -> bool:
     if os.path.exists(a) and os.path.exists(b):
         return os.path.samefile(a, b)
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+# llama.cpp's quantizer, one line per tensor that has no block of its type's size:
+# "warning: blk.0.attn_q.weight - ncols 576 not divisible by 256 (required for type q4_K) -> falling back to q5_0".
+_FALLBACK = re.compile(r"warning: (\S+)\s+- ncols\s+(\d+) not divisible by\s+\d+ \(required for type\s+(\S+)\)"
+                       r".*?-> falling back to\s+(\S+)")
+_FALLBACK_TOTAL = re.compile(r"(\d+) of (\d+) tensor\(s\) required fallback quantization")
+
+
+@dataclass
+class LlamaLog:
+    """What llama.cpp (libllama and ggml) logged while it was captured (captured_llama_log): kept
+    rather than printed, so a conversion prints one line per step (quantize_summary) and
+    `river-gguf convert -v` shows the lines themselves. `echo` receives each line as it comes."""
+    lines: List[str] = field(default_factory=list)
+    echo: Optional[Callable[[str], None]] = None
+    _partial: str = ""
+
+    def add(self, text: str) -> None:
+        text = self._partial + text
+        *done, self._partial = text.split("\n")
+        for line in done:
+            self.lines.append(line)
+            if self.echo is not None:
+                self.echo(line)
+
+    def mark(self) -> int:
+        """A position in the lines, for quantize_summary of what came after it."""
+        return len(self.lines)
+
+    def quantize_summary(self, since: int = 0) -> str:
+        """One line of what the quantizer logged since `since`: how many tensors fell back to
+        another type, by row width and type change ("180 of 272 tensors fell back: 576-wide rows,
+        q4_K -> q5_0 150, q6_K -> q8_0 30"), or that none did."""
+        lines = self.lines[since:]
+        moves = Counter((int(m.group(2)), m.group(3), m.group(4)) for line in lines
+                        for m in [_FALLBACK.search(line)] if m)
+        total = next((m for line in lines for m in [_FALLBACK_TOTAL.search(line)] if m), None)
+        if not moves:
+            return "no tensor fell back to another type"
+        n = sum(moves.values())
+        widths = sorted({w for w, _, _ in moves})
+        head = f"{n} of {total.group(2)} tensors" if total else f"{n} tensors"
+        parts = ", ".join(f"{a} -> {b} {c}" for (_, a, b), c in sorted(moves.items(), key=lambda kv: -kv[1]))
+        return f"{head} fell back: {'/'.join(map(str, widths))}-wide rows, {parts}"
+
+
+@contextlib.contextmanager
+def captured_llama_log(log: LlamaLog) -> Iterator[LlamaLog]:
+    """Send llama.cpp's log to `log` instead of stderr while the block runs, then hand it back to
+    llama-cpp-python's own callback."""
+
+    @llama_cpp.llama_log_callback
+    def collect(level, text, user_data):
+        log.add(text.decode("utf-8", errors="replace"))
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+    try:
+        yield log
+    finally:
+        llama_cpp.llama_log_set(llama_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 @contextlib.contextmanager

@@ -10,13 +10,13 @@ import contextlib
 import os
 from typing import Any, Dict
 
-import numpy as np
-
-from .io import atomic_output, metadata_items
-from gguf import GGUFValueType as VT
 import gguf
+import numpy as np
+from gguf import GGUFValueType as VT
 from tqdm import tqdm
+
 from . import river_index
+from .io import atomic_output, metadata_items
 
 
 def _value_type(value: Any, old_type=None):

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
 
 import numpy as np
-from gguf.quants import quant_shape_to_byte_shape
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import GGUFValueType as VT
+from gguf.quants import quant_shape_to_byte_shape
 from tqdm import tqdm
 
 FORMAT_VERSION = 2

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from typing import List, Sequence, Tuple
 
-import numpy as np
 import llama_cpp
+import numpy as np
 
 
 class LlamaDecoder:

@@ -10,10 +10,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import data as eval_data
-from . import divergence
 from ..greedy import greedy
 from ..options import ExitOptions
+from . import data as eval_data
+from . import divergence
 from .llama_decode import LlamaDecoder
 
 Prepared = List[Tuple[List[int], int]]  # (tokens, prefix) per item

@@ -5,7 +5,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream=true answers with
 server-sent events), GET /v1/models, GET /health, POST /extras/tokenize[/count].
 
-Modules, one job each (the subcommand itself is river_gguf.cli.serve): settings (what the
+Modules, one job each (the subcommand itself is river_gguf.cli.serve_cmd): settings (what the
 command line decides), loader (which model class serves), protocol (what the server needs of a model),
 schemas (request bodies), params (request -> model keyword arguments), errors (OpenAI-style
 error bodies), auth (the optional API key), worker (one request at a time on the model),

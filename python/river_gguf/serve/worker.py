@@ -30,6 +30,10 @@ class ModelWorker:
     def busy(self) -> bool:
         return self._lock.locked()
 
+    def shutdown(self) -> None:
+        """Drop the queued calls; the one running finishes."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
     async def _in_thread(self, fn: Callable, *args, **kwargs):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
@@ -121,4 +125,4 @@ class StreamLease:
 def shutdown(worker: ModelWorker) -> None:
     """Drop queued work at server exit; a call already running finishes (native code cannot be
     interrupted mid-step)."""
-    worker._executor.shutdown(wait=False, cancel_futures=True)
+    worker.shutdown()

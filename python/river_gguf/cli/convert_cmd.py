@@ -8,19 +8,17 @@ import sys
 import threading
 from typing import Any, Dict, Optional, Sequence
 
+from .. import presets as presets_mod
+from .._loader import native
+from ..calibrate.tau import calibrate_file, calibration_metadata, parse_budget
 from ..convert.build import (BACKBONE_TYPES, DEFAULT_BACKBONE_TYPE, DEFAULT_RIVER_TYPE, DEFAULT_TAIL, IMATRIX_AUTO,
                              MAX_CALIBRATION_TOKENS, PREFILL_CHOICES, build_river_gguf, upgrade_river_gguf)
-
-
-def _errors():
-    from .._loader import native  # when a handler runs: the native module takes a while to load
-
-    return native
+from ..default_model import default_river_path, derived_model
+from ..gguf.io import FTYPES, check_output_path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``tools/add_river_gguf.py`` and ``river-gguf convert``."""
-    from ..gguf.io import FTYPES  # light: no native module
 
     p.add_argument("backbone", metavar="BACKBONE.gguf", nargs="?", default=None,
                    help="backbone GGUF (F16/BF16/Q8_0 recommended; default: an F16 of the default "
@@ -72,12 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=_parse_budget, default=0.02, metavar="B",
                    help="perplexity budget for --calibrate: 2%% or 0.02 (default 2%%)")
     p.add_argument("-t", "--threads", type=int, default=2, help="threads for quantizing/profiling (default 2)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no step lines")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print llama.cpp's own log (its quantizer's line per tensor) as it comes")
 
 
 def _parse_budget(text: str) -> float:
-    from ..calibrate.tau import parse_budget  # imported when used: it pulls in numpy
-
     return parse_budget(text)
 
 
@@ -119,11 +117,7 @@ def _sigterm_as_exit():
 
 
 def _run(args: argparse.Namespace) -> int:
-    native = _errors()
     if args.backbone is None:
-        from ..default_model import default_river_path, derived_model
-        from ..gguf.io import check_output_path
-
         try:
             if args.output is not None:
                 check_output_path(args.output)  # before the default F16 is made (once, into the cache)
@@ -141,7 +135,6 @@ def _run(args: argparse.Namespace) -> int:
 
     def finalize(staged: str) -> dict:
         # --calibrate runs on the staged file too: the output appears calibrated, or not at all.
-        from ..calibrate.tau import calibrate_file, calibration_metadata
 
         stage["calibrating"] = True
         calibration.update(calibrate_file(staged, args.budget, args.threads, progress=not args.quiet))
@@ -157,6 +150,8 @@ def _run(args: argparse.Namespace) -> int:
             imatrix=None if str(args.imatrix).lower() == "none" else args.imatrix,
             backbone_type=args.backbone_type, presets=args.presets, river_head_type=args.river_head_type,
             finalize=finalize if args.calibrate else None, calibration_tokens=args.calibration_tokens,
+            report=None if args.quiet else (lambda line: print(f"convert: {line}", file=sys.stderr, flush=True)),
+            verbose=args.verbose,
         )
     except (ValueError, OSError, RuntimeError, native.GGUFFormatError) as e:
         print(f"error: {'calibration failed: ' if stage['calibrating'] else ''}{e}", file=sys.stderr)
@@ -175,8 +170,6 @@ def _run(args: argparse.Namespace) -> int:
     if "river.imatrix" in meta:
         print(f"  imatrix:   {meta['river.imatrix']} ({meta['river.imatrix_tokens']} tokens)")
     if "river.presets" in meta:
-        from .. import presets as presets_mod
-
         for line in presets_mod.describe(presets_mod.parse(meta), meta.get("river.default_preset")):
             print(f"  preset     {line}")
     if calibration:
@@ -206,7 +199,6 @@ def register_upgrade(subparsers, common=None) -> None:
     p.add_argument("-q", "--quiet", action="store_true")
 
     def run_upgrade(args) -> int:
-        native = _errors()
         try:
             r = upgrade_river_gguf(args.old, args.new, progress=not args.quiet)
         except KeyboardInterrupt:

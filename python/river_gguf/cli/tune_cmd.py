@@ -1,6 +1,10 @@
 """`river-gguf tune FILE` (river_gguf.calibrate.tune): the presets again from speeds timed here."""
 import sys
 
+from .. import presets as presets_mod
+from .._loader import native
+from ..calibrate.tune import tune
+
 
 def register(subparsers, common=None) -> None:
     """``river-gguf tune``."""
@@ -19,10 +23,6 @@ def register(subparsers, common=None) -> None:
 
 
 def _run(args) -> int:
-    from .. import presets as presets_mod
-    from .._loader import native
-    from ..calibrate.tune import tune
-
     try:
         res = tune(args.model, n_threads=args.threads, tokens=args.tokens, rounds=args.rounds,
                    write=not args.dry_run, progress=not args.quiet)

@@ -1,5 +1,6 @@
 """Which model class serves, and the name it is served under."""
 import os
+
 from ..llama import Llama
 
 

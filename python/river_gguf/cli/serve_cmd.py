@@ -3,8 +3,9 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..serve.settings import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
-from .common import UsageError, default_model_for_cli, gpu_model_kwargs, river_model_kwargs, rpc_model_kwargs
+from ..serve import served_model
+from ..serve.settings import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, ServerSettings, api_key_from
+from .common import UsageError, load_llama
 
 
 def register(sub, common) -> None:
@@ -39,14 +40,13 @@ def _web_stack():
 
 def run(args) -> int:
     uvicorn = _web_stack()
-    from ..serve import loader
+    # The server's own modules import the web stack, an optional extra: only when it runs.
     from ..serve.app import create_app
-    from ..serve.settings import ServerSettings, api_key_from
 
     # Checked before the model spends time loading; the name comes from the loaded model.
     settings = ServerSettings(args.alias or "-", host=args.host, port=args.port, api_key=api_key_from(args.api_key))
     model = _load_model(args)
-    settings = replace(settings, model_id=loader.model_id(model, args.alias))
+    settings = replace(settings, model_id=served_model.model_id(model, args.alias))
     if not settings.is_local and settings.api_key is None:
         print(f"river-gguf: warning: listening on {settings.host} without an API key; anyone who can reach "
               f"this port can use the model (set --api-key or ${API_KEY_ENV})", file=sys.stderr)
@@ -61,14 +61,7 @@ def run(args) -> int:
 
 
 def _load_model(args):
-    """The model for `river-gguf serve`'s arguments, in the class serve.loader names."""
-    from ..serve import loader
+    """The model for `river-gguf serve`'s arguments, in the class serve.served_model names."""
 
-    path = args.model or default_model_for_cli()
-    river = dict(river_model_kwargs(args), exit_layer=args.exit_layer)
-    # flash_attn=True: as `generate` and `chat` (cli/common.load_llama); Llama defaults to off.
     # embedding=True: /v1/embeddings works (in this engine it costs nothing until called).
-    return loader.model_class()(path, river=args.river, n_ctx=args.ctx, n_threads=args.threads, flash_attn=True,
-                                embedding=True,
-                                verbose=args.verbose, **gpu_model_kwargs(args), **river,
-                                **rpc_model_kwargs(args))
+    return load_llama(args, model_class=served_model.model_class(), embedding=True)

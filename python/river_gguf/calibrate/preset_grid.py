@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from tqdm import tqdm
+
+from ..gguf.meta import set_river_metadata
 from ..measure import divergence
 from ..measure.scoring import calibration_items, prepare
-from ..gguf.meta import set_river_metadata
-from ..presets import (DEFAULT_PRESET, DEFAULT_KEY, EXIT_TEST_COST, GRID_KEY, PRESET_KEY, ANCHORS_KEY,
-                       backbone_layers_per_step, choose, complete, dump, grid, setting_step, step_bytes,
-                       tier_bounds, weight_bytes)
+from ..presets import (ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, EXIT_TEST_COST, GRID_KEY, PRESET_KEY,
+                       backbone_layers_per_step, choose, complete, dump, grid, setting_step, step_bytes, tier_bounds,
+                       weight_bytes)
 from . import open_model
-from tqdm import tqdm
 
 
 def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool = True,
@@ -22,7 +23,7 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
 
     Quality is the KL divergence of each setting's next-token distribution from the backbone's
     (the same file in backbone mode), both teacher-forced through the decode path with exits live
-    (a batched pass is a different computation for quantized weights: eval/divergence.py). Cost
+    (a batched pass is a different computation for quantized weights: measure/divergence.py). Cost
     is the step's decode cost (step_bytes over weight_bytes(measure="cost")), against the tier
     bounds of tier_bounds; each row also records the bytes the step reads.
     Returns {"presets", "rows", "anchors", "backbone_ppl", ...}."""

@@ -32,8 +32,8 @@ they predict at the acceptance measured in the run. Run it alone on the machine.
 
     .venv/bin/python benchmarks/lossless_speed.py --shape llama-3.2-1b --acceptance 0.87,0.92
 
-times only those costs, on a random-weight F16 model of that shape (testing.RANDOM_SHAPES, written
-once into the cache) with a Q4_0 river, and prints the speedup they predict at each acceptance (the
+times only those costs, on a random-weight F16 model of that shape (benchmarks/random_models.py,
+written once into the cache) with a Q4_0 river (--ngl -1: on the GPU), and prints the speedup they predict at each acceptance (the
 ones measured on the real models): the cost of a step does not depend on the weights.
 """
 import argparse
@@ -51,6 +51,7 @@ try:  # an installed river_gguf (the checkout's python/ has no native module)
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/random_models.py
 from river_gguf.calibrate import lossless as lossless_cost  # noqa: E402
 from river_gguf.default_model import cache_dir  # noqa: E402
 from river_gguf.measure import data as eval_data  # noqa: E402
@@ -130,27 +131,22 @@ def speculative_row(target: str, draft: str, prompt: str, tokens: int, k: int, p
             "drafted": drafted}
 
 
-def shape_costs(shape: str, acceptances, threads: int, max_draft: int) -> dict:
-    """Step, draft and verify costs of a random-weight model of `shape`, and the speedups they
-    predict at each acceptance."""
+def shape_costs(shape: str, acceptances, threads: int, max_draft: int, ngl: int = 0) -> dict:
+    """Step, draft and verify costs of a random-weight model of `shape` (benchmarks/random_models.py:
+    F16 backbone, Q4_0 river), with `ngl` layers offloaded, and the speedups they predict at each
+    acceptance."""
+    from random_models import make
     from river_gguf import Model
-    from river_gguf.convert.build import build_river_gguf
-    from river_gguf.testing import write_random_shape
 
-    f16 = cache_dir() / f"random-{shape}.f16.gguf"
-    if not f16.is_file():
-        write_random_shape(f16, shape)
-    river = cache_dir() / f"random-{shape}.f16+q4_0.river.gguf"
-    if not river.is_file():
-        build_river_gguf(str(f16), river, river_type="q4_0", backbone_type="f16", imatrix=None, presets=False,
-                         threshold=2.0, progress=True, n_threads=threads)
-    m = Model(str(river), n_ctx=512, n_threads=threads)
+    river = make(shape, [], "q4_0", str(cache_dir()), threads)["river"]
+    m = Model(river, n_ctx=512, n_threads=threads, n_gpu_layers=ngl)
     costs = lossless_cost.measure_costs(m, m.options(mode="lossless", draft_max=max_draft), max_draft + 1,
                                         rounds=3, steps=8)
-    out = {"shape": shape, "costs": costs.as_dict(), "predicted": {}}
-    print(f"\n{shape} (random F16 + Q4_0 river, {threads} threads): step {1e3 * costs.step:.1f} ms, "
-          f"draft step {1e3 * costs.draft:.1f} ms, verify "
-          + ", ".join(f"{n}: {1e3 * v:.1f} ms ({v / costs.step:.2f} steps)" for n, v in costs.verify.items()))
+    out = {"shape": shape, "ngl": ngl, "costs": costs.as_dict(), "predicted": {}}
+    where = "all layers on the GPU" if ngl else f"{threads} threads"
+    print(f"\n{shape} (random F16 + Q4_0 river, {where}): step {1e3 * costs.step:.2f} ms, "
+          f"draft step {1e3 * costs.draft:.2f} ms, verify "
+          + ", ".join(f"{n}: {1e3 * v:.2f} ms ({v / costs.step:.2f} steps)" for n, v in costs.verify.items()))
     for a in acceptances:
         choice = lossless_cost.best_draft_max(costs, a)
         out["predicted"][str(a)] = choice
@@ -182,10 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--shape", default=None, help="only the costs of a random-weight model of this shape")
     ap.add_argument("--acceptance", default="0.85,0.9", help="with --shape: acceptances to predict at")
+    ap.add_argument("--ngl", type=int, default=0, help="with --shape: layers offloaded to the GPU (-1: all)")
     args = ap.parse_args(argv)
     ks = [int(x) for x in args.draft_max.split(",")]
     if args.shape:
-        out = shape_costs(args.shape, [float(a) for a in args.acceptance.split(",")], args.threads, max(ks))
+        out = shape_costs(args.shape, [float(a) for a in args.acceptance.split(",")], args.threads, max(ks), args.ngl)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)

@@ -121,9 +121,10 @@ def main(argv=None) -> int:
 
     path = a.river or evaluate.default_river_gguf(a.model, n_threads=a.threads, progress=False)
     river = RiverRun(path, a.threads, ngl=a.ngl)
-    if a.gpu_check:
+    if a.gpu_check and not a.static_file:  # llama.cpp's files of the model: its backbone's type and Q4_0
         backbone_type = evaluate.river_types(river.m.engine.metadata)[1].lower()
         a.static = ",".join(dict.fromkeys([backbone_type, "q4_0"]))
+    if a.gpu_check:
         a.setting = [f"{label}={json.dumps(o)}" for label, o in GPU_CHECK_SETTINGS] + a.setting
     statics = {q.upper(): LlamaRun(model_zoo.derived(a.model, q), a.threads, ngl=a.ngl)
                for q in a.static.split(",") if q}

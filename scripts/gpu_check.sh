@@ -23,8 +23,9 @@ export RIVER_GGUF_VENV=${RIVER_GGUF_VENV:-.venv-$RIVER_GGUF_GPU}
 export RIVER_GGUF_CACHE=${RIVER_GGUF_CACHE:-$PWD/.cache/test}
 if [ "$RIVER_GGUF_GPU" = cuda ]; then
   command -v nvcc >/dev/null || { echo "gpu_check: nvcc not found (a CUDA toolkit is needed)" >&2; exit 2; }
-  # Kernels for the GPU at hand only: the build takes minutes, not an hour.
-  export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_CUDA_ARCHITECTURES=native"
+  # Kernels for the GPU at hand only: the build takes minutes, not an hour. The caller's
+  # CMAKE_ARGS come last, so CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90-real overrides it.
+  export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=native ${CMAKE_ARGS:-}"
 fi
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 start=$SECONDS

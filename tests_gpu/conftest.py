@@ -1,7 +1,10 @@
-"""Fixtures of the GPU test module: SmolLM2's derived files (cached across runs, as in tests/),
-random-weight models of other architectures, and llama.cpp's own offload as the oracle."""
+"""Fixtures of the GPU test module: SmolLM2's derived files (cached across runs, as in tests/), or
+with RIVER_GGUF_GPU_MODELS=random random-weight files of SmolLM2's shape (a machine the model
+cannot reach: scripts/gpu_device_run.sh), random-weight models of other architectures, and
+llama.cpp's own offload as the oracle."""
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -9,7 +12,7 @@ os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().p
 
 import llama_cpp  # noqa: E402,F401
 
-from river_gguf.default_model import derived_model  # noqa: E402
+from river_gguf.default_model import cache_dir, derived_model  # noqa: E402
 from river_gguf.devices import offload_gpus  # noqa: E402
 from river_gguf.testing import oracles  # noqa: E402
 
@@ -29,14 +32,26 @@ def pytest_collection_modifyitems(config, items):
             "GGML_VK_VISIBLE_DEVICES=0, as scripts/test_gpu.sh does)")
 
 
+RANDOM_MODELS = os.environ.get("RIVER_GGUF_GPU_MODELS") == "random"
+
+
+def _model(kind: str) -> str:
+    if not RANDOM_MODELS:
+        return derived_model(kind)
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    from random_models import make
+
+    return make("smollm2-135m", ["q4_0"], "", str(cache_dir()), os.cpu_count() or 2)[kind]
+
+
 @pytest.fixture(scope="session")
 def f16_path():
-    return derived_model("f16")
+    return _model("f16")
 
 
 @pytest.fixture(scope="session")
 def q4_0_path():
-    return derived_model("q4_0")
+    return _model("q4_0")
 
 
 @pytest.fixture

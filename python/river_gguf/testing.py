@@ -33,12 +33,29 @@ _RMS_EPS = 1e-5  # also what SmolLM2 uses
 _ROPE_BASE = 10000.0
 
 
+#: A GGUF holding only a tokenizer (tokenizer.* keys, no tensors: write_tokenizer_gguf) to give the
+#: random models instead of the default model's, where that model is not installed (a GPU machine
+#: without network gets one in scripts/gpu_bundle.sh's bundle).
+TOKENIZER_ENV = "RIVER_GGUF_TOKENIZER"
+
+
 @functools.lru_cache(maxsize=1)
 def _tokenizer_kvs() -> tuple:
-    """tokenizer.* KVs of the default model, read once per process (parsing ~100k strings takes seconds)."""
-    reader = gguf.GGUFReader(default_model_path())
+    """tokenizer.* KVs of the default model (or of $RIVER_GGUF_TOKENIZER), read once per process
+    (parsing ~100k strings takes seconds)."""
+    reader = gguf.GGUFReader(os.environ.get(TOKENIZER_ENV) or default_model_path())
     skip = [k for k in reader.fields if not k.startswith("tokenizer.")]
     return tuple(metadata_items(reader, skip))
+
+
+def write_tokenizer_gguf(path: str | os.PathLike) -> str:
+    """A GGUF with the default model's tokenizer.* keys and nothing else (about 2 MB)."""
+    with atomic_output(path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, "llama")) as w:
+        _copy_tokenizer(w)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    return os.fspath(path)
 
 
 #: llama.cpp's token type of the tokens that pad a vocabulary to a model's size: never produced
@@ -300,6 +317,7 @@ class _StreamingWriter(gguf.GGUFWriter):
 #: cost does not depend on the weights (a step, a batch, a conversion), with their real
 #: vocabulary size.
 RANDOM_SHAPES = {
+    "smollm2-135m": dict(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, tied=True),
     "llama-3.2-1b": dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, tied=True, n_vocab=128256),
     "llama-3.2-3b": dict(n_layer=28, n_embd=3072, n_head=24, n_head_kv=8, n_ff=8192, tied=True, n_vocab=128256),
     "llama-3.1-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, tied=False, n_vocab=128256),

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# River on CUDA in one command, on a borrowed GPU machine with no network, from the checkout and
+# the bundle scripts/gpu_bundle.sh made (carried beside it):
+#
+#   OUT=DIR ./scripts/gpu_device_run.sh [BUNDLE]        (BUNDLE default .gpu-bundle)
+#   ./scripts/gpu_device_run.sh --print-cmake-args      (llama.cpp's CMake arguments, then exit)
+#
+# 1. installs what the machine's Python lacks from the bundle (no index), into a folder of its own
+#    on PYTHONPATH (no venv: ensurepip may be missing);
+# 2. builds llama-cpp-python from the bundle's source with CUDA and RPC (CUDA_ARCH, default
+#    90-real: an H200's), then river_gguf against it;
+# 3. writes random-weight F16 models shaped like SmolLM2-135M and Llama-3.2-1B, their static quants
+#    and River GGUFs (benchmarks/random_models.py; the timings and the parity checks do not depend
+#    on the weights);
+# 4. runs tests_gpu/ on them (RIVER_GGUF_GPU_MODELS=random), every test, into a JUnit file;
+# 5. times decode with every layer offloaded beside llama.cpp's own CUDA offload of the same files,
+#    the GPU synchronized inside the clock (benchmarks/preset_speed.py --gpu-check: the backbone,
+#    river-only, tau 0.97, every layer tested), and lossless mode's step, draft and verify costs
+#    (benchmarks/lossless_speed.py --shape --ngl -1).
+# Every step has a time limit; the log (each stage's start, end, status and seconds), stages.txt,
+# the JUnit file and the JSON tables go to OUT (default ./gpu-run-out). A step that fails is logged
+# and the ones that do not need it still run.
+#
+# The dry run on a machine without a GPU: GPU_BACKEND=vulkan builds the Vulkan backend instead
+# (Mesa's lavapipe; the loader, glslc and headers as scripts/test_gpu.sh installs them) and
+# DEVICE_ONLY=0 leaves out the timings, which mean nothing there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = --print-cmake-args ]; then  # what the build would pass to llama.cpp's CMake, and no more
+  PRINT_ONLY=1
+  shift
+fi
+ROOT=$PWD
+BUNDLE=$(cd "${1:-.gpu-bundle}" 2>/dev/null && pwd || echo "${1:-.gpu-bundle}")
+OUT=${OUT:-$ROOT/gpu-run-out}
+GPU_BACKEND=${GPU_BACKEND:-cuda}
+CUDA_ARCH=${CUDA_ARCH:-90-real}
+DEVICE_ONLY=${DEVICE_ONLY:-1}
+JOBS=${JOBS:-$(nproc)}
+SITE=${SITE:-/tmp/river-site}
+LOG=$OUT/run.log
+T0=$(date +%s)
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+export RIVER_GGUF_CACHE=${RIVER_GGUF_CACHE:-/tmp/river-models}
+export RIVER_GGUF_TOKENIZER=$BUNDLE/tokenizer.gguf
+export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
+PY=${PYTHON:-python3}
+
+log() { echo "[$(date -u +%H:%M:%S) +$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
+# stage NAME SECONDS COMMAND...: run it with a time limit; log and record its status and seconds.
+stage() {
+  local name=$1 limit=$2 t rc
+  shift 2
+  t=$(date +%s)
+  log "start $name (limit ${limit}s)"
+  timeout --kill-after=10 "$limit" bash -c '"$@"' stage "$@" >> "$LOG" 2>&1
+  rc=$?
+  log "end $name: status $rc after $(($(date +%s) - t))s"
+  echo "$name $rc $(($(date +%s) - t))" >> "$OUT/stages.txt"
+  return $rc
+}
+
+install_missing() {  # the bundle's wheels of the packages this Python cannot import
+  local need=() pkg mod
+  for pkg in numpy:numpy gguf:gguf tqdm:tqdm jinja2:jinja2 MarkupSafe:markupsafe typing_extensions:typing_extensions \
+             diskcache:diskcache PyYAML:yaml requests:requests urllib3:urllib3 idna:idna certifi:certifi \
+             charset_normalizer:charset_normalizer scikit_build_core:scikit_build_core pathspec:pathspec \
+             packaging:packaging pybind11:pybind11 pytest:pytest iniconfig:iniconfig pluggy:pluggy Pygments:pygments; do
+    mod=${pkg#*:}
+    "$PY" -c "import $mod" 2>/dev/null || need+=("${pkg%%:*}")
+  done
+  echo "installing from the bundle: ${need[*]:-nothing}"
+  [ ${#need[@]} -eq 0 ] || "$PY" -m pip install -q --no-index --no-deps --find-links "$BUNDLE/wheels" \
+    --target "$SITE" "${need[@]}"
+}
+
+# llama.cpp's CMake arguments: the backend, RPC, no multimodal library (nothing here uses it), and
+# the caller's CMAKE_ARGS last: CMake keeps a variable's last value, so they override these.
+llama_cmake_args() {
+  local args="-DGGML_RPC=ON -DLLAVA_BUILD=OFF"
+  if [ "$GPU_BACKEND" = cuda ]; then
+    args="$args -DGGML_CUDA=ON -DGGML_CUDA_NCCL=OFF -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH"
+  else
+    args="$args -DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR=$(./scripts/vulkan_headers.sh)"
+  fi
+  echo "$args ${CMAKE_ARGS:-}"
+}
+
+build_llama_cpp() {
+  [ "$GPU_BACKEND" != cuda ] || command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+  CMAKE_ARGS="$(llama_cmake_args)" "$PY" -m pip install -q --no-index --no-deps --no-build-isolation \
+    --target "$SITE" "$BUNDLE"/llama_cpp_python-*.tar.gz
+}
+
+build_engine() {
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" \
+    -C build-dir="/tmp/river-build-$GPU_BACKEND" "$ROOT"
+}
+
+models() {  # the random-weight files, in parallel
+  "$PY" benchmarks/random_models.py --shape smollm2-135m --quants q8_0,q4_k_m,q4_0 --river q4_0 \
+    > "$OUT/models-smollm2.json" &
+  "$PY" benchmarks/random_models.py --shape llama-3.2-1b --quants q8_0,q4_0 --river q4_0 > "$OUT/models-1b.json"
+  wait %1
+}
+
+decode_table() {  # shape: preset_speed.py over the shape's files
+  local shape=$1 f
+  f=$OUT/models-$shape.json
+  "$PY" benchmarks/preset_speed.py --ngl -1 --gpu-check --no-presets --static "" --threads "$JOBS" \
+    --river "$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['river'])" "$f")" \
+    $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(' '.join(f'--static-file {k.upper()}={v}' for k, v in d.items() if k != 'river'))" "$f") \
+    --tokens 64 --repeats 3 --json "$OUT/decode-$shape.json"
+}
+
+if [ "${PRINT_ONLY:-0}" = 1 ]; then
+  llama_cmake_args
+  exit 0
+fi
+export ROOT BUNDLE OUT GPU_BACKEND CUDA_ARCH JOBS SITE PY
+export -f install_missing llama_cmake_args build_llama_cpp build_engine models decode_table
+mkdir -p "$OUT" "$SITE"
+: > "$OUT/stages.txt"
+log "gpu_device_run: backend $GPU_BACKEND, arch $CUDA_ARCH, $JOBS jobs, bundle $BUNDLE, out $OUT"
+stage bundle-check 30 sh -c "cd '$BUNDLE' && sha256sum -c --quiet SHA256SUMS" || exit 1
+stage install 120 install_missing || exit 1
+[ "$GPU_BACKEND" = cuda ] && { nvidia-smi >> "$LOG" 2>&1; command -v nvcc >> "$LOG" 2>&1; nvcc --version >> "$LOG" 2>&1; }
+stage build-llama-cpp 420 build_llama_cpp || exit 1
+stage build-engine 150 build_engine || exit 1
+stage devices 60 "$PY" -c "import river_gguf; from river_gguf.devices import list_devices; print(river_gguf.__version__, list_devices())" || exit 1
+stage models 180 models
+stage tests-gpu 240 env RIVER_GGUF_GPU_MODELS=random GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0} \
+  "$PY" -m pytest -q -p no:cacheprovider tests_gpu --junitxml="$OUT/tests_gpu.xml"
+if [ "$DEVICE_ONLY" = 1 ]; then
+  stage decode-smollm2 150 decode_table smollm2
+  stage decode-1b 150 decode_table 1b
+  stage lossless-costs 120 "$PY" benchmarks/lossless_speed.py --shape llama-3.2-1b --ngl -1 --draft-max 8 \
+    --acceptance 0.87,0.93 --threads "$JOBS" --json "$OUT/lossless-1b.json"
+fi
+log "gpu_device_run: done after $(($(date +%s) - T0))s"

@@ -11,13 +11,15 @@
 #    90-real: an H200's), then river_gguf against it;
 # 3. writes random-weight F16 models shaped like SmolLM2-135M and Llama-3.2-1B, their static quants
 #    and River GGUFs (benchmarks/random_models.py; the timings and the parity checks do not depend
-#    on the weights);
-# 4. runs tests_gpu/ on them (RIVER_GGUF_GPU_MODELS=random), every test, into a JUnit file;
+#    on the weights), each shape when it is needed;
+# 4. runs tests_gpu/ on the SmolLM2-shaped ones (RIVER_GGUF_GPU_MODELS=random), every test, into a
+#    JUnit file;
 # 5. times decode with every layer offloaded beside llama.cpp's own CUDA offload of the same files,
 #    the GPU synchronized inside the clock (benchmarks/preset_speed.py --gpu-check: the backbone,
 #    river-only, tau 0.97, every layer tested), and lossless mode's step, draft and verify costs
 #    (benchmarks/lossless_speed.py --shape --ngl -1).
-# Every step has a time limit; the log (each stage's start, end, status and seconds), stages.txt,
+# Every step has a time limit, and the whole run BUDGET_S seconds (default 540; a step that would
+# start after it is skipped and says so); the log (each stage's start, end, status and seconds), stages.txt,
 # the JUnit file and the JSON tables go to OUT (default ./gpu-run-out). A step that fails is logged
 # and the ones that do not need it still run.
 #
@@ -37,6 +39,7 @@ GPU_BACKEND=${GPU_BACKEND:-cuda}
 CUDA_ARCH=${CUDA_ARCH:-90-real}
 DEVICE_ONLY=${DEVICE_ONLY:-1}
 JOBS=${JOBS:-$(nproc)}
+BUDGET_S=${BUDGET_S:-540}   # the whole run, the build included: a lease's command runs at most 10 minutes
 SITE=${SITE:-/tmp/river-site}
 LOG=$OUT/run.log
 T0=$(date +%s)
@@ -48,11 +51,19 @@ export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
 PY=${PYTHON:-python3}
 
 log() { echo "[$(date -u +%H:%M:%S) +$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
-# stage NAME SECONDS COMMAND...: run it with a time limit; log and record its status and seconds.
+# stage NAME SECONDS COMMAND...: run it with a time limit (and within the run's BUDGET_S, so the
+# whole run ends in time); log and record its status and seconds.
 stage() {
-  local name=$1 limit=$2 t rc
+  local name=$1 limit=$2 t rc left
   shift 2
   t=$(date +%s)
+  left=$((T0 + BUDGET_S - t))
+  if [ "$left" -lt 10 ]; then
+    log "skip $name: the run's ${BUDGET_S}s are spent"
+    echo "$name skipped 0" >> "$OUT/stages.txt"
+    return 124
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
   log "start $name (limit ${limit}s)"
   timeout --kill-after=10 "$limit" bash -c '"$@"' stage "$@" >> "$LOG" 2>&1
   rc=$?
@@ -98,11 +109,8 @@ build_engine() {
     -C build-dir="/tmp/river-build-$GPU_BACKEND" "$ROOT"
 }
 
-models() {  # the random-weight files, in parallel
-  "$PY" benchmarks/random_models.py --shape smollm2-135m --quants q8_0,q4_k_m,q4_0 --river q4_0 \
-    > "$OUT/models-smollm2.json" &
-  "$PY" benchmarks/random_models.py --shape llama-3.2-1b --quants q8_0,q4_0 --river q4_0 > "$OUT/models-1b.json"
-  wait %1
+models() {  # shape quants: the random-weight files of one shape
+  "$PY" benchmarks/random_models.py --shape "$1" --quants "$2" --river q4_0 > "$OUT/models-$1.json"
 }
 
 decode_table() {  # shape: preset_speed.py over the shape's files
@@ -111,7 +119,7 @@ decode_table() {  # shape: preset_speed.py over the shape's files
   "$PY" benchmarks/preset_speed.py --ngl -1 --gpu-check --no-presets --static "" --threads "$JOBS" \
     --river "$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['river'])" "$f")" \
     $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(' '.join(f'--static-file {k.upper()}={v}' for k, v in d.items() if k != 'river'))" "$f") \
-    --tokens 64 --repeats 3 --json "$OUT/decode-$shape.json"
+    --tokens 64 --repeats 2 --json "$OUT/decode-$shape.json"
 }
 
 if [ "${PRINT_ONLY:-0}" = 1 ]; then
@@ -126,16 +134,17 @@ log "gpu_device_run: backend $GPU_BACKEND, arch $CUDA_ARCH, $JOBS jobs, bundle $
 stage bundle-check 30 sh -c "cd '$BUNDLE' && sha256sum -c --quiet SHA256SUMS" || exit 1
 stage install 120 install_missing || exit 1
 [ "$GPU_BACKEND" = cuda ] && { nvidia-smi >> "$LOG" 2>&1; command -v nvcc >> "$LOG" 2>&1; nvcc --version >> "$LOG" 2>&1; }
-stage build-llama-cpp 420 build_llama_cpp || exit 1
-stage build-engine 150 build_engine || exit 1
+stage build-llama-cpp 400 build_llama_cpp || exit 1
+stage build-engine 120 build_engine || exit 1
 stage devices 60 "$PY" -c "import river_gguf; from river_gguf.devices import list_devices; print(river_gguf.__version__, list_devices())" || exit 1
-stage models 180 models
-stage tests-gpu 240 env RIVER_GGUF_GPU_MODELS=random GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0} \
+stage models-smollm2 90 models smollm2-135m q8_0,q4_k_m,q4_0
+stage tests-gpu 200 env RIVER_GGUF_GPU_MODELS=random GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0} \
   "$PY" -m pytest -q -p no:cacheprovider tests_gpu --junitxml="$OUT/tests_gpu.xml"
 if [ "$DEVICE_ONLY" = 1 ]; then
-  stage decode-smollm2 150 decode_table smollm2
-  stage decode-1b 150 decode_table 1b
-  stage lossless-costs 120 "$PY" benchmarks/lossless_speed.py --shape llama-3.2-1b --ngl -1 --draft-max 8 \
+  stage decode-smollm2 90 decode_table smollm2-135m
+  stage models-1b 90 models llama-3.2-1b q8_0,q4_0
+  stage decode-1b 90 decode_table llama-3.2-1b
+  stage lossless-costs 90 "$PY" benchmarks/lossless_speed.py --shape llama-3.2-1b --ngl -1 --draft-max 8 \
     --acceptance 0.87,0.93 --threads "$JOBS" --json "$OUT/lossless-1b.json"
 fi
 log "gpu_device_run: done after $(($(date +%s) - T0))s"

@@ -221,7 +221,7 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     bb = _tiny(tmp_path)
     before = _sha(bb)
     calls = []
-    from river_gguf.convert import gguf_copy
+    from river_gguf.gguf import copy as gguf_copy
 
     real = gguf_copy.write_one
 

@@ -152,14 +152,21 @@ def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, dict]:
     the lowest KLD among rows whose relative cost is within bounds[tier] (ties: the cheaper, then
     the row listed first); a tier no row fits gets the cheapest row. A pure function of its
     inputs: the same rows and bounds give the same presets. A tier whose pick equals a lower
-    tier's is marked same_as, with the reason."""
+    tier's is marked same_as, with the reason.
+
+    Rows with KLD intervals ("kld_ci") are closer only where the intervals separate: among the
+    rows whose interval overlaps the closest row's, the tier takes the cheapest."""
     out: Dict[str, dict] = {}
     order = {id(r): i for i, r in enumerate(rows)}
     for name, _ in TIERS:
         tier = float(bounds[name])
         ok = [r for r in rows if r["relative_cost"] <= tier + 1e-12]
         if ok:
-            pick = min(ok, key=lambda r: (r["kld"], r["relative_cost"], order[id(r)]))
+            best = min(ok, key=lambda r: (r["kld"], r["relative_cost"], order[id(r)]))
+            # Closer only where the intervals separate: a cheaper setting whose KLD interval
+            # reaches the closest one's is as close as this calibration can tell, and is kept.
+            tied = [r for r in ok if _overlap(r, best)]
+            pick = min(tied, key=lambda r: (r["relative_cost"], r["kld"], order[id(r)]))
         else:
             pick = min(rows, key=lambda r: (r["relative_cost"], order[id(r)]))
         entry = dict(pick, tier=tier)
@@ -172,6 +179,14 @@ def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, dict]:
             entry["why"] = f"no measured setting fits {tier:.2f}x river-only's cost: the cheapest is {pick['relative_cost']:.2f}x"
         out[name] = entry
     return out
+
+
+def _overlap(r: dict, best: dict) -> bool:
+    """Whether r's KLD interval reaches best's (rows without intervals: only best itself)."""
+    if r is best:
+        return True
+    a, b = r.get("kld_ci"), best.get("kld_ci")
+    return bool(a and b) and a[0] <= b[1]
 
 
 def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[str]:
@@ -189,7 +204,9 @@ def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[st
             what += f" river_attention={o['river_attention']}"
         lines.append(
             f"{name}{' (default)' if name == default else ''}: {what} tail={o.get('tail', 0)} "
-            f"river_head={o.get('river_head')} | calibration KLD {p.get('kld', float('nan')):.4f}, ppl "
+            f"river_head={o.get('river_head')} | calibration KLD {p.get('kld', float('nan')):.4f}"
+            + (f" [{p['kld_ci'][0]:.4f}, {p['kld_ci'][1]:.4f}]" if p.get("kld_ci") else "")
+            + (f" ({p['n_tokens']} tokens, {p['scored']})" if p.get("n_tokens") else "") + ", ppl "
             f"{p.get('ppl', float('nan')):.4f}"
             + (f" (backbone {p['backbone_ppl']:.4f})" if "backbone_ppl" in p else "") + ", "
             f"{p.get('relative_cost', float('nan')):.2f}x river-only's cost per step (tier "

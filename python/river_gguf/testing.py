@@ -197,6 +197,7 @@ def write_tiny_model(
             w.add_uint32(f"{arch}.attention.sliding_window", sliding_window)
         if longrope:
             w.add_uint32(f"{arch}.rope.scaling.original_context_length", LONGROPE_ORIG_CTX)
+            w.add_float32(f"{arch}.rope.scaling.attn_factor", 1.25)
         if arch == "mistral3":
             r = MINISTRAL3_ROPE
             w.add_string(f"{arch}.rope.scaling.type", "yarn")
@@ -208,7 +209,6 @@ def write_tiny_model(
             temperature = r["temperature_scale"] if attn_temperature is None else attn_temperature
             if temperature:
                 w.add_float32(f"{arch}.attention.temperature_scale", temperature)
-            w.add_float32(f"{arch}.rope.scaling.attn_factor", 1.25)
         if arch == "granite":
             w.add_float32(f"{arch}.embedding_scale", 3.0)
             w.add_float32(f"{arch}.residual_scale", 0.6)

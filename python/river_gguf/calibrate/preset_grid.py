@@ -17,15 +17,25 @@ from ..presets import (ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, EXIT_TEST_COST,
 from . import open_model
 
 
+#: The share of the calibration items the dynamic settings are scored on, through decode (the
+#: static ones are scored on all of them, batched).
+DYNAMIC_SHARE = 0.5
+
+
 def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool = True,
-                      settings: Optional[List[dict]] = None) -> dict:
+                      settings: Optional[List[dict]] = None, batched: bool = True) -> dict:
     """Measure `settings` (default: grid()) on the calibration split and choose the presets.
 
     Quality is the KL divergence of each setting's next-token distribution from the backbone's
-    (the same file in backbone mode), both teacher-forced through the decode path with exits live
-    (a batched pass is a different computation for quantized weights: measure/divergence.py). Cost
-    is the step's decode cost (step_bytes over weight_bytes(measure="cost")), against the tier
-    bounds of tier_bounds; each row also records the bytes the step reads.
+    (the same file in backbone mode), teacher-forced. With batched=True (the default) every
+    static setting (the backbone, river-only with a tail, with or without the backbone's
+    attention) is scored at prefill speed (divergence.score_batched: one backbone pass over each
+    prompt, then the completion as one batch per setting, against the backbone's batch), and the
+    dynamic settings through decode with exits live, against the backbone's decode, on every
+    other item (DYNAMIC_SHARE). batched=False scores everything through decode, on every item.
+    Each row keeps its KLD's item-bootstrap interval, how it was scored and on how many tokens.
+    Cost is the step's decode cost (step_bytes over weight_bytes(measure="cost")), against the
+    tier bounds of tier_bounds; each row also records the bytes the step reads.
     Returns {"presets", "rows", "anchors", "backbone_ppl", ...}."""
 
     items = calibration_items() if items is None else items
@@ -34,21 +44,26 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     layers, head = weight_bytes(model, "cost")
     layers_b, head_b = weight_bytes(model, "bytes")
     L = model.n_layer
-    n_tok = sum(len(t) - p for t, p in prepared)
-    configs = {i: (model, dict(exit_layer=None, **complete(opts))) for i, opts in enumerate(settings)}
-    configs["backbone"] = (model, dict(mode="backbone", exit_layer=None))
-    with tqdm(total=n_tok * len(configs), desc="presets", unit="tok", disable=not progress) as bar:
-        runs = divergence.score_configs(model, configs, prepared, bar=bar)
+    configs = {i: dict(exit_layer=None, **complete(opts)) for i, opts in enumerate(settings)}
+    static = {i: o for i, o in configs.items() if batched and divergence.is_static(o)}
+    dynamic = {i: o for i, o in configs.items() if i not in static}
+    sub = prepared[::round(1 / DYNAMIC_SHARE)] if batched else prepared
+    n_tok = lambda ps: sum(len(t) - p for t, p in ps)  # noqa: E731
+    with tqdm(total=n_tok(prepared) * len(static) + n_tok(sub) * (len(dynamic) + 1), desc="presets", unit="tok",
+              disable=not progress) as bar:
+        runs = divergence.score_batched(model, static, prepared, dict(mode="backbone"), bar=bar) if static else {}
+        decoded = {i: (model, o) for i, o in dynamic.items()}
+        decoded["backbone"] = (model, dict(mode="backbone", exit_layer=None))
+        runs.update(divergence.score_configs(model, decoded, sub, bar=bar))
     base = runs.pop("backbone")
     river_only_cost = step_bytes(layers, head, L, -1, 0, True)
     rows = []
     for i, opts in enumerate(settings):
         r = runs[i]
-        static = divergence.is_static(configs[i][1])
         step = setting_step(opts, L, r.mean_exit_layer)
         mean_exit = float(step[0])
         cost = step_bytes(layers, head, L, *step)
-        if opts.get("mode") == "river" and not static:  # the layers the exit tests
+        if opts.get("mode") == "river" and not divergence.is_static(configs[i]):  # the layers the exit tests
             cost += EXIT_TEST_COST * (min(mean_exit, L - 1 - opts.get("tail", 0)) + 1)
         s = divergence.summarize(r)
         rows.append({"options": dict(opts), "kld": s["kld"], "kld_ci": s["kld_ci"], "same_top": s["same_top"],
@@ -56,19 +71,20 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
                      "bytes": step_bytes(layers_b, head_b, L, *step),
                      "relative_cost": cost / river_only_cost,
                      "backbone_layers": backbone_layers_per_step(L, mean_exit, opts.get("tail", 0)),
-                     "backbone_ppl": base.perplexity})
+                     "backbone_ppl": base.perplexity, "scored": "batched" if i in static else "decode",
+                     "n_tokens": r.n_tokens})
     anchors = tier_bounds(model, layers, head)
     chosen = choose(rows, anchors["bounds"])
     return {"presets": chosen, "rows": rows, "anchors": anchors, "backbone_ppl": base.perplexity,
             "river_only_cost": river_only_cost, "backbone_cost": step_bytes(layers, head, L, L - 1, 0, False),
-            "n_tokens": base.n_tokens, "items": {d: [it.id for it in its] for d, its in items.items()}}
+            "n_tokens": min(r["n_tokens"] for r in rows), "items": {d: [it.id for it in its] for d, its in items.items()}}
 
 
 def preset_metadata(res: dict, default: str = DEFAULT_PRESET) -> dict:
     """The river.* keys that store calibrated presets, and every measured setting (so the tiers
     can be chosen again without measuring)."""
-    grid_rows = [{k: r[k] for k in ("options", "kld", "same_top", "ppl", "cost", "bytes", "relative_cost",
-                                    "mean_exit_layer")} for r in res["rows"]]
+    grid_rows = [{k: r[k] for k in ("options", "kld", "kld_ci", "same_top", "ppl", "cost", "bytes", "relative_cost",
+                                    "mean_exit_layer", "scored", "n_tokens")} for r in res["rows"]]
     return {PRESET_KEY: dump(res["presets"]), DEFAULT_KEY: default, GRID_KEY: dump(grid_rows),
             ANCHORS_KEY: dump(res["anchors"]), "river.presets_calibration_tokens": int(res["n_tokens"])}
 

@@ -61,8 +61,6 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
     """Time the stored grid and the anchors on this machine and choose the presets again.
     Returns {"presets", "rows", "anchors", "seconds_per_step", "lossless"}; with write=True the
     presets, anchors and the timings are stored in the file."""
-
-
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     if not isinstance(tokens, int) or tokens < 8:

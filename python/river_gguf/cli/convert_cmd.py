@@ -12,7 +12,7 @@ from .. import presets as presets_mod
 from .._loader import native
 from ..calibrate.tau import calibrate_file, calibration_metadata, parse_budget
 from ..convert.build import (BACKBONE_TYPES, DEFAULT_BACKBONE_TYPE, DEFAULT_RIVER_TYPE, DEFAULT_TAIL, IMATRIX_AUTO,
-                             MAX_CALIBRATION_TOKENS, PREFILL_CHOICES, build_river_gguf, upgrade_river_gguf)
+                             DEFAULT_CALIBRATION_TOKENS, PREFILL_CHOICES, build_river_gguf, upgrade_river_gguf)
 from ..default_model import default_river_path, derived_model
 from ..gguf.io import FTYPES, check_output_path
 
@@ -57,9 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="type of the river's head (its token_embd/output), e.g. q4_0 (default: llama.cpp's "
                         "choice for --river-type)")
     p.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
-                   help="tokens each preset setting is scored on (the imatrix reads about 10x N); default: "
-                        f"sized to the model, {MAX_CALIBRATION_TOKENS} for small ones, 64 for an 8B (about 9 minutes "
-                        "on 8 cores)")
+                   help="tokens each static preset setting is scored on, at prefill speed (the dynamic ones: "
+                        f"half as many, by decode; the imatrix reads about 10x N); default {DEFAULT_CALIBRATION_TOKENS}")
     p.add_argument("--presets", action=argparse.BooleanOptionalAction, default=True,
                    help="measure and store the fast/balanced/quality presets (default: yes, a few minutes)")
     p.add_argument("--replace-river", action="store_true",

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import sys
@@ -43,6 +44,7 @@ import gguf
 import numpy as np
 
 from .. import presets as presets_mod
+from ..presets import GRID_KEY
 from .._loader import native
 from ..calibrate import open_model as _open_model
 from ..calibrate import preset_grid
@@ -278,9 +280,9 @@ def build_river_gguf(
         presets (river.presets) in the file.
     river_head_type: the river head's type (e.g. "q4_0"); None keeps llama.cpp's choice for
         river_type (Q8_0 for q4_0 on SmolLM2: a third of the river's bytes).
-    calibration_tokens: tokens each preset setting is scored on (teacher-forced decode), and a
-        tenth of the token budget of the imatrix collection; None (default) sizes it to the model
-        (calibration_token_budget: 1,024 for small models, fewer for large ones).
+    calibration_tokens: tokens each static preset setting is scored on (batched, at prefill speed;
+        dynamic settings: by decode on half the items), and a tenth of the token budget of the
+        imatrix collection; None (default) is 1,024 at every size.
     report: called with one line per step (the river's quantization and its fallback types, the
         importance matrix, the threshold), for a caller to print; llama.cpp's own log is kept
         (gguf.io.captured_llama_log) and printed to stderr only with verbose=True.
@@ -346,6 +348,9 @@ def build_river_gguf(
         check_loadable(river_path)
     bb = open_reader(backbone_path)
     bb_has_river = is_river_gguf(bb)
+    if report is not None:
+        report(f"read {os.path.basename(backbone_path)}: {len(bb.tensors)} tensors, "
+               f"{os.path.getsize(backbone_path) / 2**20:.0f} MiB")
     if backbone_type == "auto":
         floats = all(type_name(t) in _FLOAT_TYPE_NAMES for t in plain_tensors(bb) if len(t.shape) >= 2)
         backbone_type = "q8_0" if floats else None
@@ -388,6 +393,7 @@ def build_river_gguf(
             if "output.weight" in rv_by_name:
                 river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
             write_river_file(staged, bb, entries, plan, river_plan, progress, f"river {os.path.basename(out_path)}")
+            say(f"wrote {len(plan) + len(river_plan)} tensors, {os.path.getsize(staged) / 2**20:.0f} MiB")
             meta: Dict[str, Any] = {k: v for k, v, _ in entries}
             # float32 as stored, so callers compare against what Model(out).metadata reads
             meta["river.threshold"] = float(np.float32(meta_threshold))
@@ -397,6 +403,9 @@ def build_river_gguf(
             per_domain, score_tokens = preset_scoring(calibration_tokens)
             meta.update(preset_grid.calibrate_presets_file(staged, n_threads=n_threads, progress=progress,
                                                            items_per_domain=per_domain, score_tokens=score_tokens))
+            grid = json.loads(meta[GRID_KEY]) if GRID_KEY in meta else []
+            say(f"presets: {', '.join(presets_mod.parse(meta))} chosen from {len(grid)} settings"
+                + (f", at least {min(r['n_tokens'] for r in grid)} tokens each" if grid and "n_tokens" in grid[0] else ""))
         if finalize is not None:
             meta.update(finalize(staged) or {})
         os.replace(staged, out_path)
@@ -442,8 +451,8 @@ def _make_river(src: str, out_path: str, stack, bb, river_type: str, river_head_
     mark = log.mark()
     _quantize(src, river_src, river_type, n_threads, requant, head_type=river_head_type)
     type_label = river_type if river_head_type is None else f"{river_type} (head {river_head_type})"
+    say(f"river: {type_label}, llama.cpp's types: {log.quantize_summary(mark)}")
     if imatrix is None:
-        say(f"river: {type_label}: {log.quantize_summary(mark)}")
         return river_src, type_label, []
     if imatrix == IMATRIX_AUTO:
         imat = imx.collect_imatrix(src, _imatrix_texts(calibration_tokens), n_threads=n_threads, progress=progress,
@@ -456,9 +465,15 @@ def _make_river(src: str, out_path: str, stack, bb, river_type: str, river_head_
     weighted = stack.enter_context(temp_path(out_path, ".river-imatrix.tmp"))
     mark = log.mark()
     imx.quantize_with_imatrix(src, river_src, weighted, imat, progress=progress, n_threads=n_threads)
-    say(f"river: {river_type} with the importance matrix: {log.quantize_summary(mark)}")
+    say(f"river: requantized with the importance matrix{_fallbacks(log, mark)}")
     return weighted, f"{river_type}+imatrix", [("river.imatrix", imatrix_label, "s"),
                                                ("river.imatrix_tokens", int(imat.n_tokens), "u")]
+
+
+def _fallbacks(log: LlamaLog, mark: int) -> str:
+    """': <summary>' of the quantizer's fallbacks since mark, or '' when it logged none."""
+    summary = log.quantize_summary(mark)
+    return "" if summary.startswith("no tensor") else f": {summary}"
 
 
 def _threshold(threshold: Optional[float], backbone_path: str, n_threads: int):
@@ -498,26 +513,17 @@ def _river_entries(backbone_path, river_path, river_src, type_label, threshold, 
 
 
 # ----- how much calibration -------------------------------------------------------------
-# The presets score every setting of presets.grid (24, and the backbone reference) by teacher-
-# forced decode, so their cost is (grid + 1) x tokens decode steps; the imatrix is a batched
-# prefill over at most 10x tokens, cheap beside it. A decode step reads the backbone's weights
-# once: at an assumed 25 GB/s (8 cores of DDR4/DDR5), SmolLM2's Q8_0 (145 MB) steps in ~6 ms and an
-# 8B model's Q8_0 (8.5 GB) in ~0.34 s. The default keeps the presets within ~8 minutes there:
-# 64 tokens per setting on an 8B model (25 x 64 x 0.34 s = 9 min with the imatrix, on 8 cores), and
-# the full 1,024 on models below ~600 MB (SmolLM2: ~6 minutes on 2 cores of this project's VM).
-MAX_CALIBRATION_TOKENS = 1024
+# The presets score every static setting of presets.grid at prefill speed (one backbone pass over
+# each prompt, then the completion as one batch per setting: measure/divergence.score_batched),
+# and the dynamic ones by decode on half the items; the imatrix is a batched prefill over about
+# 10x the tokens. So the default is the same at every size.
+DEFAULT_CALIBRATION_TOKENS = 1024
 MIN_CALIBRATION_TOKENS = 32
-_ASSUMED_BYTES_PER_S = 25e9
-_PRESET_BUDGET_S = 480.0
 
 
 def calibration_token_budget(backbone_bytes: int) -> int:
-    """The default calibration tokens for a backbone file of `backbone_bytes` (see above)."""
-
-    # As stored by default: Q8_0 is about half an F16 file's bytes.
-    step_s = max(backbone_bytes, 1) / 2 / _ASSUMED_BYTES_PER_S
-    n = int(_PRESET_BUDGET_S / ((len(presets_mod.grid(32)) + 1) * step_s))
-    return max(64, min(MAX_CALIBRATION_TOKENS, n))
+    """The default calibration tokens per preset setting (the same for a backbone of any size)."""
+    return DEFAULT_CALIBRATION_TOKENS
 
 
 def preset_scoring(calibration_tokens: int) -> Tuple[int, int]:

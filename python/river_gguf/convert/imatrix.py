@@ -126,8 +126,6 @@ def collect_imatrix(
     """Run each text (tokenized with BOS, cut to ``n_ctx`` tokens, from an empty cache) through
     the backbone of ``backbone_path`` and collect the input statistics of every weight mat-mul,
     the LM head included. ``dataset`` describes the texts in the result (and in the file)."""
-
-
     if isinstance(texts, str):
         raise ValueError("texts must be a sequence of strings, not one string")
     texts = list(texts)
@@ -173,8 +171,6 @@ def write_imatrix_gguf(imatrix: Imatrix, path: Union[str, os.PathLike]) -> str:
     ``llama-quantize --imatrix`` reads): general.type = "imatrix", imatrix.datasets,
     imatrix.chunk_count, imatrix.chunk_size, and per weight F32 tensors ``<name>.in_sum2``
     [n_cols, 1] (raw sums) and ``<name>.counts`` [1, 1]. Written atomically."""
-
-
     if not isinstance(imatrix, Imatrix):
         raise ValueError("imatrix must be an Imatrix")
     if not len(imatrix):
@@ -314,8 +310,6 @@ def quantize_with_imatrix(
     unquantized (F32 norms, F16 ...) and all metadata are copied from ``typed_path``; the
     imatrix's provenance is added under ``quantize.imatrix.*`` as llama.cpp's quantizer does.
     Written atomically."""
-
-
     src_path, typed_path, out_path = os.fspath(src_path), os.fspath(typed_path), os.fspath(out_path)
     for p in (src_path, typed_path):
         if not os.path.isfile(p):
@@ -417,8 +411,6 @@ def llama_quantize(
     the importance of ``imatrix`` as llama-quantize would read it from the file (sums / counts).
     Note that llama.cpp changes its mix when an imatrix is given (Q4_0: the first n_layer/8
     ffn_down tensors become Q4_1), so this file's types can differ from a plain quantization's."""
-
-
     params = quantize_params(src_path, dst_path, ftype, n_threads)
     keep = []  # the ctypes objects llama.cpp reads through pointers, alive until it returns
     if imatrix is not None:

@@ -123,8 +123,6 @@ def default_river_gguf(model: str = DEFAULT_MODEL, rebuild: bool = False, n_thre
     backbone, imatrix river of default_river_type collected on the calibration split, profiled
     tau, measured presets), built once and cached (`rebuild` builds it again, e.g. after the
     converter changed)."""
-
-
     path = river_gguf_path(model)
     if rebuild or not os.path.isfile(path):
         build_river_gguf(model_zoo.derived(model, "f16", progress=progress), path, progress=progress,
@@ -147,8 +145,6 @@ def control_path(model: str, tail: int, river_file: Optional[str] = None) -> str
     GGUF, its last `tail` layers from the file's backbone (tail 0: the river alone). Named
     after the River GGUF's backbone and river hashes (so a rebuilt River GGUF gets new controls)
     and kept beside it."""
-
-
     river_file = river_file or default_river_gguf(model)
     md = _metadata(river_file, ("river.backbone_sha256", "river.river_sha256"))
     tag = hashlib.sha1("|".join(str(md.get(k)) for k in sorted(md)).encode()).hexdigest()[:10]
@@ -395,8 +391,6 @@ def _whole(model, opts: dict) -> dict:
 
 def run_eval(settings: Settings) -> dict:
     """Run the whole plan; returns the report dict (see write_outputs)."""
-
-
     t_start = time.perf_counter()
     name = _zoo(settings.model).name
     ladder = tuple(settings.ladder) if settings.ladder is not None else model_zoo.ladder_kinds(name)

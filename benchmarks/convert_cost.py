@@ -1,0 +1,157 @@
+"""What a default conversion costs, stage by stage, against llama.cpp's own path for the same user
+(llama-imatrix, then llama-quantize to Q4_K_M with that importance matrix) on the same F16 and the
+same calibration text, in one run; and the peak memory of each.
+
+    ./scripts/build_llama_tools.sh             # once: llama-imatrix and llama-quantize
+    .venv/bin/python benchmarks/convert_cost.py [--models smollm2,qwen2.5-coder-0.5b,llama-3.2-1b]
+        [--threads 2] [--json out.json]
+
+A model is a model_zoo name (its F16) or a testing.RANDOM_SHAPES name (a random-weight F16 of that
+shape, benchmarks/random_models.py: a conversion's cost does not depend on the weights). river_gguf
+runs `river-gguf convert F16 -o OUT` with its defaults as a process of its own; each stage's time
+is the time between the converter's step lines (read, the river's quantization to llama.cpp's
+types, the importance matrix, the river's requantization with it, the backbone's Q8_0, tau,
+writing, the presets). llama.cpp's side runs llama-imatrix on the converter's calibration texts
+joined into one file (chunks of 512, the output head's statistics too) and llama-quantize. Every
+process runs under /usr/bin/time for its peak resident memory (RSS), which the conversion must
+keep at or under the F16's size plus 2 GiB. Run it alone on the machine.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+try:  # an installed river_gguf (the checkout's python/ has no native module)
+    import river_gguf  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/random_models.py
+from river_gguf.convert.imatrix import calibration_texts  # noqa: E402
+from river_gguf.default_model import cache_dir  # noqa: E402
+from river_gguf.eval import model_zoo  # noqa: E402
+from river_gguf.testing import RANDOM_SHAPES  # noqa: E402
+
+TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".cache", "llama-tools", "build", "bin")
+GIB = 1 << 30
+STAGES = ("read", "river types", "imatrix", "river imatrix", "backbone", "threshold", "write", "presets")
+
+
+def f16_of(name: str, threads: int) -> str:
+    if name in RANDOM_SHAPES:
+        from random_models import make
+
+        return make(name, [], "", str(cache_dir()), threads)["f16"]
+    return model_zoo.derived(name, "f16")
+
+
+def timed(cmd, on_line=None):
+    """Run cmd under /usr/bin/time: (seconds, peak RSS bytes, output). on_line(t, line) sees each
+    line of its stderr as it comes."""
+    marker = "@@peak_kb="
+    t0 = time.perf_counter()
+    p = subprocess.Popen(["/usr/bin/time", "-f", marker + "%M"] + cmd, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, bufsize=1)
+    out, peak = [], 0
+    for line in p.stdout:
+        if line.startswith(marker):
+            peak = int(line[len(marker):]) * 1024
+            continue
+        out.append(line)
+        if on_line is not None:
+            on_line(time.perf_counter() - t0, line.rstrip("\n"))
+    rc = p.wait()
+    secs = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({rc}):\n{''.join(out)[-3000:]}")
+    return secs, peak, "".join(out)
+
+
+def stage_of(line: str):
+    """The stage a converter step line ends ("convert: river: q4_k_m, llama.cpp's types: ...")."""
+    m = re.match(r"convert: (\w[\w ]*?):", line) or re.match(r"convert: (wrote|read) ", line)
+    if not m:
+        return None
+    word = m.group(1)
+    if word == "river":
+        return "river imatrix" if "importance matrix" in line else "river types"
+    return {"wrote": "write", "read": "read"}.get(word, word)
+
+
+def river_side(f16: str, out_dir: str, threads: int) -> dict:
+    out = os.path.join(out_dir, "model.river.gguf")
+    marks = []
+    cmd = [sys.executable, "-m", "river_gguf.cli", "convert", f16, "-o", out, "-t", str(threads)]
+    secs, peak, log = timed(cmd, lambda t, line: marks.append((t, stage_of(line))) if stage_of(line) else None)
+    stages, last = {}, 0.0
+    for t, name in marks:
+        stages[name] = stages.get(name, 0.0) + t - last
+        last = t
+    stages["finish"] = secs - last  # process exit, after the last step line
+    os.remove(out)
+    return {"seconds": secs, "peak_rss": peak, "stages": stages, "command": " ".join(cmd[1:])}
+
+
+def llama_side(f16: str, out_dir: str, threads: int) -> dict:
+    text = os.path.join(out_dir, "calibration.txt")
+    with open(text, "w") as f:
+        f.write("\n\n".join(calibration_texts()))
+    imatrix = os.path.join(out_dir, "llama.imatrix.gguf")
+    out = os.path.join(out_dir, "llama.q4_k_m.gguf")
+    c1 = [os.path.join(TOOLS, "llama-imatrix"), "-m", f16, "-f", text, "-o", imatrix, "-t", str(threads),
+          "-c", "512", "--process-output", "-ngl", "0"]
+    c2 = [os.path.join(TOOLS, "llama-quantize"), "--imatrix", imatrix, f16, out, "Q4_K_M", str(threads)]
+    s1, p1, _ = timed(c1)
+    s2, p2, _ = timed(c2)
+    for p in (imatrix, out):
+        os.remove(p)
+    return {"seconds": s1 + s2, "stages": {"llama-imatrix": s1, "llama-quantize": s2}, "peak_rss": max(p1, p2),
+            "commands": [" ".join(c1), " ".join(c2)]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2,qwen2.5-coder-0.5b,llama-3.2-1b,llama-3.2-3b")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--no-llama", action="store_true", help="leave out llama.cpp's tools")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if not a.no_llama and not os.path.exists(os.path.join(TOOLS, "llama-quantize")):
+        ap.error("llama-imatrix / llama-quantize are missing: run ./scripts/build_llama_tools.sh")
+    results = []
+    for name in a.models.split(","):
+        f16 = f16_of(name, a.threads)
+        size = os.path.getsize(f16)
+        with tempfile.TemporaryDirectory(prefix="convert-cost-", dir=os.path.dirname(f16)) as tmp:
+            r = {"model": name, "f16_bytes": size, "river": river_side(f16, tmp, a.threads)}
+            if not a.no_llama:
+                r["llama"] = llama_side(f16, tmp, a.threads)
+                r["ratio"] = r["river"]["seconds"] / r["llama"]["seconds"]
+        r["rss_within"] = r["river"]["peak_rss"] <= size + 2 * GIB
+        results.append(r)
+        st = r["river"]["stages"]
+        print(f"{name}: F16 {size / GIB:.2f} GiB; river_gguf {r['river']['seconds']:.0f} s "
+              f"({', '.join(f'{k} {v:.0f}' for k, v in st.items())}), peak RSS {r['river']['peak_rss'] / GIB:.2f} GiB"
+              + (f"; llama.cpp {r['llama']['seconds']:.0f} s (imatrix {r['llama']['stages']['llama-imatrix']:.0f}, "
+                 f"quantize {r['llama']['stages']['llama-quantize']:.0f}), peak RSS {r['llama']['peak_rss'] / GIB:.2f} GiB; "
+                 f"{r['ratio']:.2f}x" if "llama" in r else ""), flush=True)
+    print("\n| model | F16 GiB | " + " | ".join(STAGES) + " | river_gguf s | llama.cpp s | ratio | peak RSS GiB (F16 + 2) |")
+    print("|---|---:|" + "---:|" * len(STAGES) + "---:|---:|---:|---|")
+    for r in results:
+        st = r["river"]["stages"]
+        print(f"| {r['model']} | {r['f16_bytes'] / GIB:.2f} | " + " | ".join(f"{st.get(k, 0):.0f}" for k in STAGES)
+              + f" | {r['river']['seconds']:.0f} | {r.get('llama', {}).get('seconds', float('nan')):.0f} | "
+              f"{r.get('ratio', float('nan')):.2f} | {r['river']['peak_rss'] / GIB:.2f} "
+              f"({(r['f16_bytes'] + 2 * GIB) / GIB:.2f}) |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"threads": a.threads, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

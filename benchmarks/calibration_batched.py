@@ -23,10 +23,9 @@ except ImportError:
 
 from river_gguf.calibrate import open_model  # noqa: E402
 from river_gguf.calibrate.preset_grid import calibrate_presets  # noqa: E402
-from river_gguf.convert.build import preset_scoring  # noqa: E402
+from river_gguf.convert.build import preset_score_tokens  # noqa: E402
 from river_gguf.eval import model_zoo  # noqa: E402
 from river_gguf.eval import report as evaluate  # noqa: E402
-from river_gguf.measure.scoring import calibration_items  # noqa: E402
 
 
 def label(o: dict) -> str:
@@ -49,13 +48,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     path = a.river or evaluate.default_river_gguf(a.model, n_threads=a.threads, progress=True)
-    per_domain, score_tokens = preset_scoring(a.tokens)
-    items = calibration_items(per_domain=per_domain)
     m = open_model(path, n_ctx=1024, n_threads=a.threads, threshold=2.0)
     res, secs = {}, {}
     for way, batched in (("batched", True), ("decode", False)):
         t0 = time.perf_counter()
-        res[way] = calibrate_presets(m, items=items, score_tokens=score_tokens, progress=True, batched=batched)
+        res[way] = calibrate_presets(m, score_tokens=preset_score_tokens(a.tokens), progress=True, batched=batched,
+                                     min_tokens=a.tokens)
         secs[way] = time.perf_counter() - t0
     print(f"\n{a.model}: {path}, {a.tokens} tokens a setting; batched {secs['batched']:.0f} s, "
           f"decode {secs['decode']:.0f} s ({secs['decode'] / secs['batched']:.1f}x)\n")

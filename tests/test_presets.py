@@ -261,3 +261,31 @@ def test_an_explicit_exit_setting_keeps_no_preset_field(tiny_river, tmp_path):
     toks = plain.tokenize("the river runs to the sea and the sea")
     assert np.array_equal(m.logits(toks, mode="river", exit_layer=1), plain.logits(toks, mode="river", exit_layer=1))
     assert not np.array_equal(m.logits(toks, mode="river-only"), m.logits(toks))  # the preset differs
+
+
+def test_a_tier_takes_a_closer_setting_only_where_the_difference_separates():
+    from river_gguf.presets import choose, not_closer
+
+    items = list(range(12))
+    # Per item (scored tokens, summed KLD): b is 20% further than a on every item (separated);
+    # c is as close as a but with item-to-item noise larger than the difference (not separated).
+    a = [[64, 1.0 + 0.1 * (i % 3)] for i in items]
+    b = [[64, 1.2 * x] for _, x in a]
+    c = [[64, x + (0.3 if i % 2 else -0.28)] for i, (_, x) in enumerate(a)]
+
+    def row(kl, cost, name):
+        k = sum(x for _, x in kl) / sum(n for n, _ in kl)
+        return {"options": {"mode": "river-only", "tail": name}, "kld": k, "relative_cost": cost,
+                "items": items, "item_kld": kl}
+
+    ra, rb, rc = row(a, 1.05, 1), row(b, 1.00, 2), row(c, 1.01, 3)
+    assert not not_closer(ra, rb) and not_closer(ra, rc)
+    assert rc["kld"] > ra["kld"]
+    bounds = {"fast": 1.0, "balanced": 1.02, "quality": 1.1}
+    picked = choose([ra, rb, rc], bounds)
+    assert picked["fast"]["options"] == rb["options"]       # the only one that fits
+    assert picked["balanced"]["options"] == rc["options"]   # b is separated from c; c is the closest that fits
+    assert picked["quality"]["options"] == rc["options"]    # a is closer, but not separably: the cheaper c
+    # Without the noise, a separates from c and the quality tier takes it.
+    rc2 = row([[64, x * 1.3] for _, x in a], 1.01, 3)
+    assert choose([ra, rb, rc2], bounds)["quality"]["options"] == ra["options"]

@@ -33,10 +33,9 @@ def _tensor_digest(path):
 
 def test_calibration_tokens_bound_the_preset_scoring(tuned_pair):
     path, meta = tuned_pair
-    # 32 tokens a setting: one item a domain, 16 scored tokens each (fewer if an item is short).
-    assert 0 < meta["river.presets_calibration_tokens"] <= 32
-    assert build.preset_scoring(32) == (1, 16) and build.preset_scoring(1024) == (8, 64)
-    assert build.preset_scoring(200) == (2, 64)
+    # 32 tokens a static setting: items of at most 16 scored tokens until they hold 32.
+    assert 32 <= meta["river.presets_calibration_tokens"] < 32 + 16
+    assert build.preset_score_tokens(32) == 16 and build.preset_score_tokens(1024) == 64
     with pytest.raises(ValueError, match="calibration_tokens"):
         build.build_river_gguf(path, str(pathlib.Path(path).with_name("x.gguf")), calibration_tokens=4,
                                progress=False, replace_river=True)

@@ -154,8 +154,8 @@ def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, dict]:
     inputs: the same rows and bounds give the same presets. A tier whose pick equals a lower
     tier's is marked same_as, with the reason.
 
-    Rows with KLD intervals ("kld_ci") are closer only where the intervals separate: among the
-    rows whose interval overlaps the closest row's, the tier takes the cheapest."""
+    A setting is closer than another only where the difference separates from 0: among the rows
+    not separated from the closest one (not_closer), the tier takes the cheapest."""
     out: Dict[str, dict] = {}
     order = {id(r): i for i, r in enumerate(rows)}
     for name, _ in TIERS:
@@ -165,7 +165,7 @@ def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, dict]:
             best = min(ok, key=lambda r: (r["kld"], r["relative_cost"], order[id(r)]))
             # Closer only where the intervals separate: a cheaper setting whose KLD interval
             # reaches the closest one's is as close as this calibration can tell, and is kept.
-            tied = [r for r in ok if _overlap(r, best)]
+            tied = [r for r in ok if r is best or not_closer(best, r)]
             pick = min(tied, key=lambda r: (r["relative_cost"], r["kld"], order[id(r)]))
         else:
             pick = min(rows, key=lambda r: (r["relative_cost"], order[id(r)]))
@@ -181,12 +181,29 @@ def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, dict]:
     return out
 
 
-def _overlap(r: dict, best: dict) -> bool:
-    """Whether r's KLD interval reaches best's (rows without intervals: only best itself)."""
-    if r is best:
-        return True
-    a, b = r.get("kld_ci"), best.get("kld_ci")
-    return bool(a and b) and a[0] <= b[1]
+#: The paired bootstrap of not_closer: its draws, seed and level.
+PAIRED_DRAWS, PAIRED_SEED, PAIRED_LEVEL = 2000, 20261204, 0.95
+
+
+def not_closer(best: dict, other: dict) -> bool:
+    """Whether calibration cannot tell `best` closer to the backbone than `other`: the 95%
+    interval of KLD(other) - KLD(best), from resampling the items both were scored on (rows'
+    "items" and "item_kld": per item, scored tokens and summed KLD), reaches 0. Rows without
+    per-item sums compare their intervals ("kld_ci") instead: overlapping means not closer. A
+    deterministic function of the rows (a fixed seed)."""
+    if "item_kld" in best and "item_kld" in other:
+        b = dict(zip(best["items"], best["item_kld"]))
+        o = dict(zip(other["items"], other["item_kld"]))
+        common = sorted(set(b) & set(o))
+        if not common:
+            return True
+        nb = np.array([b[i] for i in common], dtype=np.float64)
+        no = np.array([o[i] for i in common], dtype=np.float64)
+        idx = np.random.default_rng(PAIRED_SEED).integers(0, len(common), size=(PAIRED_DRAWS, len(common)))
+        d = no[idx, 1].sum(axis=1) / no[idx, 0].sum(axis=1) - nb[idx, 1].sum(axis=1) / nb[idx, 0].sum(axis=1)
+        return bool(np.quantile(d, (1 - PAIRED_LEVEL) / 2) <= 0.0)
+    a, c = other.get("kld_ci"), best.get("kld_ci")
+    return bool(a and c) and a[0] <= c[1]
 
 
 def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[str]:

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from ..gguf.meta import set_river_metadata
 from ..measure import divergence
-from ..measure.scoring import calibration_items, prepare
+from ..measure.scoring import calibration_prepared, prepare
 from ..presets import (ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, EXIT_TEST_COST, GRID_KEY, PRESET_KEY,
                        backbone_layers_per_step, choose, complete, dump, grid, setting_step, step_bytes, tier_bounds,
                        weight_bytes)
@@ -23,7 +23,7 @@ DYNAMIC_SHARE = 0.5
 
 
 def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool = True,
-                      settings: Optional[List[dict]] = None, batched: bool = True) -> dict:
+                      settings: Optional[List[dict]] = None, batched: bool = True, min_tokens: int = 1024) -> dict:
     """Measure `settings` (default: grid()) on the calibration split and choose the presets.
 
     Quality is the KL divergence of each setting's next-token distribution from the backbone's
@@ -34,12 +34,15 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     dynamic settings through decode with exits live, against the backbone's decode, on every
     other item (DYNAMIC_SHARE). batched=False scores everything through decode, on every item.
     Each row keeps its KLD's item-bootstrap interval, how it was scored and on how many tokens.
-    Cost is the step's decode cost (step_bytes over weight_bytes(measure="cost")), against the
-    tier bounds of tier_bounds; each row also records the bytes the step reads.
+    Each row also keeps its per-item KLD sums ("item_kld", on the items listed in "items"), so
+    presets.choose can compare two settings on the items both were scored on. Cost is the step's
+    decode cost (step_bytes over weight_bytes(measure="cost")), against the tier bounds of
+    tier_bounds; each row also records the bytes the step reads. items: {domain: [Item]}, or
+    None for calibration items until min_tokens scored tokens.
     Returns {"presets", "rows", "anchors", "backbone_ppl", ...}."""
 
-    items = calibration_items() if items is None else items
-    prepared = [p for its in items.values() for p in prepare(model, its, score_tokens)]
+    prepared = (calibration_prepared(model, min_tokens, score_tokens) if items is None
+                else [p for its in items.values() for p in prepare(model, its, score_tokens)])
     settings = grid(model.n_layer) if settings is None else settings
     layers, head = weight_bytes(model, "cost")
     layers_b, head_b = weight_bytes(model, "bytes")
@@ -47,7 +50,8 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     configs = {i: dict(exit_layer=None, **complete(opts)) for i, opts in enumerate(settings)}
     static = {i: o for i, o in configs.items() if batched and divergence.is_static(o)}
     dynamic = {i: o for i, o in configs.items() if i not in static}
-    sub = prepared[::round(1 / DYNAMIC_SHARE)] if batched else prepared
+    stride = round(1 / DYNAMIC_SHARE) if batched else 1
+    sub = prepared[::stride]
     n_tok = lambda ps: sum(len(t) - p for t, p in ps)  # noqa: E731
     with tqdm(total=n_tok(prepared) * len(static) + n_tok(sub) * (len(dynamic) + 1), desc="presets", unit="tok",
               disable=not progress) as bar:
@@ -55,7 +59,10 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
         decoded = {i: (model, o) for i, o in dynamic.items()}
         decoded["backbone"] = (model, dict(mode="backbone", exit_layer=None))
         runs.update(divergence.score_configs(model, decoded, sub, bar=bar))
-    base = runs.pop("backbone")
+    decoded_backbone = runs.pop("backbone")
+    # The backbone's own perplexity, on the items and in the way most settings were scored.
+    bb = next((i for i, o in configs.items() if o.get("mode") == "backbone"), None)
+    base = runs[bb] if bb is not None and bb in static else decoded_backbone
     river_only_cost = step_bytes(layers, head, L, -1, 0, True)
     rows = []
     for i, opts in enumerate(settings):
@@ -72,29 +79,30 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
                      "relative_cost": cost / river_only_cost,
                      "backbone_layers": backbone_layers_per_step(L, mean_exit, opts.get("tail", 0)),
                      "backbone_ppl": base.perplexity, "scored": "batched" if i in static else "decode",
-                     "n_tokens": r.n_tokens})
+                     "n_tokens": r.n_tokens, "items": list(range(0, len(prepared), 1 if i in static else stride)),
+                     "item_kld": divergence.item_klds(r)})
     anchors = tier_bounds(model, layers, head)
     chosen = choose(rows, anchors["bounds"])
     return {"presets": chosen, "rows": rows, "anchors": anchors, "backbone_ppl": base.perplexity,
             "river_only_cost": river_only_cost, "backbone_cost": step_bytes(layers, head, L, L - 1, 0, False),
-            "n_tokens": min(r["n_tokens"] for r in rows), "items": {d: [it.id for it in its] for d, its in items.items()}}
+            "n_tokens": min(r["n_tokens"] for r in rows if r["scored"] == "batched" or not batched)}
 
 
 def preset_metadata(res: dict, default: str = DEFAULT_PRESET) -> dict:
     """The river.* keys that store calibrated presets, and every measured setting (so the tiers
     can be chosen again without measuring)."""
     grid_rows = [{k: r[k] for k in ("options", "kld", "kld_ci", "same_top", "ppl", "cost", "bytes", "relative_cost",
-                                    "mean_exit_layer", "scored", "n_tokens")} for r in res["rows"]]
+                                    "mean_exit_layer", "scored", "n_tokens", "items", "item_kld")} for r in res["rows"]]
     return {PRESET_KEY: dump(res["presets"]), DEFAULT_KEY: default, GRID_KEY: dump(grid_rows),
             ANCHORS_KEY: dump(res["anchors"]), "river.presets_calibration_tokens": int(res["n_tokens"])}
 
 
-def calibrate_presets_file(path: str, n_threads: int = 2, progress: bool = True, items_per_domain: int = 8,
+def calibrate_presets_file(path: str, n_threads: int = 2, progress: bool = True, min_tokens: int = 1024,
                            score_tokens: int = 64) -> dict:
-    """Measure the preset grid on the calibration split and store the presets in the file
-    (atomic rewrite of its metadata). Returns the keys written."""
+    """Measure the preset grid on the calibration split (at least min_tokens scored tokens per
+    static setting) and store the presets in the file (atomic rewrite of its metadata). Returns
+    the keys written."""
     m = open_model(path, n_ctx=1024, n_threads=n_threads, threshold=2.0)
-    items = calibration_items(per_domain=items_per_domain)
-    res = calibrate_presets(m, items=items, score_tokens=score_tokens, progress=progress)
+    res = calibrate_presets(m, score_tokens=score_tokens, progress=progress, min_tokens=min_tokens)
     del m  # release the mapping before the file is replaced
     return set_river_metadata(path, preset_metadata(res))

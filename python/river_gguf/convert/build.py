@@ -400,9 +400,9 @@ def build_river_gguf(
             if prof is not None:
                 meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
         if presets:
-            per_domain, score_tokens = preset_scoring(calibration_tokens)
             meta.update(preset_grid.calibrate_presets_file(staged, n_threads=n_threads, progress=progress,
-                                                           items_per_domain=per_domain, score_tokens=score_tokens))
+                                                           min_tokens=calibration_tokens,
+                                                           score_tokens=preset_score_tokens(calibration_tokens)))
             grid = json.loads(meta[GRID_KEY]) if GRID_KEY in meta else []
             say(f"presets: {', '.join(presets_mod.parse(meta))} chosen from {len(grid)} settings"
                 + (f", at least {min(r['n_tokens'] for r in grid)} tokens each" if grid and "n_tokens" in grid[0] else ""))
@@ -526,11 +526,9 @@ def calibration_token_budget(backbone_bytes: int) -> int:
     return DEFAULT_CALIBRATION_TOKENS
 
 
-def preset_scoring(calibration_tokens: int) -> Tuple[int, int]:
-    """(items per domain, scored tokens per item) for `calibration_tokens` tokens per setting
-    over the two calibration domains: 64 tokens an item, fewer items first."""
-    score_tokens = 64 if calibration_tokens >= 128 else max(16, calibration_tokens // 2)
-    return max(1, round(calibration_tokens / (2 * score_tokens))), score_tokens
+def preset_score_tokens(calibration_tokens: int) -> int:
+    """Scored tokens per calibration item: 64, fewer when the whole budget is small."""
+    return 64 if calibration_tokens >= 128 else max(16, calibration_tokens // 2)
 
 
 def _imatrix_texts(calibration_tokens: int) -> List[str]:

@@ -151,6 +151,12 @@ def merge(runs: Sequence[DivergenceRun]) -> DivergenceRun:
     return out
 
 
+def item_klds(run: DivergenceRun) -> List[List[float]]:
+    """Per item: [scored tokens, summed KLD], what a paired comparison of two settings needs
+    (presets.choose keeps them with each measured setting)."""
+    return [[int(d.n), float(d.kld.sum())] for d in run.items]
+
+
 def _item_sums(run: DivergenceRun) -> np.ndarray:
     """Per item: [n tokens, sum KLD, same-top count, sum NLL]."""
     return np.array([[d.n, d.kld.sum(), d.same_top.sum(), d.nll.sum()] for d in run.items], dtype=np.float64)

@@ -171,6 +171,24 @@ def agreement(ref: List[List[int]], out: List[List[int]]) -> Tuple[float, float]
     return (same / total if total else float("nan")), (float(np.mean(prefixes)) if prefixes else float("nan"))
 
 
+def calibration_prepared(model, min_tokens: int, score_tokens: int = 64,
+                         domains: Sequence[str] = eval_data.DOMAINS) -> Prepared:
+    """The calibration split's items, one domain after another in turn, prepared (at most
+    score_tokens scored tokens each) until they hold at least min_tokens scored tokens (or the
+    split runs out)."""
+    pools = [eval_data.select(eval_data.load_domain(d), "calibration") for d in domains]
+    out, n = [], 0
+    for i in range(max(len(p) for p in pools)):
+        for pool in pools:
+            if n >= min_tokens:
+                return out
+            if i < len(pool):
+                for toks, prefix in prepare(model, [pool[i]], score_tokens):
+                    out.append((toks, prefix))
+                    n += len(toks) - prefix
+    return out
+
+
 def calibration_items(domains: Sequence[str] = eval_data.DOMAINS, per_domain: Optional[int] = 8):
     return {eval_data.domain_name(d): eval_data.select(eval_data.load_domain(d), "calibration", per_domain)
             for d in domains}

@@ -247,20 +247,28 @@ class LlamaLog:
         return f"{head} fell back: {'/'.join(map(str, widths))}-wide rows, {parts}"
 
 
+_LOG_STACK: List[LlamaLog] = []  # the captures open, innermost last
+
+
+@llama_cpp.llama_log_callback
+def _collect(level, text, user_data):
+    _LOG_STACK[-1].add(text.decode("utf-8", errors="replace"))
+
+
 @contextlib.contextmanager
 def captured_llama_log(log: LlamaLog) -> Iterator[LlamaLog]:
-    """Send llama.cpp's log to `log` instead of stderr while the block runs, then hand it back to
-    llama-cpp-python's own callback."""
-
-    @llama_cpp.llama_log_callback
-    def collect(level, text, user_data):
-        log.add(text.decode("utf-8", errors="replace"))
-
-    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+    """Send llama.cpp's log to `log` instead of stderr while the block runs (where captures nest,
+    the innermost gets it), then hand it back to the capture around it, or to llama-cpp-python's
+    own callback."""
+    _LOG_STACK.append(log)
+    if len(_LOG_STACK) == 1:
+        llama_cpp.llama_log_set(_collect, ctypes.c_void_p(0))
     try:
         yield log
     finally:
-        llama_cpp.llama_log_set(llama_logger.llama_log_callback, ctypes.c_void_p(0))
+        _LOG_STACK.pop()
+        if not _LOG_STACK:
+            llama_cpp.llama_log_set(llama_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 @contextlib.contextmanager
@@ -433,7 +441,10 @@ def run_quantize(src_path, dst_path, ftype: str, params) -> str:
     """Run ``llama_model_quantize`` into a temp file renamed to ``dst_path``; Ctrl-C is held until
     it returns (llama.cpp's ctypes log callback would drop it)."""
 
-    with atomic_output(dst_path) as tmp:
+    # The quantizer logs every tensor: kept, not printed (into a capture the caller opened around
+    # this call, as the converter does, or else one of its own that is dropped).
+    quiet = contextlib.nullcontext() if _LOG_STACK else captured_llama_log(LlamaLog())
+    with atomic_output(dst_path) as tmp, quiet:
         with deferred_interrupts():
             rc = llama_cpp.llama_model_quantize(
                 os.fsencode(os.fspath(src_path)), os.fsencode(tmp), ctypes.byref(params)

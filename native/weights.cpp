@@ -104,6 +104,13 @@ void load_qkv_biases(const LayerLoader& ld, LayerWeights& w, bool required) {
     w.bv = ld.vec("attn_v.bias", ld.v, required);
 }
 
+void load_llama_layer(const LayerLoader& ld, LayerWeights& w, bool biases_required) {
+    w.attn_norm = ld.vec("attn_norm.weight", ld.e);
+    load_qkvo(ld, w, biases_required);
+    w.ffn_norm = ld.vec("ffn_norm.weight", ld.e);
+    load_gated_ffn(ld, w);
+}
+
 void load_gated_ffn(const LayerLoader& ld, LayerWeights& w) {
     w.ffn_gate = ld.mat("ffn_gate.weight", ld.e, ld.hp.n_ff);
     w.ffn_up = ld.mat("ffn_up.weight", ld.e, ld.hp.n_ff);

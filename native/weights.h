@@ -86,6 +86,8 @@ private:
 // Separate Q, K, V and the output projection, with optional (or required) Q/K/V biases.
 void load_qkvo(const LayerLoader& ld, LayerWeights& w, bool biases_required);
 void load_qkv_biases(const LayerLoader& ld, LayerWeights& w, bool required);
+// llama's layer: attn_norm, load_qkvo, ffn_norm, load_gated_ffn.
+void load_llama_layer(const LayerLoader& ld, LayerWeights& w, bool biases_required);
 // ffn_gate, ffn_up, ffn_down.
 void load_gated_ffn(const LayerLoader& ld, LayerWeights& w);
 // llama.cpp's loader would run these; this engine does not: refused.

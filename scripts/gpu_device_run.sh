@@ -50,6 +50,7 @@ export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 export RIVER_GGUF_CACHE=${RIVER_GGUF_CACHE:-/tmp/river-models}
 export RIVER_GGUF_TOKENIZER=$BUNDLE/tokenizer.gguf
 export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
+[ "$GPU_BACKEND" = vulkan ] && export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}  # lavapipe
 PY=${PYTHON:-python3}
 
 log() { echo "[$(date -u +%H:%M:%S) +$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
@@ -114,13 +115,13 @@ build_engine() {
     -C build-dir="/tmp/river-build-$GPU_BACKEND" "$ROOT"
 }
 
-models() {  # shape quants: the random-weight files of one shape
-  "$PY" benchmarks/random_models.py --shape "$1" --quants "$2" --river q4_0 > "$OUT/models-$1.json"
+models() {  # shape quants: the random-weight files of one shape (their paths: models-SHAPE.json)
+  "$PY" benchmarks/random_models.py --shape "$1" --quants "$2" --river q4_0 > "$RIVER_GGUF_CACHE/models-$1.json"
 }
 
 decode_table() {  # shape: preset_speed.py over the shape's files
   local shape=$1 f
-  f=$OUT/models-$shape.json
+  f=$RIVER_GGUF_CACHE/models-$shape.json
   "$PY" benchmarks/preset_speed.py --ngl -1 --gpu-check --no-presets --static "" --threads "$JOBS" \
     --river "$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['river'])" "$f")" \
     $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(' '.join(f'--static-file {k.upper()}={v}' for k, v in d.items() if k != 'river'))" "$f") \
@@ -133,7 +134,7 @@ if [ "${PRINT_ONLY:-0}" = 1 ]; then
 fi
 export ROOT BUNDLE OUT GPU_BACKEND CUDA_ARCH JOBS SITE PY
 export -f install_missing llama_cmake_args build_llama_cpp build_engine models decode_table
-mkdir -p "$OUT" "$SITE"
+mkdir -p "$OUT" "$SITE" "$RIVER_GGUF_CACHE"
 : > "$OUT/stages.txt"
 log "gpu_device_run: backend $GPU_BACKEND, arch $CUDA_ARCH, $JOBS jobs, bundle $BUNDLE, out $OUT"
 stage bundle-check 30 sh -c "cd '$BUNDLE' && sha256sum -c --quiet SHA256SUMS" || exit 1
@@ -141,7 +142,9 @@ stage install 120 install_missing || exit 1
 [ "$GPU_BACKEND" = cuda ] && { nvidia-smi >> "$LOG" 2>&1; command -v nvcc >> "$LOG" 2>&1; nvcc --version >> "$LOG" 2>&1; }
 stage build-llama-cpp 400 build_llama_cpp || exit 1
 stage build-engine 120 build_engine || exit 1
-stage devices 60 "$PY" -c "import river_gguf; from river_gguf.devices import list_devices; print(river_gguf.__version__, list_devices())" || exit 1
+# No GPU in ggml's list ends the run here: nothing after this could say anything.
+stage devices 60 "$PY" -c "import river_gguf; from river_gguf.devices import list_devices, offload_gpus; \
+print(river_gguf.__version__, list_devices()); assert offload_gpus(), 'ggml sees no GPU'" || exit 1
 stage models-smollm2 90 models smollm2-135m q8_0,q4_k_m,q4_0
 stage tests-gpu 200 env RIVER_GGUF_GPU_MODELS=random GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0} \
   "$PY" -m pytest -q -p no:cacheprovider tests_gpu --junitxml="$OUT/tests_gpu.xml"

@@ -133,14 +133,21 @@ def test_streaming_lossless_gives_the_same_text(smol):
 
 # --- the verify batch and the cache (invariant 7) ---------------------------------------------------
 
-def test_verify_batch_equals_llama_cpp_batch(river_gguf_path, f16_path):
-    m = Model(river_gguf_path, n_ctx=256, n_threads=2)
-    opts = m.options(mode="lossless", draft_max=5)
-    toks = m.tokenize(PROSE)[:40]
+def _drafted(path, n_prompt: int, draft_max: int):
+    """A model whose cache holds a prompt of n_prompt - 1 tokens of PROSE, and the river's drafts
+    after its last token: (model, options, prefix, that token, drafts, their probabilities)."""
+    m = Model(path, n_ctx=256, n_threads=2)
+    opts = m.options(mode="lossless", draft_max=draft_max)
+    toks = m.tokenize(PROSE)[:n_prompt]
     prefix, nxt = toks[:-1], toks[-1]
     m.begin()
     m.eval(prefix, opts, prompt=True)
     drafts, probs = m.draft(nxt, opts)
+    return m, opts, prefix, nxt, drafts, probs
+
+
+def test_verify_batch_equals_llama_cpp_batch(river_gguf_path, f16_path):
+    m, opts, prefix, nxt, drafts, probs = _drafted(river_gguf_path, 40, 5)
     assert len(drafts) == 5 and len(probs) == 5 and all(0 < p <= 1 for p in probs)
     assert m.n_past == len(prefix)  # drafting leaves the cache's length alone
     batch = [nxt] + drafts
@@ -169,13 +176,7 @@ def _after_rejection(path, keep, drafted=True, rejected=None, truncate=True):
     token other than the rejected draft: (its logits, the model, the kept tokens). drafted=False
     verifies the same tokens without the river's draft rows written first; `rejected` replaces the
     rejected drafts in the verify batch."""
-    m = Model(path, n_ctx=256, n_threads=2)
-    opts = m.options(mode="lossless", draft_max=4)
-    toks = m.tokenize(PROSE)[:30]
-    prefix, nxt = toks[:-1], toks[-1]
-    m.begin()
-    m.eval(prefix, opts, prompt=True)
-    drafts, _ = m.draft(nxt, opts)
+    m, opts, prefix, nxt, drafts, _ = _drafted(path, 30, 4)
     assert len(drafts) == 4
     if not drafted:
         m.truncate(len(prefix))

@@ -25,10 +25,7 @@ void granite_hparams(const GgufFile& f, HParams& hp, const std::string& a) {
 }
 
 void granite_weights(const LayerLoader& ld, LayerWeights& w) {
-    w.attn_norm = ld.vec("attn_norm.weight", ld.e);
-    load_qkvo(ld, w, /*biases_required=*/false);
-    w.ffn_norm = ld.vec("ffn_norm.weight", ld.e);
-    load_gated_ffn(ld, w);
+    load_llama_layer(ld, w, /*biases_required=*/false);
     refuse_biases_and_experts(ld);
 }
 

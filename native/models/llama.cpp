@@ -11,19 +11,9 @@ namespace {
 
 void no_extra_hparams(const GgufFile&, HParams&, const std::string&) {}
 
-void llama_weights(const LayerLoader& ld, LayerWeights& w) {
-    w.attn_norm = ld.vec("attn_norm.weight", ld.e);
-    load_qkvo(ld, w, /*biases_required=*/false);
-    w.ffn_norm = ld.vec("ffn_norm.weight", ld.e);
-    load_gated_ffn(ld, w);
-}
+void llama_weights(const LayerLoader& ld, LayerWeights& w) { load_llama_layer(ld, w, /*biases_required=*/false); }
 
-void qwen2_weights(const LayerLoader& ld, LayerWeights& w) {
-    w.attn_norm = ld.vec("attn_norm.weight", ld.e);
-    load_qkvo(ld, w, /*biases_required=*/true);
-    w.ffn_norm = ld.vec("ffn_norm.weight", ld.e);
-    load_gated_ffn(ld, w);
-}
+void qwen2_weights(const LayerLoader& ld, LayerWeights& w) { load_llama_layer(ld, w, /*biases_required=*/true); }
 
 void qwen3_weights(const LayerLoader& ld, LayerWeights& w) {
     w.attn_norm = ld.vec("attn_norm.weight", ld.e);

@@ -119,6 +119,15 @@ models() {  # shape quants: the random-weight files of one shape (their paths: m
   "$PY" benchmarks/random_models.py --shape "$1" --quants "$2" --river q4_0 > "$RIVER_GGUF_CACHE/models-$1.json"
 }
 
+load_check() {
+  local f code
+  f=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['river'])" "$RIVER_GGUF_CACHE/models-smollm2-135m.json")
+  code="from river_gguf import Model; m = Model('$f', n_ctx=1024, n_threads=2, n_gpu_layers=-1); print('loaded', m.placement['kv_cache'][:2])"
+  "$PY" -X faulthandler -c "$code" && return 0
+  command -v cuda-gdb >/dev/null && cuda-gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" --args "$PY" -c "$code"
+  return 1
+}
+
 decode_table() {  # shape: preset_speed.py over the shape's files
   local shape=$1 f
   f=$RIVER_GGUF_CACHE/models-$shape.json
@@ -133,7 +142,7 @@ if [ "${PRINT_ONLY:-0}" = 1 ]; then
   exit 0
 fi
 export ROOT BUNDLE OUT GPU_BACKEND CUDA_ARCH JOBS SITE PY
-export -f install_missing llama_cmake_args build_llama_cpp build_engine models decode_table
+export -f install_missing llama_cmake_args build_llama_cpp build_engine models load_check decode_table
 mkdir -p "$OUT" "$SITE" "$RIVER_GGUF_CACHE"
 : > "$OUT/stages.txt"
 log "gpu_device_run: backend $GPU_BACKEND, arch $CUDA_ARCH, $JOBS jobs, bundle $BUNDLE, out $OUT"
@@ -146,6 +155,9 @@ stage build-engine 120 build_engine || exit 1
 stage devices 60 "$PY" -c "import river_gguf; from river_gguf.devices import list_devices, offload_gpus; \
 print(river_gguf.__version__, list_devices()); assert offload_gpus(), 'ggml sees no GPU'" || exit 1
 stage models-smollm2 90 models smollm2-135m q8_0,q4_k_m,q4_0
+# The first load with every layer offloaded, alone: where it dies, a native backtrace (cuda-gdb
+# debugs host code too; the image has no gdb) says where, for the log.
+stage load-check 60 load_check
 stage tests-gpu 200 env RIVER_GGUF_GPU_MODELS=random GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0} \
   "$PY" -m pytest -q -p no:cacheprovider tests_gpu --junitxml="$OUT/tests_gpu.xml"
 if [ "$DEVICE_ONLY" = 1 ]; then

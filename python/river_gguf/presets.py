@@ -38,7 +38,9 @@ uses by default.
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
 from typing import Dict, List, Optional
 
 import gguf
@@ -256,6 +258,18 @@ def _layer_nodes(types: Dict[str, str], kinds=None) -> int:
     return nodes
 
 
+@functools.lru_cache(maxsize=2)
+def _reader_of(path: str, stamp: tuple):
+    return gguf.GGUFReader(path)
+
+
+def _reader(path: str):
+    """gguf's reader of `path`, parsed once while the file stays the same (parsing a 150k-token
+    vocabulary takes seconds, and a calibration reads the file's tensors three times)."""
+    st = os.stat(path)
+    return _reader_of(os.fspath(path), (st.st_ino, st.st_size, st.st_mtime_ns))
+
+
 def weight_bytes(model, measure: str = "bytes") -> tuple:
     """(layer_bytes, head_bytes) of a loaded Model's files: per layer, the bytes of the
     backbone's and the river's tensors; the head each side uses (the river's is its
@@ -265,10 +279,10 @@ def weight_bytes(model, measure: str = "bytes") -> tuple:
 
     if measure not in ("bytes", "cost"):
         raise ValueError(f"measure must be 'bytes' or 'cost', got {measure!r}")
-    bb = gguf.GGUFReader(model.model_path)
+    bb = _reader(model.model_path)
     bb_ts = [(t.name, t) for t in bb.tensors]
     if model.river_path:
-        rv_ts = [(t.name, t) for t in gguf.GGUFReader(model.river_path).tensors]
+        rv_ts = [(t.name, t) for t in _reader(model.river_path).tensors]
     else:
         rv_ts = [(t.name[len("river."):], t) for t in river_tensors(bb)]
     bb_sizes = {n: _measure(t, measure) for n, t in bb_ts}
@@ -404,7 +418,7 @@ def static_step_bytes(tensors: Dict[str, tuple], n_layer: int, kind: str, measur
 
 
 def _plain_tensor_shapes(model) -> Dict[str, tuple]:
-    r = gguf.GGUFReader(model.model_path)
+    r = _reader(model.model_path)
     return {t.name: tuple(int(x) for x in t.shape) for t in r.tensors if not t.name.startswith("river.")}
 
 

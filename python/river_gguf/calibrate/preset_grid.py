@@ -18,8 +18,8 @@ from . import open_model
 
 
 #: The share of the calibration items the dynamic settings are scored on, through decode (the
-#: static ones are scored on all of them, batched).
-DYNAMIC_SHARE = 0.5
+#: static ones are scored on all of them, batched): decode is what a conversion spends its time on.
+DYNAMIC_SHARE = 0.25
 
 
 def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool = True,
@@ -32,7 +32,7 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     attention) is scored at prefill speed (divergence.score_batched: one backbone pass over each
     prompt, then the completion as one batch per setting, against the backbone's batch), and the
     dynamic settings through decode with exits live, against the backbone's decode, on every
-    other item (DYNAMIC_SHARE). batched=False scores everything through decode, on every item.
+    fourth item (DYNAMIC_SHARE). batched=False scores everything through decode, on every item.
     Each row keeps its KLD's item-bootstrap interval, how it was scored and on how many tokens.
     Each row also keeps its per-item KLD sums ("item_kld", on the items listed in "items"), so
     presets.choose can compare two settings on the items both were scored on. Cost is the step's

@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "choice for --river-type)")
     p.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
                    help="tokens each static preset setting is scored on, at prefill speed (the dynamic ones: "
-                        f"half as many, by decode; the imatrix reads about 10x N); default {DEFAULT_CALIBRATION_TOKENS}")
+                        f"a quarter as many, by decode; the imatrix reads about 10x N); default {DEFAULT_CALIBRATION_TOKENS}")
     p.add_argument("--presets", action=argparse.BooleanOptionalAction, default=True,
                    help="measure and store the fast/balanced/quality presets (default: yes, a few minutes)")
     p.add_argument("--replace-river", action="store_true",

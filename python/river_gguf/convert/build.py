@@ -281,7 +281,7 @@ def build_river_gguf(
     river_head_type: the river head's type (e.g. "q4_0"); None keeps llama.cpp's choice for
         river_type (Q8_0 for q4_0 on SmolLM2: a third of the river's bytes).
     calibration_tokens: tokens each static preset setting is scored on (batched, at prefill speed;
-        dynamic settings: by decode on half the items), and a tenth of the token budget of the
+        dynamic settings: by decode on a quarter of the items), and a tenth of the token budget of the
         imatrix collection; None (default) is 1,024 at every size.
     report: called with one line per step (the river's quantization and its fallback types, the
         importance matrix, the threshold), for a caller to print; llama.cpp's own log is kept
@@ -515,7 +515,7 @@ def _river_entries(backbone_path, river_path, river_src, type_label, threshold, 
 # ----- how much calibration -------------------------------------------------------------
 # The presets score every static setting of presets.grid at prefill speed (one backbone pass over
 # each prompt, then the completion as one batch per setting: measure/divergence.score_batched),
-# and the dynamic ones by decode on half the items; the imatrix is a batched prefill over about
+# and the dynamic ones by decode on a quarter of the items; the imatrix is a batched prefill over about
 # 10x the tokens. So the default is the same at every size.
 DEFAULT_CALIBRATION_TOKENS = 1024
 MIN_CALIBRATION_TOKENS = 32

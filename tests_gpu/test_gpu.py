@@ -66,16 +66,16 @@ def test_the_gpu_holds_every_layer(river_model):
     assert set(river_model.layer_devices) == {"GPU"}
 
 
-# Plain files of several architectures, gemma3 with a sliding window shorter than the prompt.
-# (A phi3 LongRoPE case, the rope factors a third input of every rope op, was here: with it in the
-# module, a later test died of a segfault on lavapipe, in a different test each run; without it
-# every test passes. LongRoPE is tested against llama.cpp on the CPU, tests/test_architectures.py.)
+# Plain files of several architectures, gemma3 with a sliding window shorter than the prompt,
+# phi3 with LongRoPE at a context past its original one (the long factor set: a third input of
+# every rope op).
 ARCH_CASES = {
     "qwen2": ("qwen2", dict(n_layer=3)),
     "qwen3": ("qwen3", dict(n_layer=3)),
     "gemma3": ("gemma3", dict(n_layer=7, head_dim=32, sliding_window=8)),
+    "phi3-longrope": ("phi3", dict(n_layer=3, longrope=True)),
 }
-ARCH_CTX = {}  # n_ctx per case where it is not 256
+ARCH_CTX = {"phi3-longrope": 512}  # > LONGROPE_ORIG_CTX; the others 256
 
 
 @pytest.mark.parametrize("name", ["smollm2-q4_0", "smollm2-f16"] + list(ARCH_CASES))

@@ -136,14 +136,7 @@ gpu_tests() {  # tests_gpu/ on the random SmolLM2-shaped files, into JUnit
   fi
   # Lavapipe: a process per test, as scripts/test_gpu.sh runs them (its heap corruption, docs/gpu.md);
   # a JUnit file per test.
-  local t i=0 failed=0
-  mkdir -p "$OUT/tests_gpu"
-  for t in $("$PY" -m pytest -q -p no:cacheprovider --collect-only tests_gpu | grep '::'); do
-    i=$((i + 1))
-    "$PY" -m pytest -q -p no:cacheprovider "$t" --junitxml="$OUT/tests_gpu/$i.xml" || failed=$((failed + 1))
-  done
-  echo "tests_gpu: $((i - failed)) of $i passed, each in its own process"
-  [ "$i" -gt 0 ] && [ "$failed" = 0 ]
+  JUNIT_DIR="$OUT/tests_gpu" ./scripts/pytest_each.sh "$PY" tests_gpu
 }
 
 decode_table() {  # shape: preset_speed.py over the shape's files

@@ -23,18 +23,10 @@ if [ "$RIVER_GGUF_GPU" = vulkan ]; then
   export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}
 fi
 ./scripts/setup.sh
-# One process per test. On lavapipe a long process of device models corrupts the C heap now and
-# then (glibc's checker, LD_PRELOAD=libc_malloc_debug.so.0 MALLOC_CHECK_=3, catches it in
-# lavapipe's own thread as it allocates device memory; which write does it is not found, see
-# docs/gpu.md), and the segfault that follows lands in whichever test runs then. A process per
-# test keeps each test's verdict its own, and a crash names the test it happened in.
-PY="$RIVER_GGUF_VENV/bin/python"
-COLLECTED=$("$PY" -m pytest -q -p no:cacheprovider --collect-only tests_gpu "$@" 2>&1) || { echo "$COLLECTED" >&2; exit 1; }
-mapfile -t TESTS < <(grep '::' <<<"$COLLECTED")
-[ ${#TESTS[@]} -gt 0 ] || { echo "$COLLECTED" >&2; echo "no GPU tests collected" >&2; exit 1; }
-failed=()
-for t in "${TESTS[@]}"; do
-  "$PY" -m pytest -q -p no:cacheprovider "$@" "$t" || failed+=("$t")
-done
-echo "tests_gpu: $(( ${#TESTS[@]} - ${#failed[@]} )) of ${#TESTS[@]} passed, each in its own process"
-if [ ${#failed[@]} -gt 0 ]; then printf 'failed: %s\n' "${failed[@]}" >&2; exit 1; fi
+# One process per test (scripts/pytest_each.sh). On lavapipe a long process of device models
+# corrupts the C heap now and then (glibc's checker, LD_PRELOAD=libc_malloc_debug.so.0
+# MALLOC_CHECK_=3, catches it in lavapipe's own thread as it allocates device memory; which write
+# does it is not found, see docs/gpu.md), and the segfault that follows lands in whichever test
+# runs then. A process per test keeps each test's verdict its own, and a crash names the test it
+# happened in.
+exec ./scripts/pytest_each.sh "$RIVER_GGUF_VENV/bin/python" tests_gpu "$@"

@@ -601,6 +601,7 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
     ggml_set_input(in.kv_rows);
     in.flash_attn = flash_attn_;
+    in.last_row_only = spec.head != Head::None && !spec.all_logits && n > 1;
     if (!flash_attn_ && !spec.spans.empty()) {
         in.v_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, hp_.n_embd_v_gqa() * n);
         ggml_set_input(in.v_idxs);
@@ -642,6 +643,9 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
                                                               : river_->layers[il];
             ggml_tensor* h_in = h;
             h = build_decoder_layer(ctx, gf, hp_, w, rope_factors_, *cache_, il, in, h);
+            // The last layer may keep only the last row (BatchInputs::last_row_only): its test
+            // compares that row.
+            if (h->ne[1] < h_in->ne[1]) h_in = ggml_view_2d(ctx, h_in, hp_.n_embd, h->ne[1], h_in->nb[1], h_in->nb[1] * (n - h->ne[1]));
             if (spec.exits && exits_on_graph_) {
                 // cos(h_in, h_out) per token, on the layer's device: sum(a*b) / sqrt(sum(a^2) sum(b^2)).
                 ggml_tensor* dot = ggml_sum_rows(ctx, ggml_mul(ctx, h_in, h));
@@ -663,7 +667,8 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     }
 
     if (spec.head != Head::None) {
-        if (!spec.all_logits && n > 1) h = ggml_view_2d(ctx, h, hp_.n_embd, 1, h->nb[1], h->nb[1] * (n - 1));
+        // The last layer kept its last row alone (last_row_only); a graph without it keeps every row.
+        if (!spec.all_logits && h->ne[1] > 1) h = ggml_view_2d(ctx, h, hp_.n_embd, 1, h->nb[1], h->nb[1] * (h->ne[1] - 1));
         ggml_tensor* w = spec.head == Head::River ? river_->head : backbone_.output;
         g->logits = spec.head == Head::Norm ? build_final_norm(ctx, hp_, backbone_.output_norm, h)
                                             : build_head(ctx, hp_, backbone_.output_norm, w, h);

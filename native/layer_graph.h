@@ -13,6 +13,9 @@ namespace river {
 struct BatchInputs {
     int n_tokens = 0;
     int n_kv = 0;                      // cache rows attended over (masked beyond each token's position)
+    // The head reads only the batch's last row: the model's last layer keeps that row alone from
+    // its attention output on (llama.cpp's inp_out_ids), so its residual and FFN run on one row.
+    bool last_row_only = false;
     ggml_tensor* positions = nullptr;  // I32 [n_tokens]
     ggml_tensor* kv_rows = nullptr;    // I64 [n_tokens]: the cache row each token's K/V goes to
     // Flash attention (ggml_flash_attn_ext, V stored like K), else llama.cpp's non-flash path

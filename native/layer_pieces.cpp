@@ -117,6 +117,11 @@ ggml_tensor* gated_ffn(const LayerGraph& L, ggml_tensor* x, Gate gate) {
     return ggml_mul_mat(ctx, w.ffn_down, ff);
 }
 
+ggml_tensor* output_rows(const LayerGraph& L, ggml_tensor* t) {
+    if (!L.in.last_row_only || L.il != L.hp.n_layer - 1 || t->ne[1] == 1) return t;
+    return ggml_view_2d(L.ctx, t, t->ne[0], 1, t->nb[1], t->nb[1] * (t->ne[1] - 1));
+}
+
 Heads split_qk(const LayerGraph& L, const Projections& p) {
     const HParams& hp = L.hp;
     const int n = L.in.n_tokens;

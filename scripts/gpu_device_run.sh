@@ -4,11 +4,20 @@
 #
 #   OUT=DIR ./scripts/gpu_device_run.sh [BUNDLE]        (BUNDLE default .gpu-bundle)
 #   ./scripts/gpu_device_run.sh --print-cmake-args      (llama.cpp's CMake arguments, then exit)
+#   WHEEL_ROUNDTRIP=WHL OUT=DIR ./scripts/gpu_device_run.sh   (WHL's parts written to DIR and joined
+#                                                          back; prints the joined file: a test)
 #
 # 1. installs what the machine's Python lacks from the bundle (no index), into a folder of its own
 #    on PYTHONPATH (no venv: ensurepip may be missing);
 # 2. builds llama-cpp-python from the bundle's source with CUDA and RPC (CUDA_ARCH, default
-#    90-real: an H200's), then river_gguf against it;
+#    90-real: an H200's) as a wheel, installs it, and writes it to OUT in parts that can come back
+#    (under 16 MiB each, xz-compressed when that is smaller); a later run given those parts in
+#    WHEEL_DIR (default .gpu-wheel, carried beside the bundle) installs them and skips the build.
+#    Then it builds river_gguf against it;
+# 2b. the load crash's diagnosis (crash-diagnosis.txt): which libraries export the C++ runtime's
+#    locale symbols, the first GPU load under each import order and environment that could change
+#    which copy binds, the dynamic linker's bindings of those symbols, and tests_gpu's first test
+#    plain, with LD_BIND_NOW and with the system libstdc++ preloaded;
 # 3. writes random-weight F16 models shaped like SmolLM2-135M and Llama-3.2-1B, their static quants
 #    and River GGUFs (benchmarks/random_models.py; the timings and the parity checks do not depend
 #    on the weights), each shape when it is needed;
@@ -19,9 +28,10 @@
 #    river-only, tau 0.97, every layer tested), and lossless mode's step, draft and verify costs
 #    (benchmarks/lossless_speed.py --shape --ngl -1).
 # Every step has a time limit, and the whole run BUDGET_S seconds (default 540; a step that would
-# start after it is skipped and says so); the log (each stage's start, end, status and seconds), stages.txt,
-# the JUnit file and the JSON tables go to OUT (default ./gpu-run-out). A step that fails is logged
-# and the ones that do not need it still run.
+# start after it is skipped and says so); the log (each stage's start, end, status and seconds) goes
+# to OUT (default ./gpu-run-out), and stages.txt, the JUnit file, the diagnosis and the JSON tables
+# into OUT/results.tar.gz when the run ends (a device run brings back at most 8 files). A step that
+# fails is logged and the ones that do not need it still run.
 #
 # The dry run on a machine without a GPU: GPU_BACKEND=vulkan builds the Vulkan backend instead
 # (Mesa's lavapipe; the loader, glslc and headers as scripts/test_gpu.sh installs them) and
@@ -43,6 +53,12 @@ JOBS=${JOBS:-$(nproc)}
 BUDGET_S=${BUDGET_S:-540}   # the whole run, the build included: a lease's command runs at most 10 minutes
 LIMIT_SCALE=${LIMIT_SCALE:-1}  # each step's limit times this (the dry run on 2 cores: 8)
 SITE=${SITE:-/tmp/river-site}
+WHEEL_DIR=$(cd "${WHEEL_DIR:-.gpu-wheel}" 2>/dev/null && pwd || echo "${WHEEL_DIR:-.gpu-wheel}")
+WHEEL_PART_MIB=15   # a file that comes back from a device run is at most 16 MiB
+WHEEL_MAX_MIB=${WHEEL_MAX_MIB:-32}  # with the bundle (31 MiB), what can travel is 64 MiB
+# The shared linker flag that keeps a library from re-exporting the static archives linked into it
+# (a copy of C++ runtime code among them): LLAMA_EXCLUDE_LIBS=0 builds without it.
+LLAMA_EXCLUDE_LIBS=${LLAMA_EXCLUDE_LIBS:-1}
 LOG=$OUT/run.log
 T0=$(date +%s)
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
@@ -94,6 +110,7 @@ install_missing() {  # the bundle's wheels of the packages this Python cannot im
 # the caller's CMAKE_ARGS last: CMake keeps a variable's last value, so they override these.
 llama_cmake_args() {
   local args="-DGGML_RPC=ON -DLLAVA_BUILD=OFF"
+  [ "$LLAMA_EXCLUDE_LIBS" = 0 ] || args="$args -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL"
   if [ "$GPU_BACKEND" = cuda ]; then
     args="$args -DGGML_CUDA=ON -DGGML_CUDA_NCCL=OFF -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH"
   else
@@ -104,10 +121,58 @@ llama_cmake_args() {
   echo "$args ${CMAKE_ARGS:-}"
 }
 
+# What a built wheel was built for: the source, the CMake arguments and the Python. A carried
+# wheel is used only when its key is this run's.
+wheel_key() {
+  { sha256sum "$BUNDLE"/llama_cpp_python-*.tar.gz | cut -d' ' -f1; llama_cmake_args; "$PY" -c 'import sys; print(sys.version_info[:2])'; } |
+    sha256sum | cut -c1-10
+}
+
+# The carried wheel's parts (NAME.whl[.xz].KEY.part-XX, in order) joined into DIR; prints its path.
+join_wheel() {
+  local key=$1 dir=$2 first name
+  first=$(ls "$WHEEL_DIR"/*."$key".part-* 2>/dev/null | sort | head -1)
+  [ -n "$first" ] || return 1
+  name=$(basename "${first%.$key.part-*}")
+  cat $(ls "$WHEEL_DIR"/"$name.$key".part-* | sort) > "$dir/$name" || return 1
+  if [ "${name%.xz}" != "$name" ]; then xz -d -f "$dir/$name" || return 1; name=${name%.xz}; fi
+  "$PY" -m zipfile -t "$dir/$name" >/dev/null || { echo "the carried wheel $name is damaged" >&2; return 1; }
+  echo "$dir/$name"
+}
+
+# The built wheel into OUT in parts, xz-compressed when that saves a tenth, unless it is too big
+# to travel back with the bundle.
+save_wheel() {
+  local whl=$1 key=$2 src mib
+  src=$whl
+  if xz -T0 -6 -k -f "$whl" 2>/dev/null && [ $(stat -c%s "$whl.xz") -lt $(( $(stat -c%s "$whl") * 9 / 10 )) ]; then
+    src=$whl.xz
+  fi
+  mib=$(( ($(stat -c%s "$src") + 1048575) / 1048576 ))
+  if [ "$mib" -gt "$WHEEL_MAX_MIB" ]; then
+    echo "the wheel is $mib MiB as $(basename "$src"), more than WHEEL_MAX_MIB=$WHEEL_MAX_MIB: not written to OUT"
+    return 0
+  fi
+  split -b "${WHEEL_PART_MIB}M" -d -a 2 "$src" "$OUT/$(basename "$src").$key.part-"
+  echo "wrote $(basename "$src") ($mib MiB) to OUT in $(ls "$OUT"/*."$key".part-* | wc -l) parts: carry them as $WHEEL_DIR/ to skip this build"
+}
+
 build_llama_cpp() {
+  local key dir whl
+  key=$(wheel_key)
+  dir=$(mktemp -d /tmp/river-wheel.XXXX)
+  if whl=$(join_wheel "$key" "$dir"); then
+    echo "installing the carried wheel $(basename "$whl") (key $key): the build is skipped"
+    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$whl"
+    return
+  fi
+  ls "$WHEEL_DIR"/*.part-* >/dev/null 2>&1 && echo "the wheel parts in $WHEEL_DIR are not for this build (key $key): building"
   [ "$GPU_BACKEND" != cuda ] || command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
-  CMAKE_ARGS="$(llama_cmake_args)" "$PY" -m pip install -q --no-index --no-deps --no-build-isolation \
-    --target "$SITE" "$BUNDLE"/llama_cpp_python-*.tar.gz
+  CMAKE_ARGS="$(llama_cmake_args)" "$PY" -m pip wheel -q --no-index --no-deps --no-build-isolation \
+    -w "$dir" "$BUNDLE"/llama_cpp_python-*.tar.gz || return 1
+  whl=$(ls "$dir"/llama_cpp_python-*.whl)
+  "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$whl" || return 1
+  save_wheel "$whl" "$key"
 }
 
 build_engine() {
@@ -128,6 +193,46 @@ load_check() {
   return 1
 }
 
+# The load crash's evidence, into OUT/crash-diagnosis.txt (see docs/gpu.md). Each probe runs in a
+# process of its own with a time limit; its status is recorded (139: the segfault).
+crash_diagnosis() {
+  local f load d=$OUT/crash-diagnosis.txt stdcxx probe rc
+  f=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['river'])" "$RIVER_GGUF_CACHE/models-smollm2-135m.json")
+  load="from river_gguf import Model; Model('$f', n_ctx=1024, n_threads=2, n_gpu_layers=-1); print('loaded')"
+  stdcxx=$(ldconfig -p | awk '/libstdc\+\+\.so\.6 / && !p {p = $NF} END {print p}')
+  {
+    echo "== libraries that define the C++ runtime's locale symbols (scripts/cxx_runtime_exports.py)"
+    "$PY" scripts/cxx_runtime_exports.py "$SITE/llama_cpp/lib"
+    echo "== the system libstdc++: $stdcxx"
+    echo "== the first GPU load, each in a fresh process: status, then the probe"
+    for probe in "" "import numpy;" "import ctypes; ctypes.CDLL('libstdc++.so.6');" \
+                 "import ctypes, os; ctypes.CDLL('libstdc++.so.6', os.RTLD_GLOBAL); import numpy;" \
+                 "import llama_cpp; from river_gguf.devices import offload_gpus; offload_gpus();" \
+                 "import numpy, llama_cpp; from river_gguf.devices import offload_gpus; offload_gpus();"; do
+      timeout 60 "$PY" -X faulthandler -c "$probe $load" > /tmp/probe.log 2>&1; rc=$?
+      echo "status $rc: $probe"
+      [ $rc = 0 ] || tail -5 /tmp/probe.log | sed 's/^/    /'
+      if [ $rc != 0 ] && [ -z "${bound:-}" ]; then  # the first crash: where libstdc++'s locale symbols bound
+        bound=1
+        LD_DEBUG=bindings LD_DEBUG_OUTPUT=/tmp/ld-bindings timeout 90 "$PY" -c "$probe $load" >/dev/null 2>&1
+        echo "  == its bindings to ggml's or llama's libraries of C++ runtime symbols (_ZNSt, _ZNKSt; first 40)"
+        cat /tmp/ld-bindings.* 2>/dev/null | grep -E "to [^ ]*lib(ggml|llama)[^ ]* .*\`_ZNK?St" | head -40 | sed 's/^ *[0-9]*: */    /'
+        echo "  == its bindings of locale, ctype and codecvt symbols to anything but libstdc++ (first 40)"
+        cat /tmp/ld-bindings.* 2>/dev/null | grep -E "St6locale|St5ctype|St7codecvt" | grep -v "to [^ ]*libstdc++" |
+          head -40 | sed 's/^ *[0-9]*: */    /'
+        rm -f /tmp/ld-bindings.*
+      fi
+    done
+    echo "== tests_gpu's first test (test_the_gpu_holds_every_layer), each in a fresh process"
+    for env in "" "LD_BIND_NOW=1" "LD_PRELOAD=$stdcxx"; do
+      env $env RIVER_GGUF_GPU_MODELS=random timeout 120 "$PY" -X faulthandler -m pytest -q -x -p no:cacheprovider \
+        tests_gpu -k test_the_gpu_holds_every_layer > /tmp/probe.log 2>&1; rc=$?
+      echo "status $rc: ${env:-plain} $(tail -1 /tmp/probe.log)"
+    done
+  } > "$d" 2>&1
+  cat "$d"
+}
+
 gpu_tests() {  # tests_gpu/ on the random SmolLM2-shaped files, into JUnit
   export RIVER_GGUF_GPU_MODELS=random
   if [ "$GPU_BACKEND" != vulkan ]; then
@@ -140,9 +245,14 @@ gpu_tests() {  # tests_gpu/ on the random SmolLM2-shaped files, into JUnit
 }
 
 decode_table() {  # shape: preset_speed.py over the shape's files
-  local shape=$1 f
+  local shape=$1 f k exits=()
   f=$RIVER_GGUF_CACHE/models-$shape.json
-  "$PY" benchmarks/preset_speed.py --ngl -1 --gpu-check --no-presets --static "" --threads "$JOBS" \
+  # Forced exits after 2, 4 and 8 backbone layers (the paper's depth): the cost of an exit depth
+  # does not depend on the weights.
+  for k in 2 4 8; do
+    exits+=(--setting "exit after $k={\"mode\": \"fixed\", \"exit_layer\": $((k - 1)), \"tail\": 0, \"river_attention\": \"river\"}")
+  done
+  "$PY" benchmarks/preset_speed.py --ngl -1 --gpu-check --no-presets --static "" --threads "$JOBS" "${exits[@]}" \
     --river "$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['river'])" "$f")" \
     $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(' '.join(f'--static-file {k.upper()}={v}' for k, v in d.items() if k != 'river'))" "$f") \
     --tokens 64 --repeats 2 --json "$OUT/decode-$shape.json"
@@ -152,10 +262,23 @@ if [ "${PRINT_ONLY:-0}" = 1 ]; then
   llama_cmake_args
   exit 0
 fi
-export ROOT BUNDLE OUT GPU_BACKEND CUDA_ARCH JOBS SITE PY
-export -f install_missing llama_cmake_args build_llama_cpp build_engine models load_check gpu_tests decode_table
+if [ -n "${WHEEL_ROUNDTRIP:-}" ]; then  # the test of the wheel's parts: write them to OUT, join them back
+  mkdir -p "$OUT"
+  save_wheel "$WHEEL_ROUNDTRIP" test-key >&2 || exit 1
+  WHEEL_DIR=$OUT join_wheel test-key "$(mktemp -d)"
+  exit
+fi
+export ROOT BUNDLE OUT GPU_BACKEND CUDA_ARCH JOBS SITE PY WHEEL_DIR WHEEL_PART_MIB WHEEL_MAX_MIB LLAMA_EXCLUDE_LIBS
+export -f install_missing llama_cmake_args wheel_key join_wheel save_wheel build_llama_cpp build_engine models \
+  load_check crash_diagnosis gpu_tests decode_table
 mkdir -p "$OUT" "$SITE" "$RIVER_GGUF_CACHE"
 : > "$OUT/stages.txt"
+# At the end, however the run ends: everything but the log and the wheel's parts in one archive.
+pack_results() {
+  (cd "$OUT" && ls | grep -v -e '^run\.log$' -e '\.part-[0-9]*$' -e '^results\.tar\.gz$' |
+    tar -czf results.tar.gz -T - --remove-files 2>/dev/null)
+}
+trap pack_results EXIT
 log "gpu_device_run: backend $GPU_BACKEND, arch $CUDA_ARCH, $JOBS jobs, bundle $BUNDLE, out $OUT"
 stage bundle-check 30 sh -c "cd '$BUNDLE' && sha256sum -c --quiet SHA256SUMS" || exit 1
 stage install 120 install_missing || exit 1
@@ -169,6 +292,7 @@ stage models-smollm2 90 models smollm2-135m q8_0,q4_k_m,q4_0
 # The first load with every layer offloaded, alone: where it dies, a native backtrace (cuda-gdb
 # debugs host code too; the image has no gdb) says where, for the log.
 stage load-check 60 load_check
+stage crash-diagnosis 150 crash_diagnosis
 stage tests-gpu 200 gpu_tests
 if [ "$DEVICE_ONLY" = 1 ]; then
   stage decode-smollm2 90 decode_table smollm2-135m

@@ -64,3 +64,73 @@ def test_the_bundle_holds_what_importing_river_gguf_needs():
 @pytest.mark.parametrize("pkg", ["numpy", "gguf", "jinja2", "tqdm", "diskcache", "pytest"])
 def test_the_bundle_lists_the_obvious(pkg):
     assert pkg in _bundle_packages()
+
+
+def _roundtrip(tmp_path, whl, **env):
+    out = tmp_path / "out"
+    r = subprocess.run([str(RUN)], capture_output=True, text=True, check=True,
+                       env={**os.environ, "WHEEL_ROUNDTRIP": str(whl), "OUT": str(out), **env})
+    return out, pathlib.Path(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+@pytest.mark.parametrize("compressible", [True, False])
+def test_a_built_wheel_comes_back_in_parts_and_joins_byte_for_byte(tmp_path, compressible):
+    # A device run brings back files of at most 16 MiB: a 40 MiB wheel leaves in parts, xz'd when
+    # that is worth it, and the next run joins them into the same wheel.
+    import random
+    import zipfile
+
+    whl = tmp_path / "llama_cpp_python-0.3.36-cp312-cp312-linux_x86_64.whl"
+    rnd = random.Random(0)
+    payload = (b"ggml " * (8 << 20)) if compressible else rnd.randbytes(40 << 20)
+    with zipfile.ZipFile(whl, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("llama_cpp/lib/libggml-cuda.so", payload)
+    out, joined, log = _roundtrip(tmp_path, whl, WHEEL_MAX_MIB="64")
+    parts = sorted(p.name for p in out.iterdir())
+    assert all(p.endswith(tuple(f".test-key.part-{i:02d}" for i in range(8))) for p in parts), parts
+    assert all((out / p).stat().st_size <= 16 << 20 for p in parts)
+    assert parts[0].startswith(whl.name + (".xz" if compressible else ".test-key"))
+    assert compressible or len(parts) == 3
+    assert joined.name == whl.name and joined.read_bytes() == whl.read_bytes()
+
+
+def test_a_wheel_too_big_to_travel_is_not_written(tmp_path):
+    import random
+    import zipfile
+
+    whl = tmp_path / "llama_cpp_python-0.3.36-cp312-cp312-linux_x86_64.whl"
+    with zipfile.ZipFile(whl, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("lib.so", random.Random(1).randbytes(3 << 20))
+    out = tmp_path / "out"
+    r = subprocess.run([str(RUN)], capture_output=True, text=True,
+                       env={**os.environ, "WHEEL_ROUNDTRIP": str(whl), "OUT": str(out), "WHEEL_MAX_MIB": "2"})
+    assert r.returncode != 0 and "more than WHEEL_MAX_MIB=2" in r.stderr
+    assert not list(out.iterdir())
+
+
+def test_the_cuda_build_hides_the_archives_it_links():
+    # A library that re-exported a static archive's copy of C++ runtime code could be bound in
+    # place of libstdc++'s (docs/gpu.md); the build passes the linker flag that prevents it.
+    assert "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL" in _cmake_args()
+    assert "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL" not in _cmake_args(LLAMA_EXCLUDE_LIBS="0")
+
+
+def test_the_installed_libraries_define_no_cxx_runtime_symbols():
+    # The invariant the CUDA fix depends on, for every library of the installed wheel that loads
+    # here: none defines std::locale's or ctype's own symbols, which libstdc++ alone must.
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "cxx_runtime_exports.py")], capture_output=True,
+                         text=True)
+    lines = out.stdout.strip().splitlines()
+    assert any(line.startswith("libllama") and line.endswith(": none") for line in lines), out.stdout
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_runtime_symbol_check_sees_libstdcxx():
+    # The check is not blind: libstdc++ itself defines every symbol it looks for.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from cxx_runtime_exports import RUNTIME_SYMBOLS, defined_runtime_symbols
+
+    import llama_cpp  # noqa: F401  (loads libstdc++ into this process)
+
+    path = next(line.split()[-1] for line in open("/proc/self/maps") if "libstdc++.so" in line)
+    assert defined_runtime_symbols(path) == list(RUNTIME_SYMBOLS)

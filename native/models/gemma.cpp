@@ -79,7 +79,7 @@ ggml_tensor* gemma_layer(const LayerGraph& L, ggml_tensor* h) {
     Heads qk = split_qk(L, p);
     ggml_tensor* q = ggml_scale(L.ctx, rope(L, qk.q), hp.attn_scale);
     ggml_tensor* att = attention(L, q, rope(L, qk.k), p.v, 1.0f);
-    ggml_tensor* h_attn = ggml_add(L.ctx, rms_norm(L.ctx, att, L.w.attn_post_norm, hp.rms_eps), h);
+    ggml_tensor* h_attn = ggml_add(L.ctx, output_rows(L, rms_norm(L.ctx, att, L.w.attn_post_norm, hp.rms_eps)), output_rows(L, h));
     ggml_tensor* ff = gated_ffn(L, rms_norm(L.ctx, h_attn, L.w.ffn_norm, hp.rms_eps), Gate::Gelu);
     return ggml_add(L.ctx, rms_norm(L.ctx, ff, L.w.ffn_post_norm, hp.rms_eps), h_attn);
 }

@@ -35,7 +35,8 @@ ggml_tensor* granite_layer(const LayerGraph& L, ggml_tensor* h) {
     auto residual = [&](ggml_tensor* x) { return hp.residual_scale != 0.0f ? ggml_scale(L.ctx, x, hp.residual_scale) : x; };
     Projections p = project_qkv(L, rms_norm(L.ctx, h, L.w.attn_norm, hp.rms_eps));
     Heads qk = split_qk(L, p);  // granite has no q/k norms
-    ggml_tensor* h_attn = ggml_add(L.ctx, residual(attention(L, rope(L, qk.q), rope(L, qk.k), p.v, hp.attn_scale)), h);
+    ggml_tensor* att = output_rows(L, attention(L, rope(L, qk.q), rope(L, qk.k), p.v, hp.attn_scale));
+    ggml_tensor* h_attn = ggml_add(L.ctx, residual(att), output_rows(L, h));
     ggml_tensor* ff = gated_ffn(L, rms_norm(L.ctx, h_attn, L.w.ffn_norm, hp.rms_eps), Gate::Silu);
     return ggml_add(L.ctx, residual(ff), h_attn);
 }

@@ -28,7 +28,8 @@ ggml_tensor* llama_layer(const LayerGraph& L, ggml_tensor* h) {
     const HParams& hp = L.hp;
     Projections p = project_qkv(L, rms_norm(L.ctx, h, L.w.attn_norm, hp.rms_eps));
     Heads qk = split_qk(L, p);
-    ggml_tensor* h_attn = ggml_add(L.ctx, h, attention(L, rope(L, qk.q), rope(L, qk.k), p.v, hp.attn_scale));
+    ggml_tensor* att = attention(L, rope(L, qk.q), rope(L, qk.k), p.v, hp.attn_scale);
+    ggml_tensor* h_attn = ggml_add(L.ctx, output_rows(L, h), output_rows(L, att));
     return ggml_add(L.ctx, h_attn, gated_ffn(L, rms_norm(L.ctx, h_attn, L.w.ffn_norm, hp.rms_eps), Gate::Silu));
 }
 

@@ -28,7 +28,8 @@ ggml_tensor* mistral3_layer(const LayerGraph& L, ggml_tensor* h) {
     Heads qk = split_qk(L, p);
     ggml_tensor* q = rope(L, qk.q);
     if (L.in.attn_temp) q = ggml_mul(L.ctx, q, L.in.attn_temp);
-    ggml_tensor* h_attn = ggml_add(L.ctx, h, attention(L, q, rope(L, qk.k), p.v, hp.attn_scale));
+    ggml_tensor* att = attention(L, q, rope(L, qk.k), p.v, hp.attn_scale);
+    ggml_tensor* h_attn = ggml_add(L.ctx, output_rows(L, h), output_rows(L, att));
     return ggml_add(L.ctx, h_attn, gated_ffn(L, rms_norm(L.ctx, h_attn, L.w.ffn_norm, hp.rms_eps), Gate::Silu));
 }
 

@@ -44,7 +44,7 @@ ggml_tensor* olmo2_layer(const LayerGraph& L, ggml_tensor* h) {
     ggml_tensor* q = split_heads(L.ctx, rms_norm(L.ctx, p.q, L.w.q_norm, hp.rms_eps), hp.head_dim_k, hp.n_head, n);
     ggml_tensor* k = split_heads(L.ctx, rms_norm(L.ctx, p.k, L.w.k_norm, hp.rms_eps), hp.head_dim_k, hp.n_head_kv, n);
     ggml_tensor* att = attention(L, rope(L, q), rope(L, k), p.v, hp.attn_scale);
-    ggml_tensor* h_attn = ggml_add(L.ctx, rms_norm(L.ctx, att, L.w.attn_post_norm, hp.rms_eps), h);
+    ggml_tensor* h_attn = ggml_add(L.ctx, output_rows(L, rms_norm(L.ctx, att, L.w.attn_post_norm, hp.rms_eps)), output_rows(L, h));
     ggml_tensor* ff = gated_ffn(L, h_attn, Gate::Silu);
     return ggml_add(L.ctx, rms_norm(L.ctx, ff, L.w.ffn_post_norm, hp.rms_eps), h_attn);
 }

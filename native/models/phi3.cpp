@@ -39,7 +39,7 @@ ggml_tensor* phi3_layer(const LayerGraph& L, ggml_tensor* h) {
     Projections p = project_qkv(L, rms_norm(L.ctx, h, L.w.attn_norm, hp.rms_eps));
     Heads qk = split_qk(L, p);  // phi3 has no q/k norms
     ggml_tensor* q = ggml_scale(L.ctx, rope(L, qk.q), hp.attn_scale);
-    ggml_tensor* h_attn = ggml_add(L.ctx, attention(L, q, rope(L, qk.k), p.v, 1.0f), h);
+    ggml_tensor* h_attn = ggml_add(L.ctx, output_rows(L, attention(L, q, rope(L, qk.k), p.v, 1.0f)), output_rows(L, h));
     return ggml_add(L.ctx, h_attn, gated_ffn(L, rms_norm(L.ctx, h_attn, L.w.ffn_norm, hp.rms_eps), Gate::Silu));
 }
 

@@ -364,14 +364,21 @@ class LlamaCppOracle:
     """Stock llama.cpp (llama-cpp-python) on a GGUF, set up like the engine: F16 KV cache (the
     default), flash attention, 2 threads. The tests' reference for logits and greedy text.
 
+    logits() asks llama.cpp for every row (logits_all); greedy() generates as llama.cpp does by
+    default, with one output row per batch, so its last layer selects that row before the FFN (on a
+    GPU a one-row product rounds otherwise than the same row of a batch).
+
     stop_at_any_eog: greedy() stops at any end-of-generation token (llama_vocab_is_eog), not only
     at the EOS token; models whose chat turns end on another token (Qwen) need it. n_gpu_layers:
     llama.cpp's own offload (-1: every layer and the head), the reference for the GPU tests."""
 
     def __init__(self, path, n_ctx: int = 512, stop_at_any_eog: bool = False, n_gpu_layers: int = 0):
         self._llama_cpp = llama_cpp
-        self.llm = llama_cpp.Llama(os.fspath(path), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, logits_all=True,
-                                   flash_attn=True, n_gpu_layers=n_gpu_layers, verbose=False)
+        self._args = dict(n_ctx=n_ctx, n_threads=2, n_threads_batch=2, flash_attn=True, n_gpu_layers=n_gpu_layers,
+                          verbose=False)
+        self._path = os.fspath(path)
+        self.llm = llama_cpp.Llama(self._path, logits_all=True, **self._args)
+        self._gen = None  # the one-output-row instance, made at the first greedy()
         self.stop_at_any_eog = stop_at_any_eog
 
     def logits(self, tokens):
@@ -385,11 +392,13 @@ class LlamaCppOracle:
         return tok == self.llm.token_eos()
 
     def greedy(self, tokens, n):
+        if self._gen is None:
+            self._gen = self._llama_cpp.Llama(self._path, logits_all=False, **self._args)
         # reset: llama-cpp-python would otherwise reuse a cached prefix computed inside a longer
         # batch, which is not the computation the engine repeats step by step.
-        self.llm.reset()
+        self._gen.reset()
         out = []
-        for tok in self.llm.generate(list(tokens), temp=0.0, top_k=1, reset=True):
+        for tok in self._gen.generate(list(tokens), temp=0.0, top_k=1, reset=True):
             if self._stops(tok) or len(out) >= n:
                 break
             out.append(tok)
@@ -397,6 +406,8 @@ class LlamaCppOracle:
 
     def close(self):
         self.llm.close()
+        if self._gen is not None:
+            self._gen.close()
 
 
 @contextlib.contextmanager

@@ -89,13 +89,13 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold
 }
 
 py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, int mode, float threshold, int min_exit_layer,
-                int exit_layer, bool river_head, int tail, bool backbone_attention) {
+                int exit_layer, bool river_head, int tail, bool backbone_attention, bool with_probs) {
     EvalRequest how = exit_request(mode, threshold, min_exit_layer, exit_layer, river_head, tail, backbone_attention);
     std::vector<float> probs;
     std::vector<int32_t> tokens;
     {
         py::gil_scoped_release release;
-        tokens = e.draft(token, std::move(how), n_max, p_min, &probs);
+        tokens = e.draft(token, std::move(how), n_max, p_min, with_probs ? &probs : nullptr);
     }
     return py::make_tuple(tokens, probs);
 }
@@ -151,8 +151,10 @@ void bind_engine(py::module_& m) {
         .def("draft", &draft, py::arg("token"), py::arg("n_max"), py::arg("p_min") = 0.0f, py::arg("mode") = 0,
              py::arg("threshold") = 2.0f, py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1,
              py::arg("river_head") = false, py::arg("tail") = 0, py::arg("backbone_attention") = false,
+             py::arg("with_probs") = true,
              "Lossless decoding's draft: up to n_max greedy tokens after `token` under this exit setting, each "
-             "kept while its probability is >= p_min; n_past is unchanged. Returns (tokens, probabilities).")
+             "kept while its probability is >= p_min; n_past is unchanged. Returns (tokens, probabilities); "
+             "with_probs=False returns no probabilities and, with p_min <= 0, computes none.")
         .def("truncate", &Engine::truncate)
         .def_property_readonly("n_past", &Engine::n_past)
         .def_property_readonly("n_ctx", &Engine::n_ctx)

@@ -317,12 +317,20 @@ std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, fl
             const float* l = r.logits.data();
             const int n_vocab = r.n_cols;
             const int best = static_cast<int>(std::max_element(l, l + n_vocab) - l);
-            double sum = 0;  // p(best) = 1 / sum_j exp(l_j - l_best)
-            for (int j = 0; j < n_vocab; ++j) sum += std::exp(double(l[j]) - l[best]);
-            const float p = static_cast<float>(1.0 / sum);
-            if (!(p >= p_min)) break;  // a NaN row drafts nothing
+            if (p_min > 0.0f || probs) {
+                double sum = 0;  // p(best) = 1 / sum_j exp(l_j - l_best)
+                for (int j = 0; j < n_vocab; ++j) sum += std::exp(double(l[j]) - l[best]);
+                const float p = static_cast<float>(1.0 / sum);
+                if (!(p >= p_min)) break;  // a NaN row drafts nothing
+                if (probs) probs->push_back(p);
+            } else {
+                // No probability asked for: only what made it NaN above stops the draft (a NaN
+                // logit, or an infinite best), without a softmax over the vocabulary.
+                bool finite = std::isfinite(l[best]);
+                for (int j = 0; j < n_vocab && finite; ++j) finite = !std::isnan(l[j]);
+                if (!finite) break;
+            }
             drafts.push_back(best);
-            if (probs) probs->push_back(p);
             cur = best;
         }
     } catch (...) {

@@ -116,7 +116,7 @@ public:
     // under the exit setting `how` (river-only, or River's exit), each kept only while its
     // probability under the draft is at least p_min. The drafts' cache rows are left for the
     // backbone's verify batch to overwrite: n_past is the same on return. Each draft's
-    // probability goes to `probs` when given.
+    // probability goes to `probs` when given; without it and with p_min <= 0 none is computed.
     std::vector<int32_t> draft(int32_t token, EvalRequest how, int n_max, float p_min,
                                std::vector<float>* probs = nullptr);
     const KvCache& cache() const { return *cache_; }

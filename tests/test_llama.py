@@ -41,7 +41,7 @@ import llama_cpp
 from river_gguf import Model
 from river_gguf.greedy import greedy
 from river_gguf.llama import Llama, LlamaGrammar, ModelPathError
-from river_gguf.llama_sampling import SamplerChain
+from river_gguf.llama_sampling import SamplerChain, SamplingError
 
 from conftest import oracle_pick
 
@@ -288,6 +288,7 @@ CHAINS = [
     dict(temp=1.0, mirostat_mode=2, mirostat_tau=3.0, mirostat_eta=0.1),
     dict(temp=-1.0),
     dict(temp=0.0, repeat_penalty=1.5),
+    dict(temp=0.0),  # greedy with neutral penalties: the first highest logit, without the candidate array
 ]
 
 
@@ -306,6 +307,32 @@ def test_sampler_chain_parity_on_shared_logits(ref, params):
     ours = [chain.sample(r) for r in rows]
     chain.close()
     assert ours == out
+
+
+def test_greedy_takes_the_first_highest_logit_as_libllama_does():
+    """The greedy chain's shortcut (neutral penalties, no grammar) chooses what libllama's chain
+    chooses on the same rows: ties go to the first, -inf is never chosen over a finite logit, a row
+    with a NaN is the chain's to decide, and a row of -inf alone is an error. The reference is the
+    same greedy chain with penalties that cannot act (penalty_last_n 0), which takes the full path."""
+    n = 1000
+    rng = np.random.default_rng(3)
+    rows = [rng.standard_normal(n).astype(np.float32) for _ in range(4)]
+    tie = np.zeros(n, np.float32)
+    tie[[700, 7, 30]] = 5.0
+    lone = np.full(n, -np.inf, np.float32)
+    lone[123] = -1e30
+    nan = rng.standard_normal(n).astype(np.float32)
+    nan[[10, 500]] = np.nan
+    first_nan = nan.copy()
+    first_nan[0] = np.nan
+    rows += [tie, lone, nan, first_nan]
+    with SamplerChain(n, seed=1, temp=0.0) as fast, \
+            SamplerChain(n, seed=1, temp=0.0, repeat_penalty=1.5, penalty_last_n=0) as chain:
+        assert [fast.sample(r) for r in rows] == [chain.sample(r) for r in rows]
+        assert fast.sample(tie) == 7
+        for c in (fast, chain):
+            with pytest.raises(SamplingError):
+                c.sample(np.full(n, -np.inf, np.float32))
 
 
 def test_seeded_sampling_matches_end_to_end(llm, ref):

@@ -608,7 +608,7 @@ class Llama:
             self._sync_kv(opts)
             t0 = time.perf_counter()
             if draft:
-                drafts = m.draft(tokens[0], opts)[0]
+                drafts = m.draft(tokens[0], opts, with_probs=False)[0]
                 t1 = time.perf_counter()
                 tokens = tokens + drafts
                 k = len(tokens)

@@ -105,6 +105,11 @@ class SamplerChain:
             raise ValueError("a grammar needs the model's vocabulary")
 
         self.n_vocab = int(n_vocab)
+        # Greedy with neutral penalties and no grammar: libllama's chain is then the greedy sampler
+        # alone (its penalties return at once), whose choice is the first highest logit; sample()
+        # takes it without filling the vocabulary-wide candidate array.
+        self._argmax = (temp == 0.0 and grammar is None and repeat_penalty == 1.0 and frequency_penalty == 0.0
+                        and presence_penalty == 0.0)
         self._chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         if not self._chain:
             raise MemoryError("llama_sampler_chain_init failed")
@@ -152,6 +157,16 @@ class SamplerChain:
         logits = np.asarray(logits, dtype=np.single)
         if logits.shape != (self.n_vocab,):
             raise ValueError(f"logits must have shape ({self.n_vocab},), got {logits.shape}")
+        if self._argmax:
+            best = int(np.argmax(logits))
+            # libllama's greedy sampler never moves to a NaN (every comparison with one is false),
+            # numpy's argmax stops at one: rows with a NaN take the chain itself.
+            if not math.isnan(logits[best]):
+                if logits[best] == -math.inf:
+                    raise SamplingError("no token is allowed: every candidate's logit is -inf after the constraints "
+                                        "(grammar, logit_bias, logits_processor)")
+                lib.llama_sampler_accept(self._chain, best)
+                return best
         cur = self._cur
         cur["id"] = self._ids
         cur["logit"] = logits

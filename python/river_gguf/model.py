@@ -463,12 +463,15 @@ class Model:
                                 _bool_arg("trace", trace)))
 
     @_locked
-    def draft(self, token: int, options: Optional[ExitOptions] = None) -> Tuple[List[int], List[float]]:
+    def draft(self, token: int, options: Optional[ExitOptions] = None,
+              with_probs: bool = True) -> Tuple[List[int], List[float]]:
         """Lossless decoding's draft: `token` goes at position n_past, and the river proposes up to
         options.draft_max greedy tokens after it (drafted as options.draft_mode says), each kept
         while its probability under the draft is >= options.draft_p_min. The KV cache still holds
         n_past positions on return; the rows the drafts wrote beyond it are the verify batch's to
-        overwrite. Returns (draft tokens, their probabilities under the draft)."""
+        overwrite. Returns (draft tokens, their probabilities under the draft); with_probs=False
+        returns no probabilities, and at draft_p_min 0 spares the softmax over the vocabulary that
+        each would cost."""
         tok = self._check_token(token)
         if self._engine.n_past + 1 > self.n_ctx:
             raise native.ContextOverflowError(f"no room after {self._engine.n_past} positions in n_ctx={self.n_ctx}")
@@ -478,7 +481,7 @@ class Model:
         if not self.has_river:
             raise ValueError(f"{self.model_path} has no river to draft with")
         opts.validate(self.n_layer, self.has_river)
-        tokens, probs = self._engine.draft(tok, **opts.draft_args())
+        tokens, probs = self._engine.draft(tok, **opts.draft_args(), with_probs=_bool_arg("with_probs", with_probs))
         return list(tokens), list(probs)
 
     @_locked
@@ -575,7 +578,7 @@ class Model:
         if not opts.lossless:
             logits, exit_layer, _ = self._eval([toks[i]], opts, prompt=False)
             return logits, exit_layer
-        drafts, _ = self._engine.draft(toks[i], **opts.draft_args())
+        drafts, _ = self._engine.draft(toks[i], **opts.draft_args(), with_probs=False)
         drafts = list(drafts)[: len(toks) - i - 2]  # no row past the text's last prediction
         logits, exit_layer, _ = self._eval([toks[i]] + drafts, opts, prompt=True, all_logits=True)
         accepted = 0

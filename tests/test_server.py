@@ -19,12 +19,15 @@ import urllib.request
 
 import openai
 import pytest
+from llama_cpp.server.types import CreateCompletionRequest
+from pydantic import ValidationError
 
 import river_gguf
 from river_gguf import Llama
 from river_gguf.greedy import greedy
 from river_gguf.serve import served_model
 from river_gguf.serve.protocol import accepts
+from river_gguf.serve.schemas import CompletionRequest
 from river_gguf.serve.settings import API_KEY_ENV
 
 from conftest import oracle_pick
@@ -290,6 +293,7 @@ def test_malformed_requests_get_json_errors_and_server_stays_up(server, client, 
         ("/v1/completions", b"{not json", None),
         ("/v1/completions", {"prompt": PROMPT, "bogus": 1}, "bogus"),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": -5}, "max_tokens"),
         ("/v1/completions", {"max_tokens": 4}, "prompt"),
         ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
         ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
@@ -482,3 +486,18 @@ def test_chat_template_limits_guard_the_server(tmp_path):
         assert time.monotonic() - t0 < chat.MAX_RENDER_SECONDS + 10
         status, _ = _http(s.base, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=None)
         assert status == 200  # the server still serves
+
+
+@pytest.mark.parametrize("max_tokens,refused", [(-5, True), (-1, True), (0, False), (16, False)])
+def test_completion_max_tokens_is_refused_where_llama_cpp_server_refuses_it(max_tokens, refused):
+    # llama-cpp-python's server validates a completion request with its own schema; ours refuses
+    # the same values (OpenAI's 400 where FastAPI's default would say 422; the error names the field).
+    def refuses(model) -> bool:
+        try:
+            model(prompt="x", max_tokens=max_tokens)
+        except ValidationError:
+            return True
+        return False
+
+    assert refuses(CreateCompletionRequest) == refused
+    assert refuses(CompletionRequest) == refused

@@ -53,7 +53,8 @@ Differences from llama_cpp.Llama (each for the reason given):
     recomputed cache comes from a prompt pass, not from the decode steps that made it. A state
     saved by llama_cpp.Llama (raw llama.cpp KV bytes) is refused with ValueError.
   - logprobs also work with logits_all=False (llama_cpp raises ValueError): the call keeps the
-    rows it needs. Log-probabilities are Python floats (llama_cpp leaks numpy.float32).
+    rows it needs. Log-probabilities have llama_cpp's types: numpy.float32 in a whole
+    completion, Python floats in a stream's chunks (the server sends both as JSON numbers).
   - suffix: llama_cpp 0.3.36 builds infill prompts with token 0 as the FIM markers (its
     "TODO: Fix") and never appends the suffix. Here a vocabulary with FIM tokens gets a real
     prefix/suffix/middle prompt; otherwise the suffix is appended to the text, as documented.
@@ -847,13 +848,15 @@ class Llama:
                 append = suffix
         return head + body + tail, append
 
-    def _logprob_entry(self, row: np.ndarray, token: int, n: int) -> tuple:
-        """(log p(token), top-n dict) from one logits row, as llama_cpp computes them."""
+    def _logprob_entry(self, row: np.ndarray, token: int, n: int, stream: bool) -> tuple:
+        """(log p(token), top-n dict) from one logits row, as llama_cpp computes them, in its
+        types: Python floats in a stream's chunks, numpy float32 in a whole completion."""
         lp = _LlamaCpp.logits_to_logprobs(row)
+        value = float if stream else np.float32
         top = {}
         for i in top_logprobs_order(lp, n):
-            top[self.detokenize([int(i)]).decode("utf-8", errors="ignore")] = float(lp[i])
-        return float(lp[token]), top
+            top[self.detokenize([int(i)]).decode("utf-8", errors="ignore")] = value(lp[i])
+        return value(lp[token]), top
 
     def create_completion(
         self,
@@ -1004,7 +1007,7 @@ class Llama:
                                 break
                             token_str = detok([tok]).decode("utf-8", errors="ignore")
                             offset = len(prompt) + len(detok(completion_tokens[:returned]).decode("utf-8", errors="ignore"))
-                            lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs)
+                            lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs, True)
                             top[token_str] = lp
                             returned += 1
                             yield chunk(token_str, {"tokens": [token_str], "text_offset": [offset],
@@ -1055,7 +1058,7 @@ class Llama:
                         continue
                     token_str = detok([tok]).decode("utf-8", errors="ignore")
                     offset = len(prompt) + len(detok(completion_tokens[:returned]))  # bytes, as llama_cpp
-                    lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs)
+                    lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs, True)
                     top[token_str] = lp
                     lp_obj = {"tokens": [token_str], "text_offset": [offset], "token_logprobs": [lp],
                               "top_logprobs": [top]}
@@ -1096,7 +1099,7 @@ class Llama:
                 token_str = detok([tok]).decode("utf-8", errors="ignore")
                 offsets.append(base_offset + len(detok(all_tokens[:idx]).decode("utf-8", errors="ignore")))
                 strs.append(token_str)
-                lp, top = self._logprob_entry(row, tok, logprobs)
+                lp, top = self._logprob_entry(row, tok, logprobs, False)
                 token_lps.append(lp)
                 top[token_str] = lp
                 tops.append(top)

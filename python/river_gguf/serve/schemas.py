@@ -51,7 +51,9 @@ class _Sampling(_Request):
 class CompletionRequest(_Sampling):
     # One prompt: text, or token ids; a list of one of these is accepted as that one.
     prompt: Union[StrictStr, List[StrictInt], List[StrictStr], List[List[StrictInt]]]
-    max_tokens: Optional[int] = 16  # OpenAI's default for completions
+    # OpenAI's default for completions; a negative count is refused, as llama-cpp-python's server
+    # refuses it (its field has ge=0), rather than read as "to the end of the context".
+    max_tokens: Optional[int] = Field(16, ge=0)
     suffix: Optional[str] = None
     echo: Optional[bool] = None
     logprobs: Optional[int] = None

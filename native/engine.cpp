@@ -403,13 +403,18 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
 
     GraphSpec spec;
     spec.n = n;
-    // One token attends over a padded n_kv (masked beyond n_past), as llama.cpp does, so its
-    // graph stays the same for 256 positions; with flash attention prompts attend over exactly
-    // what they need (the masked rows are skipped, so the padding changes nothing). Without it
-    // every row spanned enters the KQ softmax and the V product, and their SIMD sums group the
-    // terms by the length: prompts get llama.cpp's padded n_kv too (its get_n_kv).
+    // A token, or a short batch (a lossless verify batch), attends over a padded n_kv (masked
+    // beyond each token's position), as llama.cpp does (its get_n_kv), so its graph stays the same
+    // for 256 positions: a decode step's, and a verify batch's from one round to the next
+    // (graph_for keeps the last one built). Without flash attention every row spanned enters the
+    // KQ softmax and the V product, whose SIMD sums group the terms by the length: every batch
+    // gets llama.cpp's padded n_kv. With it, a longer batch attends over exactly what it needs:
+    // ggml's CPU kernel skips masked rows one query row at a time, but its tiled kernel for
+    // batches of 64 rows and more reads whole V tiles, masked rows too, where the cache's NaN
+    // poison (KvCache::poison, which makes a hole read show) would spread.
+    constexpr int kPaddedBatch = 32;
     const int padded = std::min(cache_->n_ctx(), std::max(256, (n_past_ + n + 255) / 256 * 256));
-    spec.n_kv = n == 1 || !flash_attn_ ? padded : n_past_ + n;
+    spec.n_kv = n <= kPaddedBatch || !flash_attn_ ? padded : n_past_ + n;
     spec.all_logits = req.all_logits || req.embeddings;
     spec.backbone_attention = req.backbone_attention;
 

@@ -4,14 +4,16 @@
 #
 #   OUT=DIR ./scripts/gpu_device_run.sh [BUNDLE]        (BUNDLE default .gpu-bundle)
 #   ./scripts/gpu_device_run.sh --print-cmake-args      (llama.cpp's CMake arguments, then exit)
-#   WHEEL_ROUNDTRIP=WHL OUT=DIR ./scripts/gpu_device_run.sh   (WHL's parts written to DIR and joined
-#                                                          back; prints the joined file: a test)
+#   OUT=DIR ./scripts/gpu_device_run.sh --save-wheel WHL [BUNDLE]   (WHL, built for this run's
+#                                                          settings, written to DIR in parts)
+#   WHEEL_ROUNDTRIP=WHL OUT=DIR ./scripts/gpu_device_run.sh   (WHL's parts written to DIR, joined and
+#                                                          unpacked; prints the folder: a test)
 #
 # 1. installs what the machine's Python lacks from the bundle (no index), into a folder of its own
 #    on PYTHONPATH (no venv: ensurepip may be missing);
 # 2. builds llama-cpp-python from the bundle's source with CUDA and RPC (CUDA_ARCH, default
-#    90-real: an H200's) as a wheel, installs it, and writes it to OUT in parts that can come back
-#    (under 16 MiB each, xz-compressed when that is smaller); a later run given those parts in
+#    90-real: an H200's) as a wheel, installs it, and writes its files to OUT in parts that can
+#    come back (each content once, tar.xz, parts under 16 MiB); a later run given those parts in
 #    WHEEL_DIR (default .gpu-wheel, carried beside the bundle) installs them and skips the build.
 #    Then it builds river_gguf against it;
 # 2b. the load crash's diagnosis (crash-diagnosis.txt): which libraries export the C++ runtime's
@@ -42,6 +44,9 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = --print-cmake-args ]; then  # what the build would pass to llama.cpp's CMake, and no more
   PRINT_ONLY=1
   shift
+elif [ "${1:-}" = --save-wheel ]; then  # a wheel built for this run's key, written to OUT in parts
+  SAVE_WHEEL=$(realpath "$2")
+  shift 2
 fi
 ROOT=$PWD
 BUNDLE=$(cd "${1:-.gpu-bundle}" 2>/dev/null && pwd || echo "${1:-.gpu-bundle}")
@@ -128,42 +133,70 @@ wheel_key() {
     sha256sum | cut -c1-10
 }
 
-# The carried wheel's parts (NAME.whl[.xz].KEY.part-XX, in order) joined into DIR; prints its path.
+# A wheel holds each library several times over (lib/ and llama_cpp/lib/, each soname link a copy:
+# a Vulkan build's wheel is 74 MB of 216 MB unpacked). What travels is the wheel's files with each
+# content stored once (copies hardlinked) in a tar.xz: NAME.tar.xz.KEY.part-NN in OUT.
+pack_wheel() {  # WHL ARCHIVE
+  local tree
+  tree=$(mktemp -d /tmp/river-wheel-tree.XXXX)
+  "$PY" - "$1" "$tree" <<'PYEOF' || return 1
+import hashlib, os, sys, zipfile
+whl, tree = sys.argv[1:]
+first = {}
+with zipfile.ZipFile(whl) as z:
+    for info in z.infolist():
+        if info.is_dir():
+            continue
+        data = z.read(info)
+        dst = os.path.join(tree, info.filename)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        digest = hashlib.sha256(data).hexdigest()
+        if digest in first:
+            os.link(first[digest], dst)
+            continue
+        with open(dst, "wb") as f:
+            f.write(data)
+        os.chmod(dst, (info.external_attr >> 16) & 0o777 or 0o644)
+        first[digest] = dst
+PYEOF
+  tar -C "$tree" -cf - . | xz -T0 -6 > "$2" || return 1
+  rm -rf "$tree"
+}
+
+# The carried parts (NAME.tar.xz.KEY.part-NN, in order) joined into DIR and checked; prints the
+# archive's path.
 join_wheel() {
   local key=$1 dir=$2 first name
   first=$(ls "$WHEEL_DIR"/*."$key".part-* 2>/dev/null | sort | head -1)
   [ -n "$first" ] || return 1
   name=$(basename "${first%.$key.part-*}")
   cat $(ls "$WHEEL_DIR"/"$name.$key".part-* | sort) > "$dir/$name" || return 1
-  if [ "${name%.xz}" != "$name" ]; then xz -d -f "$dir/$name" || return 1; name=${name%.xz}; fi
-  "$PY" -m zipfile -t "$dir/$name" >/dev/null || { echo "the carried wheel $name is damaged" >&2; return 1; }
+  xz -t "$dir/$name" || { echo "the carried wheel $name is damaged" >&2; return 1; }
   echo "$dir/$name"
 }
 
-# The built wheel into OUT in parts, xz-compressed when that saves a tenth, unless it is too big
-# to travel back with the bundle.
+# The built wheel into OUT in parts, unless it is too big to travel back with the bundle.
 save_wheel() {
-  local whl=$1 key=$2 src mib
-  src=$whl
-  if xz -T0 -6 -k -f "$whl" 2>/dev/null && [ $(stat -c%s "$whl.xz") -lt $(( $(stat -c%s "$whl") * 9 / 10 )) ]; then
-    src=$whl.xz
-  fi
-  mib=$(( ($(stat -c%s "$src") + 1048575) / 1048576 ))
+  local whl=$1 key=$2 arc mib
+  arc=$(dirname "$whl")/$(basename "${whl%.whl}").tar.xz
+  pack_wheel "$whl" "$arc" || return 1
+  mib=$(( ($(stat -c%s "$arc") + 1048575) / 1048576 ))
   if [ "$mib" -gt "$WHEEL_MAX_MIB" ]; then
-    echo "the wheel is $mib MiB as $(basename "$src"), more than WHEEL_MAX_MIB=$WHEEL_MAX_MIB: not written to OUT"
+    echo "the wheel is $mib MiB as $(basename "$arc"), more than WHEEL_MAX_MIB=$WHEEL_MAX_MIB: not written to OUT"
     return 0
   fi
-  split -b "${WHEEL_PART_MIB}M" -d -a 2 "$src" "$OUT/$(basename "$src").$key.part-"
-  echo "wrote $(basename "$src") ($mib MiB) to OUT in $(ls "$OUT"/*."$key".part-* | wc -l) parts: carry them as $WHEEL_DIR/ to skip this build"
+  split -b "${WHEEL_PART_MIB}M" -d -a 2 "$arc" "$OUT/$(basename "$arc").$key.part-"
+  echo "wrote $(basename "$arc") ($mib MiB) to OUT in $(ls "$OUT"/*."$key".part-* | wc -l) parts: carry them as $WHEEL_DIR/ to skip this build"
 }
 
 build_llama_cpp() {
-  local key dir whl
+  local key dir whl arc
   key=$(wheel_key)
   dir=$(mktemp -d /tmp/river-wheel.XXXX)
-  if whl=$(join_wheel "$key" "$dir"); then
-    echo "installing the carried wheel $(basename "$whl") (key $key): the build is skipped"
-    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$whl"
+  if arc=$(join_wheel "$key" "$dir"); then
+    # The wheel's files where pip install --target would put them.
+    echo "installing the carried wheel $(basename "$arc") (key $key): the build is skipped"
+    tar -xJf "$arc" -C "$SITE"
     return
   fi
   ls "$WHEEL_DIR"/*.part-* >/dev/null 2>&1 && echo "the wheel parts in $WHEEL_DIR are not for this build (key $key): building"
@@ -209,12 +242,12 @@ crash_diagnosis() {
                  "import ctypes, os; ctypes.CDLL('libstdc++.so.6', os.RTLD_GLOBAL); import numpy;" \
                  "import llama_cpp; from river_gguf.devices import offload_gpus; offload_gpus();" \
                  "import numpy, llama_cpp; from river_gguf.devices import offload_gpus; offload_gpus();"; do
-      timeout 60 "$PY" -X faulthandler -c "$probe $load" > /tmp/probe.log 2>&1; rc=$?
+      timeout 60 "$PY" -X faulthandler -c "$probe${probe:+ }$load" > /tmp/probe.log 2>&1; rc=$?
       echo "status $rc: $probe"
       [ $rc = 0 ] || tail -5 /tmp/probe.log | sed 's/^/    /'
-      if [ $rc != 0 ] && [ -z "${bound:-}" ]; then  # the first crash: where libstdc++'s locale symbols bound
+      if [ $rc -ge 128 ] && [ -z "${bound:-}" ]; then  # the first crash (a signal): where the symbols bound
         bound=1
-        LD_DEBUG=bindings LD_DEBUG_OUTPUT=/tmp/ld-bindings timeout 90 "$PY" -c "$probe $load" >/dev/null 2>&1
+        LD_DEBUG=bindings LD_DEBUG_OUTPUT=/tmp/ld-bindings timeout 90 "$PY" -c "$probe${probe:+ }$load" >/dev/null 2>&1
         echo "  == its bindings to ggml's or llama's libraries of C++ runtime symbols (_ZNSt, _ZNKSt; first 40)"
         cat /tmp/ld-bindings.* 2>/dev/null | grep -E "to [^ ]*lib(ggml|llama)[^ ]* .*\`_ZNK?St" | head -40 | sed 's/^ *[0-9]*: */    /'
         echo "  == its bindings of locale, ctype and codecvt symbols to anything but libstdc++ (first 40)"
@@ -262,14 +295,21 @@ if [ "${PRINT_ONLY:-0}" = 1 ]; then
   llama_cmake_args
   exit 0
 fi
-if [ -n "${WHEEL_ROUNDTRIP:-}" ]; then  # the test of the wheel's parts: write them to OUT, join them back
+if [ -n "${SAVE_WHEEL:-}" ]; then
+  mkdir -p "$OUT"
+  save_wheel "$SAVE_WHEEL" "$(wheel_key)"
+  exit
+fi
+if [ -n "${WHEEL_ROUNDTRIP:-}" ]; then  # the test of the wheel's parts: write them to OUT, join and unpack them
   mkdir -p "$OUT"
   save_wheel "$WHEEL_ROUNDTRIP" test-key >&2 || exit 1
-  WHEEL_DIR=$OUT join_wheel test-key "$(mktemp -d)"
+  arc=$(WHEEL_DIR=$OUT join_wheel test-key "$(mktemp -d)") || exit 1
+  tree=$(mktemp -d)
+  tar -xJf "$arc" -C "$tree" && echo "$tree"
   exit
 fi
 export ROOT BUNDLE OUT GPU_BACKEND CUDA_ARCH JOBS SITE PY WHEEL_DIR WHEEL_PART_MIB WHEEL_MAX_MIB LLAMA_EXCLUDE_LIBS
-export -f install_missing llama_cmake_args wheel_key join_wheel save_wheel build_llama_cpp build_engine models \
+export -f install_missing llama_cmake_args wheel_key pack_wheel join_wheel save_wheel build_llama_cpp build_engine models \
   load_check crash_diagnosis gpu_tests decode_table
 mkdir -p "$OUT" "$SITE" "$RIVER_GGUF_CACHE"
 : > "$OUT/stages.txt"

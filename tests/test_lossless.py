@@ -265,3 +265,22 @@ def test_acceptance_from_the_grid():
             {"options": {"mode": "river-only", "river_head": True}, "same_top": 87.5}]
     assert river_only_acceptance(grid) == pytest.approx(0.875)
     assert river_only_acceptance(grid[:1]) is None
+
+
+def test_a_verify_graph_serves_every_round(river_gguf_path):
+    # A verify batch attends over llama.cpp's padded n_kv, so a round's graph is the next round's
+    # when the batch has the same size: after the first round, rounds build no graph.
+    m = Model(river_gguf_path, n_ctx=256, n_threads=2)
+    opts = m.options(mode="lossless", draft_max=4)
+    m.begin()
+    tok = int(m.eval(m.tokenize(PROSE)[:20], opts, prompt=True).logits[-1].argmax())
+    built = []
+    for _ in range(6):
+        start = m.engine.n_past
+        drafts, _ = m.draft(tok, opts, with_probs=False)
+        assert len(drafts) == 4
+        rows = m.eval([tok] + drafts, opts, prompt=True, all_logits=True).logits
+        m.truncate(start + 1)  # every draft rejected: the next batch has the same size
+        tok = int(rows[0].argmax())
+        built.append(m.engine.graphs_built)
+    assert built[0] > 0 and built[-1] == built[0], built

@@ -248,11 +248,15 @@ crash_diagnosis() {
       if [ $rc -ge 128 ] && [ -z "${bound:-}" ]; then  # the first crash (a signal): where the symbols bound
         bound=1
         LD_DEBUG=bindings LD_DEBUG_OUTPUT=/tmp/ld-bindings timeout 90 "$PY" -c "$probe${probe:+ }$load" >/dev/null 2>&1
-        echo "  == its bindings to ggml's or llama's libraries of C++ runtime symbols (_ZNSt, _ZNKSt; first 40)"
-        cat /tmp/ld-bindings.* 2>/dev/null | grep -E "to [^ ]*lib(ggml|llama)[^ ]* .*\`_ZNK?St" | head -40 | sed 's/^ *[0-9]*: */    /'
+        # libllama's own inline copies (ctype<char>::do_widen, ...) take bindings on every machine:
+        # those to libggml-cuda come first, the others are counted.
+        echo "  == its bindings to libggml-cuda of C++ runtime symbols (_ZNSt, _ZNKSt, _ZTVSt...; first 40)"
+        cat /tmp/ld-bindings.* 2>/dev/null | grep -E "to [^ ]*libggml-cuda[^ ]* .*\`_Z[A-Z]*St" | head -40 | sed 's/^ *[0-9]*:[[:space:]]*/    /'
+        echo "  == bindings of such symbols to ggml's other libraries or libllama: $(cat /tmp/ld-bindings.* 2>/dev/null |
+          grep -E "to [^ ]*lib(ggml|llama)[^ ]* .*\`_Z[A-Z]*St" | grep -vc "to [^ ]*libggml-cuda")"
         echo "  == its bindings of locale, ctype and codecvt symbols to anything but libstdc++ (first 40)"
         cat /tmp/ld-bindings.* 2>/dev/null | grep -E "St6locale|St5ctype|St7codecvt" | grep -v "to [^ ]*libstdc++" |
-          head -40 | sed 's/^ *[0-9]*: */    /'
+          head -40 | sed 's/^ *[0-9]*:[[:space:]]*/    /'
         rm -f /tmp/ld-bindings.*
       fi
     done

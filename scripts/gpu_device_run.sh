@@ -37,8 +37,8 @@
 #
 # The dry run on a machine without a GPU: GPU_BACKEND=vulkan builds the Vulkan backend instead
 # (Mesa's lavapipe; the loader, glslc and headers as scripts/test_gpu.sh installs them) and
-# DEVICE_ONLY=0 leaves out the timings, which mean nothing there; on 2 cores it takes about 40
-# minutes (BUDGET_S=3600 LIMIT_SCALE=8).
+# DEVICE_ONLY=0 leaves out the timings, which mean nothing there; on 2 cores it took 22 minutes,
+# 10 of them the build, and 7 minutes given the first run's wheel (BUDGET_S=4000 LIMIT_SCALE=8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --print-cmake-args ]; then  # what the build would pass to llama.cpp's CMake, and no more

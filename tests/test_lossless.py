@@ -284,3 +284,15 @@ def test_a_verify_graph_serves_every_round(river_gguf_path):
         tok = int(rows[0].argmax())
         built.append(m.engine.graphs_built)
     assert built[0] > 0 and built[-1] == built[0], built
+
+
+@pytest.mark.parametrize("n_ctx,context", [(512, 256), (64, 64 - 2 - 5 - 1)])
+def test_costs_are_timed_where_generation_runs(river_gguf_path, n_ctx, context):
+    # After CONTEXT positions (256), or as many as n_ctx leaves room for beside the timed steps.
+    from river_gguf.calibrate import lossless as cost_model
+
+    m = Model(river_gguf_path, n_ctx=n_ctx, n_threads=2)
+    costs = cost_model.measure_costs(m, m.options(mode="lossless", draft_max=4), 5, rounds=1, steps=2)
+    assert costs.context == context == min(cost_model.CONTEXT, context)
+    assert costs.step > 0 and costs.draft > 0 and set(costs.verify) == {2, 3, 4, 5}
+    assert m.engine.n_past == 0  # the cache is left empty

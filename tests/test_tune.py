@@ -69,7 +69,8 @@ def test_tune_rechooses_from_timed_grid_and_changes_no_tensor(tuned_pair, tmp_pa
             assert p["options"] in options and p["kld"] == grid[options.index(p["options"])]["kld"]
     # Lossless mode is priced from timed costs and the grid's acceptance, and said so.
     lossless = res["lossless"]
-    assert set(lossless["costs"]) == {"step", "draft", "verify"} and 0 <= lossless["acceptance"] <= 1
+    assert set(lossless["costs"]) == {"step", "draft", "verify", "context"} and 0 <= lossless["acceptance"] <= 1
+    assert lossless["costs"]["context"] > 0  # the positions the costs were timed after
     assert lossless["line"].startswith("lossless") and str(lossless["draft_max"]) in lossless["line"]
     # The stored choice is presets.choose on the timed rows and bounds: a pure function of them.
     again = presets.choose(res["rows"], anchors["bounds"])

@@ -20,20 +20,27 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-#: The prompt the costs are timed after (the cost of a step depends little on the text).
+#: How many positions the costs are timed after, where the model's n_ctx leaves room: generation
+#: runs well past position 30, and a step attends over every position before it.
+CONTEXT = 256
+#: The text the costs are timed after, repeated to CONTEXT positions (the cost of a step depends
+#: little on the text).
 PROMPT = ("The river rose in the hills above the town and ran through three valleys before it reached "
           "the sea. In spring, when the snow melted,")
 
 
 @dataclass
 class Costs:
-    """Seconds of one backbone decode step, one draft step, and a verify batch of n tokens."""
+    """Seconds of one backbone decode step, one draft step, and a verify batch of n tokens, timed
+    after `context` positions."""
     step: float
     draft: float
     verify: Dict[int, float] = field(default_factory=dict)
+    context: int = 0
 
     def as_dict(self) -> dict:
-        return {"step": self.step, "draft": self.draft, "verify": {str(n): s for n, s in self.verify.items()}}
+        return {"step": self.step, "draft": self.draft, "verify": {str(n): s for n, s in self.verify.items()},
+                "context": self.context}
 
 
 def tokens_per_round(acceptance: float, k: int) -> float:
@@ -83,14 +90,19 @@ def river_only_acceptance(grid_rows: Sequence[dict]) -> Optional[float]:
     return None
 
 
-def measure_costs(model, options, max_batch: int, rounds: int = 5, steps: int = 16) -> Costs:
+def measure_costs(model, options, max_batch: int, rounds: int = 5, steps: int = 16,
+                  context: int = CONTEXT) -> Costs:
     """Time, in `model`'s engine, a backbone decode step, a draft step (options' draft setting)
     and verify batches of 2..max_batch tokens, each the median of `rounds` interleaved rounds of
-    `steps` runs after the same prompt. The engine is timed alone (no sampling)."""
+    `steps` runs after the same prompt of `context` positions (fewer where n_ctx leaves less room,
+    never fewer than PROMPT's tokens). The engine is timed alone (no sampling)."""
     e = model.engine
-    prompt = model.tokenize(PROMPT)
-    if len(prompt) + steps + max_batch >= model.n_ctx:
+    text = model.tokenize(PROMPT)
+    room = model.n_ctx - steps - max_batch - 1
+    if len(text) > room:
         raise ValueError(f"n_ctx={model.n_ctx} is too small to time {steps} steps after the prompt")
+    n_prompt = max(len(text), min(int(context), room))
+    prompt = (text * (n_prompt // len(text) + 1))[:n_prompt]
     backbone = options.engine_args(prompt=True)
     draft = options.draft_args()
     draft_eval = {k: v for k, v in draft.items() if k not in ("n_max", "p_min")}
@@ -116,4 +128,5 @@ def measure_costs(model, options, max_batch: int, rounds: int = 5, steps: int = 
                     timed(f"verify{n}", lambda: e.eval(prompt[:n], all_logits=True, **backbone))
         model.begin()
     med = {k: statistics.median(v) for k, v in times.items()}
-    return Costs(step=med["step"], draft=med["draft"], verify={n: med[f"verify{n}"] for n in range(2, max_batch + 1)})
+    return Costs(step=med["step"], draft=med["draft"], verify={n: med[f"verify{n}"] for n in range(2, max_batch + 1)},
+                 context=base)

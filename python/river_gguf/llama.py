@@ -1007,7 +1007,7 @@ class Llama:
                                 break
                             token_str = detok([tok]).decode("utf-8", errors="ignore")
                             offset = len(prompt) + len(detok(completion_tokens[:returned]).decode("utf-8", errors="ignore"))
-                            lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs, True)
+                            lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs, stream=True)
                             top[token_str] = lp
                             returned += 1
                             yield chunk(token_str, {"tokens": [token_str], "text_offset": [offset],
@@ -1058,7 +1058,7 @@ class Llama:
                         continue
                     token_str = detok([tok]).decode("utf-8", errors="ignore")
                     offset = len(prompt) + len(detok(completion_tokens[:returned]))  # bytes, as llama_cpp
-                    lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs, True)
+                    lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs, stream=True)
                     top[token_str] = lp
                     lp_obj = {"tokens": [token_str], "text_offset": [offset], "token_logprobs": [lp],
                               "top_logprobs": [top]}
@@ -1099,7 +1099,7 @@ class Llama:
                 token_str = detok([tok]).decode("utf-8", errors="ignore")
                 offsets.append(base_offset + len(detok(all_tokens[:idx]).decode("utf-8", errors="ignore")))
                 strs.append(token_str)
-                lp, top = self._logprob_entry(row, tok, logprobs, False)
+                lp, top = self._logprob_entry(row, tok, logprobs, stream=False)
                 token_lps.append(lp)
                 top[token_str] = lp
                 tops.append(top)

@@ -167,6 +167,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--draft-max", default="3,5", help="comma-separated draft_max values (default 3,5)")
     ap.add_argument("--draft-p-min", type=float, default=0.0)
+    ap.add_argument("--draft-vocab", default=None,
+                    help="comma-separated draft vocabulary sizes, a lossless row each (0: the whole vocabulary; "
+                         "default: the Llama's default)")
     ap.add_argument("--exit-tau", type=float, default=None, help="also a lossless row with River-exit drafts at TAU")
     ap.add_argument("--static", default="q8_0",
                     help="more llama.cpp rows: comma-separated ladder files (model_zoo kinds; default q8_0, the "
@@ -196,13 +199,20 @@ def main(argv=None) -> int:
     texts = prompts(args.model, args.prompts)
     sampling = SAMPLING if args.sampled else GREEDY
     llm = Llama(river, n_ctx=N_CTX, n_threads=args.threads, flash_attn=True, verbose=False)
+    # One Llama per draft vocabulary compared (it is fixed at load); None is `llm`'s default.
+    vocabs = [None] if args.draft_vocab is None else [int(v) for v in args.draft_vocab.split(",")]
+    llms = {None: llm}
+    for v in vocabs:
+        if v not in llms:
+            llms[v] = Llama(river, n_ctx=N_CTX, n_threads=args.threads, flash_attn=True, verbose=False, draft_vocab=v)
     decoders = {args.backbone: LlamaDecoder(target, N_CTX, args.threads)}
     for kind in filter(None, args.static.split(",")):
         if kind not in decoders:
             decoders[kind] = LlamaDecoder(model_zoo.derived(args.model, kind), N_CTX, args.threads)
 
-    rows = {f"lossless k={k}": ("river", dict(mode="lossless", draft_max=k, draft_p_min=args.draft_p_min))
-            for k in ks}
+    rows = {f"lossless k={k}" + ("" if v is None else f" draft vocab {v}"):
+            ("river", dict(mode="lossless", draft_max=k, draft_p_min=args.draft_p_min, llm=v))
+            for k in ks for v in vocabs}
     if args.exit_tau is not None:
         rows[f"lossless k={ks[-1]} exit-drafts tau={args.exit_tau:g}"] = (
             "river", dict(mode="lossless", draft_max=ks[-1], draft_p_min=args.draft_p_min, draft_mode="river",
@@ -223,7 +233,8 @@ def main(argv=None) -> int:
             for name in order:
                 kind, arg = rows[name]
                 if kind == "river":
-                    r = river_row(llm, text, args.tokens, sampling, **arg)
+                    opts = {k: v for k, v in arg.items() if k != "llm"}
+                    r = river_row(llms[arg.get("llm")], text, args.tokens, sampling, **opts)
                 elif kind == "llama_cpp":
                     r = llama_cpp_row(decoders[arg], llm, text, args.tokens)
                 else:
@@ -263,13 +274,15 @@ def main(argv=None) -> int:
         m = llm.river_model
         opts = m.options(mode="lossless", draft_max=max(ks))
         costs = lossless_cost.measure_costs(m, opts, max(ks) + 1)
-        acc = statistics.mean(d["acceptance"] for d in detail[f"lossless k={ks[-1]}"])
+        acc = statistics.mean(d["acceptance"] for name in rows if name.startswith(f"lossless k={ks[-1]}")
+                              and rows[name][1].get("llm") == vocabs[0] for d in detail[name])
         choice = lossless_cost.best_draft_max(costs, acc)
         print("\n" + lossless_cost.describe(choice, costs))
         out.update(costs=costs.as_dict(), prediction=choice)
     for d in decoders.values():
         d.close()
-    llm.close()
+    for m in llms.values():
+        m.close()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -32,6 +32,7 @@ void bind_vocab(py::module_& m) {
         .def_property_readonly("eos", &Vocab::eos)
         .def_property_readonly("add_bos", &Vocab::add_bos)
         .def("is_eog", &Vocab::is_eog)
+        .def_property_readonly("eog_tokens", &Vocab::eog_tokens)
         .def("chat_template", &Vocab::chat_template)
         .def("meta", &Vocab::meta);
 }

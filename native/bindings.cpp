@@ -9,6 +9,7 @@
 
 #include "bindings.h"
 #include "arch.h"
+#include "draft_vocab.h"
 #include "engine.h"
 #include "errors.h"
 #include "ggml.h"
@@ -78,6 +79,8 @@ PYBIND11_MODULE(_native, m) {
     py::dict exit_modes;
     for (const ExitModeName& e : kExitModes) exit_modes[e.name] = static_cast<int>(e.mode);
     m.attr("EXIT_MODES") = exit_modes;
+    // The key of a River GGUF's draft-vocabulary ranking (draft_vocab.h), which the converter writes.
+    m.attr("DRAFT_TOKENS_KEY") = kDraftTokensKey;
     // ggml's RPC backend: compiled in (HAS_RPC), present in the loaded ggml (rpc_available).
     m.attr("HAS_RPC") = rpc_compiled();
     m.attr("RPC_PROTOCOL") = rpc_protocol_version();

@@ -1,4 +1,5 @@
 #include "engine.h"
+#include "draft_vocab.h"
 
 #include <algorithm>
 #include <cmath>
@@ -216,6 +217,26 @@ void Engine::load_weights(const EngineConfig& cfg) {
     } else if (has_river_layers(*file_)) {
         river_ = std::make_unique<RiverWeights>(load_river(*file_, hp_, "river."));
     }
+    // The draft vocabulary, ranked by the river's file (a separate river GGUF, or this one), and
+    // the rows of the head a draft ends in: the river's own head where it has one, else the
+    // backbone's. Auto (-1) restricts only a river's head: a backbone's is a plain model's head
+    // at full precision, whose copy of the rows would cost more memory than it saves time.
+    const bool river_head = river_ && river_->head;
+    const int64_t size = river_head || cfg.draft_vocab >= 0 ? draft_vocab_size(cfg.draft_vocab, hp_.n_vocab) : 0;
+    if (size > 0) {
+        const GgufFile& ranked = river_file_ ? *river_file_ : *file_;
+        draft_vocab_ = draft_vocabulary(ranked.get_int_array(kDraftTokensKey), hp_.n_vocab, size, cfg.draft_always);
+    }
+    if (!draft_vocab_.empty()) {
+        draft_head_ = river_head ? &river_->draft_head : &backbone_.draft_output;
+        draft_rows_ = std::make_unique<HeadRows>(river_head ? river_->head : backbone_.output, draft_vocab_,
+                                                 kDraftContextRows);
+        *draft_head_ = draft_rows_->tensor();
+        draft_row_token_ = draft_vocab_;
+        draft_row_token_.resize(draft_vocab_.size() + kDraftContextRows, -1);
+        draftable_.assign(size_t(hp_.n_vocab), 0);
+        for (int32_t t : draft_vocab_) draftable_[t] = 1;
+    }
 }
 
 void Engine::start_cpu(const EngineConfig& cfg) {
@@ -278,9 +299,38 @@ void Engine::truncate(int n) {
     n_past_ = n;
 }
 
+void Engine::note_draft_context(const int32_t* tokens, int n) {
+    if (!draft_rows_) return;
+    const size_t first = draft_vocab_.size();
+    for (int i = 0; i < n; ++i) {
+        const int32_t t = tokens[i];
+        if (draftable_[t]) continue;
+        const size_t row = first + size_t(draft_context_next_);
+        if (draft_row_token_[row] >= 0) draftable_[draft_row_token_[row]] = 0;  // the oldest gives way
+        draft_rows_->set_row(*draft_head_, int64_t(row), t);
+        draft_row_token_[row] = t;
+        draftable_[t] = 1;
+        draft_context_next_ = (draft_context_next_ + 1) % kDraftContextRows;
+        draft_context_used_ = std::min(draft_context_used_ + 1, kDraftContextRows);
+    }
+}
+
+std::vector<int32_t> Engine::draft_context() const {
+    std::vector<int32_t> out;
+    if (!draft_rows_) return out;
+    const size_t first = draft_vocab_.size();
+    const int oldest = draft_context_used_ < kDraftContextRows ? 0 : draft_context_next_;
+    for (int i = 0; i < draft_context_used_; ++i) {
+        out.push_back(draft_row_token_[first + size_t((oldest + i) % kDraftContextRows)]);
+    }
+    return out;
+}
+
 EvalResult Engine::eval(const EvalRequest& req) {
     check_links();
     check_request(req);
+    // Every token evaluated may be drafted later (a draft's own tokens already can).
+    if (!req.draft_vocab) note_draft_context(req.tokens.data(), static_cast<int>(req.tokens.size()));
     EvalResult out;
     out.exit_layer = hp_.n_layer - 1;
     const int n = static_cast<int>(req.tokens.size());
@@ -305,6 +355,13 @@ std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, fl
     if (n_max < 0) throw std::invalid_argument("n_max must be >= 0");
     if (std::isnan(p_min)) throw std::invalid_argument("p_min is NaN");
     if (how.all_logits || how.embeddings || how.trace) throw std::invalid_argument("a draft takes one row of logits");
+    // With a draft vocabulary the head runs its rows alone, and logit i is token draft_row_token_[i].
+    how.draft_vocab = !draft_vocab_.empty();
+    if (how.draft_vocab) {
+        if (token < 0 || token >= hp_.n_vocab) throw std::invalid_argument("token id " + std::to_string(token) +
+                                                                          " is outside the vocabulary");
+        note_draft_context(&token, 1);
+    }
     const int start = n_past_;
     // The verify batch evaluates `token` and every draft: all must fit the context.
     n_max = std::min(n_max, cache_->n_ctx() - start - 1);
@@ -315,7 +372,9 @@ std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, fl
             how.tokens.assign(1, cur);
             const EvalResult r = eval(how);
             const float* l = r.logits.data();
-            const int n_vocab = r.n_cols;
+            // The draft head's rows in use (its unused context rows are zero), or every token.
+            const bool rows = r.n_cols < hp_.n_vocab;
+            const int n_vocab = rows ? static_cast<int>(draft_vocab_.size()) + draft_context_used_ : r.n_cols;
             const int best = static_cast<int>(std::max_element(l, l + n_vocab) - l);
             if (p_min > 0.0f || probs) {
                 double sum = 0;  // p(best) = 1 / sum_j exp(l_j - l_best)
@@ -330,8 +389,10 @@ std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, fl
                 for (int j = 0; j < n_vocab && finite; ++j) finite = !std::isnan(l[j]);
                 if (!finite) break;
             }
-            drafts.push_back(best);
-            cur = best;
+            // The head that ran had the draft vocabulary's rows, or all of them.
+            const int32_t token = rows ? draft_row_token_[best] : best;
+            drafts.push_back(token);
+            cur = token;
         }
     } catch (...) {
         n_past_ = start;
@@ -368,6 +429,9 @@ void Engine::check_request(const EvalRequest& req) const {
         throw std::invalid_argument(
             "backbone_attention needs each layer's backbone and river weights on one device: not available "
             "with rpc_weights='backbone' or 'river'");
+    }
+    if (req.draft_vocab && (draft_vocab_.empty() || req.all_logits || req.embeddings || req.trace)) {
+        throw std::invalid_argument("draft_vocab: one row of draft logits, from an engine with a draft vocabulary");
     }
     if (req.river_head && needs_river && !river_->head) {
         throw std::invalid_argument("river_head=True but the river has no output head");
@@ -417,6 +481,7 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     spec.n_kv = n <= kPaddedBatch || !flash_attn_ ? padded : n_past_ + n;
     spec.all_logits = req.all_logits || req.embeddings;
     spec.backbone_attention = req.backbone_attention;
+    spec.draft_vocab = req.draft_vocab;
 
     int fixed = -2;  // fixed exit depth, when the whole depth is known before running
     if (req.mode == ExitMode::Backbone && !req.trace) fixed = last;
@@ -682,7 +747,10 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     if (spec.head != Head::None) {
         // The last layer kept its last row alone (last_row_only); a graph without it keeps every row.
         if (!spec.all_logits && h->ne[1] > 1) h = ggml_view_2d(ctx, h, hp_.n_embd, 1, h->nb[1], h->nb[1] * (h->ne[1] - 1));
+        // A draft's head runs the draft vocabulary's rows where that head has them.
         ggml_tensor* w = spec.head == Head::River ? river_->head : backbone_.output;
+        ggml_tensor* rows = spec.head == Head::River ? river_->draft_head : backbone_.draft_output;
+        if (spec.draft_vocab && rows) w = rows;
         g->logits = spec.head == Head::Norm ? build_final_norm(ctx, hp_, backbone_.output_norm, h)
                                             : build_head(ctx, hp_, backbone_.output_norm, w, h);
         ggml_set_output(g->logits);

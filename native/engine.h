@@ -67,6 +67,9 @@ struct EvalRequest {
     // pooling none) instead of logits. Backbone mode only.
     bool embeddings = false;
     bool trace = false;          // run layer by layer and record every similarity
+    // The head computes the draft vocabulary's rows alone (EngineConfig::draft_vocab): logits
+    // column i is token draft_vocab()[i]. Set by draft().
+    bool draft_vocab = false;
 };
 
 // Layers first..last, all from the backbone or all from the river.
@@ -114,12 +117,18 @@ public:
     EvalResult eval(const EvalRequest& req);
     // The draft of lossless decoding: from `token` at position n_past, up to n_max greedy tokens
     // under the exit setting `how` (river-only, or River's exit), each kept only while its
-    // probability under the draft is at least p_min. The drafts' cache rows are left for the
+    // probability under the draft is at least p_min (with a draft vocabulary: the greedy token of
+    // that vocabulary, its probability over it). The drafts' cache rows are left for the
     // backbone's verify batch to overwrite: n_past is the same on return. Each draft's
     // probability goes to `probs` when given; without it and with p_min <= 0 none is computed.
     std::vector<int32_t> draft(int32_t token, EvalRequest how, int n_max, float p_min,
                                std::vector<float>* probs = nullptr);
     const KvCache& cache() const { return *cache_; }
+    // The tokens a draft may propose (EngineConfig::draft_vocab); empty: the whole vocabulary.
+    // The context's other tokens join them as they are evaluated (draft_context()).
+    const std::vector<int32_t>& draft_vocab() const { return draft_vocab_; }
+    // The evaluated tokens outside draft_vocab() that drafts may propose too, oldest first.
+    std::vector<int32_t> draft_context() const;
 
     // Observe every node through the scheduler's eval callback (used to collect activation
     // statistics); while set, no graph is kept. nullptr turns it off.
@@ -158,8 +167,10 @@ private:
         Head head = Head::Backbone;
         bool all_logits = false;
         bool backbone_attention = false;  // river spans use river_mixed_
+        bool draft_vocab = false;    // the head's draft-vocabulary rows alone
         auto key() const {
-            return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, head, all_logits, backbone_attention);
+            return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, head, all_logits, backbone_attention,
+                            draft_vocab);
         }
         bool operator==(const GraphSpec& o) const;
     };
@@ -214,6 +225,16 @@ private:
     // Per layer: the river's weights with the backbone's attention group (backbone_attention);
     // pointers into backbone_ and river_, set once their placement is final.
     std::vector<LayerWeights> river_mixed_;
+    // The draft vocabulary and the draft head's rows of it (a host copy; placement may move it).
+    std::vector<int32_t> draft_vocab_;
+    std::unique_ptr<HeadRows> draft_rows_;
+    ggml_tensor** draft_head_ = nullptr;     // the slot of the placed draft head (river's or backbone's)
+    std::vector<int32_t> draft_row_token_;   // row -> token: draft_vocab_, then the context rows (-1: unused)
+    std::vector<char> draftable_;            // per token: it has a row
+    int draft_context_used_ = 0;             // context rows filled
+    int draft_context_next_ = 0;             // the context row the next new token takes
+    // Give `tokens` outside the draft head's rows a context row each (kDraftContextRows).
+    void note_draft_context(const int32_t* tokens, int n);
 
     // Every native resource is owned from the moment it is created, so a constructor that
     // throws half-way frees what it made. Members are destroyed in reverse order: the scheduler

@@ -281,6 +281,12 @@ int Vocab::n_tokens() const { return llama_vocab_n_tokens(vocab_); }
 int32_t Vocab::bos() const { return llama_vocab_bos(vocab_); }
 int32_t Vocab::eos() const { return llama_vocab_eos(vocab_); }
 bool Vocab::is_eog(int32_t token) const { return llama_vocab_is_eog(vocab_, token); }
+
+std::vector<int32_t> Vocab::eog_tokens() const {
+    std::vector<int32_t> out;
+    for (int32_t t = 0, n = n_tokens(); t < n; ++t) if (llama_vocab_is_eog(vocab_, t)) out.push_back(t);
+    return out;
+}
 bool Vocab::add_bos() const { return llama_vocab_get_add_bos(vocab_); }
 
 std::string Vocab::chat_template() const {

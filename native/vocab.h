@@ -27,6 +27,7 @@ public:
     int32_t bos() const;
     int32_t eos() const;
     bool is_eog(int32_t token) const;
+    std::vector<int32_t> eog_tokens() const;  // every end-of-generation token, ascending
     bool add_bos() const;
     std::string chat_template() const;
     std::string meta(const std::string& key) const;

@@ -362,6 +362,33 @@ void DeviceWeights::move(ggml_backend_buffer_type_t buft, const std::vector<ggml
     }
 }
 
+HeadRows::HeadRows(const ggml_tensor* head, const std::vector<int32_t>& ids, int n_spare) : head_(head) {
+    if (!head->data) throw std::runtime_error("the head's rows are not in host memory");
+    ggml_init_params params{ggml_tensor_overhead(), nullptr, /*no_alloc=*/true};
+    ctx_.reset(ggml_init(params));
+    if (!ctx_) throw std::runtime_error("cannot create the draft head's context");
+    tensor_ = ggml_new_tensor_2d(ctx_.get(), head->type, head->ne[0], static_cast<int64_t>(ids.size()) + n_spare);
+    ggml_format_name(tensor_, "%s.draft", ggml_get_name(head));
+    buffer_.reset(ggml_backend_alloc_ctx_tensors_from_buft(ctx_.get(), ggml_backend_cpu_buffer_type()));
+    if (!buffer_) throw std::runtime_error("out of memory for the draft head");
+    ggml_backend_buffer_set_usage(buffer_.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    const size_t row = head->nb[1];
+    ggml_backend_buffer_clear(buffer_.get(), 0);
+    for (size_t i = 0; i < ids.size(); ++i) {
+        if (ids[i] < 0 || ids[i] >= head->ne[1]) {
+            throw std::invalid_argument("draft vocabulary token " + std::to_string(ids[i]) + " is outside [0, " +
+                                        std::to_string(head->ne[1]) + ")");
+        }
+        std::memcpy(static_cast<char*>(tensor_->data) + i * tensor_->nb[1],
+                    static_cast<const char*>(head->data) + size_t(ids[i]) * row, row);
+    }
+}
+
+void HeadRows::set_row(ggml_tensor* placed, int64_t row, int32_t token) const {
+    ggml_backend_tensor_set(placed, static_cast<const char*>(head_->data) + size_t(token) * head_->nb[1],
+                            size_t(row) * placed->nb[1], head_->nb[1]);
+}
+
 LayerWeights with_attention_of(const LayerWeights& ffn_from, const LayerWeights& attention_from) {
     LayerWeights w = ffn_from;
     w.attn_norm = attention_from.attn_norm;

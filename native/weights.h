@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ggml-backend.h"
+#include "ggml-cpp.h"
 #include "gguf_file.h"
 #include "hparams.h"
 
@@ -42,6 +43,7 @@ struct BackboneWeights {
     ggml_tensor* tok_embd = nullptr;
     ggml_tensor* output_norm = nullptr;
     ggml_tensor* output = nullptr;      // the head; tok_embd when the model ties them
+    ggml_tensor* draft_output = nullptr;  // the head's draft-vocabulary rows (HeadRows), when set
     ggml_tensor* rope_freqs = nullptr;  // llama3-style per-dimension rope factors
     // phi3's LongRoPE factors: two sets, one for contexts within n_ctx_orig and one beyond.
     ggml_tensor* rope_long = nullptr;
@@ -58,6 +60,27 @@ struct RiverWeights {
     std::vector<LayerWeights> layers;
     ggml_tensor* tok_embd = nullptr;  // used by river-only mode when present
     ggml_tensor* head = nullptr;      // quantized output head, when present
+    ggml_tensor* draft_head = nullptr;  // its draft-vocabulary rows (HeadRows), when set
+};
+
+// Some rows of a head, in host memory: the draft vocabulary of lossless decoding. Row i is
+// token ids[i]'s row of `head`, followed by n_spare rows (zero) that set_row fills later, so a
+// draft's logits cost these rows alone; placement then moves the tensor where the full head goes.
+// Rows of a quantized type are whole blocks, so the rows are the head's own bytes, and their
+// logits equal the full head's at those tokens.
+class HeadRows {
+public:
+    // `head` must stay alive and in host memory (a file's tensor) for set_row.
+    HeadRows(const ggml_tensor* head, const std::vector<int32_t>& ids, int n_spare);
+    ggml_tensor* tensor() const { return tensor_; }
+    // Row `row` of `placed` (this tensor where placement put it) becomes token's row of the head.
+    void set_row(ggml_tensor* placed, int64_t row, int32_t token) const;
+
+private:
+    const ggml_tensor* head_;
+    ggml_context_ptr ctx_;
+    ggml_backend_buffer_ptr buffer_;  // declared after ctx_: freed before it
+    ggml_tensor* tensor_ = nullptr;
 };
 
 // A layer's tensors, looked up by name in one file ("blk.N." after the prefix) and checked

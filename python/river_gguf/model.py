@@ -205,12 +205,15 @@ class Model:
 
         # libllama logs through llama-cpp-python's ctypes callback, which drops a KeyboardInterrupt
         # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
+        draft_vocab = -1 if ro.draft_vocab is None else _int_arg("draft_vocab", ro.draft_vocab, 0, 1 << 30)
         with deferred_interrupts():
+            self._vocab = native.Vocab(model_path)
+            # The end-of-generation tokens stay draftable, so a draft can end the text.
             self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
                                          main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
                                          use_mmap=self._use_mmap,
-                                         flash_attn=self.flash_attn, exit_decision=ro.exit_decision, **rpc_kw)
-            self._vocab = native.Vocab(model_path)
+                                         flash_attn=self.flash_attn, exit_decision=ro.exit_decision,
+                                         draft_vocab=draft_vocab, draft_always=self._vocab.eog_tokens, **rpc_kw)
         asked = min(n_gpu_layers, self._engine.hparams["n_layer"])
         placed = self._engine.placement
         budget = (f"the GPU's budget ({placed['gpu_budget'] / 2**20:.0f} MiB: its free memory"
@@ -274,6 +277,12 @@ class Model:
     @property
     def has_river(self) -> bool:
         return self._engine.has_river
+
+    @property
+    def draft_vocab(self) -> List[int]:
+        """The tokens a lossless draft may propose, ascending (empty: the whole vocabulary), and
+        besides them the tokens the model has evaluated since it loaded (up to 512, the latest)."""
+        return list(self._engine.draft_vocab)
 
     @property
     def layer_devices(self) -> List[str]:

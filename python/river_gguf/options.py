@@ -224,6 +224,12 @@ class RiverOptions:
                                       help="lossless: draft with every layer from the river (river-only, the "
                                            "default) or with River's exit rule (river: backbone layers until "
                                            "cos > TAU)")
+    draft_vocab: Optional[int] = _place(
+        None, "--draft-vocab", type=int, metavar="N",
+        help="lossless: the tokens a draft may propose, the N the file ranks first (its calibration text's, then "
+             "ascending ids) and the end-of-generation ones; the draft's head runs their rows alone, and the "
+             "backbone's verification keeps the text the same (0: the whole vocabulary; default: 32768 for a "
+             "vocabulary of 65536 or more with a river head of its own)")
     gpu_memory: Optional[Union[int, str]] = _place(
         None, "--gpu-memory", metavar="SIZE",
         help="the most the GPU placement may use, e.g. 6GiB (default: its free memory); with --ngl -1, a River "

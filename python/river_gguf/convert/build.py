@@ -386,6 +386,9 @@ def build_river_gguf(
             say(f"threshold: {meta_threshold:.4f} ({source})")
             entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
                                      min_exit_layer, prefill, river_head, tail, backbone_type, imatrix_meta, prof)
+            ranking = draft_token_ranking(backbone_path)
+            say(f"draft vocabulary: {len(ranking)} tokens of the calibration text ranked")
+            entries.append((native.DRAFT_TOKENS_KEY, ranking, gguf.GGUFValueType.ARRAY))
             rv_by_name = {t.name: t for t in rv.tensors}
             plan = [(t.name, t) for t in plain_tensors(bb)]
             river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
@@ -410,6 +413,18 @@ def build_river_gguf(
             meta.update(finalize(staged) or {})
         os.replace(staged, out_path)
     return meta
+
+
+def draft_token_ranking(vocab_path: str, texts: Optional[List[str]] = None) -> List[int]:
+    """The calibration text's tokens, most frequent first (ties: lower id first), as stored under
+    river.draft_tokens: the ranking lossless decoding's draft vocabulary takes its tokens from
+    (native/draft_vocab.h). texts: default imatrix.calibration_texts()."""
+    vocab = native.Vocab(vocab_path)
+    counts: Dict[int, int] = {}
+    for text in imx.calibration_texts() if texts is None else texts:
+        for t in vocab.tokenize(text, False, False):
+            counts[t] = counts.get(t, 0) + 1
+    return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
 def _is_quantized(reader) -> bool:

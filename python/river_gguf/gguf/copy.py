@@ -126,7 +126,9 @@ def write_river_file(path: str, reader, entries, plan, river_plan, progress: boo
     with contextlib.closing(new_writer(path, reader)) as w:
         for key, value, vtype in entries:
             if key != river_index.VERSION_KEY:  # add_index writes it
-                w.add_key_value(key, value, vtype)
+                # Array entries are lists of token ids.
+                w.add_key_value(key, value, vtype,
+                                sub_type=gguf.GGUFValueType.INT32 if vtype == gguf.GGUFValueType.ARRAY else None)
         offsets = river_index.add_index(w, river_plan)
         alignment = int(w.data_alignment)
         write_tensors(w, plan, progress, desc=desc)

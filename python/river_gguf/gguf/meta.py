@@ -20,6 +20,10 @@ from .io import atomic_output, metadata_items
 
 
 def _value_type(value: Any, old_type=None):
+    if isinstance(value, (list, tuple, np.ndarray)):
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+            raise TypeError("a list value must hold ints (it is written as an INT32 array)")
+        return VT.ARRAY
     if old_type is not None and old_type != VT.ARRAY:
         return old_type  # keep the type the file already uses for this key
     if isinstance(value, (bool, np.bool_)):
@@ -34,6 +38,8 @@ def _value_type(value: Any, old_type=None):
 
 
 def _coerce(value: Any, vtype):
+    if vtype == VT.ARRAY:
+        return [int(v) for v in value]
     if vtype == VT.BOOL:
         return bool(value)
     if vtype in (VT.FLOAT32, VT.FLOAT64):
@@ -43,8 +49,13 @@ def _coerce(value: Any, vtype):
     return int(value)
 
 
+def _sub_type(vtype):
+    return VT.INT32 if vtype == VT.ARRAY else None
+
+
 def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = False) -> Dict[str, Any]:
-    """Set (add or replace) scalar metadata keys of a GGUF, normally `river.*` ones.
+    """Set (add or replace) metadata keys of a GGUF, normally `river.*` ones: scalars, or lists
+    of ints (written as INT32 arrays).
 
     All other metadata (with its exact types and order) and every tensor (raw bytes, same
     types, same alignment; a format-2 River GGUF's river data too) are copied to a temp file next
@@ -72,7 +83,7 @@ def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = Fals
             for key, value, vtype, sub in metadata_items(reader, skip={"general.alignment"}):
                 if key in updates:
                     vt = _value_type(updates[key], vtype)
-                    value, vtype, sub = _coerce(updates[key], vt), vt, None
+                    value, vtype, sub = _coerce(updates[key], vt), vt, _sub_type(vt)
                     written[key] = value
                     done.add(key)
                     if vt == VT.FLOAT32:
@@ -84,7 +95,7 @@ def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = Fals
                     written[key] = _coerce(value, vt)
                     if vt == VT.FLOAT32:
                         f32_keys.add(key)
-                    w.add_key_value(key, written[key], vt)
+                    w.add_key_value(key, written[key], vt, sub_type=_sub_type(vt))
             if align_field is not None:
                 w.add_custom_alignment(int(align_field.contents()))
             for t in reader.tensors:

@@ -207,7 +207,13 @@ class Model:
         # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
         draft_vocab = -1 if ro.draft_vocab is None else _int_arg("draft_vocab", ro.draft_vocab, 0, 1 << 30)
         with deferred_interrupts():
-            self._vocab = native.Vocab(model_path)
+            try:
+                self._vocab = native.Vocab(model_path)
+            except Exception:
+                # The engine's checks name what is wrong with a file (not a GGUF, truncated, a
+                # missing tensor) better than libllama's vocabulary loader: they report first.
+                native.Engine(model_path, river or "", 1, 1, 1, 0, draft_vocab=0)
+                raise
             # The end-of-generation tokens stay draftable, so a draft can end the text.
             self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
                                          main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
@@ -281,8 +287,14 @@ class Model:
     @property
     def draft_vocab(self) -> List[int]:
         """The tokens a lossless draft may propose, ascending (empty: the whole vocabulary), and
-        besides them the tokens the model has evaluated since it loaded (up to 512, the latest)."""
+        besides them draft_context."""
         return list(self._engine.draft_vocab)
+
+    @property
+    def draft_context(self) -> List[int]:
+        """The tokens outside draft_vocab that this model has evaluated since it loaded (the
+        latest 512, oldest first): a draft may propose them too."""
+        return list(self._engine.draft_context)
 
     @property
     def layer_devices(self) -> List[str]:

@@ -1,0 +1,128 @@
+"""Lossless decoding's draft vocabulary (native/draft_vocab.h): a draft's head runs the rows of
+the tokens the file ranks first, the end-of-generation tokens and the context's tokens, and the
+text stays the backbone's."""
+import gguf
+import numpy as np
+import pytest
+
+from river_gguf import Model
+from river_gguf._loader import native
+from river_gguf.convert.build import build_river_gguf, draft_token_ranking
+from river_gguf.gguf.meta import set_river_metadata
+from river_gguf.llama import Llama
+from river_gguf.testing import write_tiny_model
+
+from conftest import PROSE
+from test_lossless import _assert_lossless
+
+# Padded past 65536 tokens, so that the default restricts the draft (SmolLM2 has 49152).
+BIG_VOCAB = 70000
+CONTEXT_ROWS = 512  # kDraftContextRows
+
+
+@pytest.fixture(scope="module")
+def big_vocab_river(tmp_path_factory):
+    d = tmp_path_factory.mktemp("draft_vocab")
+    plain = write_tiny_model(d / "qwen2.gguf", "qwen2", seed=3, n_layer=2, n_vocab=BIG_VOCAB)
+    river = d / "qwen2.river.gguf"
+    build_river_gguf(plain, river, backbone_type=None, river_type="q4_0", imatrix=None, presets=False,
+                     threshold=0.9, progress=False, n_threads=2)
+    return str(plain), str(river)
+
+
+def _ranking(path):
+    field = gguf.GGUFReader(path).fields.get(native.DRAFT_TOKENS_KEY)
+    return None if field is None else [int(t) for t in field.contents()]
+
+
+def test_the_converter_ranks_the_calibration_text(big_vocab_river):
+    plain, river = big_vocab_river
+    ranking = _ranking(river)
+    assert ranking == draft_token_ranking(plain)
+    counts = {}
+    for t in ranking:
+        counts[t] = counts.get(t, 0) + 1
+    assert len(counts) == len(ranking) > 100  # each token once
+
+
+def test_draft_vocabulary_rule(big_vocab_river, tmp_path):
+    """The file's ranking first, then ascending ids, plus the end-of-generation tokens; the default
+    for a vocabulary of 65536 or more is 32768 tokens; 0 is the whole vocabulary."""
+    _, river = big_vocab_river
+    copy = tmp_path / "ranked.gguf"
+    copy.write_bytes(open(river, "rb").read())
+    ranking = [60000, 5, 65000, 5, 69999, 7]  # a repeat, and ids past the first N
+    set_river_metadata(str(copy), {native.DRAFT_TOKENS_KEY: ranking})
+    m = Model(str(copy), n_ctx=64, n_threads=2, draft_vocab=8)
+    eog = [t for t in range(m.n_vocab) if m.is_eog(t)]
+    assert eog, "the vocabulary has an end-of-generation token"
+    want = set(eog) | {60000, 5, 65000, 69999, 7}
+    t = 0
+    while len(want) < 8:
+        want.add(t)
+        t += 1
+    assert m.draft_vocab == sorted(want)
+    assert len(Model(str(copy), n_ctx=64, n_threads=2).draft_vocab) == 32768
+    assert Model(str(copy), n_ctx=64, n_threads=2, draft_vocab=0).draft_vocab == []
+    assert Model(str(copy), n_ctx=64, n_threads=2, draft_vocab=BIG_VOCAB).draft_vocab == []
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "8", True])
+def test_bad_draft_vocab_is_refused(big_vocab_river, bad):
+    with pytest.raises(ValueError, match="draft_vocab"):
+        Model(big_vocab_river[1], n_ctx=64, n_threads=2, draft_vocab=bad)
+
+
+def test_context_tokens_join_the_draft_vocabulary(big_vocab_river):
+    """Every evaluated token outside the vocabulary takes a context row; the oldest gives way."""
+    m = Model(big_vocab_river[1], n_ctx=1024, n_threads=2, draft_vocab=64)
+    vocab = set(m.draft_vocab)
+    outside = [t for t in range(1000, BIG_VOCAB) if t not in vocab][:CONTEXT_ROWS + 40]
+    m.eval(outside[:10] + outside[:3], m.options(mode="backbone"))
+    assert m.draft_context == outside[:10]
+    m.eval(outside[10:], m.options(mode="backbone"))
+    assert m.draft_context == outside[-CONTEXT_ROWS:]
+
+
+def _allowed_best(logits, allowed):
+    allowed = np.array(sorted(allowed))
+    return float(logits[allowed].max())
+
+
+@pytest.mark.parametrize("size", [200, 4096])
+def test_a_draft_is_the_rivers_best_token_of_its_vocabulary(river_gguf_path, size):
+    """Each draft is the river's greedy token among the draft vocabulary and the context's tokens:
+    its logit under the whole head is the highest of theirs (to rounding: the rows run in another
+    mul_mat)."""
+    restricted = Model(river_gguf_path, n_ctx=256, n_threads=2, draft_vocab=size)
+    full = Model(river_gguf_path, n_ctx=256, n_threads=2, draft_vocab=0)
+    opts = restricted.options(mode="lossless", draft_max=6)
+    prompt = restricted.tokenize(PROSE)[:40]
+    restricted.begin()
+    restricted.eval(prompt[:-1], restricted.options(mode="backbone"))
+    drafts, probs = restricted.draft(prompt[-1], opts)
+    assert len(drafts) == 6 and len(probs) == 6
+    allowed = set(restricted.draft_vocab) | set(restricted.draft_context)
+    assert len(restricted.draft_vocab) == size and prompt[-1] in allowed
+    # The draft's steps, by hand: river-only, the river's head, one token at a time.
+    step = full.options(mode="river-only", river_head=opts.river_head)
+    full.begin()
+    full.eval(prompt[:-1], full.options(mode="backbone"))
+    cur = prompt[-1]
+    for d in drafts:
+        assert d in allowed
+        logits = full.eval([cur], step, prompt=False).logits[-1]
+        assert logits[d] >= _allowed_best(logits, allowed) - 1e-3
+        cur = d
+
+
+def test_greedy_lossless_with_a_draft_vocabulary_is_the_backbone(river_gguf_path):
+    llm = Llama(river_gguf_path, n_ctx=256, n_threads=2, flash_attn=True, verbose=False, draft_vocab=1024)
+    assert len(llm.river_model.draft_vocab) == 1024
+    _assert_lossless(llm, PROSE, temp=0.0)
+
+
+def test_greedy_lossless_default_vocabulary_is_the_backbone(big_vocab_river):
+    llm = Llama(big_vocab_river[1], n_ctx=256, n_threads=2, flash_attn=True, verbose=False)
+    assert len(llm.river_model.draft_vocab) == 32768
+    _assert_lossless(llm, PROSE, temp=0.0)

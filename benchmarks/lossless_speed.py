@@ -103,6 +103,11 @@ def river_row(llm, prompt: str, tokens: int, sampling: dict, **opts) -> dict:
     row = {"tok_s": (len(out) - 1) / (t_last - t_first), "engine_tok_s": s["decode_tok_s"], "tokens": out}
     if s.get("mode") == "lossless":
         row.update(acceptance=s["acceptance_rate"], mean_accepted=s["mean_accepted"], drafted=s["drafted"])
+        # Per round: the engine's draft and verify calls, and the rest of the wall time (sampling,
+        # Python, the binding), over the rounds after the first token.
+        n = max(s["rounds"], 1)
+        row.update(rounds=s["rounds"], draft_ms=1000 * s["draft_s"] / n, verify_ms=1000 * s["verify_s"] / n,
+                   round_ms=1000 * (t_last - t_first) / n, drafts_per_round=s["drafted"] / n)
     return row
 
 
@@ -268,10 +273,23 @@ def main(argv=None) -> int:
         spec_cell = "-" if math.isnan(vs_spec) or name.startswith("llama-spec") else f"{vs_spec:.2f}"
         acc_cell = "-" if entry["acceptance"] is None else f"{100 * entry['acceptance']:.0f}%"
         print(f"| {name} | {med:.2f} | {entry['x_backbone']:.2f} | {spec_cell} | {acc_cell} |")
+    # Where a round's time goes, per lossless row (median over its generations).
+    print("\n| row | drafts a round | draft ms | verify ms | other ms | round ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    per_round_ms = {}
+    for name in rows:
+        ds = [d for d in detail[name] if "round_ms" in d]
+        if not ds:
+            continue
+        med = {k: statistics.median(d[k] for d in ds) for k in ("drafts_per_round", "draft_ms", "verify_ms", "round_ms")}
+        per_round_ms[name] = med
+        print(f"| {name} | {med['drafts_per_round']:.2f} | {med['draft_ms']:.1f} | {med['verify_ms']:.1f} | "
+              f"{med['round_ms'] - med['draft_ms'] - med['verify_ms']:.1f} | {med['round_ms']:.1f} |")
     out = {"model": args.model, "backbone": args.backbone, "sampled": args.sampled, "tokens": args.tokens,
-           "prompts": args.prompts, "rounds": args.rounds, "threads": args.threads, "rows": table}
+           "prompts": args.prompts, "rounds": args.rounds, "threads": args.threads, "rows": table,
+           "per_round_ms": per_round_ms}
     if args.costs:
-        m = llm.river_model
+        m = llms[vocabs[0]].river_model
         opts = m.options(mode="lossless", draft_max=max(ks))
         costs = lossless_cost.measure_costs(m, opts, max(ks) + 1)
         acc = statistics.mean(d["acceptance"] for name in rows if name.startswith(f"lossless k={ks[-1]}")
@@ -279,6 +297,16 @@ def main(argv=None) -> int:
         choice = lossless_cost.best_draft_max(costs, acc)
         print("\n" + lossless_cost.describe(choice, costs))
         out.update(costs=costs.as_dict(), prediction=choice)
+        # The costs' round against the measured one, for each lossless row of river-only drafts:
+        # its drafts a round at the draft step, and a verify batch of one more token.
+        print("\n| row | predicted round ms | measured round ms | measured / predicted |")
+        print("|---|---:|---:|---:|")
+        for name, med in per_round_ms.items():
+            k = rows[name][1]["draft_max"]
+            if rows[name][1].get("draft_mode") or rows[name][1].get("llm") != vocabs[0]:
+                continue
+            pred = 1000 * (med["drafts_per_round"] * costs.draft + costs.verify[k + 1])
+            print(f"| {name} | {pred:.1f} | {med['round_ms']:.1f} | {med['round_ms'] / pred:.2f} |")
     for d in decoders.values():
         d.close()
     for m in llms.values():

@@ -92,10 +92,11 @@ def river_only_acceptance(grid_rows: Sequence[dict]) -> Optional[float]:
 
 def measure_costs(model, options, max_batch: int, rounds: int = 5, steps: int = 16,
                   context: int = CONTEXT) -> Costs:
-    """Time, in `model`'s engine, a backbone decode step, a draft step (options' draft setting)
-    and verify batches of 2..max_batch tokens, each the median of `rounds` interleaved rounds of
-    `steps` runs after the same prompt of `context` positions (fewer where n_ctx leaves less room,
-    never fewer than PROMPT's tokens). The engine is timed alone (no sampling)."""
+    """Time, in `model`'s engine, a backbone decode step, a draft step (options' draft setting,
+    through the engine's draft itself: its draft vocabulary's head) and verify batches of
+    2..max_batch tokens, each the median of `rounds` interleaved rounds of `steps` runs after the
+    same prompt of `context` positions (fewer where n_ctx leaves less room, never fewer than
+    PROMPT's tokens). The engine is timed alone (no sampling)."""
     e = model.engine
     text = model.tokenize(PROMPT)
     room = model.n_ctx - steps - max_batch - 1
@@ -104,8 +105,8 @@ def measure_costs(model, options, max_batch: int, rounds: int = 5, steps: int = 
     n_prompt = max(len(text), min(int(context), room))
     prompt = (text * (n_prompt // len(text) + 1))[:n_prompt]
     backbone = options.engine_args(prompt=True)
-    draft = options.draft_args()
-    draft_eval = {k: v for k, v in draft.items() if k not in ("n_max", "p_min")}
+    # One draft of `steps` tokens, timed whole: drafts stop early only at a NaN row (p_min 0).
+    draft = dict(options.draft_args(), n_max=steps, p_min=0.0)
     times: Dict[str, List[float]] = {}
 
     def timed(name, fn):
@@ -118,10 +119,13 @@ def measure_costs(model, options, max_batch: int, rounds: int = 5, steps: int = 
         e.eval(prompt, **backbone)
         base = e.n_past
         for _ in range(rounds):
-            for mode, args in (("step", backbone), ("draft", draft_eval)):
-                e.truncate(base)
-                for i in range(steps):
-                    timed(mode, lambda: e.eval([prompt[i % len(prompt)]], **args))
+            e.truncate(base)
+            for i in range(steps):
+                timed("step", lambda: e.eval([prompt[i % len(prompt)]], **backbone))
+            e.truncate(base)
+            t0 = time.perf_counter()
+            drafted = len(e.draft(prompt[0], with_probs=False, **draft)[0])
+            times.setdefault("draft", []).append((time.perf_counter() - t0) / max(drafted, 1))
             for n in range(2, max_batch + 1):
                 for i in range(max(steps // n, 2)):
                     e.truncate(base)

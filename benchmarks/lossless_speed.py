@@ -292,8 +292,10 @@ def main(argv=None) -> int:
         m = llms[vocabs[0]].river_model
         opts = m.options(mode="lossless", draft_max=max(ks))
         costs = lossless_cost.measure_costs(m, opts, max(ks) + 1)
-        acc = statistics.mean(d["acceptance"] for name in rows if name.startswith(f"lossless k={ks[-1]}")
-                              and rows[name][1].get("llm") == vocabs[0] for d in detail[name])
+        # The acceptance that gives the largest k's measured drafts accepted a round.
+        k_name = next(name for name in rows if name.startswith(f"lossless k={ks[-1]}")
+                      and rows[name][1].get("llm") == vocabs[0])
+        acc = lossless_cost.acceptance_of(statistics.mean(d["mean_accepted"] for d in detail[k_name]), ks[-1])
         choice = lossless_cost.best_draft_max(costs, acc)
         print("\n" + lossless_cost.describe(choice, costs))
         out.update(costs=costs.as_dict(), prediction=choice)

@@ -258,6 +258,15 @@ def test_cost_model_of_a_round():
     assert not best_draft_max(flat, 0.95)["pays"]
 
 
+@pytest.mark.parametrize("a,k", [(0.0, 4), (0.5, 2), (0.89, 8), (0.97, 4), (1.0, 3)])
+def test_acceptance_of_measured_rounds(a, k):
+    from river_gguf.calibrate.lossless import acceptance_of, tokens_per_round
+
+    assert acceptance_of(tokens_per_round(a, k) - 1, k) == pytest.approx(a, abs=1e-6)
+    with pytest.raises(ValueError):
+        acceptance_of(k + 0.5, k)
+
+
 def test_acceptance_from_the_grid():
     from river_gguf.calibrate.lossless import river_only_acceptance
 

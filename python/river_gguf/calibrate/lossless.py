@@ -49,6 +49,19 @@ def tokens_per_round(acceptance: float, k: int) -> float:
     return float(k + 1) if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def acceptance_of(mean_accepted: float, k: int) -> float:
+    """The acceptance at which rounds of k drafts accept `mean_accepted` drafts on average in
+    tokens_per_round's model: a run's measured rounds in the cost model's terms. (Accepted over
+    drafted is lower: a round stops at its first rejection, and text has runs of easy tokens.)"""
+    if not 0 <= mean_accepted <= k:
+        raise ValueError(f"mean_accepted must be in [0, {k}], got {mean_accepted!r}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # tokens_per_round grows with the acceptance
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tokens_per_round(mid, k) - 1 < mean_accepted else (lo, mid)
+    return (lo + hi) / 2
+
+
 def predicted_speedup(costs: Costs, acceptance: float, k: int) -> float:
     """Lossless decoding with k drafts a round, in tokens per second, over the backbone alone."""
     if k == 0:

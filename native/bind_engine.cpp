@@ -89,13 +89,28 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold
 }
 
 py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, int mode, float threshold, int min_exit_layer,
-                int exit_layer, bool river_head, int tail, bool backbone_attention, bool with_probs) {
+                int exit_layer, bool river_head, int tail, bool backbone_attention, bool with_probs, py::object pick) {
     EvalRequest how = exit_request(mode, threshold, min_exit_layer, exit_layer, river_head, tail, backbone_attention);
     std::vector<float> probs;
     std::vector<int32_t> tokens;
+    // The picker sees the engine's own buffers as read-only arrays (no copy), valid during the call.
+    Engine::DraftPicker picker = [&pick](const float* logits, const int32_t* ids, int n) -> int32_t {
+        py::gil_scoped_acquire gil;
+        py::capsule keep(logits, [](void*) {});
+        py::array_t<float> l({n}, {sizeof(float)}, logits, keep);
+        py::detail::array_proxy(l.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+        py::object t = py::none();
+        if (ids) {
+            py::array_t<int32_t> a({n}, {sizeof(int32_t)}, ids, keep);
+            py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+            t = a;
+        }
+        return pick(l, t).cast<int32_t>();
+    };
     {
         py::gil_scoped_release release;
-        tokens = e.draft(token, std::move(how), n_max, p_min, with_probs ? &probs : nullptr);
+        tokens = e.draft(token, std::move(how), n_max, p_min, with_probs ? &probs : nullptr,
+                         pick.is_none() ? nullptr : &picker);
     }
     return py::make_tuple(tokens, probs);
 }
@@ -155,10 +170,12 @@ void bind_engine(py::module_& m) {
         .def("draft", &draft, py::arg("token"), py::arg("n_max"), py::arg("p_min") = 0.0f, py::arg("mode") = 0,
              py::arg("threshold") = 2.0f, py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1,
              py::arg("river_head") = false, py::arg("tail") = 0, py::arg("backbone_attention") = false,
-             py::arg("with_probs") = true,
+             py::arg("with_probs") = true, py::arg("pick") = py::none(),
              "Lossless decoding's draft: up to n_max greedy tokens after `token` under this exit setting, each "
              "kept while its probability is >= p_min; n_past is unchanged. Returns (tokens, probabilities); "
-             "with_probs=False returns no probabilities and, with p_min <= 0, computes none.")
+             "with_probs=False returns no probabilities and, with p_min <= 0, computes none. pick(logits, tokens) "
+             "-> token (or -1 to stop), when given, chooses each draft from the draft's logits and their tokens "
+             "(None: logit i is token i); both arrays are read-only and valid only during the call.")
         .def("truncate", &Engine::truncate)
         .def_property_readonly("n_past", &Engine::n_past)
         .def_property_readonly("draft_vocab", &Engine::draft_vocab,

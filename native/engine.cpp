@@ -351,7 +351,8 @@ EvalResult Engine::eval(const EvalRequest& req) {
     return out;
 }
 
-std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, float p_min, std::vector<float>* probs) {
+std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, float p_min, std::vector<float>* probs,
+                                   const DraftPicker* pick) {
     if (n_max < 0) throw std::invalid_argument("n_max must be >= 0");
     if (std::isnan(p_min)) throw std::invalid_argument("p_min is NaN");
     if (how.all_logits || how.embeddings || how.trace) throw std::invalid_argument("a draft takes one row of logits");
@@ -375,6 +376,14 @@ std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, fl
             // The draft head's rows in use (its unused context rows are zero), or every token.
             const bool rows = r.n_cols < hp_.n_vocab;
             const int n_vocab = rows ? static_cast<int>(draft_vocab_.size()) + draft_context_used_ : r.n_cols;
+            if (pick) {
+                const int32_t chosen = (*pick)(l, rows ? draft_row_token_.data() : nullptr, n_vocab);
+                if (chosen < 0) break;
+                if (chosen >= hp_.n_vocab) throw std::invalid_argument("the draft picker chose a token outside the vocabulary");
+                drafts.push_back(chosen);
+                cur = chosen;
+                continue;
+            }
             const int best = static_cast<int>(std::max_element(l, l + n_vocab) - l);
             if (p_min > 0.0f || probs) {
                 double sum = 0;  // p(best) = 1 / sum_j exp(l_j - l_best)

@@ -2,6 +2,7 @@
 // exit decision between them. Work runs as ggml graphs on ggml-backend (CPU, or a GPU
 // backend for offloaded layers through the scheduler).
 #pragma once
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <string>
@@ -121,8 +122,14 @@ public:
     // that vocabulary, its probability over it). The drafts' cache rows are left for the
     // backbone's verify batch to overwrite: n_past is the same on return. Each draft's
     // probability goes to `probs` when given; without it and with p_min <= 0 none is computed.
+    //
+    // `pick`, when given, chooses each draft instead of the greedy rule: it gets the draft's
+    // logits (n of them) and the token of each (nullptr: logit i is token i, the whole
+    // vocabulary), both valid during the call, and returns the draft token, or -1 to stop. p_min
+    // and `probs` then do not apply. Lossless sampling drafts with a copy of the sampler chain.
+    using DraftPicker = std::function<int32_t(const float* logits, const int32_t* tokens, int n)>;
     std::vector<int32_t> draft(int32_t token, EvalRequest how, int n_max, float p_min,
-                               std::vector<float>* probs = nullptr);
+                               std::vector<float>* probs = nullptr, const DraftPicker* pick = nullptr);
     const KvCache& cache() const { return *cache_; }
     // The tokens a draft may propose (EngineConfig::draft_vocab); empty: the whole vocabulary.
     // The context's other tokens join them as they are evaluated (draft_context()).

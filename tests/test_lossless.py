@@ -107,6 +107,23 @@ def test_sampled_lossless_is_the_backbone(smol):
     assert lossless == backbone, _why_they_differ(smol, prompt_toks, lossless, backbone)
 
 
+def test_sampled_drafts_draw_with_the_chains_state(f16_path):
+    """Sampled drafts come from a copy of the call's chain (same random state and history): with
+    a river that is the backbone itself, the copy draws the backbone's own tokens, so nearly every
+    draft is accepted (greedy drafts against sampled text would match only the rows whose draw is
+    the top token), and the text is still the backbone's."""
+    llm = _llama(f16_path, river=f16_path)
+    kw = dict(temp=SAMPLED["temperature"], top_k=SAMPLED["top_k"], top_p=SAMPLED["top_p"],
+              repeat_penalty=SAMPLED["repeat_penalty"])
+    llm.set_seed(SAMPLED["seed"])
+    prompt_toks, lossless = _completion_tokens(llm, PROSE, mode="lossless", **kw)
+    stats = dict(llm.last_stats)
+    llm.set_seed(SAMPLED["seed"])
+    _, backbone = _completion_tokens(llm, PROSE, mode="backbone", **kw)
+    assert lossless == backbone, _why_they_differ(llm, prompt_toks, lossless, backbone)
+    assert stats["drafted"] > 0 and stats["acceptance_rate"] >= 0.9, stats
+
+
 def test_sampled_completion_and_draft_settings(smol):
     prompt = "List four colours:"
     ref = smol.create_completion(prompt, max_tokens=32, mode="backbone", **SAMPLED)["choices"][0]["text"]

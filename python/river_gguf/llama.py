@@ -79,6 +79,7 @@ One Llama owns one KV cache: use it from one thread at a time (a server queues r
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -104,7 +105,7 @@ from llama_cpp.llama_tokenizer import LlamaTokenizer
 from ._loader import native
 from .chat import template_chat_handler
 from .default_model import default_model_path
-from .llama_sampling import SamplerChain, apply_processors, check_grammar, logit_bias_processor, top_logprobs_order
+from .llama_sampling import SamplerChain, SamplingError, apply_processors, check_grammar, logit_bias_processor, top_logprobs_order
 from .model import Model
 from .options import EXIT_FIELDS
 from .options import NAMES as RIVER_NAMES
@@ -168,6 +169,20 @@ def _bool(name: str, v) -> bool:
     if not isinstance(v, (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {v!r}")
     return bool(v)
+
+
+
+def _pick_draft(chain: SamplerChain, logits: np.ndarray, tokens: Optional[np.ndarray]) -> int:
+    """A lossless draft drawn by a copy of the call's sampler chain (Model.draft's `pick`). In
+    the same random state and history as the chain that will sample the backbone's row, it draws
+    the same token wherever the river's distribution is the backbone's: a coupling that keeps
+    sampled drafts accepted about as often as greedy ones against greedy text. The backbone's row
+    is still what the real chain samples, so the text does not change. -1 (stop drafting) where
+    the copy can draw nothing."""
+    try:
+        return chain.sample(logits) if tokens is None else chain.sample_from(tokens, logits)
+    except SamplingError:
+        return -1
 
 
 class Llama:
@@ -593,10 +608,12 @@ class Llama:
             if self._acc:  # tokens the call counted as reused had to be computed after all
                 self._acc["cached"] = max(0, self._acc["cached"] - len(rest))
 
-    def _eval_tokens(self, tokens: List[int], prompt: bool, opts, want_rows: bool, draft: bool = False) -> None:
+    def _eval_tokens(self, tokens: List[int], prompt: bool, opts, want_rows: bool, draft: bool = False,
+                     chain: Optional[SamplerChain] = None) -> None:
         """Evaluate `tokens` after the n_tokens evaluated. draft (lossless mode, one token): the
         river drafts after it, and the token and its drafts are verified in one backbone batch,
-        whose every row is kept for sampling (_logits_row)."""
+        whose every row is kept for sampling (_logits_row). chain: the call's sampler chain, whose
+        copy samples the drafts (_pick_draft) when it is not plain greedy and has no grammar."""
         if not tokens:
             return
         m = self._require_engine()
@@ -609,7 +626,13 @@ class Llama:
             self._sync_kv(opts)
             t0 = time.perf_counter()
             if draft:
-                drafts = m.draft(tokens[0], opts, with_probs=False)[0]
+                twin = chain.clone() if chain is not None and not chain.greedy and not chain.has_grammar else None
+                try:
+                    pick = None if twin is None else functools.partial(_pick_draft, twin)
+                    drafts = m.draft(tokens[0], opts, with_probs=False, pick=pick)[0]
+                finally:
+                    if twin is not None:
+                        twin.close()
                 t1 = time.perf_counter()
                 tokens = tokens + drafts
                 k = len(tokens)
@@ -775,7 +798,8 @@ class Llama:
             # the backbone's logits give the chain.
             step = not first and len(tokens) == 1
             drafting = step and opts.lossless
-            self._eval_tokens(tokens, not step, opts, want_rows, draft=drafting)
+            # Logits processors change the rows the chain samples: drafts then stay greedy.
+            self._eval_tokens(tokens, not step, opts, want_rows, draft=drafting, chain=None if processors else chain)
             first = False
             while sample_idx < self.n_tokens:
                 logits = self._logits_row(sample_idx)

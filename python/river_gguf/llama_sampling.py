@@ -105,6 +105,7 @@ class SamplerChain:
             raise ValueError("a grammar needs the model's vocabulary")
 
         self.n_vocab = int(n_vocab)
+        self.has_grammar = grammar is not None
         # Greedy with neutral penalties and no grammar: libllama's chain is then the greedy sampler
         # alone (its penalties return at once), whose choice is the first highest logit; sample()
         # takes it without filling the vocabulary-wide candidate array.
@@ -187,6 +188,50 @@ class SamplerChain:
             raise SamplingError("no token is allowed: every candidate's logit is -inf after the constraints "
                                 "(grammar, logit_bias, logits_processor)")
         token = int(chosen.id)
+        lib.llama_sampler_accept(self._chain, token)
+        return token
+
+    def clone(self) -> "SamplerChain":
+        """A copy in the same state (libllama's llama_sampler_clone: the RNG's state, the
+        penalties' history, the grammar's stack): it draws what this chain would draw next from
+        the same logits. It shares this chain's candidate buffer: sample with one at a time."""
+        if self._chain is None:
+            raise RuntimeError("this sampler chain is closed")
+        twin = object.__new__(SamplerChain)
+        twin.n_vocab, twin.has_grammar, twin._argmax = self.n_vocab, self.has_grammar, self._argmax
+        twin._chain = lib.llama_sampler_clone(self._chain)
+        if not twin._chain:
+            raise MemoryError("llama_sampler_clone failed")
+        twin._cur, twin._ids, twin._array = self._cur, self._ids, self._array
+        return twin
+
+    @property
+    def greedy(self) -> bool:
+        """The chain is the first highest logit alone (greedy, neutral penalties, no grammar)."""
+        return self._argmax
+
+    def sample_from(self, tokens: np.ndarray, logits: np.ndarray) -> int:
+        """sample() over some tokens only: candidate i is tokens[i] with logits[i] (a draft
+        vocabulary's rows). The chain's samplers see just these candidates."""
+        if self._chain is None:
+            raise RuntimeError("this sampler chain is closed")
+        n = len(tokens)
+        if n != len(logits) or not 0 < n <= self.n_vocab:
+            raise ValueError(f"tokens and logits must have the same length in [1, {self.n_vocab}]")
+        cur = self._cur[:n]
+        cur["id"] = tokens
+        cur["logit"] = logits
+        cur["p"] = 0.0
+        arr = self._array
+        arr.data = cur.ctypes.data_as(lib.llama_token_data_p)
+        arr.size = n
+        arr.selected = -1
+        arr.sorted = False
+        lib.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        sel = arr.selected
+        if not 0 <= sel < arr.size or arr.data[sel].logit == -math.inf:
+            raise SamplingError("the sampler chain selected no token")
+        token = int(arr.data[sel].id)
         lib.llama_sampler_accept(self._chain, token)
         return token
 

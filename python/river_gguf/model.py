@@ -485,14 +485,17 @@ class Model:
 
     @_locked
     def draft(self, token: int, options: Optional[ExitOptions] = None,
-              with_probs: bool = True) -> Tuple[List[int], List[float]]:
+              with_probs: bool = True, pick=None) -> Tuple[List[int], List[float]]:
         """Lossless decoding's draft: `token` goes at position n_past, and the river proposes up to
         options.draft_max greedy tokens after it (drafted as options.draft_mode says), each kept
         while its probability under the draft is >= options.draft_p_min. The KV cache still holds
         n_past positions on return; the rows the drafts wrote beyond it are the verify batch's to
         overwrite. Returns (draft tokens, their probabilities under the draft); with_probs=False
         returns no probabilities, and at draft_p_min 0 spares the softmax over the vocabulary that
-        each would cost."""
+        each would cost. pick(logits, tokens) -> token, when given, chooses each draft instead of
+        the greedy rule (-1: stop), from the draft's logits and the token of each (None: the
+        whole vocabulary in order; read-only arrays valid during the call); draft_p_min and the
+        probabilities then do not apply."""
         tok = self._check_token(token)
         if self._engine.n_past + 1 > self.n_ctx:
             raise native.ContextOverflowError(f"no room after {self._engine.n_past} positions in n_ctx={self.n_ctx}")
@@ -502,7 +505,10 @@ class Model:
         if not self.has_river:
             raise ValueError(f"{self.model_path} has no river to draft with")
         opts.validate(self.n_layer, self.has_river)
-        tokens, probs = self._engine.draft(tok, **opts.draft_args(), with_probs=_bool_arg("with_probs", with_probs))
+        if pick is not None and not callable(pick):
+            raise ValueError(f"pick must be callable, got {type(pick).__name__}")
+        tokens, probs = self._engine.draft(tok, **opts.draft_args(), with_probs=_bool_arg("with_probs", with_probs),
+                                           pick=pick)
         return list(tokens), list(probs)
 
     @_locked

@@ -123,8 +123,7 @@ void bind_engine(py::module_& m) {
                          int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse, bool use_mmap,
                          std::vector<std::string> rpc_servers, int rpc_n_layers, std::vector<int> rpc_layers,
                          std::vector<float> rpc_split, int rpc_weights, double rpc_timeout, int main_gpu, bool flash_attn,
-                         const std::string& exit_decision, size_t gpu_memory, int draft_vocab,
-                         std::vector<int32_t> draft_always) {
+                         const std::string& exit_decision, size_t gpu_memory, int draft_vocab) {
                  EngineConfig cfg;
                  cfg.path = path;
                  cfg.river_path = river_path;
@@ -151,7 +150,6 @@ void bind_engine(py::module_& m) {
                  cfg.rpc_weights = rpc_weights;
                  cfg.rpc_timeout = rpc_timeout;
                  cfg.draft_vocab = draft_vocab;
-                 cfg.draft_always = std::move(draft_always);
                  py::gil_scoped_release release;
                  return std::make_unique<Engine>(cfg);
              }),
@@ -162,7 +160,7 @@ void bind_engine(py::module_& m) {
              py::arg("rpc_layers") = std::vector<int>{}, py::arg("rpc_split") = std::vector<float>{},
              py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0, py::arg("main_gpu") = 0, py::arg("flash_attn") = true,
              py::arg("exit_decision") = "auto", py::arg("gpu_memory") = size_t(0),
-             py::arg("draft_vocab") = -1, py::arg("draft_always") = std::vector<int32_t>{})
+             py::arg("draft_vocab") = -1)
         .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
              py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0,
@@ -176,6 +174,8 @@ void bind_engine(py::module_& m) {
              "with_probs=False returns no probabilities and, with p_min <= 0, computes none. pick(logits, tokens) "
              "-> token (or -1 to stop), when given, chooses each draft from the draft's logits and their tokens "
              "(None: logit i is token i); both arrays are read-only and valid only during the call.")
+        .def("pin_draft_tokens", &Engine::pin_draft_tokens, py::arg("tokens"),
+             "Keep these tokens draftable for good (the end-of-generation ones), in rows of their own.")
         .def("truncate", &Engine::truncate)
         .def_property_readonly("n_past", &Engine::n_past)
         .def_property_readonly("draft_vocab", &Engine::draft_vocab,

@@ -6,19 +6,10 @@
 
 namespace river {
 
-std::vector<int32_t> draft_vocabulary(const std::vector<int64_t>& ranking, int64_t n_vocab, int64_t size,
-                                      const std::vector<int32_t>& always) {
+std::vector<int32_t> draft_vocabulary(const std::vector<int64_t>& ranking, int64_t n_vocab, int64_t size) {
     if (size <= 0 || size >= n_vocab) return {};
     std::vector<char> in(size_t(n_vocab), 0);
     int64_t taken = 0;
-    for (int32_t t : always) {
-        if (t < 0 || t >= n_vocab) {
-            throw std::invalid_argument("draft vocabulary: token " + std::to_string(t) + " is outside [0, " +
-                                        std::to_string(n_vocab) + ")");
-        }
-        taken += !in[t];
-        in[t] = 1;
-    }
     for (int64_t t : ranking) {
         if (taken >= size) break;
         if (t < 0 || t >= n_vocab || in[t]) continue;

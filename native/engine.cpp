@@ -1,288 +1,18 @@
 #include "engine.h"
-#include "draft_vocab.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <tuple>
-#include <type_traits>
 #include <utility>
 
+#include "draft_vocab.h"
+#include "engine_graph.h"
 #include "errors.h"
-#include "ggml-alloc.h"
-#include "layer_graph.h"
 
-// In call order, top-down: the graph types, loading (files, weights, placement, scheduler,
-// cache), then a step: eval, eval_chunk, run, graph_for, build, and the exit node that runs
-// inside a graph.
+// A step, in call order: eval, eval_chunk, run, and the exit node that runs inside a graph. The
+// load is in engine_load.cpp, the graphs' building in engine_graph.cpp.
 
 namespace river {
-
-struct Engine::ExitNode {
-    Engine* engine;
-    int layer;
-    ggml_tensor* similarity = nullptr;  // graph decisions: cos(h_in, h_out) per token, F32 [1, n]
-    ggml_tensor* h_out = nullptr;
-};
-
-struct Engine::Graph {
-    GraphSpec spec;
-    std::vector<uint8_t> meta;  // the context's tensor and graph descriptions
-    ggml_context* ctx = nullptr;
-    ggml_cgraph* gf = nullptr;
-    ggml_gallocr_t galloc = nullptr;  // a kept CPU graph's own compute buffer
-    ggml_backend_sched_ptr sched;     // a kept graph's own scheduler (offloaded layers, graph exits)
-    BatchInputs in;
-    ggml_tensor* tok_in = nullptr;
-    ggml_tensor* logits = nullptr;
-    std::vector<ExitNode> exit_nodes;  // user data of the exit nodes; reserved, never moved
-
-    Graph() = default;
-    Graph(const Graph&) = delete;
-    Graph& operator=(const Graph&) = delete;
-    ~Graph() {
-        sched.reset();  // its compute buffers before the tensor descriptions they back
-        if (galloc) ggml_gallocr_free(galloc);
-        if (ctx) ggml_free(ctx);
-    }
-};
-
-namespace {
-
-// The number of fields of an aggregate: the most values that convert to anything it can be
-// brace-initialised with. Unlike a list written by hand, it cannot miss a field.
-struct AnyField {
-    template <class T>
-    operator T() const;  // only named in unevaluated contexts
-};
-
-template <class T, class... A>
-auto brace_initialisable(int) -> decltype(T{std::declval<A>()...}, std::true_type{});
-template <class T, class... A>
-std::false_type brace_initialisable(...);
-
-template <class T, class... A>
-constexpr size_t field_count() {
-    if constexpr (decltype(brace_initialisable<T, A..., AnyField>(0))::value) {
-        return field_count<T, A..., AnyField>();
-    } else {
-        return sizeof...(A);
-    }
-}
-
-static_assert(field_count<Span>() == std::tuple_size_v<decltype(Span{}.key())>,
-              "Span::key() must list every field of Span");
-
-}  // namespace
-
-bool Engine::GraphSpec::operator==(const GraphSpec& o) const {
-    static_assert(field_count<GraphSpec>() == std::tuple_size_v<decltype(GraphSpec{}.key())>,
-                  "GraphSpec::key() must list every field of GraphSpec (see engine.h)");
-    return key() == o.key();
-}
-
-namespace {
-
-// Nodes per decoder layer are about 40; leave room for the head and inputs.
-size_t graph_size(const HParams& hp) { return 128 * size_t(hp.n_layer) + 512; }
-
-// The river must be the backbone's own layers at another precision.
-void check_same_model(const HParams& a, const HParams& b, const GgufFile& fa, const GgufFile& fb) {
-    auto num = [](double v) {
-        char buf[32];
-        std::snprintf(buf, sizeof(buf), "%g", v);
-        return std::string(buf);
-    };
-    auto differ = [&](const char* what, double x, double y) {
-        if (x != y) {
-            throw RiverMismatchError(std::string("river '") + fb.path() + "' does not match backbone '" + fa.path() +
-                                     "': " + what + " is " + num(y) + " in the river but " + num(x) +
-                                     " in the backbone");
-        }
-    };
-    if (a.arch_name != b.arch_name) {
-        throw RiverMismatchError("river '" + fb.path() + "' has architecture '" + b.arch_name + "' but backbone '" +
-                                 fa.path() + "' has '" + a.arch_name + "'");
-    }
-    differ("block_count", a.n_layer, b.n_layer);
-    differ("embedding_length", a.n_embd, b.n_embd);
-    differ("feed_forward_length", a.n_ff, b.n_ff);
-    differ("attention.head_count", a.n_head, b.n_head);
-    differ("attention.head_count_kv", a.n_head_kv, b.n_head_kv);
-    differ("attention.key_length", a.head_dim_k, b.head_dim_k);
-    differ("attention.value_length", a.head_dim_v, b.head_dim_v);
-    differ("vocabulary size", a.n_vocab, b.n_vocab);
-    differ("rope.freq_base", a.rope_freq_base, b.rope_freq_base);
-    differ("rope.dimension_count", a.n_rot, b.n_rot);
-    differ("attention.sliding_window", a.n_swa, b.n_swa);
-    differ("the attention scale", a.attn_scale, b.attn_scale);
-    differ("attn_logit_softcapping", a.attn_softcap, b.attn_softcap);
-    differ("final_logit_softcapping", a.final_softcap, b.final_softcap);
-    differ("embedding_scale", a.embedding_scale, b.embedding_scale);
-    differ("residual_scale", a.residual_scale, b.residual_scale);
-    differ("logit_scale", a.logit_scale, b.logit_scale);
-    differ("rope.scaling.factor", a.rope_freq_scale, b.rope_freq_scale);
-    differ("the rope's YaRN mix", a.rope_ext_factor, b.rope_ext_factor);
-    differ("attention.temperature_scale", a.attn_temp_scale, b.attn_temp_scale);
-    if (a.swa_layers != b.swa_layers) throw RiverMismatchError("river '" + fb.path() + "' slides its window on other layers than backbone '" + fa.path() + "'");
-    // Same vocabulary, token by token: a river from another tokenizer would be nonsense.
-    const int64_t ka = gguf_find_key(fa.meta(), "tokenizer.ggml.tokens");
-    const int64_t kb = gguf_find_key(fb.meta(), "tokenizer.ggml.tokens");
-    if ((ka < 0) != (kb < 0)) throw RiverMismatchError("only one of backbone and river has a vocabulary");
-    if (ka >= 0) {
-        const size_t n = gguf_get_arr_n(fa.meta(), ka);
-        differ("tokenizer token count", double(n), double(gguf_get_arr_n(fb.meta(), kb)));
-        for (size_t i = 0; i < n; ++i) {
-            if (std::strcmp(gguf_get_arr_str(fa.meta(), ka, i), gguf_get_arr_str(fb.meta(), kb, i)) != 0) {
-                throw RiverMismatchError("river vocabulary differs from the backbone's at token " + std::to_string(i));
-            }
-        }
-    }
-}
-
-// Test hook: RIVER_GGUF_FAIL_LOAD_AT=<stage> makes a load throw at that stage, so that tests can
-// show a load failing late frees everything it made (tests/test_leaks.py). One getenv per stage.
-void fail_point(const char* stage) {
-    const char* at = std::getenv("RIVER_GGUF_FAIL_LOAD_AT");
-    if (at && std::strcmp(at, stage) == 0) {
-        throw std::runtime_error(std::string("load stopped at stage '") + stage + "' (RIVER_GGUF_FAIL_LOAD_AT)");
-    }
-}
-
-}  // namespace
-
-Engine::Engine(const EngineConfig& cfg)
-    : graph_reuse_(cfg.graph_reuse), flash_attn_(cfg.flash_attn), n_batch_(cfg.n_batch) {
-    try {
-        load(cfg);
-    } catch (const RpcError&) {
-        throw;
-    } catch (...) {
-        check_links();  // whatever failed while a server was failing is reported as that failure
-        throw;
-    }
-}
-
-// Members free themselves in reverse order of declaration (see engine.h); Graph is complete here.
-Engine::~Engine() = default;
-
-void Engine::load(const EngineConfig& cfg) {
-    if (cfg.n_ctx <= 0) throw std::invalid_argument("n_ctx must be positive");
-    if (cfg.n_threads <= 0) throw std::invalid_argument("n_threads must be positive");
-    if (cfg.n_batch <= 0) throw std::invalid_argument("n_batch must be positive");
-
-    load_weights(cfg);
-    // From here on every resource goes straight into its owning member (engine.h), so a throw
-    // anywhere below frees all of them.
-    start_cpu(cfg);
-    fail_point("backend");
-    place_weights(cfg, hp_, cpu_.get(), backbone_, river_.get(), links_, [this] { check_links(); }, placement_);
-    fail_point("weights");
-    rope_factors_ = backbone_.rope_factors(hp_, cfg.n_ctx);  // after placement, which may move tensors
-    if (river_ && (placement_.remote.empty() || cfg.rpc_weights == 0)) {
-        // Placement is final: the mixed layers point at the placed (joined, repacked) tensors.
-        // A layer's backbone and river weights are on one device (as RPC with rpc_weights="all"),
-        // except on a GPU that took the river first (Placement::river_first): there a deep
-        // layer's backbone attention stays in host memory and the scheduler splits its mixed
-        // layer between the CPU and the GPU.
-        for (int il = 0; il < hp_.n_layer; ++il) river_mixed_.push_back(with_attention_of(river_->layers[il],
-                                                                                      backbone_.layers[il]));
-    }
-    start_scheduler();
-    exits_on_graph_ = cfg.exit_decision == ExitDecision::Graph ||
-                      (cfg.exit_decision == ExitDecision::Auto && !placement_.local());
-    cache_ = std::make_unique<KvCache>(hp_, cfg.n_ctx, GGML_TYPE_F16, placement_.layer_backend,
-                                       /*v_trans=*/!cfg.flash_attn);
-    check_links();
-    fail_point("cache");
-    make_state();
-    fail_point("end");
-}
-
-// The backbone's file and weights, and the river's (in the same file or a separate one).
-void Engine::load_weights(const EngineConfig& cfg) {
-    file_ = std::make_unique<GgufFile>(cfg.path, cfg.use_mmap);
-    hp_ = read_hparams(*file_);
-    backbone_ = load_backbone(*file_, hp_);
-    if (!cfg.river_path.empty()) {
-        if (has_river_layers(*file_)) {
-            throw RiverMismatchError("'" + cfg.path + "' already holds a river; do not pass another");
-        }
-        river_file_ = std::make_unique<GgufFile>(cfg.river_path, cfg.use_mmap);
-        HParams rhp = read_hparams(*river_file_);
-        check_same_model(hp_, rhp, *file_, *river_file_);
-        river_ = std::make_unique<RiverWeights>(load_river(*river_file_, hp_, ""));
-    } else if (has_river_layers(*file_)) {
-        river_ = std::make_unique<RiverWeights>(load_river(*file_, hp_, "river."));
-    }
-    // The draft vocabulary, ranked by the river's file (a separate river GGUF, or this one), and
-    // the rows of the head a draft ends in: the river's own head where it has one, else the
-    // backbone's. Auto (-1) restricts only a river's head: a backbone's is a plain model's head
-    // at full precision, whose copy of the rows would cost more memory than it saves time.
-    const bool river_head = river_ && river_->head;
-    const int64_t size = river_head || cfg.draft_vocab >= 0 ? draft_vocab_size(cfg.draft_vocab, hp_.n_vocab) : 0;
-    if (size > 0) {
-        const GgufFile& ranked = river_file_ ? *river_file_ : *file_;
-        draft_vocab_ = draft_vocabulary(ranked.get_int_array(kDraftTokensKey), hp_.n_vocab, size, cfg.draft_always);
-    }
-    if (!draft_vocab_.empty()) {
-        draft_head_ = river_head ? &river_->draft_head : &backbone_.draft_output;
-        draft_rows_ = std::make_unique<HeadRows>(river_head ? river_->head : backbone_.output, draft_vocab_,
-                                                 kDraftContextRows);
-        *draft_head_ = draft_rows_->tensor();
-        draft_row_token_ = draft_vocab_;
-        draft_row_token_.resize(draft_vocab_.size() + kDraftContextRows, -1);
-        draftable_.assign(size_t(hp_.n_vocab), 0);
-        for (int32_t t : draft_vocab_) draftable_[t] = 1;
-    }
-}
-
-void Engine::start_cpu(const EngineConfig& cfg) {
-    cpu_.reset(ggml_backend_cpu_init());
-    if (!cpu_) throw std::runtime_error("cannot start the ggml CPU backend");
-    ggml_backend_t cpu = cpu_.get();
-    ggml_backend_cpu_set_n_threads(cpu, cfg.n_threads);
-    // A persistent pool: a decode step runs several small graphs, and starting threads
-    // for each would cost more than the graphs themselves.
-    ggml_threadpool_params tpp = ggml_threadpool_params_default(cfg.n_threads);
-    // Workers sleep between graphs rather than spin: on a small shared machine a spinning
-    // worker steals the core the next graph needs (measured: 100x slower decode under load).
-    // RIVER_GGML_POLL=1..100 turns polling back on for dedicated machines. This governs ggml's
-    // own pool only: a ggml built with OpenMP (llama-cpp-python's default build) runs its
-    // threads as OpenMP's, whose waiting OMP_WAIT_POLICY / GOMP_SPINCOUNT set, for both sides.
-    tpp.poll = 0;
-    if (const char* poll = std::getenv("RIVER_GGML_POLL")) tpp.poll = static_cast<uint32_t>(std::atoi(poll));
-    threadpool_.reset(ggml_threadpool_new(&tpp));
-    if (threadpool_) ggml_backend_cpu_set_threadpool(cpu, threadpool_.get());
-}
-
-void Engine::start_scheduler() {
-    if (placement_.gpu) backends_.push_back(placement_.gpu.get());
-    for (auto& r : placement_.remote) backends_.push_back(r.get());
-    backends_.push_back(cpu_.get());
-    sched_.reset(ggml_backend_sched_new(backends_.data(), nullptr, static_cast<int>(backends_.size()),
-                                        graph_size(hp_), false, true));
-    if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
-    // An exit node stops the backbone graph right after itself: the CPU backend asks this
-    // after every node, so the decision costs one flag read per node and no graph split.
-    ggml_backend_cpu_set_abort_callback(cpu_.get(), &Engine::abort_requested, this);
-}
-
-// The hidden state a stopped backbone graph hands to the river graph, in host memory: an exit
-// reads the exit layer's output rows into it from whichever device computed them. (A copy kept on
-// the GPU, device to device at the exit, was taken out while a tests_gpu segfault on lavapipe was
-// traced; the segfault followed a phi3 LongRoPE case instead, but the device copy never had a
-// passing device run.)
-void Engine::make_state() {
-    ggml_init_params sp{ggml_tensor_overhead() * 4, nullptr, /*no_alloc=*/true};
-    state_ctx_.reset(ggml_init(sp));
-    if (!state_ctx_) throw std::runtime_error("cannot create the hidden-state context");
-    h_state_ = ggml_new_tensor_2d(state_ctx_.get(), GGML_TYPE_F32, hp_.n_embd, n_batch_);
-    state_buf_.reset(ggml_backend_alloc_ctx_tensors(state_ctx_.get(), cpu_.get()));
-    if (!state_buf_) throw std::runtime_error("out of memory for the hidden-state buffer");
-}
 
 void Engine::check_links() {
     if (!broken_.empty()) throw RpcError(broken_);
@@ -301,7 +31,8 @@ void Engine::truncate(int n) {
 
 void Engine::note_draft_context(const int32_t* tokens, int n) {
     if (!draft_rows_) return;
-    const size_t first = draft_vocab_.size();
+    const size_t first = draft_vocab_.size() + size_t(draft_pinned_);  // the rotating rows
+    const int rotating = kDraftContextRows - draft_pinned_;
     for (int i = 0; i < n; ++i) {
         const int32_t t = tokens[i];
         if (draftable_[t]) continue;
@@ -310,18 +41,50 @@ void Engine::note_draft_context(const int32_t* tokens, int n) {
         draft_rows_->set_row(*draft_head_, int64_t(row), t);
         draft_row_token_[row] = t;
         draftable_[t] = 1;
-        draft_context_next_ = (draft_context_next_ + 1) % kDraftContextRows;
-        draft_context_used_ = std::min(draft_context_used_ + 1, kDraftContextRows);
+        draft_context_next_ = (draft_context_next_ + 1) % rotating;
+        draft_context_used_ = std::min(draft_context_used_ + 1, rotating);
     }
+}
+
+void Engine::pin_draft_tokens(const std::vector<int32_t>& tokens) {
+    if (!draft_rows_) return;
+    for (int32_t t : tokens) {
+        if (t < 0 || t >= hp_.n_vocab) {
+            throw std::invalid_argument("token id " + std::to_string(t) + " is outside the vocabulary");
+        }
+    }
+    // The rotating rows start again after the pinned ones.
+    const size_t first = draft_vocab_.size();
+    for (size_t row = first + size_t(draft_pinned_); row < draft_row_token_.size(); ++row) {
+        if (draft_row_token_[row] >= 0) draftable_[draft_row_token_[row]] = 0;
+        draft_row_token_[row] = -1;
+    }
+    draft_context_used_ = draft_context_next_ = 0;
+    for (int32_t t : tokens) {
+        if (draftable_[t] || draft_pinned_ >= kDraftPinnedRows) continue;
+        const size_t row = first + size_t(draft_pinned_++);
+        draft_rows_->set_row(*draft_head_, int64_t(row), t);
+        draft_row_token_[row] = t;
+        draftable_[t] = 1;
+    }
+}
+
+std::vector<int32_t> Engine::draft_vocab() const {
+    std::vector<int32_t> out(draft_vocab_);
+    const size_t first = draft_vocab_.size();
+    for (int i = 0; i < draft_pinned_; ++i) out.push_back(draft_row_token_[first + size_t(i)]);
+    std::sort(out.begin(), out.end());
+    return out;
 }
 
 std::vector<int32_t> Engine::draft_context() const {
     std::vector<int32_t> out;
     if (!draft_rows_) return out;
-    const size_t first = draft_vocab_.size();
-    const int oldest = draft_context_used_ < kDraftContextRows ? 0 : draft_context_next_;
+    const size_t first = draft_vocab_.size() + size_t(draft_pinned_);
+    const int rotating = kDraftContextRows - draft_pinned_;
+    const int oldest = draft_context_used_ < rotating ? 0 : draft_context_next_;
     for (int i = 0; i < draft_context_used_; ++i) {
-        out.push_back(draft_row_token_[first + size_t((oldest + i) % kDraftContextRows)]);
+        out.push_back(draft_row_token_[first + size_t((oldest + i) % rotating)]);
     }
     return out;
 }
@@ -375,7 +138,8 @@ std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, fl
             const float* l = r.logits.data();
             // The draft head's rows in use (its unused context rows are zero), or every token.
             const bool rows = r.n_cols < hp_.n_vocab;
-            const int n_vocab = rows ? static_cast<int>(draft_vocab_.size()) + draft_context_used_ : r.n_cols;
+            const int n_vocab =
+                rows ? static_cast<int>(draft_vocab_.size()) + draft_pinned_ + draft_context_used_ : r.n_cols;
             if (pick) {
                 const int32_t chosen = (*pick)(l, rows ? draft_row_token_.data() : nullptr, n_vocab);
                 if (chosen < 0) break;
@@ -631,167 +395,6 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
         }
     }
     return true;
-}
-
-Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
-    // Kept: single-token graphs, on every placement (position-independent: a step sets its
-    // inputs and runs the same graph, so a GPU backend can replay it, e.g. as a CUDA graph). A
-    // dynamic step alternates between the backbone graph and a river graph per exit depth, so one
-    // reused graph would be rebuilt at every exit. On a CPU-only engine a kept graph owns its
-    // compute buffer; with offloaded layers, or graph exit decisions (the scheduler's eval
-    // callback), it owns a scheduler, whose buffers hold one token's activations.
-    const bool keep = graph_reuse_ && spec.n == 1 && !observer_;
-    if (!keep) {
-        // The scheduler's allocation stays with the last graph built for it: a step of the same
-        // spec sets its inputs and runs that graph again (llama.cpp's can_reuse), so decoding
-        // with offloaded layers does not rebuild and re-plan every step.
-        if (graph_reuse_ && transient_ && transient_->spec == spec && !observer_) return *transient_;
-        transient_.reset();
-        transient_ = build(spec, false);
-        return *transient_;
-    }
-    for (size_t i = 0; i < graphs_.size(); ++i) {
-        if (graphs_[i]->spec == spec) {
-            std::rotate(graphs_.begin() + i, graphs_.begin() + i + 1, graphs_.end());  // most recent last
-            return *graphs_.back();
-        }
-    }
-    // Enough for every exit depth of a few settings; the oldest graph goes first.
-    const size_t max_kept = 2 * size_t(hp_.n_layer) + 8;
-    if (graphs_.size() >= max_kept) graphs_.erase(graphs_.begin());
-    graphs_.push_back(build(spec, true));
-    return *graphs_.back();
-}
-
-std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
-    ++graphs_built_;
-    auto g = std::make_unique<Graph>();
-    g->spec = spec;
-    // Sized to this graph's layers (a decoder layer is about 40 nodes; 64 leaves room), so that
-    // kept graphs carry no more metadata than they use.
-    size_t n_layers = 0;
-    for (const Span& s : spec.spans) n_layers += size_t(s.last - s.first + 1);
-    const size_t n_graph = std::min(graph_size(hp_), 64 * n_layers + 128);
-    g->meta.resize(ggml_tensor_overhead() * n_graph + ggml_graph_overhead_custom(n_graph, false));
-    ggml_init_params params{g->meta.size(), g->meta.data(), /*no_alloc=*/true};
-    g->ctx = ggml_init(params);
-    ggml_context* ctx = g->ctx;
-    ggml_cgraph* gf = ggml_new_graph_custom(ctx, n_graph, false);
-    g->gf = gf;
-    const int n = spec.n;
-
-    BatchInputs& in = g->in;
-    in.n_tokens = n;
-    in.n_kv = spec.n_kv;
-    in.positions = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
-    ggml_set_input(in.positions);
-    in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
-    ggml_set_input(in.kv_rows);
-    in.flash_attn = flash_attn_;
-    in.last_row_only = spec.head != Head::None && !spec.all_logits && n > 1;
-    if (!flash_attn_ && !spec.spans.empty()) {
-        in.v_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, hp_.n_embd_v_gqa() * n);
-        ggml_set_input(in.v_idxs);
-    }
-    const ggml_type mask_type = flash_attn_ ? GGML_TYPE_F16 : GGML_TYPE_F32;
-    // Each mask only where a layer of this graph reads it: an input no node uses gets no memory
-    // in the graph's allocation (a river graph may run only sliding-window layers, or none).
-    bool runs_global = false, runs_swa = false;
-    for (const Span& s : spec.spans) {
-        for (int il = s.first; il <= s.last; ++il) (hp_.is_swa(il) ? runs_swa : runs_global) = true;
-    }
-    if (runs_global) {
-        in.kq_mask = ggml_new_tensor_2d(ctx, mask_type, spec.n_kv, n);
-        ggml_set_input(in.kq_mask);
-    }
-    if (runs_swa) {
-        in.kq_mask_swa = ggml_new_tensor_2d(ctx, mask_type, spec.n_kv, n);
-        ggml_set_input(in.kq_mask_swa);
-    }
-    if (hp_.attn_temp_scale != 0.0f && !spec.spans.empty()) {
-        in.attn_temp = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, 1, n);
-        ggml_set_input(in.attn_temp);
-    }
-
-    ggml_tensor* h;
-    if (spec.from_tokens) {
-        g->tok_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
-        ggml_set_input(g->tok_in);
-        h = build_embedding(ctx, hp_, spec.river_embd ? river_->tok_embd : backbone_.tok_embd, g->tok_in);
-    } else {
-        h = ggml_view_2d(ctx, h_state_, hp_.n_embd, n, h_state_->nb[1], 0);
-    }
-
-    if (spec.exits) g->exit_nodes.reserve(hp_.n_layer);
-    for (const Span& s : spec.spans) {
-        for (int il = s.first; il <= s.last; ++il) {
-            const LayerWeights& w = !s.river                 ? backbone_.layers[il]
-                                    : spec.backbone_attention ? river_mixed_[il]
-                                                              : river_->layers[il];
-            ggml_tensor* h_in = h;
-            h = build_decoder_layer(ctx, gf, hp_, w, rope_factors_, *cache_, il, in, h);
-            // The last layer may keep only the last row (BatchInputs::last_row_only): its test
-            // compares that row.
-            if (h->ne[1] < h_in->ne[1]) h_in = ggml_view_2d(ctx, h_in, hp_.n_embd, h->ne[1], h_in->nb[1], h_in->nb[1] * (n - h->ne[1]));
-            if (spec.exits && exits_on_graph_) {
-                // cos(h_in, h_out) per token, on the layer's device: sum(a*b) / sqrt(sum(a^2) sum(b^2)).
-                ggml_tensor* dot = ggml_sum_rows(ctx, ggml_mul(ctx, h_in, h));
-                ggml_tensor* norms = ggml_mul(ctx, ggml_sum_rows(ctx, ggml_sqr(ctx, h_in)), ggml_sum_rows(ctx, ggml_sqr(ctx, h)));
-                ggml_tensor* s = ggml_div(ctx, dot, ggml_sqrt(ctx, norms));
-                ggml_format_name(s, "exit.%d", il);
-                ggml_set_output(s);
-                ggml_build_forward_expand(gf, s);
-                g->exit_nodes.push_back({this, il, s, h});
-            } else if (spec.exits) {
-                g->exit_nodes.push_back({this, il});
-                ggml_tensor* args[2] = {h_in, h};
-                ggml_tensor* decision = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, n, 1, 1, args, 2, &Engine::exit_node_op,
-                                                       1, &g->exit_nodes.back());
-                ggml_format_name(decision, "exit.%d", il);
-                ggml_build_forward_expand(gf, decision);
-            }
-        }
-    }
-
-    if (spec.head != Head::None) {
-        // The last layer kept its last row alone (last_row_only); a graph without it keeps every row.
-        if (!spec.all_logits && h->ne[1] > 1) h = ggml_view_2d(ctx, h, hp_.n_embd, 1, h->nb[1], h->nb[1] * (h->ne[1] - 1));
-        // A draft's head runs the draft vocabulary's rows where that head has them.
-        ggml_tensor* w = spec.head == Head::River ? river_->head : backbone_.output;
-        ggml_tensor* rows = spec.head == Head::River ? river_->draft_head : backbone_.draft_output;
-        if (spec.draft_vocab && rows) w = rows;
-        g->logits = spec.head == Head::Norm ? build_final_norm(ctx, hp_, backbone_.output_norm, h)
-                                            : build_head(ctx, hp_, backbone_.output_norm, w, h);
-        ggml_set_output(g->logits);
-        ggml_build_forward_expand(gf, g->logits);
-    }
-
-    // A kept graph owns its compute buffer (or scheduler), so switching between kept graphs
-    // needs no re-planning (see graph_for).
-    if (keep && placement_.local() && !(spec.exits && exits_on_graph_)) {
-        g->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(cpu_.get()));
-        if (!g->galloc || !ggml_gallocr_alloc_graph(g->galloc, gf)) {
-            throw std::runtime_error("cannot allocate the compute graph");
-        }
-        return g;
-    }
-    ggml_backend_sched_t sched = sched_.get();
-    if (keep) {
-        g->sched.reset(ggml_backend_sched_new(backends_.data(), nullptr, static_cast<int>(backends_.size()), n_graph,
-                                              false, true));
-        if (!g->sched) throw std::runtime_error("cannot create the ggml scheduler");
-        sched = g->sched.get();
-    } else {
-        ggml_backend_sched_reset(sched);
-    }
-    // CPU exit decisions run here: they read h through the CPU, and stop the CPU backend. (An
-    // RPC device claims to support every op, a custom op included.)
-    for (int i = 0; i < ggml_graph_n_nodes(gf); ++i) {
-        ggml_tensor* node = ggml_graph_node(gf, i);
-        if (node->op == GGML_OP_CUSTOM) ggml_backend_sched_set_tensor_backend(sched, node, cpu_.get());
-    }
-    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw std::runtime_error("cannot allocate the compute graph");
-    return g;
 }
 
 // Called by the CPU backend while a graph with exit nodes runs.

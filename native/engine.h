@@ -131,9 +131,14 @@ public:
     std::vector<int32_t> draft(int32_t token, EvalRequest how, int n_max, float p_min,
                                std::vector<float>* probs = nullptr, const DraftPicker* pick = nullptr);
     const KvCache& cache() const { return *cache_; }
-    // The tokens a draft may propose (EngineConfig::draft_vocab); empty: the whole vocabulary.
-    // The context's other tokens join them as they are evaluated (draft_context()).
-    const std::vector<int32_t>& draft_vocab() const { return draft_vocab_; }
+    // The tokens a draft may propose for good, ascending: EngineConfig::draft_vocab's and the
+    // pinned ones; empty: the whole vocabulary. The context's other tokens join them as they are
+    // evaluated (draft_context()).
+    std::vector<int32_t> draft_vocab() const;
+    // Keep these tokens draftable for good (the end-of-generation ones: a draft can then end the
+    // text), in context rows of their own (at most kDraftPinnedRows); the rotating rows start
+    // again. Nothing without a draft vocabulary.
+    void pin_draft_tokens(const std::vector<int32_t>& tokens);
     // The evaluated tokens outside draft_vocab() that drafts may propose too, oldest first.
     std::vector<int32_t> draft_context() const;
 
@@ -159,7 +164,7 @@ private:
     //
     // Equal specs must mean equal graphs: a field left out of the comparison would hand back a
     // kept graph built for another spec, silently. So == compares key(), one tuple of the fields,
-    // and a static_assert (at operator==, engine.cpp) counts the struct's fields against the
+    // and a static_assert (at operator==, engine_graph.cpp) counts the struct's fields against the
     // tuple's: a field added here but not to key() stops the build (a sizeof guard would hang
     // on padding and on the standard library's sizeof(std::vector); the count depends on neither).
     // This is llama.cpp's llm_graph_result::can_reuse (the kept graph is reused only when its
@@ -236,10 +241,11 @@ private:
     std::vector<int32_t> draft_vocab_;
     std::unique_ptr<HeadRows> draft_rows_;
     ggml_tensor** draft_head_ = nullptr;     // the slot of the placed draft head (river's or backbone's)
-    std::vector<int32_t> draft_row_token_;   // row -> token: draft_vocab_, then the context rows (-1: unused)
+    std::vector<int32_t> draft_row_token_;   // row -> token: draft_vocab_, the pinned, the rotating rows (-1: unused)
     std::vector<char> draftable_;            // per token: it has a row
-    int draft_context_used_ = 0;             // context rows filled
-    int draft_context_next_ = 0;             // the context row the next new token takes
+    int draft_pinned_ = 0;                   // context rows pinned (pin_draft_tokens)
+    int draft_context_used_ = 0;             // rotating context rows filled
+    int draft_context_next_ = 0;             // the rotating row the next new token takes
     // Give `tokens` outside the draft head's rows a context row each (kDraftContextRows).
     void note_draft_context(const int32_t* tokens, int n);
 

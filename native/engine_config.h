@@ -45,11 +45,9 @@ struct EngineConfig {
     int rpc_weights = 0;                   // whose weights of a remote layer go with it: 0 both, 1 backbone, 2 river
     double rpc_timeout = 120;              // seconds a server may take to answer; <= 0: no limit
     // Lossless decoding's draft vocabulary (draft_vocab.h): this many tokens (0: the whole
-    // vocabulary; -1: draft_vocab_size's choice for a river with its own head), `draft_always`
-    // among them. A draft's head then runs these rows alone; the
+    // vocabulary; -1: draft_vocab_size's choice for a river with its own head). A draft's head then runs these rows alone; the
     // verify batch runs the backbone's full head, so the text is the same.
     int draft_vocab = -1;
-    std::vector<int32_t> draft_always;
 };
 
 }  // namespace river

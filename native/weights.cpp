@@ -1,6 +1,7 @@
 #include "weights.h"
 
 #include <cstring>
+#include <iterator>
 #include <map>
 
 #include "ggml-alloc.h"
@@ -8,6 +9,7 @@
 
 #include "arch.h"
 #include "errors.h"
+#include "field_count.h"
 
 namespace river {
 
@@ -253,10 +255,25 @@ std::vector<std::string> joined_parts(const std::string& name) {
     return {name};
 }
 
+namespace {
+
+// Every tensor field of a layer, for placement: a field added to LayerWeights but not here would
+// be left behind on the CPU, so the compiler counts the list against the struct (as GraphSpec).
+constexpr ggml_tensor* LayerWeights::*kLayerSlots[] = {
+    &LayerWeights::attn_norm, &LayerWeights::wq,        &LayerWeights::wk,       &LayerWeights::wv,
+    &LayerWeights::wo,        &LayerWeights::bq,        &LayerWeights::bk,       &LayerWeights::bv,
+    &LayerWeights::q_norm,    &LayerWeights::k_norm,    &LayerWeights::attn_post_norm,
+    &LayerWeights::ffn_norm,  &LayerWeights::ffn_gate,  &LayerWeights::ffn_up,   &LayerWeights::ffn_down,
+    &LayerWeights::ffn_post_norm, &LayerWeights::wqkv,  &LayerWeights::ffn_gate_up,
+};
+static_assert(std::size(kLayerSlots) == field_count<LayerWeights>(), "kLayerSlots must list every field of LayerWeights");
+
+}  // namespace
+
 std::vector<ggml_tensor**> layer_slots(LayerWeights& w) {
-    return {&w.attn_norm, &w.wq,       &w.wk,       &w.wv,       &w.wo,           &w.bq,
-            &w.bk,        &w.bv,       &w.q_norm,   &w.k_norm,   &w.attn_post_norm, &w.ffn_norm,
-            &w.ffn_gate,  &w.ffn_up,   &w.ffn_down, &w.ffn_post_norm, &w.wqkv,    &w.ffn_gate_up};
+    std::vector<ggml_tensor**> out;
+    for (auto field : kLayerSlots) out.push_back(&(w.*field));
+    return out;
 }
 
 std::vector<ggml_tensor**> matmul_slots(LayerWeights& w) {

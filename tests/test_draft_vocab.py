@@ -56,12 +56,8 @@ def test_draft_vocabulary_rule(big_vocab_river, tmp_path):
     m = Model(str(copy), n_ctx=64, n_threads=2, draft_vocab=8)
     eog = [t for t in range(m.n_vocab) if m.is_eog(t)]
     assert eog, "the vocabulary has an end-of-generation token"
-    want = set(eog) | {60000, 5, 65000, 69999, 7}
-    t = 0
-    while len(want) < 8:
-        want.add(t)
-        t += 1
-    assert m.draft_vocab == sorted(want)
+    want = {60000, 5, 65000, 69999, 7, 0, 1, 2}  # the ranking, then the lowest ids left
+    assert m.draft_vocab == sorted(want | set(eog))  # the end-of-generation tokens are pinned
     assert len(Model(str(copy), n_ctx=64, n_threads=2).draft_vocab) == 32768
     assert Model(str(copy), n_ctx=64, n_threads=2, draft_vocab=0).draft_vocab == []
     assert Model(str(copy), n_ctx=64, n_threads=2, draft_vocab=BIG_VOCAB).draft_vocab == []
@@ -77,11 +73,13 @@ def test_context_tokens_join_the_draft_vocabulary(big_vocab_river):
     """Every evaluated token outside the vocabulary takes a context row; the oldest gives way."""
     m = Model(big_vocab_river[1], n_ctx=1024, n_threads=2, draft_vocab=64)
     vocab = set(m.draft_vocab)
-    outside = [t for t in range(1000, BIG_VOCAB) if t not in vocab][:CONTEXT_ROWS + 40]
+    rotating = CONTEXT_ROWS - (len(vocab) - 64)  # less the pinned end-of-generation tokens' rows
+    outside = [t for t in range(1000, BIG_VOCAB) if t not in vocab][:rotating + 40]
     m.eval(outside[:10] + outside[:3], m.options(mode="backbone"))
     assert m.draft_context == outside[:10]
     m.eval(outside[10:], m.options(mode="backbone"))
-    assert m.draft_context == outside[-CONTEXT_ROWS:]
+    assert m.draft_context == outside[-rotating:]
+    assert set(m.draft_vocab) == vocab  # pinned tokens never give way
 
 
 def _allowed_best(logits, allowed):

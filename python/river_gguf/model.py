@@ -207,19 +207,13 @@ class Model:
         # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
         draft_vocab = -1 if ro.draft_vocab is None else _int_arg("draft_vocab", ro.draft_vocab, 0, 1 << 30)
         with deferred_interrupts():
-            try:
-                self._vocab = native.Vocab(model_path)
-            except Exception:
-                # The engine's checks name what is wrong with a file (not a GGUF, truncated, a
-                # missing tensor) better than libllama's vocabulary loader: they report first.
-                native.Engine(model_path, river or "", 1, 1, 1, 0, draft_vocab=0)
-                raise
-            # The end-of-generation tokens stay draftable, so a draft can end the text.
             self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
                                          main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
-                                         use_mmap=self._use_mmap,
-                                         flash_attn=self.flash_attn, exit_decision=ro.exit_decision,
-                                         draft_vocab=draft_vocab, draft_always=self._vocab.eog_tokens, **rpc_kw)
+                                         use_mmap=self._use_mmap, flash_attn=self.flash_attn,
+                                         exit_decision=ro.exit_decision, draft_vocab=draft_vocab, **rpc_kw)
+            self._vocab = native.Vocab(model_path)
+        # The end-of-generation tokens stay draftable, so a draft can end the text.
+        self._engine.pin_draft_tokens(self._vocab.eog_tokens)
         asked = min(n_gpu_layers, self._engine.hparams["n_layer"])
         placed = self._engine.placement
         budget = (f"the GPU's budget ({placed['gpu_budget'] / 2**20:.0f} MiB: its free memory"

@@ -1,0 +1,65 @@
+#include "model_check.h"
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "errors.h"
+
+namespace river {
+
+void check_same_model(const HParams& a, const HParams& b, const GgufFile& fa, const GgufFile& fb) {
+    auto num = [](double v) {
+        char buf[32];
+        std::snprintf(buf, sizeof(buf), "%g", v);
+        return std::string(buf);
+    };
+    auto differ = [&](const char* what, double x, double y) {
+        if (x != y) {
+            throw RiverMismatchError(std::string("river '") + fb.path() + "' does not match backbone '" + fa.path() +
+                                     "': " + what + " is " + num(y) + " in the river but " + num(x) +
+                                     " in the backbone");
+        }
+    };
+    if (a.arch_name != b.arch_name) {
+        throw RiverMismatchError("river '" + fb.path() + "' has architecture '" + b.arch_name + "' but backbone '" +
+                                 fa.path() + "' has '" + a.arch_name + "'");
+    }
+    differ("block_count", a.n_layer, b.n_layer);
+    differ("embedding_length", a.n_embd, b.n_embd);
+    differ("feed_forward_length", a.n_ff, b.n_ff);
+    differ("attention.head_count", a.n_head, b.n_head);
+    differ("attention.head_count_kv", a.n_head_kv, b.n_head_kv);
+    differ("attention.key_length", a.head_dim_k, b.head_dim_k);
+    differ("attention.value_length", a.head_dim_v, b.head_dim_v);
+    differ("vocabulary size", a.n_vocab, b.n_vocab);
+    differ("attention.layer_norm_rms_epsilon", a.rms_eps, b.rms_eps);
+    differ("rope.freq_base", a.rope_freq_base, b.rope_freq_base);
+    differ("rope.dimension_count", a.n_rot, b.n_rot);
+    differ("attention.sliding_window", a.n_swa, b.n_swa);
+    differ("the attention scale", a.attn_scale, b.attn_scale);
+    differ("attn_logit_softcapping", a.attn_softcap, b.attn_softcap);
+    differ("final_logit_softcapping", a.final_softcap, b.final_softcap);
+    differ("embedding_scale", a.embedding_scale, b.embedding_scale);
+    differ("residual_scale", a.residual_scale, b.residual_scale);
+    differ("logit_scale", a.logit_scale, b.logit_scale);
+    differ("rope.scaling.factor", a.rope_freq_scale, b.rope_freq_scale);
+    differ("the rope's YaRN mix", a.rope_ext_factor, b.rope_ext_factor);
+    differ("attention.temperature_scale", a.attn_temp_scale, b.attn_temp_scale);
+    if (a.swa_layers != b.swa_layers) throw RiverMismatchError("river '" + fb.path() + "' slides its window on other layers than backbone '" + fa.path() + "'");
+    // Same vocabulary, token by token: a river from another tokenizer would be nonsense.
+    const int64_t ka = gguf_find_key(fa.meta(), "tokenizer.ggml.tokens");
+    const int64_t kb = gguf_find_key(fb.meta(), "tokenizer.ggml.tokens");
+    if ((ka < 0) != (kb < 0)) throw RiverMismatchError("only one of backbone and river has a vocabulary");
+    if (ka >= 0) {
+        const size_t n = gguf_get_arr_n(fa.meta(), ka);
+        differ("tokenizer token count", double(n), double(gguf_get_arr_n(fb.meta(), kb)));
+        for (size_t i = 0; i < n; ++i) {
+            if (std::strcmp(gguf_get_arr_str(fa.meta(), ka, i), gguf_get_arr_str(fb.meta(), kb, i)) != 0) {
+                throw RiverMismatchError("river vocabulary differs from the backbone's at token " + std::to_string(i));
+            }
+        }
+    }
+}
+
+}  // namespace river

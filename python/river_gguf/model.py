@@ -280,14 +280,15 @@ class Model:
 
     @property
     def draft_vocab(self) -> List[int]:
-        """The tokens a lossless draft may propose, ascending (empty: the whole vocabulary), and
-        besides them draft_context."""
+        """The tokens a lossless draft may propose for good, ascending: the draft_vocab option's
+        and the end-of-generation ones (empty: the whole vocabulary); besides them, draft_context."""
         return list(self._engine.draft_vocab)
 
     @property
     def draft_context(self) -> List[int]:
         """The tokens outside draft_vocab that this model has evaluated since it loaded (the
-        latest 512, oldest first): a draft may propose them too."""
+        latest, up to 512 less the end-of-generation tokens pinned in draft_vocab; oldest first):
+        a draft may propose them too."""
         return list(self._engine.draft_context)
 
     @property

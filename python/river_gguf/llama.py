@@ -96,6 +96,7 @@ import llama_cpp._logger as llama_logger
 import llama_cpp.llama_chat_format as llama_chat_format
 import numpy as np
 from llama_cpp import _internals as internals
+from llama_cpp._utils import suppress_stdout_stderr
 from llama_cpp import llama_cpp as lib
 from llama_cpp.llama import Llama as _LlamaCpp
 from llama_cpp.llama import LlamaState, LogitsProcessorList, StoppingCriteriaList  # noqa: F401 (re-exported)
@@ -298,7 +299,8 @@ class Llama:
 
         # The engine's own checks first: libllama aborts the process on some malformed
         # vocabularies (a token with a NUL byte) that the engine refuses with GGUFFormatError.
-        native.Vocab(model_path)
+        with suppress_stdout_stderr(disable=self.verbose):  # its warnings, as Model's load
+            native.Vocab(model_path)
         try:
             self._model = internals.LlamaModel(path_model=model_path, params=params, verbose=self.verbose)
             # llama-cpp-python decodes every key and string value as UTF-8 (UnicodeDecodeError

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import llama_cpp._logger as llama_logger
+from llama_cpp._utils import suppress_stdout_stderr
 import numpy as np
 
 from . import presets, rpc
@@ -211,7 +212,10 @@ class Model:
                                          main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
                                          use_mmap=self._use_mmap, flash_attn=self.flash_attn,
                                          exit_decision=ro.exit_decision, draft_vocab=draft_vocab, **rpc_kw)
-            self._vocab = native.Vocab(model_path)
+            # libllama's vocabulary loader warns on stderr whatever llama_cpp's log level (Qwen:
+            # "control-looking token"); llama_cpp.Llama(verbose=False) silences its load the same way.
+            with suppress_stdout_stderr(disable=verbose):
+                self._vocab = native.Vocab(model_path)
         # The end-of-generation tokens stay draftable, so a draft can end the text.
         self._engine.pin_draft_tokens(self._vocab.eog_tokens)
         asked = min(n_gpu_layers, self._engine.hparams["n_layer"])

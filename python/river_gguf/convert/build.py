@@ -42,6 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import gguf
 import numpy as np
+from llama_cpp._utils import suppress_stdout_stderr
 
 from .. import presets as presets_mod
 from ..presets import GRID_KEY
@@ -419,7 +420,8 @@ def draft_token_ranking(vocab_path: str, texts: Optional[List[str]] = None) -> L
     """The calibration text's tokens, most frequent first (ties: lower id first), as stored under
     river.draft_tokens: the ranking lossless decoding's draft vocabulary takes its tokens from
     (native/draft_vocab.h). texts: default imatrix.calibration_texts()."""
-    vocab = native.Vocab(vocab_path)
+    with suppress_stdout_stderr():  # libllama's vocabulary warnings: the converter is quiet
+        vocab = native.Vocab(vocab_path)
     counts: Dict[int, int] = {}
     for text in imx.calibration_texts() if texts is None else texts:
         for t in vocab.tokenize(text, False, False):

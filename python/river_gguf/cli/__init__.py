@@ -3,8 +3,9 @@
 Each subcommand is a module here with a `register(subparsers, common)` that adds its parser
 (`common` holds the shared parent parsers of the model, exit and sampling options, see
 common.py) and sets `func`, a handler `args -> exit status`. The list below is the order in
---help. Registration is static and light: a handler imports the heavy parts (the native module,
-numpy, the web stack) when it runs.
+--help. Registration is static: it imports `Llama` (common.py), and with it the native module,
+llama_cpp and numpy; a handler imports what only it needs (the web stack for `serve`) when it
+runs.
 """
 import argparse
 import os

@@ -160,7 +160,7 @@ void bind_engine(py::module_& m) {
              py::arg("rpc_layers") = std::vector<int>{}, py::arg("rpc_split") = std::vector<float>{},
              py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0, py::arg("main_gpu") = 0, py::arg("flash_attn") = true,
              py::arg("exit_decision") = "auto", py::arg("gpu_memory") = size_t(0),
-             py::arg("draft_vocab") = -1)
+             py::arg("draft_vocab") = 0)
         .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
              py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
              py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0,

@@ -29,18 +29,20 @@ void Engine::truncate(int n) {
     n_past_ = n;
 }
 
+void Engine::put_draft_row(size_t row, int32_t token) {
+    if (draft_row_token_[row] >= 0) draftable_[draft_row_token_[row]] = 0;  // its token gives way
+    draft_rows_->set_row(*draft_head_, int64_t(row), token);
+    draft_row_token_[row] = token;
+    draftable_[token] = 1;
+}
+
 void Engine::note_draft_context(const int32_t* tokens, int n) {
     if (!draft_rows_) return;
-    const size_t first = draft_vocab_.size() + size_t(draft_pinned_);  // the rotating rows
+    const size_t first = draft_fixed_ + size_t(draft_pinned_);  // the rotating rows
     const int rotating = kDraftContextRows - draft_pinned_;
     for (int i = 0; i < n; ++i) {
-        const int32_t t = tokens[i];
-        if (draftable_[t]) continue;
-        const size_t row = first + size_t(draft_context_next_);
-        if (draft_row_token_[row] >= 0) draftable_[draft_row_token_[row]] = 0;  // the oldest gives way
-        draft_rows_->set_row(*draft_head_, int64_t(row), t);
-        draft_row_token_[row] = t;
-        draftable_[t] = 1;
+        if (draftable_[tokens[i]]) continue;
+        put_draft_row(first + size_t(draft_context_next_), tokens[i]);  // the oldest gives way
         draft_context_next_ = (draft_context_next_ + 1) % rotating;
         draft_context_used_ = std::min(draft_context_used_ + 1, rotating);
     }
@@ -54,25 +56,20 @@ void Engine::pin_draft_tokens(const std::vector<int32_t>& tokens) {
         }
     }
     // The rotating rows start again after the pinned ones.
-    const size_t first = draft_vocab_.size();
-    for (size_t row = first + size_t(draft_pinned_); row < draft_row_token_.size(); ++row) {
+    for (size_t row = draft_fixed_ + size_t(draft_pinned_); row < draft_row_token_.size(); ++row) {
         if (draft_row_token_[row] >= 0) draftable_[draft_row_token_[row]] = 0;
         draft_row_token_[row] = -1;
     }
     draft_context_used_ = draft_context_next_ = 0;
     for (int32_t t : tokens) {
         if (draftable_[t] || draft_pinned_ >= kDraftPinnedRows) continue;
-        const size_t row = first + size_t(draft_pinned_++);
-        draft_rows_->set_row(*draft_head_, int64_t(row), t);
-        draft_row_token_[row] = t;
-        draftable_[t] = 1;
+        put_draft_row(draft_fixed_ + size_t(draft_pinned_++), t);
     }
 }
 
 std::vector<int32_t> Engine::draft_vocab() const {
-    std::vector<int32_t> out(draft_vocab_);
-    const size_t first = draft_vocab_.size();
-    for (int i = 0; i < draft_pinned_; ++i) out.push_back(draft_row_token_[first + size_t(i)]);
+    const size_t fixed = draft_fixed_ + size_t(draft_pinned_);
+    std::vector<int32_t> out(draft_row_token_.begin(), draft_row_token_.begin() + fixed);
     std::sort(out.begin(), out.end());
     return out;
 }
@@ -80,7 +77,7 @@ std::vector<int32_t> Engine::draft_vocab() const {
 std::vector<int32_t> Engine::draft_context() const {
     std::vector<int32_t> out;
     if (!draft_rows_) return out;
-    const size_t first = draft_vocab_.size() + size_t(draft_pinned_);
+    const size_t first = draft_fixed_ + size_t(draft_pinned_);
     const int rotating = kDraftContextRows - draft_pinned_;
     const int oldest = draft_context_used_ < rotating ? 0 : draft_context_next_;
     for (int i = 0; i < draft_context_used_; ++i) {
@@ -92,8 +89,8 @@ std::vector<int32_t> Engine::draft_context() const {
 EvalResult Engine::eval(const EvalRequest& req) {
     check_links();
     check_request(req);
-    // Every token evaluated may be drafted later (a draft's own tokens already can).
-    if (!req.draft_vocab) note_draft_context(req.tokens.data(), static_cast<int>(req.tokens.size()));
+    // Every token evaluated may be drafted later.
+    note_draft_context(req.tokens.data(), static_cast<int>(req.tokens.size()));
     EvalResult out;
     out.exit_layer = hp_.n_layer - 1;
     const int n = static_cast<int>(req.tokens.size());
@@ -120,12 +117,7 @@ std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, fl
     if (std::isnan(p_min)) throw std::invalid_argument("p_min is NaN");
     if (how.all_logits || how.embeddings || how.trace) throw std::invalid_argument("a draft takes one row of logits");
     // With a draft vocabulary the head runs its rows alone, and logit i is token draft_row_token_[i].
-    how.draft_vocab = !draft_vocab_.empty();
-    if (how.draft_vocab) {
-        if (token < 0 || token >= hp_.n_vocab) throw std::invalid_argument("token id " + std::to_string(token) +
-                                                                          " is outside the vocabulary");
-        note_draft_context(&token, 1);
-    }
+    how.draft_vocab = draft_rows_ != nullptr;
     const int start = n_past_;
     // The verify batch evaluates `token` and every draft: all must fit the context.
     n_max = std::min(n_max, cache_->n_ctx() - start - 1);
@@ -139,7 +131,7 @@ std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, fl
             // The draft head's rows in use (its unused context rows are zero), or every token.
             const bool rows = r.n_cols < hp_.n_vocab;
             const int n_vocab =
-                rows ? static_cast<int>(draft_vocab_.size()) + draft_pinned_ + draft_context_used_ : r.n_cols;
+                rows ? static_cast<int>(draft_fixed_) + draft_pinned_ + draft_context_used_ : r.n_cols;
             if (pick) {
                 const int32_t chosen = (*pick)(l, rows ? draft_row_token_.data() : nullptr, n_vocab);
                 if (chosen < 0) break;
@@ -203,7 +195,7 @@ void Engine::check_request(const EvalRequest& req) const {
             "backbone_attention needs each layer's backbone and river weights on one device: not available "
             "with rpc_weights='backbone' or 'river'");
     }
-    if (req.draft_vocab && (draft_vocab_.empty() || req.all_logits || req.embeddings || req.trace)) {
+    if (req.draft_vocab && (!draft_rows_ || req.all_logits || req.embeddings || req.trace)) {
         throw std::invalid_argument("draft_vocab: one row of draft logits, from an engine with a draft vocabulary");
     }
     if (req.river_head && needs_river && !river_->head) {

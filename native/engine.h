@@ -68,8 +68,8 @@ struct EvalRequest {
     // pooling none) instead of logits. Backbone mode only.
     bool embeddings = false;
     bool trace = false;          // run layer by layer and record every similarity
-    // The head computes the draft vocabulary's rows alone (EngineConfig::draft_vocab): logits
-    // column i is token draft_vocab()[i]. Set by draft().
+    // The head computes the draft head's rows alone (EngineConfig::draft_vocab and the context
+    // rows, Engine::draft): logits column i is that row's token. Set by draft().
     bool draft_vocab = false;
 };
 
@@ -237,17 +237,21 @@ private:
     // Per layer: the river's weights with the backbone's attention group (backbone_attention);
     // pointers into backbone_ and river_, set once their placement is final.
     std::vector<LayerWeights> river_mixed_;
-    // The draft vocabulary and the draft head's rows of it (a host copy; placement may move it).
-    std::vector<int32_t> draft_vocab_;
+    // The draft head's rows (a host copy; placement may move it): EngineConfig::draft_vocab's
+    // tokens, then kDraftContextRows for the pinned and the context's tokens. Null: no draft
+    // vocabulary.
     std::unique_ptr<HeadRows> draft_rows_;
+    size_t draft_fixed_ = 0;                 // rows of EngineConfig::draft_vocab's tokens
     ggml_tensor** draft_head_ = nullptr;     // the slot of the placed draft head (river's or backbone's)
-    std::vector<int32_t> draft_row_token_;   // row -> token: draft_vocab_, the pinned, the rotating rows (-1: unused)
+    std::vector<int32_t> draft_row_token_;   // row -> token: the fixed, the pinned, the rotating rows (-1: unused)
     std::vector<char> draftable_;            // per token: it has a row
     int draft_pinned_ = 0;                   // context rows pinned (pin_draft_tokens)
     int draft_context_used_ = 0;             // rotating context rows filled
     int draft_context_next_ = 0;             // the rotating row the next new token takes
     // Give `tokens` outside the draft head's rows a context row each (kDraftContextRows).
     void note_draft_context(const int32_t* tokens, int n);
+    // Row `row` of the draft head becomes token's; the token it held stops being draftable.
+    void put_draft_row(size_t row, int32_t token);
 
     // Every native resource is owned from the moment it is created, so a constructor that
     // throws half-way frees what it made. Members are destroyed in reverse order: the scheduler

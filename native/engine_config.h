@@ -44,10 +44,11 @@ struct EngineConfig {
     std::vector<float> rpc_split;          // share of the remote layers per remote device; empty: by free memory
     int rpc_weights = 0;                   // whose weights of a remote layer go with it: 0 both, 1 backbone, 2 river
     double rpc_timeout = 120;              // seconds a server may take to answer; <= 0: no limit
-    // Lossless decoding's draft vocabulary (draft_vocab.h): this many tokens (0: the whole
-    // vocabulary; -1: draft_vocab_size's choice for a river with its own head). A draft's head then runs these rows alone; the
-    // verify batch runs the backbone's full head, so the text is the same.
-    int draft_vocab = -1;
+    // Lossless decoding's draft vocabulary (draft_vocab.h): this many tokens (0: none, the whole
+    // vocabulary; -1: draft_vocab_size's choice for a river with its own head). A draft's head
+    // then runs these rows alone; the verify batch runs the backbone's full head, so the text is
+    // the same. Off by default: an engine opened only to check or trace a file needs none.
+    int draft_vocab = 0;
 };
 
 }  // namespace river

@@ -96,19 +96,18 @@ void Engine::load_weights(const EngineConfig& cfg) {
     // at full precision, whose copy of the rows would cost more memory than it saves time.
     const bool river_head = river_ && river_->head;
     const int64_t size = river_head || cfg.draft_vocab >= 0 ? draft_vocab_size(cfg.draft_vocab, hp_.n_vocab) : 0;
-    if (size > 0) {
-        const GgufFile& ranked = river_file_ ? *river_file_ : *file_;
-        draft_vocab_ = draft_vocabulary(ranked.get_int_array(kDraftTokensKey), hp_.n_vocab, size);
-    }
-    if (!draft_vocab_.empty()) {
+    const GgufFile& ranked = river_file_ ? *river_file_ : *file_;
+    const std::vector<int32_t> ids =
+        size > 0 ? draft_vocabulary(ranked.get_int_array(kDraftTokensKey), hp_.n_vocab, size) : std::vector<int32_t>{};
+    if (!ids.empty()) {
         draft_head_ = river_head ? &river_->draft_head : &backbone_.draft_output;
-        draft_rows_ = std::make_unique<HeadRows>(river_head ? river_->head : backbone_.output, draft_vocab_,
-                                                 kDraftContextRows);
+        draft_rows_ = std::make_unique<HeadRows>(river_head ? river_->head : backbone_.output, ids, kDraftContextRows);
         *draft_head_ = draft_rows_->tensor();
-        draft_row_token_ = draft_vocab_;
-        draft_row_token_.resize(draft_vocab_.size() + kDraftContextRows, -1);
+        draft_fixed_ = ids.size();
+        draft_row_token_ = ids;
+        draft_row_token_.resize(ids.size() + kDraftContextRows, -1);
         draftable_.assign(size_t(hp_.n_vocab), 0);
-        for (int32_t t : draft_vocab_) draftable_[t] = 1;
+        for (int32_t t : ids) draftable_[t] = 1;
     }
 }
 

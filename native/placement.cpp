@@ -210,11 +210,11 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
     // which stays in the mapping for get_rows.
     std::vector<ggml_tensor**> heads = {&backbone.output};
     if (river && river->head) heads.push_back(&river->head);
-    // The draft vocabulary's rows of a head go where the head goes, in the device's plain layout
-    // (never a repacked one): the engine rewrites its context rows in place.
-    std::vector<ggml_tensor**> draft_heads;
-    if (backbone.draft_output) draft_heads.push_back(&backbone.draft_output);
-    if (river && river->draft_head) draft_heads.push_back(&river->draft_head);
+    // The draft vocabulary's rows of a head go where the heads go on a GPU, but on the CPU stay
+    // in their plain layout (never a repacked one): the engine rewrites its context rows in place.
+    std::vector<ggml_tensor**> gpu_heads = heads;
+    if (backbone.draft_output) gpu_heads.push_back(&backbone.draft_output);
+    if (river && river->draft_head) gpu_heads.push_back(&river->draft_head);
     GpuPlan plan;
     if (out.gpu) {
         // As many of the asked layers as fit the GPU's free memory (llama.cpp's --fit), or the
@@ -238,8 +238,7 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
             out.river_bytes.push_back(b.river);
             out.kv_bytes.push_back(b.kv);
         }
-        std::vector<ggml_tensor**> head_slots = heads;
-        head_slots.insert(head_slots.end(), draft_heads.begin(), draft_heads.end());
+        std::vector<ggml_tensor**> head_slots = gpu_heads;
         head_slots.push_back(&backbone.output_norm);
         out.head_bytes = bytes_of(head_slots);
         size_t free = 0, total = 0;
@@ -255,8 +254,8 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
         // largest buffer range) stays on the CPU with the output norm, as llama.cpp keeps a
         // weight the device's buffer type does not support in host memory.
         ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(out.gpu.get());
-        for (ggml_tensor** s : head_slots) {
-            if (out.gpu_head && *s && ggml_n_dims(*s) == 2 && !buft_supports_matmul(ggml_backend_get_device(out.gpu.get()), buft, *s)) {
+        for (ggml_tensor** s : gpu_heads) {
+            if (out.gpu_head && *s && !buft_supports_matmul(ggml_backend_get_device(out.gpu.get()), buft, *s)) {
                 out.gpu_head = false;
             }
         }
@@ -293,8 +292,7 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
         }
         if (head_on_gpu) {
             slots.push_back(&backbone.output_norm);
-            slots.insert(slots.end(), heads.begin(), heads.end());
-            slots.insert(slots.end(), draft_heads.begin(), draft_heads.end());
+            slots.insert(slots.end(), gpu_heads.begin(), gpu_heads.end());
         }
         ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(out.gpu.get());
         check_device_matmul(ggml_backend_get_device(out.gpu.get()), buft, slots);

@@ -389,15 +389,13 @@ HeadRows::HeadRows(const ggml_tensor* head, const std::vector<int32_t>& ids, int
     buffer_.reset(ggml_backend_alloc_ctx_tensors_from_buft(ctx_.get(), ggml_backend_cpu_buffer_type()));
     if (!buffer_) throw std::runtime_error("out of memory for the draft head");
     ggml_backend_buffer_set_usage(buffer_.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    const size_t row = head->nb[1];
     ggml_backend_buffer_clear(buffer_.get(), 0);
     for (size_t i = 0; i < ids.size(); ++i) {
         if (ids[i] < 0 || ids[i] >= head->ne[1]) {
             throw std::invalid_argument("draft vocabulary token " + std::to_string(ids[i]) + " is outside [0, " +
                                         std::to_string(head->ne[1]) + ")");
         }
-        std::memcpy(static_cast<char*>(tensor_->data) + i * tensor_->nb[1],
-                    static_cast<const char*>(head->data) + size_t(ids[i]) * row, row);
+        set_row(tensor_, int64_t(i), ids[i]);
     }
 }
 

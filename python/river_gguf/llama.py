@@ -106,7 +106,8 @@ from llama_cpp.llama_tokenizer import LlamaTokenizer
 from ._loader import native
 from .chat import template_chat_handler
 from .default_model import default_model_path
-from .llama_sampling import SamplerChain, SamplingError, apply_processors, check_grammar, logit_bias_processor, top_logprobs_order
+from .llama_sampling import (SamplerChain, SamplingError, apply_processors, check_grammar, logit_bias_processor,
+                             top_logprobs_order)
 from .model import Model
 from .options import EXIT_FIELDS
 from .options import NAMES as RIVER_NAMES
@@ -170,7 +171,6 @@ def _bool(name: str, v) -> bool:
     if not isinstance(v, (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {v!r}")
     return bool(v)
-
 
 
 def _pick_draft(chain: SamplerChain, logits: np.ndarray, tokens: Optional[np.ndarray]) -> int:

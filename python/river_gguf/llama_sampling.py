@@ -168,13 +168,18 @@ class SamplerChain:
                                         "(grammar, logit_bias, logits_processor)")
                 lib.llama_sampler_accept(self._chain, best)
                 return best
-        cur = self._cur
-        cur["id"] = self._ids
+        return self._apply(self._ids, logits)
+
+    def _apply(self, ids: np.ndarray, logits: np.ndarray) -> int:
+        """The chain over candidates ids[i] with logits[i]: the chosen token, accepted."""
+        n = len(ids)
+        cur = self._cur[:n]
+        cur["id"] = ids
         cur["logit"] = logits
         cur["p"] = 0.0
         arr = self._array
         arr.data = cur.ctypes.data_as(lib.llama_token_data_p)
-        arr.size = self.n_vocab
+        arr.size = n
         arr.selected = -1
         arr.sorted = False
         lib.llama_sampler_apply(self._chain, ctypes.byref(arr))
@@ -218,22 +223,7 @@ class SamplerChain:
         n = len(tokens)
         if n != len(logits) or not 0 < n <= self.n_vocab:
             raise ValueError(f"tokens and logits must have the same length in [1, {self.n_vocab}]")
-        cur = self._cur[:n]
-        cur["id"] = tokens
-        cur["logit"] = logits
-        cur["p"] = 0.0
-        arr = self._array
-        arr.data = cur.ctypes.data_as(lib.llama_token_data_p)
-        arr.size = n
-        arr.selected = -1
-        arr.sorted = False
-        lib.llama_sampler_apply(self._chain, ctypes.byref(arr))
-        sel = arr.selected
-        if not 0 <= sel < arr.size or arr.data[sel].logit == -math.inf:
-            raise SamplingError("the sampler chain selected no token")
-        token = int(arr.data[sel].id)
-        lib.llama_sampler_accept(self._chain, token)
-        return token
+        return self._apply(tokens, logits)
 
     def accept(self, token: int) -> None:
         """Record `token` as generated without sampling it (penalties, grammar, RNG state)."""

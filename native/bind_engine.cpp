@@ -1,5 +1,7 @@
 // river_gguf._native.Engine: load, eval and draft (GIL released), the KV cache, placement.
 #include <cstring>
+#include <type_traits>
+#include <variant>
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -53,25 +55,34 @@ py::dict hparams(const HParams& hp) {
     return d;
 }
 
-// The exit setting of an eval or draft call.
-EvalRequest exit_request(int mode, float threshold, int min_exit_layer, int exit_layer, bool river_head, int tail,
-                         bool backbone_attention) {
-    if (!is_exit_mode(mode)) throw std::invalid_argument("bad mode");
-    EvalRequest req;
-    req.mode = static_cast<ExitMode>(mode);
-    req.threshold = threshold;
-    req.min_exit_layer = min_exit_layer;
-    req.exit_layer = exit_layer;
-    req.river_head = river_head;
-    req.tail = tail;
-    req.backbone_attention = backbone_attention;
-    return req;
+// The exit setting of an eval or draft call, from its keyword arguments: each names a field of
+// ExitSetting (kExitSettingFields); the ones not given keep their defaults.
+void read_exit_setting(const py::kwargs& kw, ExitSetting& out) {
+    for (const auto& item : kw) {
+        const std::string name = py::cast<std::string>(item.first);
+        const ExitSettingField* f = nullptr;
+        for (const ExitSettingField& c : kExitSettingFields) if (name == c.name) f = &c;
+        if (!f) throw py::type_error("unexpected keyword argument '" + name + "'");
+        const py::handle v = item.second;
+        std::visit(
+            [&](auto member) {
+                using T = std::remove_reference_t<decltype(out.*member)>;
+                if constexpr (std::is_same_v<T, ExitMode>) {
+                    const int code = py::cast<int>(v);
+                    if (!is_exit_mode(code)) throw std::invalid_argument("bad mode");
+                    out.*member = static_cast<ExitMode>(code);
+                } else {
+                    out.*member = py::cast<T>(v);
+                }
+            },
+            f->member);
+    }
 }
 
-py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold, int min_exit_layer,
-               int exit_layer, bool river_head, bool all_logits, bool trace, int tail, bool backbone_attention,
-               bool embeddings) {
-    EvalRequest req = exit_request(mode, threshold, min_exit_layer, exit_layer, river_head, tail, backbone_attention);
+py::tuple eval(Engine& e, std::vector<int32_t> tokens, bool all_logits, bool trace, bool embeddings,
+               const py::kwargs& setting) {
+    EvalRequest req;
+    read_exit_setting(setting, req);
     req.tokens = std::move(tokens);
     req.all_logits = all_logits;
     req.trace = trace;
@@ -88,9 +99,10 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, int mode, float threshold
     return py::make_tuple(logits, res.exit_layer, res.similarity);
 }
 
-py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, int mode, float threshold, int min_exit_layer,
-                int exit_layer, bool river_head, int tail, bool backbone_attention, bool with_probs, py::object pick) {
-    EvalRequest how = exit_request(mode, threshold, min_exit_layer, exit_layer, river_head, tail, backbone_attention);
+py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, bool with_probs, py::object pick,
+                const py::kwargs& setting) {
+    EvalRequest how;
+    read_exit_setting(setting, how);
     std::vector<float> probs;
     std::vector<int32_t> tokens;
     // The picker sees the engine's own buffers as read-only arrays (no copy), valid during the call.
@@ -161,19 +173,18 @@ void bind_engine(py::module_& m) {
              py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0, py::arg("main_gpu") = 0, py::arg("flash_attn") = true,
              py::arg("exit_decision") = "auto", py::arg("gpu_memory") = size_t(0),
              py::arg("draft_vocab") = 0)
-        .def("eval", &eval, py::arg("tokens"), py::arg("mode") = 0, py::arg("threshold") = 2.0f,
-             py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1, py::arg("river_head") = false,
-             py::arg("all_logits") = false, py::arg("trace") = false, py::arg("tail") = 0,
-             py::arg("backbone_attention") = false, py::arg("embeddings") = false)
-        .def("draft", &draft, py::arg("token"), py::arg("n_max"), py::arg("p_min") = 0.0f, py::arg("mode") = 0,
-             py::arg("threshold") = 2.0f, py::arg("min_exit_layer") = 0, py::arg("exit_layer") = -1,
-             py::arg("river_head") = false, py::arg("tail") = 0, py::arg("backbone_attention") = false,
+        .def("eval", &eval, py::arg("tokens"), py::kw_only(), py::arg("all_logits") = false,
+             py::arg("trace") = false, py::arg("embeddings") = false,
+             "Evaluate tokens at the cache's end under the exit setting given by keyword (EXIT_SETTING's names). "
+             "Returns (logits, exit_layer, scores).")
+        .def("draft", &draft, py::arg("token"), py::arg("n_max"), py::arg("p_min") = 0.0f, py::kw_only(),
              py::arg("with_probs") = true, py::arg("pick") = py::none(),
              "Lossless decoding's draft: up to n_max greedy tokens after `token` under this exit setting, each "
              "kept while its probability is >= p_min; n_past is unchanged. Returns (tokens, probabilities); "
              "with_probs=False returns no probabilities and, with p_min <= 0, computes none. pick(logits, tokens) "
              "-> token (or -1 to stop), when given, chooses each draft from the draft's logits and their tokens "
-             "(None: logit i is token i); both arrays are read-only and valid only during the call.")
+             "(None: logit i is token i); both arrays are read-only and valid only during the call. The exit setting "
+             "comes by keyword, as for eval.")
         .def("pin_draft_tokens", &Engine::pin_draft_tokens, py::arg("tokens"),
              "Keep these tokens draftable for good (the end-of-generation ones), in rows of their own.")
         .def("truncate", &Engine::truncate)

@@ -2,6 +2,8 @@
 // in the bind_*.cpp files (bindings.h).
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
+#include <variant>
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -13,7 +15,10 @@
 #include "engine.h"
 #include "errors.h"
 #include "ggml.h"
+#include "gguf_file.h"
 #include "hparams.h"
+#include "model_check.h"
+#include "weights.h"
 #include "rpc_link.h"
 
 namespace py = pybind11;
@@ -75,10 +80,47 @@ PYBIND11_MODULE(_native, m) {
     m.def("loaded_ggml_commit", [] { return std::string(ggml_commit()); });
     m.def("loaded_ggml_version", [] { return std::string(ggml_version()); });
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
+    m.def(
+        "model_differences",
+        [](const std::string& backbone, const std::string& river) {
+            py::gil_scoped_release release;
+            const GgufFile a(backbone), b(river);
+            return model_differences(read_hparams(a), read_hparams(b), a, b);
+        },
+        py::arg("backbone"), py::arg("river"),
+        "How the river file's model differs from the backbone file's, as the engine checks a separate river "
+        "(architecture, hyperparameters, sliding-window layers, vocabulary); empty when they are one model.");
     // Engine.eval's `mode` codes by name (engine.h kExitModes); river_gguf.options reads them.
     py::dict exit_modes;
     for (const ExitModeName& e : kExitModes) exit_modes[e.name] = static_cast<int>(e.mode);
     m.attr("EXIT_MODES") = exit_modes;
+    // The exit setting's fields (exit_setting.h) with their defaults, and the exit rules by code
+    // (exit_rule.h) with what each one's threshold means.
+    const ExitSetting plain;
+    py::dict setting;
+    for (const ExitSettingField& f : kExitSettingFields) {
+        std::visit(
+            [&](auto member) {
+                const auto v = plain.*member;
+                if constexpr (std::is_same_v<std::remove_const_t<decltype(v)>, ExitMode>) setting[f.name] = static_cast<int>(v);
+                else setting[f.name] = v;
+            },
+            f.member);
+    }
+    m.attr("EXIT_SETTING") = setting;
+    // Model facts the converter's cost model reads (weights.h): the GGUF tensor kinds of a layer's
+    // attention group, and the kinds joined into one mat-mul when they share a type.
+    py::list attention;
+    for (const SlotKind& s : attention_group()) {
+        if (!attention.contains(s.kind)) attention.append(s.kind);
+    }
+    m.attr("ATTENTION_TENSORS") = py::tuple(attention);
+    py::list joins;
+    for (const LayerJoin& j : layer_joins()) joins.append(py::tuple(py::cast(j.kinds)));
+    m.attr("WEIGHT_JOINS") = py::tuple(joins);
+    py::list rules;
+    for (const ExitRule* r : exit_rules()) rules.append(py::make_tuple(r->name, r->about));
+    m.attr("EXIT_RULES") = rules;
     // The key of a River GGUF's draft-vocabulary ranking (draft_vocab.h), which the converter writes.
     m.attr("DRAFT_TOKENS_KEY") = kDraftTokensKey;
     // ggml's RPC backend: compiled in (HAS_RPC), present in the loaded ggml (rpc_available).

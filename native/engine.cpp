@@ -202,6 +202,7 @@ void Engine::check_request(const EvalRequest& req) const {
         throw std::invalid_argument("river_head=True but the river has no output head");
     }
     if (std::isnan(req.threshold)) throw std::invalid_argument("threshold is NaN");
+    exit_rule(req.rule);  // throws for a code that names no rule
     if (req.min_exit_layer < 0) throw std::invalid_argument("min_exit_layer must be >= 0");
     if (req.tail < 0 || req.tail >= hp_.n_layer) {
         throw std::invalid_argument("tail must be in [0, " + std::to_string(hp_.n_layer - 1) + "]");
@@ -252,8 +253,9 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     if (req.mode == ExitMode::Backbone && !req.trace) fixed = last;
     if (req.mode == ExitMode::RiverOnly) fixed = -1;
     if (req.mode == ExitMode::Fixed) fixed = req.exit_layer;
-    // No exit can happen: the whole backbone in one graph. cos <= 1, so tau > 1 never passes.
-    if (req.mode == ExitMode::River && !req.trace && (req.min_exit_layer >= river_last || req.threshold > 1.0f)) {
+    // No exit can happen: the whole backbone in one graph.
+    const ExitRule& rule = exit_rule(req.rule);
+    if (req.mode == ExitMode::River && !req.trace && (req.min_exit_layer >= river_last || req.threshold > rule.max_score)) {
         fixed = last;
     }
     if (fixed != -2) {
@@ -266,10 +268,11 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
         return;
     }
 
-    // The whole backbone in one graph, an exit node after every layer. An exit node that sees
-    // s > tau copies h aside and stops the graph; the river graph then finishes the depth.
+    // The whole backbone in one graph, an exit node after every layer. An exit node whose batch
+    // passes the rule copies h aside and stops the graph; the river graph then finishes the depth.
     exit_ = ExitState{};
     exit_.may_exit = req.mode == ExitMode::River;
+    exit_.rule = &rule;
     exit_.threshold = req.threshold;
     exit_.record_first = exit_.may_exit ? req.min_exit_layer : 0;
     exit_.record_last = req.trace ? last : last - 1;
@@ -278,6 +281,7 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     exit_.similarity = &out.similarity;
     spec.spans = {{0, last, false}};
     spec.exits = true;
+    spec.rule = req.rule;
     spec.head = Head::Backbone;
     if (run(spec, tokens, &out)) {
         note_exit(last);
@@ -287,6 +291,7 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     GraphSpec rest = spec;
     rest.from_tokens = false;
     rest.exits = false;
+    rest.rule = 0;
     rest.spans = {{k + 1, river_last, true}};
     if (req.tail > 0) rest.spans.push_back({river_last + 1, last, false});
     rest.head = exit_head;
@@ -400,23 +405,17 @@ void Engine::exit_node_op(ggml_tensor* dst, int ith, int nth, void* user) {
     for (int64_t i = 0; i < n; ++i) {
         const float* a = reinterpret_cast<const float*>(static_cast<const char*>(h_in->data) + i * h_in->nb[1]);
         const float* b = reinterpret_cast<const float*>(static_cast<const char*>(h_out->data) + i * h_out->nb[1]);
-        double dot = 0, na = 0, nb = 0;
-        for (int64_t j = 0; j < d; ++j) {
-            dot += double(a[j]) * b[j];
-            na += double(a[j]) * a[j];
-            nb += double(b[j]) * b[j];
-        }
-        static_cast<float*>(dst->data)[i] = static_cast<float>(dot / std::sqrt(na * nb));
+        static_cast<float*>(dst->data)[i] = e.exit_.rule->cpu_score(a, b, d);
     }
     e.decide_exit(node.layer, static_cast<const float*>(dst->data), n, dst->src[1]);
 }
 
 bool Engine::decide_exit(int layer, const float* s, int64_t n, ggml_tensor* h_out) {
     ExitState& st = exit_;
-    float s_min = INFINITY;
-    for (int64_t i = 0; i < n; ++i) s_min = std::min(s_min, s[i]);  // the batch exits together: the minimum decides
-    if (st.records(layer)) st.similarity->push_back(s_min);
-    if (!(st.exit_allowed(layer) && s_min > st.threshold)) return false;
+    float lowest;
+    const bool leaves = batch_leaves(s, n, st.threshold, &lowest);
+    if (st.records(layer)) st.similarity->push_back(lowest);
+    if (!(st.exit_allowed(layer) && leaves)) return false;
     // The river graph starts from this layer's output, read from whichever device holds it into
     // h_state_ (host memory).
     const size_t row = sizeof(float) * h_out->ne[0];

@@ -13,6 +13,8 @@
 #include "ggml-cpp.h"
 #include "ggml-cpu.h"
 #include "engine_config.h"
+#include "exit_rule.h"
+#include "exit_setting.h"
 #include "gguf_file.h"
 #include "hparams.h"
 #include "kv_cache.h"
@@ -22,52 +24,14 @@
 
 namespace river {
 
-enum class ExitMode {
-    Backbone = 0,   // never exit
-    River = 1,      // dynamic exit: cos(h_in, h_out) > threshold after layer >= min_exit_layer
-    RiverOnly = 2,  // every layer from the river
-    Fixed = 3,      // exit after layer exit_layer for every token
-};
-
-// The one table of the modes' names and codes. The Python module exports it as EXIT_MODES
-// (name -> code), and the Python package takes its codes from there.
-struct ExitModeName {
-    const char* name;
-    ExitMode mode;
-};
-inline constexpr ExitModeName kExitModes[] = {
-    {"backbone", ExitMode::Backbone},
-    {"river", ExitMode::River},
-    {"river-only", ExitMode::RiverOnly},
-    {"fixed", ExitMode::Fixed},
-};
-// Entry i is code i, so a code is valid when it indexes the table.
-constexpr bool exit_modes_in_order() {
-    for (size_t i = 0; i < std::size(kExitModes); ++i) {
-        if (static_cast<size_t>(kExitModes[i].mode) != i) return false;
-    }
-    return true;
-}
-static_assert(exit_modes_in_order(), "kExitModes: entry i must be the mode of code i");
-static_assert(std::size(kExitModes) == static_cast<size_t>(ExitMode::Fixed) + 1, "kExitModes misses a mode");
-inline bool is_exit_mode(int code) { return code >= 0 && static_cast<size_t>(code) < std::size(kExitModes); }
-
-struct EvalRequest {
+// One eval call: its tokens, its exit setting, and what it returns.
+struct EvalRequest : ExitSetting {
     std::vector<int32_t> tokens;
-    ExitMode mode = ExitMode::Backbone;
-    float threshold = 2.0f;
-    int min_exit_layer = 0;
-    int exit_layer = -1;         // for ExitMode::Fixed
-    int tail = 0;                // an exited token rejoins the backbone for the last `tail` layers
-    bool river_head = false;     // exited tokens use the river's quantized head
-    // River layers run the backbone's attention weights (Q/K/V/O, their biases and norms) and
-    // the river's FFN: precision where the KV cache and the sensitivity are, at a FFN's price.
-    bool backbone_attention = false;
     bool all_logits = false;     // logits for every token, else for the last one only
     // The final norm's output for every token (n_embd wide rows: llama.cpp's embeddings with
     // pooling none) instead of logits. Backbone mode only.
     bool embeddings = false;
-    bool trace = false;          // run layer by layer and record every similarity
+    bool trace = false;          // run layer by layer and record every layer's score
     // The head computes the draft head's rows alone (EngineConfig::draft_vocab and the context
     // rows, Engine::draft): logits column i is that row's token. Set by draft().
     bool draft_vocab = false;
@@ -87,7 +51,7 @@ struct EvalResult {
     int n_rows = 0;
     int n_cols = 0;
     int exit_layer = -1;            // last backbone layer run; n_layer-1 when no exit, -1 for river-only
-    std::vector<float> similarity;  // min over the batch of cos(h_in, h_out) per backbone layer tested
+    std::vector<float> similarity;  // the exit rule's lowest score in the batch, per backbone layer tested
 };
 
 class Engine {
@@ -176,13 +140,14 @@ private:
         bool river_embd = false;     // embed with the river's table
         std::vector<Span> spans;
         bool exits = false;          // an exit-decision node after every backbone layer
+        int rule = 0;                // their exit rule (exit_rule.h), when exits
         Head head = Head::Backbone;
         bool all_logits = false;
         bool backbone_attention = false;  // river spans use river_mixed_
         bool draft_vocab = false;    // the head's draft-vocabulary rows alone
         auto key() const {
-            return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, head, all_logits, backbone_attention,
-                            draft_vocab);
+            return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, rule, head, all_logits,
+                            backbone_attention, draft_vocab);
         }
         bool operator==(const GraphSpec& o) const;
     };
@@ -192,8 +157,9 @@ private:
     // The exit decision of the step being computed; exit nodes read and write it.
     struct ExitState {
         bool may_exit = false;
+        const ExitRule* rule = nullptr;
         float threshold = 2.0f;
-        int record_first = 0, record_last = -1;  // similarities recorded for these layers
+        int record_first = 0, record_last = -1;  // scores recorded for these layers
         int exit_first = 0, exit_last = -1;      // layers a token may leave after
         int exit_layer = -1;                     // set when the backbone graph stopped for an exit
         std::vector<float>* similarity = nullptr;
@@ -204,7 +170,7 @@ private:
     static bool abort_requested(void* engine);
     // The scheduler's eval callback for graph exit decisions (ExitDecision::Graph).
     static bool exit_eval(ggml_tensor* t, bool ask, void* engine);
-    // One exit decision from a tested layer's similarities (both paths): records them, and on
+    // One exit decision from a tested layer's scores (both paths): records the lowest, and on
     // an exit copies h_out to h_state_ and marks the graph stopped.
     bool decide_exit(int layer, const float* s, int64_t n, ggml_tensor* h_out);
 

@@ -119,10 +119,8 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
             // compares that row.
             if (h->ne[1] < h_in->ne[1]) h_in = ggml_view_2d(ctx, h_in, hp_.n_embd, h->ne[1], h_in->nb[1], h_in->nb[1] * (n - h->ne[1]));
             if (spec.exits && exits_on_graph_) {
-                // cos(h_in, h_out) per token, on the layer's device: sum(a*b) / sqrt(sum(a^2) sum(b^2)).
-                ggml_tensor* dot = ggml_sum_rows(ctx, ggml_mul(ctx, h_in, h));
-                ggml_tensor* norms = ggml_mul(ctx, ggml_sum_rows(ctx, ggml_sqr(ctx, h_in)), ggml_sum_rows(ctx, ggml_sqr(ctx, h)));
-                ggml_tensor* s = ggml_div(ctx, dot, ggml_sqrt(ctx, norms));
+                // The rule's score per token, on the layer's device.
+                ggml_tensor* s = exit_rule(spec.rule).graph_score(ctx, h_in, h);
                 ggml_format_name(s, "exit.%d", il);
                 ggml_set_output(s);
                 ggml_build_forward_expand(gf, s);

@@ -12,7 +12,7 @@ namespace river {
 struct Engine::ExitNode {
     Engine* engine;
     int layer;
-    ggml_tensor* similarity = nullptr;  // graph decisions: cos(h_in, h_out) per token, F32 [1, n]
+    ggml_tensor* similarity = nullptr;  // graph decisions: the exit rule's score per token, F32 [1, n]
     ggml_tensor* h_out = nullptr;
 };
 

@@ -8,23 +8,22 @@
 
 namespace river {
 
-void check_same_model(const HParams& a, const HParams& b, const GgufFile& fa, const GgufFile& fb) {
+std::vector<std::string> model_differences(const HParams& a, const HParams& b, const GgufFile& fa,
+                                           const GgufFile& fb) {
     auto num = [](double v) {
         char buf[32];
         std::snprintf(buf, sizeof(buf), "%g", v);
         return std::string(buf);
     };
-    auto differ = [&](const char* what, double x, double y) {
-        if (x != y) {
-            throw RiverMismatchError(std::string("river '") + fb.path() + "' does not match backbone '" + fa.path() +
-                                     "': " + what + " is " + num(y) + " in the river but " + num(x) +
-                                     " in the backbone");
-        }
-    };
+    std::vector<std::string> out;
     if (a.arch_name != b.arch_name) {
-        throw RiverMismatchError("river '" + fb.path() + "' has architecture '" + b.arch_name + "' but backbone '" +
-                                 fa.path() + "' has '" + a.arch_name + "'");
+        // Nothing else compares across architectures.
+        out.push_back("it has architecture '" + b.arch_name + "' but the backbone has '" + a.arch_name + "'");
+        return out;
     }
+    auto differ = [&](const char* what, double x, double y) {
+        if (x != y) out.push_back(std::string(what) + " is " + num(y) + " in the river but " + num(x) + " in the backbone");
+    };
     differ("block_count", a.n_layer, b.n_layer);
     differ("embedding_length", a.n_embd, b.n_embd);
     differ("feed_forward_length", a.n_ff, b.n_ff);
@@ -46,19 +45,32 @@ void check_same_model(const HParams& a, const HParams& b, const GgufFile& fa, co
     differ("rope.scaling.factor", a.rope_freq_scale, b.rope_freq_scale);
     differ("the rope's YaRN mix", a.rope_ext_factor, b.rope_ext_factor);
     differ("attention.temperature_scale", a.attn_temp_scale, b.attn_temp_scale);
-    if (a.swa_layers != b.swa_layers) throw RiverMismatchError("river '" + fb.path() + "' slides its window on other layers than backbone '" + fa.path() + "'");
+    if (a.swa_layers != b.swa_layers) out.push_back("it slides its attention window on other layers than the backbone");
     // Same vocabulary, token by token: a river from another tokenizer would be nonsense.
     const int64_t ka = gguf_find_key(fa.meta(), "tokenizer.ggml.tokens");
     const int64_t kb = gguf_find_key(fb.meta(), "tokenizer.ggml.tokens");
-    if ((ka < 0) != (kb < 0)) throw RiverMismatchError("only one of backbone and river has a vocabulary");
-    if (ka >= 0) {
-        const size_t n = gguf_get_arr_n(fa.meta(), ka);
-        differ("tokenizer token count", double(n), double(gguf_get_arr_n(fb.meta(), kb)));
-        for (size_t i = 0; i < n; ++i) {
-            if (std::strcmp(gguf_get_arr_str(fa.meta(), ka, i), gguf_get_arr_str(fb.meta(), kb, i)) != 0) {
-                throw RiverMismatchError("river vocabulary differs from the backbone's at token " + std::to_string(i));
+    if ((ka < 0) != (kb < 0)) {
+        out.push_back("only one of backbone and river has a vocabulary");
+    } else if (ka >= 0) {
+        const size_t n = gguf_get_arr_n(fa.meta(), ka), nb = gguf_get_arr_n(fb.meta(), kb);
+        if (n != nb) {
+            differ("tokenizer token count", double(n), double(nb));
+        } else {
+            for (size_t i = 0; i < n; ++i) {
+                if (std::strcmp(gguf_get_arr_str(fa.meta(), ka, i), gguf_get_arr_str(fb.meta(), kb, i)) != 0) {
+                    out.push_back("its vocabulary differs from the backbone's at token " + std::to_string(i));
+                    break;
+                }
             }
         }
+    }
+    return out;
+}
+
+void check_same_model(const HParams& a, const HParams& b, const GgufFile& fa, const GgufFile& fb) {
+    const std::vector<std::string> d = model_differences(a, b, fa, fb);
+    if (!d.empty()) {
+        throw RiverMismatchError("river '" + fb.path() + "' does not match backbone '" + fa.path() + "': " + d.front());
     }
 }
 

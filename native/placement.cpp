@@ -117,8 +117,11 @@ void repack_cpu_weights(ggml_backend_t cpu, const std::vector<LayerWeights*>& cp
         };
         if (fuse) {
             for (LayerWeights* w : cpu_layers) {
-                join({&w->wq, &w->wk, &w->wv}, &w->wqkv, kJoinedQKV);
-                join({&w->ffn_gate, &w->ffn_up}, &w->ffn_gate_up, kJoinedGateUp);
+                for (const LayerJoin& j : layer_joins()) {
+                    std::vector<ggml_tensor**> parts;
+                    for (auto slot : j.parts) parts.push_back(&(w->*slot));
+                    join(parts, &(w->*j.joined), j.suffix);
+                }
             }
         }
         std::vector<ggml_tensor**> take, rest;

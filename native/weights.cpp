@@ -238,21 +238,46 @@ RiverWeights load_river(const GgufFile& f, const HParams& hp, const std::string&
     return r;
 }
 
+const std::vector<LayerJoin>& layer_joins() {
+    static const std::vector<LayerJoin> joins = {
+        {{&LayerWeights::wq, &LayerWeights::wk, &LayerWeights::wv}, {"attn_q", "attn_k", "attn_v"}, &LayerWeights::wqkv, "+k+v"},
+        {{&LayerWeights::ffn_gate, &LayerWeights::ffn_up}, {"ffn_gate", "ffn_up"}, &LayerWeights::ffn_gate_up, "+up"},
+    };
+    return joins;
+}
+
 std::vector<std::string> joined_parts(const std::string& name) {
-    auto strip = [&](const std::string& suffix) {
-        return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0
-                   ? name.substr(0, name.size() - suffix.size())
-                   : std::string();
-    };
-    auto swap_part = [](std::string s, const std::string& from, const std::string& to) {
-        const size_t at = s.rfind(from);
-        return at == std::string::npos ? std::string() : s.replace(at, from.size(), to);
-    };
-    if (std::string q = strip(kJoinedQKV); !q.empty()) {
-        return {q, swap_part(q, "attn_q.", "attn_k."), swap_part(q, "attn_q.", "attn_v.")};
+    for (const LayerJoin& j : layer_joins()) {
+        const std::string suffix = j.suffix;
+        if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+        const std::string first = name.substr(0, name.size() - suffix.size());
+        // The first part's name with its kind swapped for each part's: "blk.3.attn_q.weight" -> "blk.3.attn_k.weight".
+        const std::string kind0 = std::string(j.kinds[0]) + ".";
+        const size_t at = first.rfind(kind0);
+        if (at == std::string::npos) continue;
+        std::vector<std::string> out;
+        for (const char* kind : j.kinds) out.push_back(std::string(first).replace(at, kind0.size(), std::string(kind) + "."));
+        return out;
     }
-    if (std::string g = strip(kJoinedGateUp); !g.empty()) return {g, swap_part(g, "ffn_gate.", "ffn_up.")};
     return {name};
+}
+
+const std::vector<SlotKind>& attention_group() {
+    static const std::vector<SlotKind> group = {
+        {&LayerWeights::attn_norm, "attn_norm"},
+        {&LayerWeights::wq, "attn_q"},
+        {&LayerWeights::wk, "attn_k"},
+        {&LayerWeights::wv, "attn_v"},
+        {&LayerWeights::wo, "attn_output"},
+        {&LayerWeights::bq, "attn_q"},
+        {&LayerWeights::bk, "attn_k"},
+        {&LayerWeights::bv, "attn_v"},
+        {&LayerWeights::q_norm, "attn_q_norm"},
+        {&LayerWeights::k_norm, "attn_k_norm"},
+        {&LayerWeights::attn_post_norm, "post_attention_norm"},  // gemma's and olmo2's, on the attention output
+        {&LayerWeights::wqkv, "attn_qkv"},                       // phi3's, or joined at load
+    };
+    return group;
 }
 
 namespace {
@@ -406,18 +431,7 @@ void HeadRows::set_row(ggml_tensor* placed, int64_t row, int32_t token) const {
 
 LayerWeights with_attention_of(const LayerWeights& ffn_from, const LayerWeights& attention_from) {
     LayerWeights w = ffn_from;
-    w.attn_norm = attention_from.attn_norm;
-    w.wq = attention_from.wq;
-    w.wk = attention_from.wk;
-    w.wv = attention_from.wv;
-    w.wo = attention_from.wo;
-    w.bq = attention_from.bq;
-    w.bk = attention_from.bk;
-    w.bv = attention_from.bv;
-    w.q_norm = attention_from.q_norm;
-    w.k_norm = attention_from.k_norm;
-    w.attn_post_norm = attention_from.attn_post_norm;
-    w.wqkv = attention_from.wqkv;
+    for (const SlotKind& s : attention_group()) w.*s.slot = attention_from.*s.slot;
     return w;
 }
 

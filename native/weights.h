@@ -145,17 +145,31 @@ private:
     ggml_backend_buffer_t buffer_ = nullptr;
 };
 
-// A joined weight is named after its first part plus a suffix for the others, e.g.
-// "blk.3.attn_q.weight+k+v" or "river.blk.3.ffn_gate.weight+up" (ggml names hold 63 chars).
-inline constexpr const char* kJoinedQKV = "+k+v";
-inline constexpr const char* kJoinedGateUp = "+up";
+// Weights joined into one mat-mul at load when they share a type (placement's `fuse`): the
+// parts' slots and GGUF tensor kinds, in row order, and the joined slot. A joined weight is named
+// after its first part plus `suffix`, e.g. "blk.3.attn_q.weight+k+v" (ggml names hold 63 chars).
+struct LayerJoin {
+    std::vector<ggml_tensor* LayerWeights::*> parts;
+    std::vector<const char*> kinds;
+    ggml_tensor* LayerWeights::*joined;
+    const char* suffix;
+};
+const std::vector<LayerJoin>& layer_joins();
 // The part names of a weight name: its parts if joined, else the name itself.
 std::vector<std::string> joined_parts(const std::string& name);
 
+// A layer's attention group, by slot and GGUF tensor kind (a kind once per slot: a bias shares
+// its weight's): what a river layer takes from the backbone with backbone_attention.
+struct SlotKind {
+    ggml_tensor* LayerWeights::*slot;
+    const char* kind;
+};
+const std::vector<SlotKind>& attention_group();
+
 // Every tensor slot of a layer, for placement (empty slots are skipped by the placement).
 std::vector<ggml_tensor**> layer_slots(LayerWeights& w);
-// `ffn_from`'s weights with the attention group (norm, Q/K/V/O and their joins, biases, q/k
-// norms, the post-attention norm) of `attention_from`: a layer of the same shape.
+// `ffn_from`'s weights with the attention group (attention_group()) of `attention_from`: a
+// layer of the same shape.
 LayerWeights with_attention_of(const LayerWeights& ffn_from, const LayerWeights& attention_from);
 // The filled slots used only as mul_mat weights (candidates for repacked CPU buffers).
 std::vector<ggml_tensor**> matmul_slots(LayerWeights& w);

@@ -128,7 +128,7 @@ def test_stock_llama_cpp_opens_river_gguf_as_the_backbone(river_gguf_path, f16_p
 def test_wrong_architecture_refused(tmp_path, f16_path):
     river = write_tiny_model(tmp_path / "qwen2.gguf", "qwen2")
     out = tmp_path / "out.gguf"
-    with pytest.raises(river_gguf.RiverMismatchError, match=r"general.architecture: 'llama' in backbone vs 'qwen2' in river"):
+    with pytest.raises(river_gguf.RiverMismatchError, match=r"architecture 'qwen2' but the backbone has 'llama'"):
         _build_tiny(f16_path, out, river_path=river)
     assert not out.exists()
 
@@ -140,8 +140,8 @@ def test_mismatched_shapes_refused(tmp_path):
     with pytest.raises(river_gguf.RiverMismatchError) as e:
         _build_tiny(bb, out, river_path=rv)
     msg = str(e.value)
-    assert "llama.feed_forward_length: 128 in backbone vs 96 in river" in msg
-    assert "blk.0.ffn_up.weight: shape (128, 64) in backbone vs (96, 64) in river" in msg
+    assert "feed_forward_length is 96 in the river but 128 in the backbone" in msg
+    assert "blk.0.ffn_up.weight: shape (96, 64) in the river but (128, 64) in the backbone" in msg
     assert isinstance(e.value, ValueError)
     assert not out.exists()
 
@@ -149,8 +149,8 @@ def test_mismatched_shapes_refused(tmp_path):
 def test_missing_layer_tensor_refused(tmp_path):
     bb = _tiny(tmp_path, "bb.gguf", n_layer=2)
     rv = _tiny(tmp_path, "rv.gguf", n_layer=3)
-    with pytest.raises(river_gguf.RiverMismatchError, match=r"block_count: 2 in backbone vs 3 in river.*"
-                       r"blk\.2\.\S+: in river but not in backbone"):
+    with pytest.raises(river_gguf.RiverMismatchError, match=r"block_count is 3 in the river but 2 in the backbone.*"
+                       r"blk\.2\.\S+: in the river but not in the backbone"):
         _build_tiny(bb, tmp_path / "out.gguf", river_path=rv)
 
 

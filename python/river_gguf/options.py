@@ -19,6 +19,9 @@ from ._loader import native as _native  # already loaded by the package's __init
 #: Engine.eval's mode codes by name: the one table, native/engine.h kExitModes.
 EXIT_MODES = dict(_native.EXIT_MODES)
 _BACKBONE, _RIVER, _RIVER_ONLY, _FIXED = (EXIT_MODES[m] for m in ("backbone", "river", "river-only", "fixed"))
+#: The exit rules by name, in code order, and what each one's threshold means (native/exit_rule.h).
+EXIT_RULES = tuple(name for name, _ in _native.EXIT_RULES)
+_RULE_HELP = "; ".join(f"{name}: {about}" for name, about in _native.EXIT_RULES)
 
 #: "lossless": the river drafts tokens and the backbone verifies them in one batch, so the output
 #: is the backbone's, token for token (Llama's token loop; Model.score teacher-forced).
@@ -81,7 +84,8 @@ def parse_bytes(name: str, v) -> int:
 @dataclass(frozen=True)
 class ExitOptions:
     mode: str = "backbone"
-    threshold: float = 2.0          # tau; > 1 means never exit
+    exit_rule: str = EXIT_RULES[0]  # when a token leaves in mode "river"
+    threshold: float = 2.0          # the rule's tau; above its highest score means never exit
     min_exit_layer: int = 0
     exit_layer: Optional[int] = None  # force every token out after this backbone layer
     river_head: bool = False
@@ -100,6 +104,8 @@ class ExitOptions:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.prefill, str) or self.prefill not in PREFILL_POLICIES:
             raise ValueError(f"prefill must be one of {PREFILL_POLICIES}, got {self.prefill!r}")
+        if not isinstance(self.exit_rule, str) or self.exit_rule not in EXIT_RULES:
+            raise ValueError(f"exit_rule must be one of {EXIT_RULES}, got {self.exit_rule!r}")
         if not is_real(self.threshold) or not math.isfinite(self.threshold):
             raise ValueError(f"threshold must be a finite number (not a bool), got {self.threshold!r}")
         if not is_int(self.min_exit_layer) or not 0 <= self.min_exit_layer < n_layer:
@@ -166,7 +172,9 @@ class ExitOptions:
         return args
 
     def _setting_args(self) -> dict:
-        return dict(threshold=float(self.threshold), min_exit_layer=int(self.min_exit_layer),
+        """The fields of the engine's exit setting (native EXIT_SETTING) that these options set."""
+        return dict(rule=EXIT_RULES.index(self.exit_rule), threshold=float(self.threshold),
+                    min_exit_layer=int(self.min_exit_layer),
                     river_head=bool(self.river_head), exit_layer=-1, tail=int(self.tail),
                     backbone_attention=self.river_attention == "backbone")
 
@@ -200,8 +208,11 @@ class RiverOptions:
     mode: Optional[str] = _exit("--mode", river_only=False, choices=MODES,
                                 help="exit mode (default: the file's own); lossless: the river drafts, the "
                                      "backbone verifies, and the text is the backbone's")
+    exit_rule: Optional[str] = _exit("--exit-rule", choices=EXIT_RULES,
+                                     help=f"when a token leaves the backbone in mode river (default {EXIT_RULES[0]}); "
+                                          f"{_RULE_HELP}")
     threshold: Optional[float] = _exit("--threshold", "--tau", type=float, metavar="TAU",
-                                       help="exit when cos(h_in, h_out) > TAU (> 1: never)")
+                                       help="the exit rule's threshold")
     min_exit_layer: Optional[int] = _exit("--min-exit-layer", type=int, metavar="N",
                                           help="backbone layers every token runs before it may exit")
     exit_layer: Optional[int] = _exit("--exit-layer", river_only=False, type=int, metavar="K",

@@ -41,13 +41,16 @@ from __future__ import annotations
 import functools
 import json
 import os
+from dataclasses import fields
 from typing import Dict, List, Optional
 
 import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ._loader import native
 from .gguf.river_index import river_tensors
+from .options import ExitOptions
 
 PRESET_KEY = "river.presets"
 DEFAULT_KEY = "river.default_preset"
@@ -86,9 +89,8 @@ def type_cost(type_name: str, n_elements: int) -> float:
     return c * n_elements
 
 
-# The exit options a preset may set (ExitOptions fields).
-OPTION_KEYS = ("mode", "threshold", "min_exit_layer", "tail", "river_head", "exit_layer", "river_attention",
-               "draft_max", "draft_p_min", "draft_mode")
+# The exit options a preset may set: every ExitOptions field but the prompt policy, which stays the file's.
+OPTION_KEYS = tuple(f.name for f in fields(ExitOptions) if f.name != "prefill")
 # What a setting that leaves them out means (a preset is a whole setting, Model._with_preset).
 PLAIN_OPTIONS = {"tail": 0, "min_exit_layer": 0, "river_attention": "river"}
 
@@ -242,8 +244,8 @@ def _measure(t, measure: str) -> float:
     return type_cost(t.tensor_type.name, n) if len(t.shape) > 1 and int(t.shape[1]) > 1 else 0.0
 
 
-# The weights river_gguf joins into one mat-mul when they share a type (native/placement.cpp, cfg.fuse).
-_JOINS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+# The weights river_gguf joins into one mat-mul when they share a type (native weights.h).
+_JOINS = native.WEIGHT_JOINS
 
 
 def _layer_nodes(types: Dict[str, str], kinds=None) -> int:
@@ -312,10 +314,9 @@ def weight_bytes(model, measure: str = "bytes") -> tuple:
     return layers, head
 
 
-# The attention group of a layer (the tensors river_attention="backbone" takes from the backbone).
-# attn_qkv is phi3's joined Q/K/V; post_attention_norm is gemma's and olmo2's norm on the attention output.
-ATTENTION_KINDS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "attn_q_norm", "attn_k_norm",
-                   "post_attention_norm")
+# The attention group of a layer: the tensor kinds river_attention="backbone" takes from the
+# backbone (native weights.h).
+ATTENTION_KINDS = native.ATTENTION_TENSORS
 
 # The grid the calibrator measures: static river-only with a backbone tail, and the dynamic
 # exit with a tail (tau dense where SmolLM2's and Qwen2.5's mid-layer similarities live); then

@@ -51,8 +51,8 @@ from ..calibrate import open_model as _open_model
 from ..calibrate import preset_grid
 from ..gguf import io as gguf_io
 from ..gguf import river_index
-from ..gguf.copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, temp_path,
-                         type_name, write_plain_copy, write_river_file)
+from ..gguf.copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, reader_path,
+                         temp_path, type_name, write_plain_copy, write_river_file)
 from ..gguf.io import FTYPES, LlamaLog, atomic_output, captured_llama_log, check_output_path, remove_stale_temp_files
 from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX, read_field  # (2: the river after the backbone's data)
 from ..profile import default_threshold
@@ -64,39 +64,6 @@ PREFILL_CHOICES = ("backbone", "river")
 DEFAULT_RIVER_TYPE = "q4_k_m"
 BACKBONE_TYPES = ("auto", "f16", "q8_0")
 DEFAULT_BACKBONE_TYPE = "auto"  # Q8_0 when the input's weights are floats, else as given
-
-# Hyperparameters (under "{arch}.") that must agree between backbone and river.
-_HPARAM_KEYS = (
-    "block_count",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "attention.key_length",
-    "attention.value_length",
-    "attention.layer_norm_rms_epsilon",
-    "rope.freq_base",
-    "rope.dimension_count",
-    "rope.scaling.type",
-    "rope.scaling.factor",
-    "rope.scale_linear",
-    "rope.scaling.original_context_length",
-    "rope.scaling.attn_factor",
-    "rope.scaling.yarn_beta_fast",
-    "rope.scaling.yarn_beta_slow",
-    "rope.scaling.yarn_log_multiplier",
-    "vocab_size",
-    # beyond llama: the window, caps and multipliers of gemma2/gemma3, olmo2 and granite
-    "attention.sliding_window",
-    "attention.sliding_window_pattern",
-    "attn_logit_softcapping",
-    "final_logit_softcapping",
-    "attention.scale",
-    "embedding_scale",
-    "residual_scale",
-    "logit_scale",
-    "attention.temperature_scale",
-)
 
 # Tensor types that are not quantized: llama.cpp quantizes from these without "requantizing".
 _FLOAT_TYPE_NAMES = {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"}
@@ -127,34 +94,14 @@ def compare_models(bb_reader, rv_reader, rv_tensors: Optional[Dict[str, Any]] = 
     """Raise RiverMismatchError listing how the river's model differs from the backbone's.
 
     ``rv_tensors`` (plain name -> reader tensor) defaults to the river file's own tensors.
-    Checked: architecture, hyperparameters, vocabulary, and every per-layer tensor (same
-    names, same shapes), plus the token embedding / output head shapes.
+    Checked: what the engine checks of a separate river (architecture, hyperparameters,
+    vocabulary), then every per-layer tensor (same names, same shapes), plus the token embedding /
+    output head shapes, which the files' tensors are copied by.
     """
-    a_bb, a_rv = arch(bb_reader), arch(rv_reader)
-    if a_bb != a_rv:
-        raise _mismatch(f"general.architecture: '{a_bb}' in {bb_name} vs '{a_rv}' in {rv_name}")
-    diffs: List[str] = []
-    for k in _HPARAM_KEYS:
-        key = f"{a_bb}.{k}"
-        v_bb, v_rv = read_field(bb_reader, key), read_field(rv_reader, key)
-        if isinstance(v_bb, float) and isinstance(v_rv, float):
-            same = math.isclose(v_bb, v_rv, rel_tol=1e-6, abs_tol=0.0)
-        else:
-            same = v_bb == v_rv
-        if not same:
-            diffs.append(f"{key}: {_show(v_bb)} in {bb_name} vs {_show(v_rv)} in {rv_name}")
-
-    tok_bb = bb_reader.fields.get("tokenizer.ggml.tokens")
-    tok_rv = rv_reader.fields.get("tokenizer.ggml.tokens")
-    if (tok_bb is None) != (tok_rv is None):
-        diffs.append(f"tokenizer.ggml.tokens: only the {bb_name if tok_rv is None else rv_name} has a vocabulary")
-    elif tok_bb is not None and not _same_field_bytes(bb_reader, rv_reader, "tokenizer.ggml.tokens"):
-        tok_bb, tok_rv = tok_bb.contents(), tok_rv.contents()
-        if len(tok_bb) != len(tok_rv):
-            diffs.append(f"tokenizer.ggml.tokens: {len(tok_bb)} tokens in {bb_name} vs {len(tok_rv)} in {rv_name}")
-        elif tok_bb != tok_rv:
-            i = next(i for i, (x, y) in enumerate(zip(tok_bb, tok_rv)) if x != y)
-            diffs.append(f"tokenizer.ggml.tokens: token {i} is {tok_bb[i]!r} in {bb_name} vs {tok_rv[i]!r} in {rv_name}")
+    # The model: the engine's own check of a separate river (native/model_check.cpp).
+    diffs: List[str] = list(native.model_differences(reader_path(bb_reader), reader_path(rv_reader)))
+    if diffs and diffs[0].startswith("it has architecture"):
+        raise _mismatch(f"the river is not the same model as the backbone: {diffs[0]}")
 
     bb = {t.name: t for t in plain_tensors(bb_reader)}
     rv = rv_tensors if rv_tensors is not None else {t.name: t for t in rv_reader.tensors}
@@ -163,33 +110,17 @@ def compare_models(bb_reader, rv_reader, rv_tensors: Optional[Dict[str, Any]] = 
         if n in bb and n in rv:
             names.append(n)
     if "token_embd.weight" not in rv:
-        diffs.append(f"token_embd.weight: in {bb_name} but not in {rv_name}")
+        diffs.append("token_embd.weight: in the backbone but not in the river")
     for n in names:
         if n not in rv:
-            diffs.append(f"{n}: in {bb_name} but not in {rv_name}")
+            diffs.append(f"{n}: in the backbone but not in the river")
         elif n not in bb:
-            diffs.append(f"{n}: in {rv_name} but not in {bb_name}")
+            diffs.append(f"{n}: in the river but not in the backbone")
         elif np_shape(bb[n]) != np_shape(rv[n]):
-            diffs.append(f"{n}: shape {np_shape(bb[n])} in {bb_name} vs {np_shape(rv[n])} in {rv_name}")
+            diffs.append(f"{n}: shape {np_shape(rv[n])} in the river but {np_shape(bb[n])} in the backbone")
     if diffs:
         more = f" (and {len(diffs) - _MAX_LISTED} more)" if len(diffs) > _MAX_LISTED else ""
-        raise _mismatch(f"{rv_name} is not the same model as the {bb_name}: " + "; ".join(diffs[:_MAX_LISTED]) + more)
-
-
-def _same_field_bytes(ra, rb, key: str) -> bool:
-    """Whether a KV field is byte-identical in two files (fast: no per-string decoding)."""
-
-    fa, fb = ra.fields[key], rb.fields[key]
-    na, nb = sum(p.nbytes for p in fa.parts), sum(p.nbytes for p in fb.parts)
-    return na == nb and np.array_equal(ra.data[fa.offset:fa.offset + na], rb.data[fb.offset:fb.offset + nb])
-
-
-def _show(v: Any) -> str:
-    if v is None:
-        return "absent"
-    if isinstance(v, list) and len(v) > 4:
-        return f"[{', '.join(map(str, v[:4]))}, ...]"
-    return repr(v) if isinstance(v, str) else str(v)
+        raise _mismatch("the river is not the same model as the backbone: " + "; ".join(diffs[:_MAX_LISTED]) + more)
 
 
 # ----- writing --------------------------------------------------------------------------

@@ -38,6 +38,11 @@ def open_reader(path: str):
     return gguf.GGUFReader(path)
 
 
+def reader_path(reader) -> str:
+    """The file a reader from open_reader maps."""
+    return os.fspath(reader.data.filename)
+
+
 def arch(reader) -> str:
     return str(reader.fields["general.architecture"].contents())
 

@@ -8,6 +8,7 @@ import pytest
 
 from river_gguf import Model
 from river_gguf.greedy import greedy
+from river_gguf.options import EXIT_RULES
 
 PROSE = ("The river runs through the valley, past the old mill and the bridge, and on to the sea. "
          "In spring the water rises and the fields along its banks turn green again.")
@@ -32,16 +33,18 @@ def test_which_path_runs(models, f16_path):
         Model(f16_path, n_ctx=32, n_threads=1, exit_decision="gpu")
 
 
-def test_similarities_agree(models, tokens):
-    cpu, graph = (models[d].similarity_trace(tokens[:24], mode="backbone") for d in ("cpu", "graph"))
+@pytest.mark.parametrize("rule", EXIT_RULES)
+def test_similarities_agree(models, tokens, rule):
+    cpu, graph = (models[d].similarity_trace(tokens[:24], mode="backbone", exit_rule=rule) for d in ("cpu", "graph"))
     assert len(cpu) == len(graph) and all(len(a) == len(b) == models["cpu"].n_layer for a, b in zip(cpu, graph))
     # The CPU op sums in double, the graph in float: the same values to float rounding.
     assert np.abs(np.array(cpu) - np.array(graph)).max() < 1e-5
     # A prompt pass with exits: the batch's minimum, per layer.
     for m in models.values():
         m.engine.truncate(0)
-    _, k_cpu, s_cpu = models["cpu"].engine.eval(tokens, mode=1, threshold=0.9)
-    _, k_graph, s_graph = models["graph"].engine.eval(tokens, mode=1, threshold=0.9)
+    code = EXIT_RULES.index(rule)
+    _, k_cpu, s_cpu = models["cpu"].engine.eval(tokens, mode=1, rule=code, threshold=0.9)
+    _, k_graph, s_graph = models["graph"].engine.eval(tokens, mode=1, rule=code, threshold=0.9)
     assert k_cpu == k_graph and np.abs(np.array(s_cpu) - np.array(s_graph)).max() < 1e-5
 
 
@@ -115,3 +118,21 @@ def test_scheduler_graphs_are_reused_bit_for_bit(f16_path, q4_0_path, models, to
     assert len({s[1] for s in on}) > 1  # a real mix of exit layers
     for (la, ea, sa), (lb, eb, sb) in zip(on, off):
         assert ea == eb and sa == sb and np.array_equal(la, lb)
+
+
+def test_exit_settings_are_checked(models, tokens):
+    """The exit setting's keywords are its fields (native EXIT_SETTING); a rule code names a rule."""
+    from river_gguf._loader import native
+
+    e = models["cpu"].engine
+    e.truncate(0)
+    assert set(models["cpu"].options(mode="river")._setting_args()) <= set(native.EXIT_SETTING)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'thresold'"):
+        e.eval(tokens[:2], mode=1, thresold=0.9)
+    with pytest.raises(ValueError, match="exit rule 99"):
+        e.eval(tokens[:2], mode=1, rule=99, threshold=0.9)
+    with pytest.raises(ValueError, match="bad mode"):
+        e.eval(tokens[:2], mode=9)
+    assert e.n_past == 0
+    with pytest.raises(ValueError, match="exit_rule must be one of"):
+        models["cpu"].options(exit_rule="margin")

@@ -41,7 +41,7 @@ class Step(NamedTuple):
     """What one Model.eval returns."""
     logits: np.ndarray          # float32 [1, n_vocab], or [len(tokens), n_vocab] with all_logits
     exit_layer: int             # backbone layer after which the last token left (n_layer - 1: never)
-    similarities: List[float]   # with trace: cos(h_in, h_out) of every backbone layer run
+    similarities: List[float]   # with trace: the exit rule's score (cosine: cos(h_in, h_out)) per backbone layer run
 
 
 def default_threads() -> int:
@@ -122,12 +122,12 @@ class Model:
     that is down, busy with another client, stops answering or dies raises ConnectionError
     naming it; after a failure mid-generation the Model refuses work: load it again.
 
-    exit_decision: where the dynamic exit's test cos(h_in, h_out) runs. "cpu": a CPU op after
+    exit_decision: where the dynamic exit's test (the exit rule's score) runs. "cpu": a CPU op after
     each tested layer (it reads the hidden states in place; with offloaded layers the graph
     splits there to bring them to the CPU); "graph": ggml ops on the layer's own device, one
     float per token read back through the scheduler's eval callback; "auto" (default): "graph"
     when layers are offloaded to a GPU or an RPC server, else "cpu". Both give the same exits
-    up to float rounding of the similarity (the CPU op sums in double).
+    up to float rounding of the score (the cosine's CPU op sums in double).
 
     Bad arguments (wrong type, bools for numbers, out of range, unknown options) raise ValueError.
 
@@ -615,7 +615,8 @@ class Model:
 
     @_locked
     def similarity_trace(self, tokens: Sequence[int], **options) -> List[List[float]]:
-        """Per decode step, cos(h_in, h_out) of every backbone layer run (for analysis)."""
+        """Per decode step, the exit rule's score of every backbone layer run (cosine, the
+        default: cos(h_in, h_out)), for analysis."""
         toks = self._check_tokens(tokens)
         if not toks:
             raise ValueError("no tokens")

@@ -20,6 +20,7 @@
 #include "kv_cache.h"
 #include "placement.h"
 #include "rpc_link.h"
+#include "device_weights.h"
 #include "weights.h"
 
 namespace river {

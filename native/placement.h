@@ -11,6 +11,7 @@
 #include "ggml-cpp.h"
 #include "hparams.h"
 #include "rpc_link.h"
+#include "device_weights.h"
 #include "weights.h"
 
 namespace river {

@@ -63,26 +63,6 @@ struct RiverWeights {
     ggml_tensor* draft_head = nullptr;  // its draft-vocabulary rows (HeadRows), when set
 };
 
-// Some rows of a head, in host memory: the draft vocabulary of lossless decoding. Row i is
-// token ids[i]'s row of `head`, followed by n_spare rows (zero) that set_row fills later, so a
-// draft's logits cost these rows alone; placement then moves the tensor where the full head goes.
-// Rows of a quantized type are whole blocks, so the rows are the head's own bytes, and their
-// logits equal the full head's at those tokens.
-class HeadRows {
-public:
-    // `head` must stay alive and in host memory (a file's tensor) for set_row.
-    HeadRows(const ggml_tensor* head, const std::vector<int32_t>& ids, int n_spare);
-    ggml_tensor* tensor() const { return tensor_; }
-    // Row `row` of `placed` (this tensor where placement put it) becomes token's row of the head.
-    void set_row(ggml_tensor* placed, int64_t row, int32_t token) const;
-
-private:
-    const ggml_tensor* head_;
-    ggml_context_ptr ctx_;
-    ggml_backend_buffer_ptr buffer_;  // declared after ctx_: freed before it
-    ggml_tensor* tensor_ = nullptr;
-};
-
 // A layer's tensors, looked up by name in one file ("blk.N." after the prefix) and checked
 // against the shapes the hyperparameters give: each family's load_layer (native/models/) asks
 // for the tensors it has.
@@ -120,31 +100,6 @@ void refuse_biases_and_experts(const LayerLoader& ld);
 BackboneWeights load_backbone(const GgufFile& f, const HParams& hp);
 RiverWeights load_river(const GgufFile& f, const HParams& hp, const std::string& prefix);
 
-// Copies of some tensors in another buffer type: a GPU's memory for offloaded layers, or a
-// CPU "extra" buffer type that repacks weights for faster matrix kernels. Owns the buffer.
-class DeviceWeights {
-public:
-    DeviceWeights() = default;
-    ~DeviceWeights();
-    DeviceWeights(const DeviceWeights&) = delete;
-    DeviceWeights& operator=(const DeviceWeights&) = delete;
-    // Tensors made by concatenating the rows of `parts` (same type and row length), stored
-    // in *target.
-    struct Concat {
-        std::vector<ggml_tensor*> parts;
-        ggml_tensor** target;
-        std::string name;
-    };
-    // Replace each *slot by a copy living in a buffer of type `buft`, and fill each concat's
-    // target with its row-concatenation in the same buffer.
-    void move(ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor**>& slots,
-              const std::vector<Concat>& concats = {});
-
-private:
-    ggml_context* ctx_ = nullptr;
-    ggml_backend_buffer_t buffer_ = nullptr;
-};
-
 // Weights joined into one mat-mul at load when they share a type (placement's `fuse`): the
 // parts' slots and GGUF tensor kinds, in row order, and the joined slot. A joined weight is named
 // after its first part plus `suffix`, e.g. "blk.3.attn_q.weight+k+v" (ggml names hold 63 chars).
@@ -178,6 +133,9 @@ std::vector<ggml_tensor**> matmul_slots(LayerWeights& w);
 bool has_river_layers(const GgufFile& f);
 inline constexpr const char* kRiverMarker = "river.blk.0.attn_output.weight";
 
+// ggml's name of a tensor type, or "type N" for one it does not know.
+std::string type_name(ggml_type t);
+
 // How a weight is used, which decides the types it may have.
 enum class WeightUse {
     Vector,     // 1-D: norm weights, biases, rope factors; read by element-wise ops in F32
@@ -191,17 +149,4 @@ void check_weight_type(const GgufFile& f, const ggml_tensor* t, WeightUse use);
 // Whether the CPU backend has a mul_mat kernel for weight w's type / a get_rows for it.
 bool cpu_can_matmul(const ggml_tensor* w);
 bool cpu_can_get_rows(const ggml_tensor* w);
-// Throws UnsupportedModelError when `dev` cannot multiply by one of the 2-D weights in
-// `slots` held in a buffer of type `buft`; call before moving them there (the scheduler
-// would abort on a weight no backend can use).
-void check_device_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor**>& slots);
-
-// The CPU device's extra buffer types (repacked layouts), in preference order.
-std::vector<ggml_backend_buffer_type_t> cpu_extra_buffer_types();
-// Whether `buft` can hold `w` as the weight of a mul_mat on `dev` (llama.cpp's test too).
-bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const ggml_tensor* w);
-// Whether `parts` can be row-concatenated (same type and row length, host data) and the
-// result still placed in `buft`.
-bool concat_supported(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor*>& parts);
-
 }  // namespace river

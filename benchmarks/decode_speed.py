@@ -8,9 +8,9 @@ numpy, greedy argmax. Prefill is the best of the repeats (it is short, so the mi
 the least noisy estimate); decode is the median. Repeats alternate the engine order so
 that drifting machine load hits both sides alike.
 
-"Segmented" is river_gguf's exit-capable decode path (engine.eval(trace=True)): every layer
-is its own graph followed by a readback of the exit similarity; its cost over the fused
-one-graph backbone decode is the price of deciding exits at all.
+"Segmented" is river_gguf's exit-capable decode path (engine.eval(trace=True)): the backbone
+graph with an exit-decision node after every layer, each recording its layer's score; its cost
+over the plain backbone graph is the price of deciding exits at all.
 """
 import argparse
 import json

@@ -224,11 +224,10 @@ def _river_decode(path, toks, prefix, opts, **engine_kw):
     """What Model.score runs, on a bare engine: a backbone prefill, then River decoding token by
     token; the exit layer and logits of every step."""
     e = native.Engine(path, "", 512, 1, 512, 0, **engine_kw)
-    e.eval(toks[:prefix], 0)
+    e.eval(toks[:prefix], **opts.engine_args(prompt=True))
     steps = []
     for t in toks[prefix:-1]:  # as score: the last token is only predicted
-        logits, exit_layer, _ = e.eval([t], 1, opts.threshold, opts.min_exit_layer, -1, opts.river_head, False,
-                                       False, opts.tail)
+        logits, exit_layer, _ = e.eval([t], **opts.engine_args(prompt=False))
         steps.append((exit_layer, logits))
     return steps
 
@@ -253,7 +252,7 @@ def test_river_with_remote_layers_matches_local_river(server, river_gguf_path):
             break
     else:
         pytest.fail("the test needs tokens that exit at different layers; no threshold tried gives them on this CPU")
-    opts = SimpleNamespace(**settings)
+    opts = m.options(**settings)
     del m
     ref = _river_decode(river_gguf_path, toks, 8, opts, repack=False)
     assert [e for e, _ in ref] == ref_score.exit_layers.tolist()[1:]

@@ -186,6 +186,25 @@ def _pick_draft(chain: SamplerChain, logits: np.ndarray, tokens: Optional[np.nda
         return -1
 
 
+class _WithRiverOptions:
+    """A Llama seen by llama_cpp's chat handler for one call: the handler calls create_completion
+    with its own arguments, and the call's River options go down with them. Everything else is
+    the Llama's."""
+
+    def __init__(self, llama: "Llama", river_options: Dict[str, Any]):
+        self._llama = llama
+        self._river_options = river_options
+
+    def create_completion(self, *args, **kwargs):
+        return self._llama.create_completion(*args, **kwargs, **self._river_options)
+
+    def __call__(self, *args, **kwargs):
+        return self._llama(*args, **kwargs, **self._river_options)
+
+    def __getattr__(self, name: str):
+        return getattr(self._llama, name)
+
+
 class Llama:
     """A drop-in for llama_cpp.Llama on river_gguf's engine (see the module docstring)."""
 
@@ -360,7 +379,6 @@ class Llama:
         self._kv_opts = None
         self._kv_epoch = None
         self._kv_owned = False
-        self._chat_river_options: Dict[str, Any] = {}
         self._acc: Dict[str, Any] = {}
         self.last_stats: Dict[str, Any] = {}
 
@@ -929,7 +947,7 @@ class Llama:
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         echo, stream = _bool("echo", echo), _bool("stream", stream)
         stops = _stop_list(stop)
-        opts = self._resolve_options({**self._chat_river_options, **river_options})
+        opts = self._resolve_options(river_options)
         procs = self._processors(logits_processor, logit_bias, self._n_vocab)
         if grammar is not None:
             check_grammar(self._model.vocab, grammar)
@@ -1223,19 +1241,14 @@ class Llama:
         self._resolve_options(river_options)  # unknown or bad options raise before the handler runs
         handler = (self.chat_handler or self._chat_handlers.get(self.chat_format)
                    or llama_chat_format.get_chat_completion_handler(self.chat_format))
-        previous = self._chat_river_options
-        self._chat_river_options = dict(river_options)
-        try:
-            return handler(
-                llama=self, messages=messages, functions=functions, function_call=function_call, tools=tools,
-                tool_choice=tool_choice, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                typical_p=typical_p, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream, stop=stop,
-                seed=seed, response_format=response_format, max_tokens=max_tokens, presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty, tfs_z=tfs_z,
-                mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
-                logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
-        finally:
-            self._chat_river_options = previous
+        return handler(
+            llama=_WithRiverOptions(self, river_options) if river_options else self, messages=messages,
+            functions=functions, function_call=function_call, tools=tools, tool_choice=tool_choice,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p, logprobs=logprobs,
+            top_logprobs=top_logprobs, stream=stream, stop=stop, seed=seed, response_format=response_format,
+            max_tokens=max_tokens, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repeat_penalty=repeat_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta, model=model, logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
 
     def create_chat_completion_openai_v1(self, *args: Any, **kwargs: Any):
         """create_chat_completion as openai.types.chat objects (needs the openai package)."""

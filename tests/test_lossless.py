@@ -272,6 +272,26 @@ def test_rejected_rows_leave_the_cache(river_gguf_path, keep):
     assert np.abs(stale - ref).max() > 10 * ROUNDING_TOL
 
 
+def test_a_round_is_the_draft_then_one_backbone_batch(river_gguf_path):
+    """Model.lossless_round, the round Llama's loop and Model.score share: the river's drafts after
+    the token, then the backbone's rows for the token and its drafts, bit for bit what one backbone
+    batch of those tokens gives; the cache holds the whole batch."""
+    m = Model(river_gguf_path, n_ctx=256, n_threads=2)
+    toks = m.tokenize(PROSE)[:24]
+    opts = m.options(mode="lossless", draft_max=4)
+    m.begin()
+    m.eval(toks[:-1], m.options(mode="backbone"))
+    drafts, _ = m.draft(toks[-1], opts)
+    r = m.lossless_round(toks[-1], opts)
+    assert r.tokens == [toks[-1]] + drafts and len(drafts) == 4
+    assert m.engine.n_past == len(toks) - 1 + len(r.tokens)
+    m.engine.truncate(len(toks) - 1)
+    batch = m.eval(r.tokens, m.options(mode="backbone"), all_logits=True)
+    assert np.array_equal(r.logits, batch.logits) and r.exit_layer == m.n_layer - 1
+    m.engine.truncate(len(toks) - 1)
+    assert m.lossless_round(toks[-1], opts, max_drafts=2).tokens == r.tokens[:3]
+
+
 def test_lossless_scoring_is_the_backbone(river_gguf_path):
     # Teacher-forced through the decode path: drafts, verify batches and rejections on the text.
     m = Model(river_gguf_path, n_ctx=256, n_threads=2)

@@ -644,22 +644,19 @@ class Llama:
         self._verify_rows = None
         with self._lock:
             self._sync_kv(opts)
-            t0 = time.perf_counter()
             if draft:
                 twin = chain.clone() if chain is not None and not chain.greedy and not chain.has_grammar else None
                 try:
                     pick = None if twin is None else functools.partial(_pick_draft, twin)
-                    drafts = m.draft(tokens[0], opts, with_probs=False, pick=pick)[0]
+                    r = m.lossless_round(tokens[0], opts, pick=pick)
                 finally:
                     if twin is not None:
                         twin.close()
-                t1 = time.perf_counter()
-                tokens = tokens + drafts
-                k = len(tokens)
-                logits, exit_layer, _ = m.eval(tokens, opts, prompt=True, all_logits=True)
-                self._count_round(len(drafts), t1 - t0, time.perf_counter() - t1)
+                tokens, k, logits, exit_layer = r.tokens, len(r.tokens), r.logits, r.exit_layer
+                self._count_round(k - 1, r.draft_seconds, r.verify_seconds)
                 self._verify_rows, self._verify_first = logits, n
             else:
+                t0 = time.perf_counter()
                 logits, exit_layer, _ = m.eval(tokens, opts, prompt=prompt, all_logits=want_rows)
                 self._count("prefill" if prompt else "decode", k, time.perf_counter() - t0)
             self._kv_tokens.extend(tokens)

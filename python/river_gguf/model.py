@@ -6,6 +6,7 @@ Threads: every call that runs the engine holds the Model's lock (see the Model d
 import functools
 import os
 import threading
+import time
 import warnings
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import replace
@@ -42,6 +43,15 @@ class Step(NamedTuple):
     logits: np.ndarray          # float32 [1, n_vocab], or [len(tokens), n_vocab] with all_logits
     exit_layer: int             # backbone layer after which the last token left (n_layer - 1: never)
     similarities: List[float]   # with trace: the exit rule's score (cosine: cos(h_in, h_out)) per backbone layer run
+
+
+class Round(NamedTuple):
+    """What one lossless round (Model.lossless_round) returns."""
+    tokens: List[int]           # the round's token, then its drafts: the batch the backbone verified
+    logits: np.ndarray          # float32 [len(tokens), n_vocab]: row j predicts the token after tokens[j]
+    exit_layer: int
+    draft_seconds: float
+    verify_seconds: float
 
 
 def default_threads() -> int:
@@ -511,6 +521,25 @@ class Model:
         return list(tokens), list(probs)
 
     @_locked
+    def lossless_round(self, token: int, options: Optional[ExitOptions] = None, pick=None,
+                       max_drafts: Optional[int] = None) -> Round:
+        """One round of lossless decoding, llama.cpp's draft and verify: the river drafts after
+        `token` (Model.draft, greedy or by `pick`), then the backbone evaluates the token and its
+        drafts in one batch with a row of logits each. The cache then holds the whole batch; the
+        caller keeps the rows up to the first draft it does not accept and truncates the cache
+        after them (Llama's token loop samples the rows; Model.score compares them with its
+        text). max_drafts: at most this many drafts (where the caller's text ends)."""
+        opts = self.exit_options if options is None else options
+        t0 = time.perf_counter()
+        drafts, _ = self.draft(token, opts, with_probs=False, pick=pick)
+        if max_drafts is not None:
+            drafts = drafts[:max(int(max_drafts), 0)]
+        t1 = time.perf_counter()
+        batch = [int(token)] + drafts
+        logits, exit_layer, _ = self._eval(batch, opts, prompt=True, all_logits=True)
+        return Round(batch, logits, int(exit_layer), t1 - t0, time.perf_counter() - t1)
+
+    @_locked
     def collect_activations(self, tokens: Sequence[int], stats) -> None:
         """One backbone pass over `tokens` from an empty cache, adding each mat-mul's input
         activations to `stats` (native.ActivationStats, for the importance matrix)."""
@@ -604,14 +633,12 @@ class Model:
         if not opts.lossless:
             logits, exit_layer, _ = self._eval([toks[i]], opts, prompt=False)
             return logits, exit_layer
-        drafts, _ = self._engine.draft(toks[i], **opts.draft_args(), with_probs=False)
-        drafts = list(drafts)[: len(toks) - i - 2]  # no row past the text's last prediction
-        logits, exit_layer, _ = self._eval([toks[i]] + drafts, opts, prompt=True, all_logits=True)
+        r = self.lossless_round(toks[i], opts, max_drafts=len(toks) - i - 2)  # no row past the text's last prediction
         accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == toks[i + 1 + accepted]:
+        while accepted < len(r.tokens) - 1 and r.tokens[1 + accepted] == toks[i + 1 + accepted]:
             accepted += 1
         self._engine.truncate(i + 1 + accepted)
-        return logits[: accepted + 1], exit_layer
+        return r.logits[: accepted + 1], r.exit_layer
 
     @_locked
     def similarity_trace(self, tokens: Sequence[int], **options) -> List[List[float]]:

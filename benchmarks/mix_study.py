@@ -26,6 +26,7 @@ import gguf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from river_gguf import Model, presets  # noqa: E402
+from river_gguf.calibrate import cost_model  # noqa: E402
 from river_gguf.convert.hybrid import write_mixed_gguf  # noqa: E402
 from river_gguf.default_model import cache_dir  # noqa: E402
 from river_gguf.measure import data as eval_data  # noqa: E402
@@ -124,13 +125,13 @@ def main(argv=None) -> int:
              + " | ".join(f"vs {r} [paired CI]" for r in refs) + " | types (share of weights) |",
              "|---|---:|---|---|" + "---|" * len(refs) + "---|"]
     if river_rows:
-        layers, head = presets.weight_bytes(rm)
+        layers, head = cost_model.weight_bytes(rm)
     for label in configs:
         s = divergence.summarize(runs[label])
         if label in river_rows:
             o = river_rows[label]
-            mb = presets.step_bytes(layers, head, rm.n_layer,
-                                    *presets.setting_step(o, rm.n_layer, runs[label].mean_exit_layer))
+            mb = cost_model.step_bytes(layers, head, rm.n_layer,
+                                    *cost_model.setting_step(o, rm.n_layer, runs[label].mean_exit_layer))
             types = {"options": str({k: v for k, v in o.items() if v is not None})}
         else:
             mb, types = step_bytes_and_types(files[label])

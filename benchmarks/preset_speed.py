@@ -15,7 +15,7 @@ batch filling on either side), flash attention on both sides, configurations int
 `--repeats`; "x REF" is the geometric mean over rounds of the ratio to llama.cpp's REF in the same
 round, with a 95% bootstrap interval over rounds. "Predicted" is a line t = a + b * bytes through llama.cpp's own (F16 bytes, F16 time)
 and (Q4_0 bytes, Q4_0 time) points, evaluated at the weight bytes a River step reads
-(presets.step_bytes, averaged over the run's exit layers).
+(cost_model.step_bytes, averaged over the run's exit layers).
 """
 import argparse
 import json
@@ -32,6 +32,7 @@ except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from river_gguf import Model, presets  # noqa: E402
+from river_gguf.calibrate import cost_model  # noqa: E402
 
 from river_gguf.eval import report as evaluate
 
@@ -149,11 +150,11 @@ def main(argv=None) -> int:
                 exits[name] = ex
     med = {k: statistics.median(v) for k, v in speeds.items()}
 
-    layers, head = presets.weight_bytes(river.m)
+    layers, head = cost_model.weight_bytes(river.m)
     L = river.m.n_layer
     # llama.cpp's per-step bytes: the same layer/head accounting on its own files.
-    b_f16 = presets.step_bytes(layers, head, L, L - 1, 0, False)
-    b_q4 = presets.step_bytes(layers, head, L, -1, 0, True)
+    b_f16 = cost_model.step_bytes(layers, head, L, L - 1, 0, False)
+    b_q4 = cost_model.step_bytes(layers, head, L, -1, 0, True)
     rows = []
     line = None
     if "llama.cpp F16" in med and "llama.cpp Q4_0" in med:
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
             row[f"x_{ref}"], row[f"x_{ref}_ci"] = x, ci
         if p is not None:
             o = p if isinstance(p, dict) else river.m.presets[p]["options"]
-            b = float(np.mean([presets.step_bytes(layers, head, L, *presets.setting_step(o, L, e))
+            b = float(np.mean([cost_model.step_bytes(layers, head, L, *cost_model.setting_step(o, L, e))
                                for e in exits[name]]))
             row.update(options=o, mean_exit_layer=float(np.mean(exits[name])), mib_per_token=b / 2**20)
             if line is not None:

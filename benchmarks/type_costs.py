@@ -1,5 +1,5 @@
 """Fits the decode cost per weight element of each ggml type from stock llama.cpp's own timings,
-the table presets.TYPE_COST stores.
+the table cost_model.TYPE_COST stores.
 
     RIVER_GGUF_CACHE=.cache/test python benchmarks/type_costs.py [--model smollm2] [--tokens 128] [--repeats 5]
 
@@ -10,7 +10,7 @@ on, files interleaved, median of `--repeats`. Then a least-squares fit of
     seconds per step = overhead + sum over weight matrices of n_elements * cost[type]
 
 with the types each file actually holds (read from the file). The costs are printed relative to
-Q8_0's, the unit of presets.TYPE_COST. Why per element and not per byte: on a small model with
+Q8_0's, the unit of cost_model.TYPE_COST. Why per element and not per byte: on a small model with
 few threads, decode is bound by the dot-product kernels, not memory, and a Q5_0 element costs more
 than a Q8_0 element though it is smaller (SmolLM2 on 2 cores: Q8_0 attention runs as fast as Q5_0's).
 """

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from river_gguf import Model, presets
+from river_gguf.calibrate import cost_model
 from river_gguf.convert.build import build_river_gguf
 from river_gguf.gguf.meta import set_river_metadata
 from river_gguf.testing import write_tiny_model
@@ -73,7 +74,7 @@ def _rows():
 
 
 def test_choose_picks_lowest_kld_per_byte_tier():
-    got = presets.choose(_rows(), BOUNDS)
+    got = cost_model.choose(_rows(), BOUNDS)
     assert [got[n]["options"]["i"] for n in ("fast", "balanced", "quality")] == [2, 3, 4]
     assert not any("same_as" in p for p in got.values())
     assert got["balanced"]["tier"] == 1.4
@@ -83,16 +84,16 @@ def test_preset_choice_is_deterministic_for_a_fixed_grid():
     """The same measurements give the same presets, byte for byte; ties go to the cheaper row,
     then to the one listed first."""
     rows = _rows() + [{"options": {"i": 9}, "kld": 0.10, "relative_cost": 1.2}]  # ties row 3, cheaper
-    a = presets.dump(presets.choose(rows, BOUNDS))
-    assert all(presets.dump(presets.choose([dict(r) for r in rows], BOUNDS)) == a for _ in range(3))
-    assert presets.choose(rows, BOUNDS)["balanced"]["options"] == {"i": 9}
+    a = presets.dump(cost_model.choose(rows, BOUNDS))
+    assert all(presets.dump(cost_model.choose([dict(r) for r in rows], BOUNDS)) == a for _ in range(3))
+    assert cost_model.choose(rows, BOUNDS)["balanced"]["options"] == {"i": 9}
     # A higher tier that finds nothing better says so instead of silently repeating a setting.
     flat = [{"options": {"i": 0}, "kld": 0.1, "relative_cost": 1.0},
             {"options": {"i": 1}, "kld": 0.2, "relative_cost": 1.3}]
-    got = presets.choose(flat, BOUNDS)
+    got = cost_model.choose(flat, BOUNDS)
     assert got["quality"]["options"] == {"i": 0} and got["quality"]["same_as"] == "fast" and got["quality"]["why"]
     # No row within a tier: the cheapest.
-    assert presets.choose([{"options": {}, "kld": 0.0, "relative_cost": 5.0}], BOUNDS)["fast"]["relative_cost"] == 5.0
+    assert cost_model.choose([{"options": {}, "kld": 0.0, "relative_cost": 5.0}], BOUNDS)["fast"]["relative_cost"] == 5.0
 
 
 def test_anchor_bytes_match_llama_cpp_files(f16_path):
@@ -110,7 +111,7 @@ def test_anchor_bytes_match_llama_cpp_files(f16_path):
         head = "output.weight" if "output.weight" in sizes else "token_embd.weight"
         real = sum(n for name, n in sizes.items() if name.startswith("blk.") and name.endswith(".weight")
                    and len(shapes[name]) == 2) + sizes[head]
-        assert presets.static_step_bytes(shapes, 30, kind) == pytest.approx(real, rel=1e-9), kind
+        assert cost_model.static_step_bytes(shapes, 30, kind) == pytest.approx(real, rel=1e-9), kind
 
 
 def test_anchor_costs_match_llama_cpp_files(f16_path):
@@ -125,46 +126,46 @@ def test_anchor_costs_match_llama_cpp_files(f16_path):
         r = gguf.GGUFReader(derived_model(kind))
         names = {t.name for t in r.tensors}
         head = "output.weight" if "output.weight" in names else "token_embd.weight"
-        real = sum(presets.type_cost(t.tensor_type.name, int(np.prod(shapes[t.name]))) + presets.NODE_COST
+        real = sum(cost_model.type_cost(t.tensor_type.name, int(np.prod(shapes[t.name]))) + cost_model.NODE_COST
                    for t in r.tensors if (t.name.startswith("blk.") and t.name.endswith(".weight")
                                           and len(shapes[t.name]) == 2) or t.name == head)
-        assert presets.static_step_bytes(shapes, 30, kind, "cost") == pytest.approx(real, rel=1e-9), kind
+        assert cost_model.static_step_bytes(shapes, 30, kind, "cost") == pytest.approx(real, rel=1e-9), kind
     # Cost orders the anchors as their speed does: Q4_0 < Q4_K_M < Q8_0 < F16-like.
-    c = {k: presets.static_step_bytes(shapes, 30, k, "cost") for k in ("q4_0", "q4_k_m", "q8_0")}
+    c = {k: cost_model.static_step_bytes(shapes, 30, k, "cost") for k in ("q4_0", "q4_k_m", "q8_0")}
     assert c["q4_0"] < c["q4_k_m"] < c["q8_0"]
 
 
 def test_layer_nodes_join_only_weights_of_one_type():
     q8 = {k: "Q8_0" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
-    assert presets._layer_nodes(q8) == 4  # QKV, output, gate+up, down
+    assert cost_model._layer_nodes(q8) == 4  # QKV, output, gate+up, down
     mixed = dict(q8, attn_q="Q5_0", attn_k="Q5_0")  # llama.cpp's Q4_K_M on 576-wide rows: attn_v stays Q8_0
-    assert presets._layer_nodes(mixed) == 6
-    assert presets._layer_nodes(mixed, presets.ATTENTION_KINDS) == 4
-    assert presets._layer_nodes(q8, presets.ATTENTION_KINDS) == 2
-    assert presets.type_cost("Q8_0", 10) == 10 and presets.type_cost("Q4_0", 100) == pytest.approx(65)
-    assert presets.type_cost("Q2_K", 85) == pytest.approx(8 * 84 / 256 / 8.5 * 85)  # unlisted: by bits
+    assert cost_model._layer_nodes(mixed) == 6
+    assert cost_model._layer_nodes(mixed, cost_model.ATTENTION_KINDS) == 4
+    assert cost_model._layer_nodes(q8, cost_model.ATTENTION_KINDS) == 2
+    assert cost_model.type_cost("Q8_0", 10) == 10 and cost_model.type_cost("Q4_0", 100) == pytest.approx(65)
+    assert cost_model.type_cost("Q2_K", 85) == pytest.approx(8 * 84 / 256 / 8.5 * 85)  # unlisted: by bits
 
 
 def test_backbone_layers_per_step():
     L = 30
-    assert presets.backbone_layers_per_step(L, -1, 0) == 0  # river-only
-    assert presets.backbone_layers_per_step(L, -1, 12) == 12  # river-only + tail
-    assert presets.backbone_layers_per_step(L, 5.5, 4) == pytest.approx(6.5 + 4)  # dynamic exit + tail
-    assert presets.backbone_layers_per_step(L, L - 1, 4) == L  # never exited: the whole backbone
-    assert presets.backbone_layers_per_step(L, 27.0, 4) == L  # exit inside the tail: still L
+    assert cost_model.backbone_layers_per_step(L, -1, 0) == 0  # river-only
+    assert cost_model.backbone_layers_per_step(L, -1, 12) == 12  # river-only + tail
+    assert cost_model.backbone_layers_per_step(L, 5.5, 4) == pytest.approx(6.5 + 4)  # dynamic exit + tail
+    assert cost_model.backbone_layers_per_step(L, L - 1, 4) == L  # never exited: the whole backbone
+    assert cost_model.backbone_layers_per_step(L, 27.0, 4) == L  # exit inside the tail: still L
 
 
 def test_step_bytes_counts_each_layer_once():
     layers = [{"backbone": 10, "river": 3} for _ in range(4)]
     head = {"backbone": 100, "river": 40}
-    assert presets.step_bytes(layers, head, 4, -1, 0, True) == 4 * 3 + 40
-    assert presets.step_bytes(layers, head, 4, -1, 2, True) == 2 * 3 + 2 * 10 + 40
-    assert presets.step_bytes(layers, head, 4, 3, 0, True) == 4 * 10 + 100  # never exited: backbone head
-    assert presets.step_bytes(layers, head, 4, 0.5, 0, False) == pytest.approx(1 * 10 + 0.5 * 10 + 0.5 * 3 + 2 * 3 + 100)
+    assert cost_model.step_bytes(layers, head, 4, -1, 0, True) == 4 * 3 + 40
+    assert cost_model.step_bytes(layers, head, 4, -1, 2, True) == 2 * 3 + 2 * 10 + 40
+    assert cost_model.step_bytes(layers, head, 4, 3, 0, True) == 4 * 10 + 100  # never exited: backbone head
+    assert cost_model.step_bytes(layers, head, 4, 0.5, 0, False) == pytest.approx(1 * 10 + 0.5 * 10 + 0.5 * 3 + 2 * 3 + 100)
     # With the backbone's attention, a river layer reads its FFN and the backbone's attention.
     mixed = [dict(l, backbone_attention=4, river_attention=1) for l in layers]
-    assert presets.step_bytes(mixed, head, 4, -1, 0, True, "backbone") == 4 * (3 - 1 + 4) + 40
-    assert presets.step_bytes(mixed, head, 4, -1, 1, True, "backbone") == 3 * 6 + 10 + 40
+    assert cost_model.step_bytes(mixed, head, 4, -1, 0, True, "backbone") == 4 * (3 - 1 + 4) + 40
+    assert cost_model.step_bytes(mixed, head, 4, -1, 1, True, "backbone") == 3 * 6 + 10 + 40
 
 
 def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
@@ -181,8 +182,8 @@ def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
     assert m.exit_options.tail == m.presets["balanced"]["options"]["tail"]
     grid = json.loads(m.metadata[presets.GRID_KEY])  # every measured setting, for re-choosing tiers
     anchors = json.loads(m.metadata[presets.ANCHORS_KEY])
-    assert len(grid) == len(presets.grid(m.n_layer))
-    again = presets.choose(grid, anchors["bounds"])
+    assert len(grid) == len(cost_model.grid(m.n_layer))
+    again = cost_model.choose(grid, anchors["bounds"])
     assert {n: p["options"] for n, p in again.items()} == {n: p["options"] for n, p in m.presets.items()}
     # Tiers rise with the anchors' bytes: Q4_0 < Q4_K_M < Q8_0.
     b = anchors["bounds"]
@@ -264,7 +265,7 @@ def test_an_explicit_exit_setting_keeps_no_preset_field(tiny_river, tmp_path):
 
 
 def test_a_tier_takes_a_closer_setting_only_where_the_difference_separates():
-    from river_gguf.presets import choose, not_closer
+    from river_gguf.calibrate.cost_model import choose, not_closer
 
     items = list(range(12))
     # Per item (scored tokens, summed KLD): b is 20% further than a on every item (separated);

@@ -8,6 +8,7 @@ import gguf
 import pytest
 
 from river_gguf import Model, presets
+from river_gguf.calibrate import cost_model
 from river_gguf.calibrate import tune as tune_mod
 from river_gguf.convert import build
 from river_gguf.testing import write_tiny_model
@@ -72,8 +73,8 @@ def test_tune_rechooses_from_timed_grid_and_changes_no_tensor(tuned_pair, tmp_pa
     assert set(lossless["costs"]) == {"step", "draft", "verify", "context"} and 0 <= lossless["acceptance"] <= 1
     assert lossless["costs"]["context"] > 0  # the positions the costs were timed after
     assert lossless["line"].startswith("lossless") and str(lossless["draft_max"]) in lossless["line"]
-    # The stored choice is presets.choose on the timed rows and bounds: a pure function of them.
-    again = presets.choose(res["rows"], anchors["bounds"])
+    # The stored choice is cost_model.choose on the timed rows and bounds: a pure function of them.
+    again = cost_model.choose(res["rows"], anchors["bounds"])
     assert {n: p["options"] for n, p in again.items()} == {n: p["options"] for n, p in m.presets.items()}
     assert json.loads(m.metadata[tune_mod.TUNED_KEY])["rounds"] == 1
 

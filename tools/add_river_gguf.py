@@ -8,7 +8,7 @@
 
 The default river is q4_0 quantized with an importance matrix collected from the backbone's
 activations on the calibration split, and the file stores measured fast/balanced/quality
-presets (see river_gguf/convert/build.py and river_gguf/presets.py; the options are river_gguf/cli/convert_cmd.py's). Errors print a message to
+presets (see river_gguf/convert/build.py and river_gguf/calibrate/cost_model.py; the options are river_gguf/cli/convert_cmd.py's). Errors print a message to
 stderr and exit with status 2; Ctrl-C exits with status 130 and leaves no file behind.
 Same as ``river-gguf convert``.
 """

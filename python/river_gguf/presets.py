@@ -1,93 +1,29 @@
 """Named exit settings stored in a River GGUF: one file, several points of the speed/quality curve.
 
 A static quant is one point; a River GGUF holds a backbone, a river and the exit rule, so it can
-run anywhere between the river's speed and the backbone's quality. The calibrator measures a
-small grid of settings (the backbone alone, backbone tails, dynamic exit tau, river-only, the
-river with the backbone's attention) on the calibration split and keeps three as presets, one per
-tier. Each tier is anchored on the static llama.cpp quant of the same backbone that the preset has
-to match, by the decode cost of one step:
+run anywhere between the river's speed and the backbone's quality. The converter measures a grid
+of settings and keeps three as presets, one per tier (``fast``, ``balanced``, the default, and
+``quality``); river_gguf.calibrate.cost_model says how the tiers are anchored and chosen.
 
-- ``fast``: the setting closest to the backbone (lowest KL divergence) that costs no more per
-  step than llama.cpp's Q4_0 of this backbone;
-- ``balanced`` (the default): the same within Q4_K_M's cost;
-- ``quality``: the same within Q8_0's cost.
-
-A step's cost is the weight elements it multiplies, each weighted by its type's cost per element
-(``TYPE_COST``, a table fitted once from llama.cpp's own decode timings with
-``benchmarks/type_costs.py`` and stored here), plus a fixed cost per mat-mul node
-(``NODE_COST``: river_gguf joins Q/K/V and gate/up of one type, llama.cpp joins nothing) and per
-layer the dynamic exit tests (``EXIT_TEST_COST``). Bytes alone are the wrong measure: on the
-small models and few cores this project runs, decode is bound by the dot-product kernels, and a
-Q5_0 element costs nearly as much as a Q8_0 one though it is a third smaller. The anchors
-(``static_step_bytes`` with ``measure="cost"``) apply llama.cpp's per-tensor type choice for Q4_0, Q4_K_M and Q8_0,
-fallbacks for rows that are not a multiple of 256 included. Cost is a pure function of the
-tensors' types and shapes, and KL divergence from the backbone is a deterministic computation on
-fixed calibration text, so the same input gives the same presets, byte for byte, on any run. At
-equal cost river_gguf's step is no slower than llama.cpp's (it joins Q/K/V and gate/up); the
-Pareto report checks the measured speeds, and ``river-gguf tune FILE`` re-chooses the tiers from
-speeds timed on the user's own machine. Earlier versions timed the tails during conversion, and
-their choice moved with the machine's load.
-
-Where two tiers pick the same setting, the higher tier's entry says so (``same_as``) and why: no
-setting within its larger budget came closer to the backbone.
-
-They are stored as JSON under ``river.presets`` with their calibration KLD, perplexity, mean exit
-layer, cost and cost relative to river-only, ``river.presets_grid`` holds every measured
-setting, ``river.presets_anchors`` the anchors, and ``river.default_preset`` names the one a Model
-uses by default.
+This module is the stored format a Model reads: JSON under ``river.presets`` (each preset's
+options with its calibration KLD, perplexity, mean exit layer, cost and cost relative to
+river-only), ``river.presets_grid`` (every measured setting), ``river.presets_anchors`` (the
+anchors) and ``river.default_preset`` (the one a Model uses by default). Where two tiers pick the
+same setting, the higher tier's entry says so (``same_as``) and why.
 """
 from __future__ import annotations
 
-import functools
 import json
-import os
 from dataclasses import fields
 from typing import Dict, List, Optional
 
-import gguf
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-from ._loader import native
-from .gguf.river_index import river_tensors
 from .options import ExitOptions
 
 PRESET_KEY = "river.presets"
 DEFAULT_KEY = "river.default_preset"
 NAMES = ("fast", "balanced", "quality")
 DEFAULT_PRESET = "balanced"
-
-# Each tier and the llama.cpp quant whose bytes per decode step bound it.
-TIERS = (("fast", "q4_0"), ("balanced", "q4_k_m"), ("quality", "q8_0"))
 ANCHORS_KEY = "river.presets_anchors"
-
-# The decode cost model, in units of one Q8_0 weight element's product. Fitted once from stock
-# llama.cpp's decode of SmolLM2-135M's static ladder and mixes on 2 threads of an AVX-512 server
-# (benchmarks/type_costs.py; BENCHMARKS.md has the runs) and rounded to 0.05, the size of its
-# noise; types not listed cost in proportion to their bits per element (Q8_0's 8.5 = 1.0).
-TYPE_COST = {"F32": 3.0, "F16": 1.5, "BF16": 1.5, "Q8_0": 1.0, "Q6_K": 0.95, "Q5_K": 0.9, "Q5_0": 0.85,
-             "Q5_1": 0.9, "Q4_K": 0.85, "Q4_0": 0.65, "Q4_1": 0.7, "IQ4_NL": 0.8, "IQ4_XS": 0.8}
-# Each mat-mul node costs a fixed amount besides its elements (thread sync, activation
-# quantization). River's joins of Q/K/V and gate/up of one type save nodes; measured on SmolLM2
-# (BENCHMARKS.md, issue 14): the river-only step with the backbone's Q8_0 attention (Q/K/V joined,
-# 2 nodes fewer a layer, 3% more element cost) runs exactly as fast as the plain Q4_K_M river
-# (attn_v Q8_0 cannot join its Q5_0 attn_q/attn_k) in two runs, and the joined Q8_0 backbone runs
-# 1.00-1.06x llama.cpp's Q8_0 (90 nodes fewer): about 5 us a node, 0.05M Q8_0 elements.
-NODE_COST = 50_000.0
-# Each backbone layer the dynamic exit tests (the similarity node and the graph split that stops
-# at an exit): tau 0.97 with the backbone's attention ran 4-6% slower than river-only with it, for
-# ~7 tested layers a step, in two runs on SmolLM2: 80-120 us a tested layer, 0.85M Q8_0 elements.
-EXIT_TEST_COST = 850_000.0
-
-
-def type_cost(type_name: str, n_elements: int) -> float:
-    """Cost of one product with a weight of `n_elements` elements of ggml type `type_name`."""
-    c = TYPE_COST.get(type_name)
-    if c is None:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-        c = 8.0 * size / block / 8.5
-    return c * n_elements
-
 
 # The exit options a preset may set: every ExitOptions field but the prompt policy, which stays the file's.
 OPTION_KEYS = tuple(f.name for f in fields(ExitOptions) if f.name != "prefill")
@@ -126,90 +62,6 @@ def dump(presets: Dict[str, dict]) -> str:
     return json.dumps(presets, sort_keys=True, separators=(",", ":"))
 
 
-def step_bytes(layer_bytes: List[dict], head_bytes: dict, n_layer: int, exit_layer: float, tail: int,
-               river_head: bool, river_attention: str = "river") -> float:
-    """Weight bytes one decode step reads: backbone layers 0..exit_layer, river layers up to
-    the tail, backbone tail, and the head. exit_layer may be a mean (fractional); -1 = river-only.
-    layer_bytes[l] = {"backbone": bytes, "river": bytes} (and, for river_attention="backbone",
-    "backbone_attention" / "river_attention": the bytes of each side's attention group, which a
-    river layer then reads from the backbone); head_bytes = {"backbone": .., "river": ..}."""
-    river_last = n_layer - 1 - tail
-    total = 0.0
-    for l in range(n_layer):
-        lb = layer_bytes[l]
-        river = lb["river"]
-        if river_attention == "backbone":
-            river = river - lb["river_attention"] + lb["backbone_attention"]
-        if l > river_last:
-            total += lb["backbone"]
-        else:
-            # share of this layer run by the backbone, for a fractional mean exit layer
-            share = min(max(exit_layer - l + 1, 0.0), 1.0)
-            total += share * lb["backbone"] + (1 - share) * river
-    exited = exit_layer < river_last
-    total += head_bytes["river" if (river_head and exited) else "backbone"]
-    return total
-
-
-def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, dict]:
-    """Pick the presets from measured rows ({"options", "kld", "relative_cost", ...}): per tier,
-    the lowest KLD among rows whose relative cost is within bounds[tier] (ties: the cheaper, then
-    the row listed first); a tier no row fits gets the cheapest row. A pure function of its
-    inputs: the same rows and bounds give the same presets. A tier whose pick equals a lower
-    tier's is marked same_as, with the reason.
-
-    A setting is closer than another only where the difference separates from 0: among the rows
-    not separated from the closest one (not_closer), the tier takes the cheapest."""
-    out: Dict[str, dict] = {}
-    order = {id(r): i for i, r in enumerate(rows)}
-    for name, _ in TIERS:
-        tier = float(bounds[name])
-        ok = [r for r in rows if r["relative_cost"] <= tier + 1e-12]
-        if ok:
-            best = min(ok, key=lambda r: (r["kld"], r["relative_cost"], order[id(r)]))
-            # Closer only where the intervals separate: a cheaper setting whose KLD interval
-            # reaches the closest one's is as close as this calibration can tell, and is kept.
-            tied = [r for r in ok if r is best or not_closer(best, r)]
-            pick = min(tied, key=lambda r: (r["relative_cost"], r["kld"], order[id(r)]))
-        else:
-            pick = min(rows, key=lambda r: (r["relative_cost"], order[id(r)]))
-        entry = dict(pick, tier=tier)
-        same = [n for n, p in out.items() if p["options"] == pick["options"]]
-        if same:
-            entry["same_as"] = same[0]
-            entry["why"] = (f"no measured setting within {tier:.2f}x river-only's cost is closer to the backbone "
-                            f"than {same[0]}'s" if ok else f"no measured setting fits {tier:.2f}x river-only's cost")
-        elif not ok:
-            entry["why"] = f"no measured setting fits {tier:.2f}x river-only's cost: the cheapest is {pick['relative_cost']:.2f}x"
-        out[name] = entry
-    return out
-
-
-#: The paired bootstrap of not_closer: its draws, seed and level.
-PAIRED_DRAWS, PAIRED_SEED, PAIRED_LEVEL = 2000, 20261204, 0.95
-
-
-def not_closer(best: dict, other: dict) -> bool:
-    """Whether calibration cannot tell `best` closer to the backbone than `other`: the 95%
-    interval of KLD(other) - KLD(best), from resampling the items both were scored on (rows'
-    "items" and "item_kld": per item, scored tokens and summed KLD), reaches 0. Rows without
-    per-item sums compare their intervals ("kld_ci") instead: overlapping means not closer. A
-    deterministic function of the rows (a fixed seed)."""
-    if "item_kld" in best and "item_kld" in other:
-        b = dict(zip(best["items"], best["item_kld"]))
-        o = dict(zip(other["items"], other["item_kld"]))
-        common = sorted(set(b) & set(o))
-        if not common:
-            return True
-        nb = np.array([b[i] for i in common], dtype=np.float64)
-        no = np.array([o[i] for i in common], dtype=np.float64)
-        idx = np.random.default_rng(PAIRED_SEED).integers(0, len(common), size=(PAIRED_DRAWS, len(common)))
-        d = no[idx, 1].sum(axis=1) / no[idx, 0].sum(axis=1) - nb[idx, 1].sum(axis=1) / nb[idx, 0].sum(axis=1)
-        return bool(np.quantile(d, (1 - PAIRED_LEVEL) / 2) <= 0.0)
-    a, c = other.get("kld_ci"), best.get("kld_ci")
-    return bool(a and c) and a[0] <= c[1]
-
-
 def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[str]:
     """One line per preset, for `river-gguf info`."""
     lines = []
@@ -234,213 +86,6 @@ def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[st
             f"{p.get('tier', float('nan')):.2f}x), mean exit {p.get('mean_exit_layer', float('nan')):.1f}"
             + (f" [= {p['same_as']}: {p['why']}]" if p.get("same_as") else f" [{p['why']}]" if p.get("why") else ""))
     return lines
-
-
-# ----- measuring the settings ----------------------------------------------------------
-def _measure(t, measure: str) -> float:
-    if measure == "bytes":
-        return int(t.n_bytes)
-    n = int(np.prod([int(x) for x in t.shape]))
-    return type_cost(t.tensor_type.name, n) if len(t.shape) > 1 and int(t.shape[1]) > 1 else 0.0
-
-
-# The weights river_gguf joins into one mat-mul when they share a type (native weights.h).
-_JOINS = native.WEIGHT_JOINS
-
-
-def _layer_nodes(types: Dict[str, str], kinds=None) -> int:
-    """Mat-mul nodes of one layer in river_gguf's engine: `types` maps a weight's kind
-    (attn_q, ...) to its type; joined groups of one type are one node. kinds: count only these."""
-    present = {k: t for k, t in types.items() if kinds is None or k in kinds}
-    nodes = len(present)
-    for group in _JOINS:
-        ts = [present.get(k) for k in group]
-        if all(t is not None for t in ts) and len(set(ts)) == 1:
-            nodes -= len(group) - 1
-    return nodes
-
-
-@functools.lru_cache(maxsize=2)
-def _reader_of(path: str, stamp: tuple):
-    return gguf.GGUFReader(path)
-
-
-def _reader(path: str):
-    """gguf's reader of `path`, parsed once while the file stays the same (parsing a 150k-token
-    vocabulary takes seconds, and a calibration reads the file's tensors three times)."""
-    st = os.stat(path)
-    return _reader_of(os.fspath(path), (st.st_ino, st.st_size, st.st_mtime_ns))
-
-
-def weight_bytes(model, measure: str = "bytes") -> tuple:
-    """(layer_bytes, head_bytes) of a loaded Model's files: per layer, the bytes of the
-    backbone's and the river's tensors; the head each side uses (the river's is its
-    river.output/river.token_embd, the backbone's its output or tied token_embd).
-    measure="cost" gives each weight matrix's decode cost (type_cost) instead of its bytes
-    (1-D tensors cost nothing: they are alike on every side)."""
-
-    if measure not in ("bytes", "cost"):
-        raise ValueError(f"measure must be 'bytes' or 'cost', got {measure!r}")
-    bb = _reader(model.model_path)
-    bb_ts = [(t.name, t) for t in bb.tensors]
-    if model.river_path:
-        rv_ts = [(t.name, t) for t in _reader(model.river_path).tensors]
-    else:
-        rv_ts = [(t.name[len("river."):], t) for t in river_tensors(bb)]
-    bb_sizes = {n: _measure(t, measure) for n, t in bb_ts}
-    rv_sizes = {n: _measure(t, measure) for n, t in rv_ts}
-    matrix = lambda n, t: n.startswith("blk.") and n.endswith(".weight") and len(t.shape) > 1  # noqa: E731
-    bb_types = {n: t.tensor_type.name for n, t in bb_ts if matrix(n, t)}
-    rv_types = {n: t.tensor_type.name for n, t in rv_ts if matrix(n, t)}
-    L = model.n_layer
-
-    def layer(sizes, l, kinds=None):
-        p = f"blk.{l}."
-        return sum(n for name, n in sizes.items() if name.startswith(p)
-                   and (kinds is None or name[len(p):].split(".")[0] in kinds))
-
-    layers = [{"backbone": layer(bb_sizes, l), "river": layer(rv_sizes, l),
-               "backbone_attention": layer(bb_sizes, l, ATTENTION_KINDS),
-               "river_attention": layer(rv_sizes, l, ATTENTION_KINDS)} for l in range(L)]
-    head = {"backbone": bb_sizes.get("output.weight", bb_sizes.get("token_embd.weight", 0)),
-            "river": rv_sizes.get("output.weight", rv_sizes.get("token_embd.weight", 0))}
-    if measure == "cost":  # and each side's mat-mul nodes (the head is one)
-        for side, types in (("backbone", bb_types), ("river", rv_types)):
-            for l in range(L):
-                t = {n.split(".")[2]: ty for n, ty in types.items() if n.startswith(f"blk.{l}.")}
-                layers[l][side] += NODE_COST * _layer_nodes(t)
-                layers[l][f"{side}_attention"] += NODE_COST * _layer_nodes(t, ATTENTION_KINDS)
-            head[side] += NODE_COST
-    return layers, head
-
-
-# The attention group of a layer: the tensor kinds river_attention="backbone" takes from the
-# backbone (native weights.h).
-ATTENTION_KINDS = native.ATTENTION_TENSORS
-
-# The grid the calibrator measures: static river-only with a backbone tail, and the dynamic
-# exit with a tail (tau dense where SmolLM2's and Qwen2.5's mid-layer similarities live); then
-# the same with the backbone's attention in the river layers (precision by tensor kind).
-STATIC_TAILS = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)
-DYNAMIC = tuple((tau, tail) for tail in (2, 4) for tau in (0.97, 0.98, 0.99))
-ATTENTION_TAILS = (0, 2, 4, 8)
-ATTENTION_DYNAMIC = tuple((tau, 0) for tau in (0.97, 0.98, 0.99))
-
-
-def grid(n_layer: int, river_head: bool = True) -> List[dict]:
-    # The backbone alone is a candidate too: with a Q8_0 backbone it is llama.cpp's Q8_0 at its
-    # own cost, and no setting with river layers in it comes closer to F16 at that cost.
-    rows = [{"mode": "backbone", "tail": 0, "river_head": False}]
-    rows += [{"mode": "river-only", "tail": t, "river_head": river_head} for t in STATIC_TAILS if t < n_layer]
-    rows += [{"mode": "river", "threshold": tau, "min_exit_layer": 0, "tail": t, "river_head": river_head}
-             for tau, t in DYNAMIC if t < n_layer - 1]
-    rows += [{"mode": "river-only", "tail": t, "river_head": river_head, "river_attention": "backbone"}
-             for t in ATTENTION_TAILS if t < n_layer]
-    rows += [{"mode": "river", "threshold": tau, "min_exit_layer": 0, "tail": t, "river_head": river_head,
-              "river_attention": "backbone"} for tau, t in ATTENTION_DYNAMIC if t < n_layer - 1]
-    return rows
-
-
-def setting_step(options: dict, n_layer: int, mean_exit_layer: float) -> tuple:
-    """step_bytes's (exit_layer, tail, river_head, river_attention) for a setting: the backbone
-    alone reads every backbone layer and its own head; river-only exits before layer 0; the
-    dynamic exit at its measured mean exit layer."""
-    mode = options.get("mode")
-    if mode == "backbone":
-        return (n_layer - 1, 0, False, "river")
-    exit_layer = -1.0 if mode == "river-only" else mean_exit_layer
-    return (exit_layer, options.get("tail", 0), options.get("river_head", True),
-            options.get("river_attention", "river"))
-
-
-def backbone_layers_per_step(n_layer: int, mean_exit_layer: float, tail: int) -> float:
-    """Backbone layers one decode step runs: layers 0..exit (a mean for the dynamic exit; -1 for
-    river-only) and the tail; the rest run in the river."""
-    river_last = n_layer - 1 - tail
-    return min(float(n_layer), min(mean_exit_layer + 1.0, river_last + 1.0) + tail)
-
-
-# ----- the static quants the tiers are anchored on ----------------------------------------
-_ATTN_V, _FFN_DOWN = "attn_v", "ffn_down"
-_ATTN_QKV = "attn_qkv"
-_LAYER_WEIGHTS = ("attn_q", "attn_k", "attn_v", _ATTN_QKV, "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-_K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # rows not a multiple of 256
-
-
-def _more_bits(i: int, n: int) -> bool:
-    """llama.cpp's use_more_bits: the first and last eighth of the layers, and every third between."""
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
-def _llama_cpp_type(kind: str, role: str, layer: int, n_layer: int, row: int) -> str:
-    """The type llama.cpp's quantizer gives a weight in a `kind` file (q4_0, q4_k_m, q8_0):
-    role is a layer weight name or "output" (the head, or the tied embedding used as head)."""
-    if kind == "q8_0":
-        t = "Q8_0"
-    elif role == "output":
-        t = "Q6_K"
-    elif kind == "q4_0":
-        t = "Q4_0"
-    elif kind == "q4_k_m":
-        if role == _ATTN_QKV:
-            t = "Q5_K"  # llama.cpp gives a joined Q/K/V (phi3) Q5_K in Q4_K_M
-        else:
-            t = "Q6_K" if role in (_ATTN_V, _FFN_DOWN) and _more_bits(layer, n_layer) else "Q4_K"
-    else:
-        raise ValueError(f"no anchor recipe for {kind!r}")
-    if t in _K_FALLBACK and row % 256 != 0:
-        t = _K_FALLBACK[t]
-    return t
-
-
-def _type_bytes(type_name: str, n_elements: int) -> float:
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    return n_elements / block * size
-
-
-def static_step_bytes(tensors: Dict[str, tuple], n_layer: int, kind: str, measure: str = "bytes") -> float:
-    """Weight bytes one decode step of llama.cpp's `kind` quant of this backbone reads: every
-    layer weight and the head. tensors: {name: shape (ne0 first)} of the backbone's tensors.
-    Small F32 tensors (norms) are left out, as in step_bytes they cost the same on both sides.
-    measure="cost": the step's decode cost (type_cost) instead."""
-    # llama.cpp runs every weight as its own mat-mul node (it joins nothing).
-    node = 0.0 if measure == "bytes" else NODE_COST
-    of = _type_bytes if measure == "bytes" else type_cost
-    total = 0.0
-    for l in range(n_layer):
-        for role in _LAYER_WEIGHTS:
-            shape = tensors.get(f"blk.{l}.{role}.weight")
-            if shape is not None:
-                total += of(_llama_cpp_type(kind, role, l, n_layer, int(shape[0])), int(np.prod(shape))) + node
-    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
-    if head is not None:
-        total += of(_llama_cpp_type(kind, "output", -1, n_layer, int(head[0])), int(np.prod(head))) + node
-    return total
-
-
-def _plain_tensor_shapes(model) -> Dict[str, tuple]:
-    r = _reader(model.model_path)
-    return {t.name: tuple(int(x) for x in t.shape) for t in r.tensors if not t.name.startswith("river.")}
-
-
-def tier_bounds(model, layers: List[dict], head: dict, measure: str = "cost") -> dict:
-    """Per tier, the anchor quant's cost per step (or bytes, measure="bytes"; layers and head
-    from weight_bytes with the same measure) relative to this file's river-only step."""
-    shapes = _plain_tensor_shapes(model)
-    L = model.n_layer
-    river_only = step_bytes(layers, head, L, -1, 0, True)
-    # Count only the weights step_bytes counts for the anchors' side too: layer matrices and head
-    # (and the F32 norms, for bytes; they cost nothing in the cost measure).
-    norms = sum(_norm_bytes(shapes, l) for l in range(L)) if measure == "bytes" else 0.0
-    anchors = {kind: static_step_bytes(shapes, L, kind, measure) + norms for _, kind in TIERS}
-    return {"measure": measure, "river_only": river_only, "anchors": anchors,
-            "bounds": {name: anchors[kind] / river_only for name, kind in TIERS}}
-
-
-def _norm_bytes(shapes: Dict[str, tuple], l: int) -> float:
-    """F32 bytes of layer l's 1-D tensors (norms, biases), which every file keeps in F32."""
-    p = f"blk.{l}."
-    return sum(4.0 * int(np.prod(s)) for n, s in shapes.items() if n.startswith(p) and len(s) == 1)
 
 
 GRID_KEY = "river.presets_grid"

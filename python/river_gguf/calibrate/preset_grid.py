@@ -11,10 +11,10 @@ from tqdm import tqdm
 from ..gguf.meta import set_river_metadata
 from ..measure import divergence
 from ..measure.scoring import calibration_prepared, prepare
-from ..presets import (ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, EXIT_TEST_COST, GRID_KEY, PRESET_KEY,
-                       backbone_layers_per_step, choose, complete, dump, grid, setting_step, step_bytes, tier_bounds,
-                       weight_bytes)
+from ..presets import ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, GRID_KEY, PRESET_KEY, complete, dump
 from . import open_model
+from .cost_model import (EXIT_TEST_COST, backbone_layers_per_step, choose, grid, setting_step, step_bytes, tier_bounds,
+                         weight_bytes)
 
 
 #: The share of the calibration items the dynamic settings are scored on, through decode (the
@@ -35,7 +35,7 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     fourth item (DYNAMIC_SHARE). batched=False scores everything through decode, on every item.
     Each row keeps its KLD's item-bootstrap interval, how it was scored and on how many tokens.
     Each row also keeps its per-item KLD sums ("item_kld", on the items listed in "items"), so
-    presets.choose can compare two settings on the items both were scored on. Cost is the step's
+    cost_model.choose can compare two settings on the items both were scored on. Cost is the step's
     decode cost (step_bytes over weight_bytes(measure="cost")), against the tier bounds of
     tier_bounds; each row also records the bytes the step reads. items: {domain: [Item]}, or
     None for calibration items until min_tokens scored tokens.

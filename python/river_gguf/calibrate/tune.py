@@ -1,7 +1,7 @@
 """Choose a River GGUF's presets again (`river-gguf tune FILE`, river_gguf.cli.tune_cmd) from decode speeds timed on this
 machine, instead of the stored cost model.
 
-The converter chooses the presets by a cost model fitted once on one machine (presets.TYPE_COST),
+The converter chooses the presets by a cost model fitted once on one machine (cost_model.TYPE_COST),
 so the same input gives the same presets everywhere. On another CPU the relative speed of the
 types differs (AVX2 against AVX-512, more cores, a GPU), and a tier may then hold a setting that is
 slower than the llama.cpp quant it is anchored on. `tune` times every setting of the file's
@@ -10,7 +10,7 @@ three anchors, llama.cpp's Q4_0, Q4_K_M and Q8_0 of the file's backbone, in stoc
 in a temp folder with llama.cpp's quantizer from the backbone, which the River GGUF is to
 llama.cpp), interleaved over `rounds` rounds. Each setting's cost is its median seconds per
 decode step relative to river-only's, and each tier's bound the anchor's, as in the cost model;
-presets.choose then picks per tier, and the file is rewritten atomically (metadata only).
+cost_model.choose then picks per tier, and the file is rewritten atomically (metadata only).
 
 It also prices lossless mode (calibrate.lossless): the backbone's step, the draft step and verify
 batches are timed in the engine, and with the grid's river-only acceptance they predict lossless
@@ -30,6 +30,7 @@ from typing import Dict, List
 from tqdm import tqdm
 
 from .. import presets as presets_mod
+from .cost_model import TIERS, choose
 from ..gguf.io import quantize
 from ..gguf.meta import set_river_metadata
 from ..greedy import greedy
@@ -44,7 +45,7 @@ TUNED_KEY = "river.presets_tuned"
 
 def _anchor_files(path: str, folder: str, n_threads: int, progress) -> Dict[str, str]:
     out = {}
-    for _, kind in presets_mod.TIERS:
+    for _, kind in TIERS:
         dst = os.path.join(folder, f"anchor.{kind}.gguf")
         quantize(path, dst, kind, n_threads=n_threads, allow_requantize=True)
         out[kind] = dst
@@ -76,7 +77,7 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
                       None)
     if river_only is None:
         raise ValueError(f"{path}: the grid has no plain river-only setting to measure costs against")
-    n_runs = len(presets_mod.TIERS) + rounds * (len(grid) + len(presets_mod.TIERS))
+    n_runs = len(TIERS) + rounds * (len(grid) + len(TIERS))
     times: Dict[str, List[float]] = {}
     with tempfile.TemporaryDirectory(prefix="river-tune-", dir=os.path.dirname(os.path.abspath(path))) as tmp, \
             tqdm(total=n_runs, desc="tune", unit="run", disable=not progress) as bar:
@@ -106,9 +107,9 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
         rows.append({"options": {"mode": "lossless", "draft_max": lossless_res["draft_max"]}, "kld": 0.0,
                      "same_top": 100.0, "relative_cost": per_token / base, "seconds_per_step": per_token,
                      "mean_exit_layer": float(m.n_layer - 1)})
-    bounds = {name: step[kind] / base for name, kind in presets_mod.TIERS}
-    chosen = presets_mod.choose(rows, bounds)
-    anchors_meta = {"measure": "timed", "seconds_per_step": {k: step[k] for _, k in presets_mod.TIERS},
+    bounds = {name: step[kind] / base for name, kind in TIERS}
+    chosen = choose(rows, bounds)
+    anchors_meta = {"measure": "timed", "seconds_per_step": {k: step[k] for _, k in TIERS},
                     "river_only": base, "bounds": bounds}
     res = {"presets": chosen, "rows": rows, "anchors": anchors_meta, "seconds_per_step": step,
            "lossless": lossless_res}

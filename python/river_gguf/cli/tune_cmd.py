@@ -2,6 +2,7 @@
 import sys
 
 from .. import presets as presets_mod
+from ..calibrate.cost_model import TIERS
 from .._loader import native
 from ..calibrate.tune import tune
 
@@ -30,7 +31,7 @@ def _run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     st = res["seconds_per_step"]
-    for _, kind in presets_mod.TIERS:
+    for _, kind in TIERS:
         print(f"llama.cpp {kind.upper()}: {1 / st[kind]:.1f} tok/s")
     print(res["lossless"]["line"])
     for line in presets_mod.describe(res["presets"], presets_mod.DEFAULT_PRESET):

@@ -51,10 +51,10 @@ from ..calibrate import open_model as _open_model
 from ..calibrate import preset_grid
 from ..gguf import io as gguf_io
 from ..gguf import river_index
-from ..gguf.copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, reader_path,
+from ..gguf.copy import (check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, reader_path,
                          temp_path, type_name, write_plain_copy, write_river_file)
 from ..gguf.io import FTYPES, LlamaLog, atomic_output, captured_llama_log, check_output_path, remove_stale_temp_files
-from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX, read_field  # (2: the river after the backbone's data)
+from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX  # (2: the river after the backbone's data)
 from ..profile import default_threshold
 from . import imatrix as imx
 
@@ -461,7 +461,7 @@ def _river_entries(backbone_path, river_path, river_src, type_label, threshold, 
 
 
 # ----- how much calibration -------------------------------------------------------------
-# The presets score every static setting of presets.grid at prefill speed (one backbone pass over
+# The presets score every static setting of cost_model.grid at prefill speed (one backbone pass over
 # each prompt, then the completion as one batch per setting: measure/divergence.score_batched),
 # and the dynamic ones by decode on a quarter of the items; the imatrix is a batched prefill over about
 # 10x the tokens. So the default is the same at every size.

@@ -16,7 +16,6 @@ from ..gguf.copy import (arch, check_loadable, new_writer, open_reader, plain_te
                          write_tensors)
 from ..gguf.io import atomic_output, check_output_path
 from ..gguf.river_index import RIVER_PREFIX, read_field
-from ..presets import ATTENTION_KINDS
 from .build import compare_models
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
@@ -132,9 +131,10 @@ def write_mixed_gguf(base_path, out_path, sources, pick, progress: bool = False)
 
 
 def attention_from(key: str):
-    """A write_mixed_gguf pick: every layer's attention tensors (presets.ATTENTION_KINDS, the
-    group river_attention="backbone" swaps) from the source `key`, the rest from the base."""
-    return lambda name: key if name.startswith("blk.") and name.split(".")[2] in ATTENTION_KINDS else None
+    """A write_mixed_gguf pick: every layer's attention tensors (the engine's attention group,
+    which river_attention="backbone" swaps) from the source `key`, the rest from the base."""
+    kinds = native.ATTENTION_TENSORS
+    return lambda name: key if name.startswith("blk.") and name.split(".")[2] in kinds else None
 
 
 def write_backbone_attention_oracle(backbone_path, river_path, folder) -> str:

@@ -35,7 +35,6 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 import gguf
 import llama_cpp
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 from tqdm import tqdm
 
 from .._loader import native

@@ -153,7 +153,7 @@ def merge(runs: Sequence[DivergenceRun]) -> DivergenceRun:
 
 def item_klds(run: DivergenceRun) -> List[List[float]]:
     """Per item: [scored tokens, summed KLD], what a paired comparison of two settings needs
-    (presets.choose keeps them with each measured setting)."""
+    (cost_model.choose keeps them with each measured setting)."""
     return [[int(d.n), float(d.kld.sum())] for d in run.items]
 
 

@@ -1,5 +1,6 @@
 // The Python module river_gguf._native: its errors and constants here; the classes and functions
 // in the bind_*.cpp files (bindings.h).
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -11,6 +12,7 @@
 
 #include "bindings.h"
 #include "arch.h"
+#include "divergence.h"
 #include "draft_vocab.h"
 #include "engine.h"
 #include "errors.h"
@@ -80,6 +82,37 @@ PYBIND11_MODULE(_native, m) {
     m.def("loaded_ggml_commit", [] { return std::string(ggml_commit()); });
     m.def("loaded_ggml_version", [] { return std::string(ggml_version()); });
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
+    m.def(
+        "divergence",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> reference,
+           py::array_t<float, py::array::c_style | py::array::forcecast> logits,
+           py::array_t<int32_t, py::array::c_style | py::array::forcecast> targets, int n_threads) {
+            if (reference.ndim() != 2 || logits.ndim() != 2 || reference.shape(0) != logits.shape(0) ||
+                reference.shape(1) != logits.shape(1)) {
+                throw std::invalid_argument("reference and logits must be 2-D arrays of one shape");
+            }
+            const int64_t n = reference.shape(0), n_vocab = reference.shape(1);
+            if (targets.ndim() != 1 || targets.shape(0) != n) {
+                throw std::invalid_argument("need " + std::to_string(n) + " targets, one per row");
+            }
+            if (n > 0 && n_vocab == 0) throw std::invalid_argument("rows of no logits");
+            const int32_t* t = targets.data();
+            for (int64_t i = 0; i < n; ++i) {
+                if (t[i] < 0 || t[i] >= n_vocab) throw std::invalid_argument("target " + std::to_string(t[i]) + " is outside the vocabulary");
+            }
+            py::array_t<double> kld(n), nll(n);
+            py::array_t<bool> same(n);
+            {
+                py::gil_scoped_release release;
+                divergence_rows(reference.data(), logits.data(), t, n, n_vocab, std::max(1, n_threads),
+                                kld.mutable_data(), reinterpret_cast<uint8_t*>(same.mutable_data()), nll.mutable_data());
+            }
+            return py::make_tuple(kld, same, nll);
+        },
+        py::arg("reference"), py::arg("logits"), py::arg("targets"), py::arg("n_threads") = 1,
+        "Per row of raw logits: KL(P || Q) of the reference's softmax P and the logits' Q in double, whether "
+        "their top tokens agree, and -log Q of the target (llama-perplexity --kl-divergence's measures). "
+        "Returns (kld float64, same_top bool, nll float64).");
     m.def(
         "model_differences",
         [](const std::string& backbone, const std::string& river) {

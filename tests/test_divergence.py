@@ -25,17 +25,31 @@ def prepared(ref):
     return evaluate.prepare(ref, items, score_tokens=24, prompt_tokens=128)
 
 
+def _log_softmax(x):
+    x = np.asarray(x, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
 def test_compare_is_kl_divergence():
     rng = np.random.default_rng(0)
-    ref_logits, q_logits = rng.normal(size=(4, 50)), rng.normal(size=(4, 50))
-    d = divergence.compare(divergence.log_softmax(ref_logits), q_logits, [1, 2, 3, 4])
-    p, q = np.exp(divergence.log_softmax(ref_logits)), np.exp(divergence.log_softmax(q_logits))
-    np.testing.assert_allclose(d.kld, (p * np.log(p / q)).sum(-1), rtol=1e-12)
-    assert (d.kld > 0).all()
+    ref_logits = rng.normal(size=(40, 5000)).astype(np.float32)
+    q_logits = (ref_logits + rng.normal(scale=0.5, size=ref_logits.shape)).astype(np.float32)
+    targets = rng.integers(0, 5000, size=40)
+    q_logits[3] = ref_logits[3]  # a row equal to the reference's
+    q_logits[5, 7] = 1e30        # a top token that the reference does not share
+    d = divergence.compare(ref_logits, q_logits, targets)
+    # numpy in float64 as the oracle
+    lp, lq = _log_softmax(ref_logits), _log_softmax(q_logits)
+    np.testing.assert_allclose(d.kld, np.maximum((np.exp(lp) * (lp - lq)).sum(-1), 0.0), rtol=1e-9, atol=1e-12)
+    assert d.kld[3] == 0.0 and (np.delete(d.kld, 3) > 0).all()
     np.testing.assert_array_equal(d.same_top, ref_logits.argmax(-1) == q_logits.argmax(-1))
-    np.testing.assert_allclose(d.nll, -np.log(q[np.arange(4), [1, 2, 3, 4]]), rtol=1e-12)
+    assert d.same_top[3] and not d.same_top[5]
+    np.testing.assert_allclose(d.nll, -lq[np.arange(40), targets], rtol=1e-9)
     with pytest.raises(ValueError):
-        divergence.compare(divergence.log_softmax(ref_logits), q_logits[:3], [1, 2, 3])
+        divergence.compare(ref_logits, q_logits[:3], targets[:3])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        divergence.compare(ref_logits, q_logits, np.full(40, 5000))
 
 
 def test_kld_of_a_file_against_itself_is_zero(ref, prepared):
@@ -100,7 +114,7 @@ def test_dynamic_settings_are_never_batched(river, prepared):
     assert logits.shape == (len(toks) - prefix, river.n_vocab) and len(exits) == len(toks) - prefix - 1
     # The decode path is what Model.score computes: the same log p of each actual token.
     r = river.score(toks, prefix=prefix, mode="river", threshold=0.9, tail=0)
-    lp = divergence.log_softmax(logits)[np.arange(len(toks) - prefix), toks[prefix:]]
+    lp = _log_softmax(logits)[np.arange(len(toks) - prefix), toks[prefix:]]
     np.testing.assert_allclose(lp, r.logprobs, rtol=0, atol=1e-9)
     assert list(r.exit_layers[1:]) == exits and min(exits) < river.n_layer - 1  # tau 0.9 exits
 

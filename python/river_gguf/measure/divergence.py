@@ -28,11 +28,14 @@ presets score every row through decode; the batched pass is for quick looks at s
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .._loader import native
 
 BOOTSTRAP_DRAWS = 1000
 BOOTSTRAP_SEED = 20261201
@@ -41,13 +44,6 @@ CONFIDENCE = 0.95
 # Settings in which every token, prompt included, runs the same layers, so that one batched pass
 # computes what token-by-token decoding computes (up to float summation order).
 STATIC_MODES = ("backbone", "river-only")
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax in float64."""
-    x = np.asarray(logits, dtype=np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 @dataclass
@@ -62,32 +58,26 @@ class ItemDivergence:
         return int(len(self.kld))
 
 
-def compare(reference_logprobs: np.ndarray, logits: np.ndarray, targets: Sequence[int]) -> ItemDivergence:
-    """KLD, same-top and NLL per row. reference_logprobs: log-softmax of the reference's logits
-    (float, [n, n_vocab]); logits: the configuration's raw logits [n, n_vocab]; targets: the
-    actual next token of each row."""
-    ref = np.asarray(reference_logprobs, dtype=np.float64)
-    q = log_softmax(logits)
-    if ref.shape != q.shape:
+def compare(reference_logits: np.ndarray, logits: np.ndarray, targets: Sequence[int]) -> ItemDivergence:
+    """KLD, same-top and NLL per row, in native code on every core (native.divergence: each row
+    in double, one thread a row, so the result does not depend on the thread count; a row equal to
+    the reference's scores exactly 0). reference_logits, logits: the reference's and the
+    configuration's raw logits [n, n_vocab]; targets: the actual next token of each row."""
+    ref, q = np.asarray(reference_logits), np.asarray(logits)
+    if ref.shape != q.shape or ref.ndim != 2:
         raise ValueError(f"reference has shape {ref.shape}, the configuration {q.shape}")
     t = np.asarray(targets, dtype=np.int64)
     if t.shape != (ref.shape[0],):
         raise ValueError(f"need {ref.shape[0]} targets, got {t.shape}")
-    p = np.exp(ref)
-    # P(v) = 0 contributes 0 whatever Q is (the limit of p log p); clip keeps 0 * -inf out.
-    kld = np.sum(p * (ref - q), axis=-1, where=p > 0)
-    kld = np.maximum(kld, 0.0)  # float rounding can give -1e-17 for identical rows
-    same = np.argmax(ref, axis=-1) == np.argmax(q, axis=-1)
-    nll = -q[np.arange(len(t)), t]
+    kld, same, nll = native.divergence(ref, q, t.astype(np.int32), os.cpu_count() or 1)
     return ItemDivergence(kld, same, nll)
 
 
-def reference_logprobs(model, tokens: Sequence[int], prefix: int, batched: bool = False, **options) -> np.ndarray:
-    """The reference's log-softmax at every scored position (prefix-1 .. len-2), float64 (so a
-    configuration that computes the reference's logits scores exactly 0), through the decode path
-    (batched=True: one batched pass; the reference runs a static setting)."""
+def reference_logits(model, tokens: Sequence[int], prefix: int, batched: bool = False, **options) -> np.ndarray:
+    """The reference's logits at every scored position (prefix-1 .. len-2), through the decode
+    path (batched=True: one batched pass; the reference runs a static setting)."""
     logits, _ = config_logits(model, tokens, prefix, batched=batched, **options)
-    return log_softmax(logits)
+    return logits
 
 
 def is_static(options: dict) -> bool:
@@ -256,7 +246,7 @@ def score_batched(model, configs: Dict[str, dict], prepared: Sequence[Tuple[List
     for toks, prefix in prepared:
         t0 = time.perf_counter()
         rows = batched_logits(model, toks, prefix, [reference] + [configs[k] for k in labels])
-        ref = log_softmax(rows[0])
+        ref = rows[0]
         exit_layer = {"backbone": model.n_layer - 1}
         for label, logits in zip(labels, rows[1:]):
             exits = [exit_layer.get(configs[label].get("mode"), -1)] * (len(toks) - prefix - 1)
@@ -282,7 +272,7 @@ def score_configs(reference, configs: Dict[str, Tuple[object, dict]], prepared: 
     ref_opts = dict(mode="backbone") if reference_options is None else dict(reference_options)
     runs = {k: DivergenceRun() for k in configs}
     for toks, prefix in prepared:
-        ref = reference_logprobs(reference, toks, prefix, batched=batched_static, **ref_opts)
+        ref = reference_logits(reference, toks, prefix, batched=batched_static, **ref_opts)
         targets = toks[prefix:]
         for label, (model, opts) in configs.items():
             t0 = time.perf_counter()

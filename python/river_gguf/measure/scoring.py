@@ -90,7 +90,7 @@ def score_forced(model, reference, prepared: Prepared, exits: List[List[int]], r
                 k = ex[i - prefix]
                 forced = ExitOptions(mode="river", exit_layer=int(k), river_head=bool(river_head))
                 logits = model.eval([toks[i]], forced, prompt=False).logits
-        ref = divergence.reference_logprobs(reference, toks, prefix, mode="backbone")  # decode, as score_configs
+        ref = divergence.reference_logits(reference, toks, prefix, mode="backbone")  # decode, as score_configs
         run.add(divergence.compare(ref, np.stack(kept), toks[prefix:]), ex)
         if bar is not None:
             bar.update(len(toks) - prefix)

@@ -15,7 +15,7 @@ SDIST=${RIVER_GGUF_LLAMA_SDIST:-}
 if [ -z "$SDIST" ]; then
   SDIST=$(ls "$DIR"/llama_cpp_python-"$VERSION".tar.gz 2>/dev/null || true)
   if [ -z "$SDIST" ]; then
-    python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DIR"
+    python3 -m pip download -q --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$DIR"
     SDIST="$DIR/llama_cpp_python-$VERSION.tar.gz"
   fi
 fi

@@ -136,3 +136,16 @@ def test_exit_settings_are_checked(models, tokens):
     assert e.n_past == 0
     with pytest.raises(ValueError, match="exit_rule must be one of"):
         models["cpu"].options(exit_rule="margin")
+
+
+def test_the_exit_fields_are_listed_once():
+    """RiverOptions' overridable fields are ExitOptions' fields plus the preset, so that a field
+    added to one and not the other fails here; presets store every one but the prompt policy."""
+    from dataclasses import fields
+
+    from river_gguf import presets
+    from river_gguf.options import EXIT_FIELDS, ExitOptions
+
+    exit_fields = {f.name for f in fields(ExitOptions)}
+    assert set(EXIT_FIELDS) == exit_fields | {"preset"}
+    assert set(presets.OPTION_KEYS) == exit_fields - {"prefill"}

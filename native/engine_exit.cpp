@@ -1,7 +1,6 @@
 // The exit decision of a running graph: the exit node's CPU op, the scheduler's eval callback
 // for exits on the graph, and the decision both make from a layer's scores (exit_rule.h).
-#include <algorithm>
-#include <cmath>
+#include <vector>
 
 #include "engine_graph.h"
 

@@ -1245,7 +1245,8 @@ class Llama:
             top_logprobs=top_logprobs, stream=stream, stop=stop, seed=seed, response_format=response_format,
             max_tokens=max_tokens, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repeat_penalty=repeat_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta, model=model, logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
+            mirostat_eta=mirostat_eta, model=model, logits_processor=logits_processor, grammar=grammar,
+            logit_bias=logit_bias)
 
     def create_chat_completion_openai_v1(self, *args: Any, **kwargs: Any):
         """create_chat_completion as openai.types.chat objects (needs the openai package)."""

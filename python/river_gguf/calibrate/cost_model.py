@@ -67,7 +67,6 @@ def type_cost(type_name: str, n_elements: int) -> float:
     return c * n_elements
 
 
-
 def step_bytes(layer_bytes: List[dict], head_bytes: dict, n_layer: int, exit_layer: float, tail: int,
                river_head: bool, river_attention: str = "river") -> float:
     """Weight bytes one decode step reads: backbone layers 0..exit_layer, river layers up to
@@ -152,7 +151,6 @@ def not_closer(best: dict, other: dict) -> bool:
     return bool(a and c) and a[0] <= c[1]
 
 
-
 # ----- measuring the settings ----------------------------------------------------------
 def _measure(t, measure: str) -> float:
     if measure == "bytes":
@@ -161,8 +159,10 @@ def _measure(t, measure: str) -> float:
     return type_cost(t.tensor_type.name, n) if len(t.shape) > 1 and int(t.shape[1]) > 1 else 0.0
 
 
-# The weights river_gguf joins into one mat-mul when they share a type (native weights.h).
+# The weights river_gguf joins into one mat-mul when they share a type, and a layer's attention
+# group: the tensor kinds river_attention="backbone" takes from the backbone (native weights.h).
 _JOINS = native.WEIGHT_JOINS
+ATTENTION_KINDS = native.ATTENTION_TENSORS
 
 
 def _layer_nodes(types: Dict[str, str], kinds=None) -> int:
@@ -230,10 +230,6 @@ def weight_bytes(model, measure: str = "bytes") -> tuple:
             head[side] += NODE_COST
     return layers, head
 
-
-# The attention group of a layer: the tensor kinds river_attention="backbone" takes from the
-# backbone (native weights.h).
-ATTENTION_KINDS = native.ATTENTION_TENSORS
 
 # The grid the calibrator measures: static river-only with a backbone tail, and the dynamic
 # exit with a tail (tau dense where SmolLM2's and Qwen2.5's mid-layer similarities live); then
@@ -358,5 +354,3 @@ def _norm_bytes(shapes: Dict[str, tuple], l: int) -> float:
     """F32 bytes of layer l's 1-D tensors (norms, biases), which every file keeps in F32."""
     p = f"blk.{l}."
     return sum(4.0 * int(np.prod(s)) for n, s in shapes.items() if n.startswith(p) and len(s) == 1)
-
-

@@ -51,7 +51,7 @@ from ..calibrate import open_model as _open_model
 from ..calibrate import preset_grid
 from ..gguf import io as gguf_io
 from ..gguf import river_index
-from ..gguf.copy import (check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, reader_path,
+from ..gguf.copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, reader_path,
                          temp_path, type_name, write_plain_copy, write_river_file)
 from ..gguf.io import FTYPES, LlamaLog, atomic_output, captured_llama_log, check_output_path, remove_stale_temp_files
 from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX  # (2: the river after the backbone's data)
@@ -100,7 +100,7 @@ def compare_models(bb_reader, rv_reader, rv_tensors: Optional[Dict[str, Any]] = 
     """
     # The model: the engine's own check of a separate river (native/model_check.cpp).
     diffs: List[str] = list(native.model_differences(reader_path(bb_reader), reader_path(rv_reader)))
-    if diffs and diffs[0].startswith("it has architecture"):
+    if diffs and arch(bb_reader) != arch(rv_reader):  # then that is the one difference: no tensor compares
         raise _mismatch(f"the river is not the same model as the backbone: {diffs[0]}")
 
     bb = {t.name: t for t in plain_tensors(bb_reader)}

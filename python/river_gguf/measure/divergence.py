@@ -249,7 +249,8 @@ def score_batched(model, configs: Dict[str, dict], prepared: Sequence[Tuple[List
     for toks, prefix in prepared:
         t0 = time.perf_counter()
         exit_layer = {"backbone": model.n_layer - 1}
-        with contextlib.closing(batched_logits(model, toks, prefix, [reference] + [configs[k] for k in labels])) as rows:
+        settings = [reference] + [configs[k] for k in labels]
+        with contextlib.closing(batched_logits(model, toks, prefix, settings)) as rows:
             ref = next(rows)
             for label in labels:
                 exits = [exit_layer.get(configs[label].get("mode"), -1)] * (len(toks) - prefix - 1)

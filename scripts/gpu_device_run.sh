@@ -28,7 +28,13 @@
 # 5. times decode with every layer offloaded beside llama.cpp's own CUDA offload of the same files,
 #    the GPU synchronized inside the clock (benchmarks/preset_speed.py --gpu-check: the backbone,
 #    river-only, tau 0.97, every layer tested), and lossless mode's step, draft and verify costs
-#    (benchmarks/lossless_speed.py --shape --ngl -1).
+#    (benchmarks/lossless_speed.py --shape --ngl -1);
+# 6. or, instead of 3-5 (RUN_8B=1; RUN_8B=auto, the default, picks it when the wheel was carried and
+#    DEVICE_ONLY=1): writes a random-weight F16 of SHAPE_8B's shape (default llama-3.1-8b, 16 GB),
+#    llama.cpp's Q4_0 of it and its River GGUF (Q4_0 river) into RIVER_GGUF_CACHE on the machine's
+#    own disk, after checking that the disk has room for them, and times decode there as in 5: the
+#    backbone, river-only, exits forced after 2, 4 and 8 layers, tau 0.97, every layer tested, and
+#    llama.cpp's own offload of the F16 and the Q4_0.
 # Every step has a time limit, and the whole run BUDGET_S seconds (default 540; a step that would
 # start after it is skipped and says so); the log (each stage's start, end, status and seconds) goes
 # to OUT (default ./gpu-run-out), and stages.txt, the JUnit file, the diagnosis and the JSON tables
@@ -39,6 +45,43 @@
 # (Mesa's lavapipe; the loader, glslc and headers as scripts/test_gpu.sh installs them) and
 # DEVICE_ONLY=0 leaves out the timings, which mean nothing there; on 2 cores it took 22 minutes,
 # 10 of them the build, and 7 minutes given the first run's wheel (BUDGET_S=4000 LIMIT_SCALE=8).
+# The 8B stages' dry run, at SmolLM2's shape (lavapipe's speeds mean nothing; the stages, their
+# order, the files and the table do):
+#
+#   rm -rf /tmp/river-8b-dry && RUN_8B=1 SHAPE_8B=smollm2-135m RIVER_GGUF_CACHE=/tmp/river-8b-dry \
+#     GPU_BACKEND=vulkan DEVICE_ONLY=0 BUDGET_S=3600 LIMIT_SCALE=8 PYTHON=.venv/bin/python ./scripts/gpu_device_run.sh
+#
+# The time plan. A command runs at most 10 minutes on the device (16 cores), so BUDGET_S is 540 s,
+# and the plan is two calls: the first builds, and its diagnosis and tests leave no room for the 8B
+# table (about 6 minutes); the second, given the first's wheel in .gpu-wheel/, runs it instead of
+# them. Seconds on the device, estimated (a stage's limit is cut to what is left of BUDGET_S):
+#
+#   stage             call  estimate  limit  from
+#   bundle-check      1, 2         2     30
+#   install           1, 2        15    120
+#   build-llama-cpp   1          280    400  229 s measured on an H200, and the wheel's parts
+#   build-llama-cpp   2           10    400  the carried wheel unpacked
+#   build-engine      1, 2        16    120  measured on an H200
+#   devices           1, 2         5     60
+#   models-smollm2    1           20     90
+#   load-check        1           10     60
+#   crash-diagnosis   1          100    150  6 loads, 3 single tests
+#   tests-gpu         1          150    200  cut to the ~90 s left of the budget
+#   decode-smollm2, models-1b, decode-1b, lossless-costs: 1, skipped (the budget is spent)
+#   space-8b          2            3     30
+#   models-8b-f16     2          150    240  8.03e9 weights drawn on one core at ~15 ns each
+#                                            (rng.standard_normal, the scale, astype(float16):
+#                                            135 MB/s of F16 on one core of a 2-core Xeon VM);
+#                                            16.1 GB written
+#   models-8b-q4_0    2           45    120  llama.cpp's quantizer on 16 threads; 4.7 GB written
+#   models-8b-river   2          110    180  the engine's load check (~9 GB of Q/K/V and gate/up
+#                                            joined on one thread), the river's Q4_0, 20.7 GB written
+#   decode-8b         2           75    180  41 GB loaded onto the GPU; 9 rows, 2 rounds of 64 tokens
+#   call 1: ~540 (the budget); call 2: ~430 (the budget: 540)
+#
+# The 8B files need about 43 GiB of disk at the peak (the F16, its Q4_0, the River GGUF and the
+# river's temporary Q4_0 while it is written): space-8b checks that first. RUN_8B=0 makes the second
+# call what the first was (the tests, then the smaller tables); RUN_8B=1 runs the 8B stages in any call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --print-cmake-args ]; then  # what the build would pass to llama.cpp's CMake, and no more
@@ -54,6 +97,8 @@ OUT=${OUT:-$ROOT/gpu-run-out}
 GPU_BACKEND=${GPU_BACKEND:-cuda}
 CUDA_ARCH=${CUDA_ARCH:-90-real}
 DEVICE_ONLY=${DEVICE_ONLY:-1}
+RUN_8B=${RUN_8B:-auto}  # the 8B table instead of the tests: 1, 0, or auto (when the wheel was carried)
+SHAPE_8B=${SHAPE_8B:-llama-3.1-8b}  # its shape (testing.RANDOM_SHAPES): smollm2-135m for the dry run
 JOBS=${JOBS:-$(nproc)}
 BUDGET_S=${BUDGET_S:-540}   # the whole run, the build included: a lease's command runs at most 10 minutes
 LIMIT_SCALE=${LIMIT_SCALE:-1}  # each step's limit times this (the dry run on 2 cores: 8)
@@ -196,7 +241,7 @@ build_llama_cpp() {
   if arc=$(join_wheel "$key" "$dir"); then
     # The wheel's files where pip install --target would put them.
     echo "installing the carried wheel $(basename "$arc") (key $key): the build is skipped"
-    tar -xJf "$arc" -C "$SITE"
+    tar -xJf "$arc" -C "$SITE" && echo "carried $key" > "$OUT/wheel.txt"
     return
   fi
   ls "$WHEEL_DIR"/*.part-* >/dev/null 2>&1 && echo "the wheel parts in $WHEEL_DIR are not for this build (key $key): building"
@@ -205,6 +250,7 @@ build_llama_cpp() {
     -w "$dir" "$BUNDLE"/llama_cpp_python-*.tar.gz || return 1
   whl=$(ls "$dir"/llama_cpp_python-*.whl)
   "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$whl" || return 1
+  echo "built $key" > "$OUT/wheel.txt"
   save_wheel "$whl" "$key"
 }
 
@@ -213,8 +259,31 @@ build_engine() {
     -C build-dir="/tmp/river-build-$GPU_BACKEND" "$ROOT"
 }
 
-models() {  # shape quants: the random-weight files of one shape (their paths: models-SHAPE.json)
-  "$PY" benchmarks/random_models.py --shape "$1" --quants "$2" --river q4_0 > "$RIVER_GGUF_CACHE/models-$1.json"
+models() {  # shape quants [river]: the random-weight files of one shape (their paths: models-SHAPE.json)
+  "$PY" benchmarks/random_models.py --shape "$1" --quants "$2" --river "${3-q4_0}" > "$RIVER_GGUF_CACHE/models-$1.json"
+}
+
+# shape: whether RIVER_GGUF_CACHE has room for the files of the shape that are not there yet (its
+# F16, llama.cpp's Q4_0 and the River GGUF with a Q4_0 river, as the 8B stages write them).
+models_room() {
+  "$PY" - "$1" "$RIVER_GGUF_CACHE" <<'PYEOF'
+import os, shutil, sys
+from river_gguf.testing import RANDOM_SHAPES
+shape, out = sys.argv[1:]
+s = RANDOM_SHAPES[shape]
+e, kv = s["n_embd"], s["n_head_kv"] * (s["n_embd"] // s["n_head"])
+weights = (s.get("n_vocab", 49152) * e * (1 if s["tied"] else 2)
+           + s["n_layer"] * (2 * e * e + 2 * e * kv + 3 * e * s["n_ff"]))
+f16 = 2 * weights
+# A Q4_0 file is about 0.3 of the F16 (its head Q6_K); the River GGUF is the F16 and its Q4_0
+# river, with the river's temporary Q4_0 beside it while it is written.
+need = {"f16": f16, "q4_0": 0.3 * f16, "f16+q4_0.river": 1.6 * f16}
+missing = {k: b for k, b in need.items() if not os.path.exists(os.path.join(out, f"random-{shape}.{k}.gguf"))}
+free = shutil.disk_usage(out).free
+print(f"{shape}: {weights / 1e9:.2f}e9 weights; to write: {', '.join(missing) or 'nothing'}, "
+      f"{sum(missing.values()) / 2**30:.1f} GiB; free in {out}: {free / 2**30:.1f} GiB")
+sys.exit(0 if 1.05 * sum(missing.values()) < free else 1)
+PYEOF
 }
 
 load_check() {
@@ -314,9 +383,11 @@ if [ -n "${WHEEL_ROUNDTRIP:-}" ]; then  # the test of the wheel's parts: write t
 fi
 export ROOT BUNDLE OUT GPU_BACKEND CUDA_ARCH JOBS SITE PY WHEEL_DIR WHEEL_PART_MIB WHEEL_MAX_MIB LLAMA_EXCLUDE_LIBS
 export -f install_missing llama_cmake_args wheel_key pack_wheel join_wheel save_wheel build_llama_cpp build_engine models \
-  load_check crash_diagnosis gpu_tests decode_table
+  models_room load_check crash_diagnosis gpu_tests decode_table
+case "$RUN_8B" in auto | 0 | 1) ;; *) echo "RUN_8B must be auto, 0 or 1, not $RUN_8B" >&2; exit 2 ;; esac
 mkdir -p "$OUT" "$SITE" "$RIVER_GGUF_CACHE"
 : > "$OUT/stages.txt"
+rm -f "$OUT/wheel.txt"  # the build stage says there whether it built the wheel or was given it
 # At the end, however the run ends: everything but the log and the wheel's parts in one archive.
 pack_results() {
   (cd "$OUT" && ls | grep -v -e '^run\.log$' -e '\.part-[0-9]*$' -e '^results\.tar\.gz$' |
@@ -328,21 +399,38 @@ stage bundle-check 30 sh -c "cd '$BUNDLE' && sha256sum -c --quiet SHA256SUMS" ||
 stage install 120 install_missing || exit 1
 [ "$GPU_BACKEND" = cuda ] && { nvidia-smi >> "$LOG" 2>&1; command -v nvcc >> "$LOG" 2>&1; nvcc --version >> "$LOG" 2>&1; }
 stage build-llama-cpp 400 build_llama_cpp || exit 1
+# The 8B table needs the time the build takes (the time plan above): by default it runs in the call
+# that was given the wheel, in place of the tests.
+if [ "$RUN_8B" = auto ]; then
+  RUN_8B=0
+  [ "$DEVICE_ONLY" = 1 ] && grep -qs '^carried ' "$OUT/wheel.txt" && RUN_8B=1
+fi
+log "the wheel: $(cat "$OUT/wheel.txt" 2>/dev/null || echo unknown); RUN_8B=$RUN_8B (the $SHAPE_8B table)"
 stage build-engine 120 build_engine || exit 1
 # No GPU in ggml's list ends the run here: nothing after this could say anything.
 stage devices 60 "$PY" -c "import river_gguf; from river_gguf.devices import list_devices, offload_gpus; \
 print(river_gguf.__version__, list_devices()); assert offload_gpus(), 'ggml sees no GPU'" || exit 1
-stage models-smollm2 90 models smollm2-135m q8_0,q4_k_m,q4_0
-# The first load with every layer offloaded, alone: where it dies, a native backtrace (cuda-gdb
-# debugs host code too; the image has no gdb) says where, for the log.
-stage load-check 60 load_check
-stage crash-diagnosis 150 crash_diagnosis
-stage tests-gpu 200 gpu_tests
-if [ "$DEVICE_ONLY" = 1 ]; then
-  stage decode-smollm2 90 decode_table smollm2-135m
-  stage models-1b 90 models llama-3.2-1b q8_0,q4_0
-  stage decode-1b 90 decode_table llama-3.2-1b
-  stage lossless-costs 90 "$PY" benchmarks/lossless_speed.py --shape llama-3.2-1b --ngl -1 --draft-max 8 \
-    --acceptance 0.87,0.93 --threads "$JOBS" --json "$OUT/lossless-1b.json"
+if [ "$RUN_8B" = 1 ]; then
+  # Each step needs the one before it: the first that fails or is skipped ends the chain.
+  stage space-8b 30 models_room "$SHAPE_8B" &&
+    stage models-8b-f16 240 models "$SHAPE_8B" "" "" &&
+    stage models-8b-q4_0 120 models "$SHAPE_8B" q4_0 "" &&
+    stage models-8b-river 180 models "$SHAPE_8B" q4_0 q4_0 &&
+    stage decode-8b 180 decode_table "$SHAPE_8B" ||
+    log "the $SHAPE_8B table: stopped at the first step that failed or was skipped (stages.txt)"
+else
+  stage models-smollm2 90 models smollm2-135m q8_0,q4_k_m,q4_0
+  # The first load with every layer offloaded, alone: where it dies, a native backtrace (cuda-gdb
+  # debugs host code too; the image has no gdb) says where, for the log.
+  stage load-check 60 load_check
+  stage crash-diagnosis 150 crash_diagnosis
+  stage tests-gpu 200 gpu_tests
+  if [ "$DEVICE_ONLY" = 1 ]; then
+    stage decode-smollm2 90 decode_table smollm2-135m
+    stage models-1b 90 models llama-3.2-1b q8_0,q4_0
+    stage decode-1b 90 decode_table llama-3.2-1b
+    stage lossless-costs 90 "$PY" benchmarks/lossless_speed.py --shape llama-3.2-1b --ngl -1 --draft-max 8 \
+      --acceptance 0.87,0.93 --threads "$JOBS" --json "$OUT/lossless-1b.json"
+  fi
 fi
 log "gpu_device_run: done after $(($(date +%s) - T0))s"

@@ -22,7 +22,6 @@ try:  # an installed (or dev-overlay) river_gguf; the checkout's python/ has no 
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-import gguf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from river_gguf import Model, presets  # noqa: E402
@@ -33,6 +32,7 @@ from river_gguf.measure import data as eval_data  # noqa: E402
 from river_gguf.measure import divergence
 from river_gguf.eval import model_zoo  # noqa: E402
 from river_gguf.eval import report as evaluate  # noqa: E402
+from river_gguf.gguf.reader import GGUFReader
 
 ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
 KINDS = {"attention": ATTN, "attn_v": ("attn_v",), "ffn_down": ("ffn_down",), "attn_v+ffn_down": ("attn_v", "ffn_down"),
@@ -81,7 +81,7 @@ def mixed_file(model: str, base: str, mix: dict) -> str:
 
 
 def step_bytes_and_types(path: str):
-    r = gguf.GGUFReader(path)
+    r = GGUFReader(path)
     sizes = {t.name: t for t in r.tensors}
     head = sizes.get("output.weight", sizes.get("token_embd.weight"))
     mats = [t for n, t in sizes.items() if n.startswith("blk.") and len(t.shape) == 2]

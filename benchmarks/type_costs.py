@@ -30,15 +30,15 @@ except ImportError:
 
 from river_gguf.eval import model_zoo  # noqa: E402
 from river_gguf.measure.llama_decode import LlamaDecoder  # noqa: E402
+from river_gguf.gguf.reader import GGUFReader
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
 
 def type_elements(path: str) -> dict:
     """{type name: elements} of a file's 2-D weights (the head counted once, as a tied embedding is)."""
-    import gguf
 
-    r = gguf.GGUFReader(path)
+    r = GGUFReader(path)
     names = {t.name for t in r.tensors}
     out = defaultdict(int)
     for t in r.tensors:

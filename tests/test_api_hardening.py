@@ -7,15 +7,15 @@ import pytest
 import river_gguf
 from river_gguf import Llama, Model, NumericalError
 from river_gguf.greedy import greedy
-from river_gguf.testing import write_tiny_model
+from river_gguf.gguf.reader import GGUFReader
 
 PROMPT_A = [1, 310, 2048, 77, 901]
 PROMPT_B = [1, 52, 4000, 13, 615, 9]
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("hardening") / "tiny.gguf", "llama", n_layer=4, seed=3)
+def tiny_path(tiny):
+    return tiny.model("llama", n_layer=4, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ POISON = 4242  # a token whose embedding row we overwrite
 def _poisoned_copy(src, dst, value):
     """Copy a tiny F32 model and set token POISON's embedding row to `value` everywhere."""
     dst.write_bytes(open(src, "rb").read())
-    t = next(t for t in gguf.GGUFReader(str(dst)).tensors if t.name == "token_embd.weight")
+    t = next(t for t in GGUFReader(str(dst)).tensors if t.name == "token_embd.weight")
     n_embd = int(t.shape[0])
     assert t.tensor_type == gguf.GGMLQuantizationType.F32
     with open(dst, "r+b") as f:

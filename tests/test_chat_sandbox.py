@@ -9,6 +9,7 @@ import pytest
 
 from river_gguf import chat
 from river_gguf.chat import TemplateLimitError, format_chat
+from river_gguf.gguf.reader import GGUFReader
 
 MSGS = [{"role": "user", "content": "Hi"}]
 ISSUE_TEMPLATE = "{% for a in range(10**6) %}{% for b in range(10**6) %}x{% endfor %}{% endfor %}"
@@ -172,11 +173,10 @@ def _plain_render(template, msgs, **kw):
 
 
 def test_limits_change_no_output_of_real_templates():
-    import gguf
 
     from river_gguf.default_model import default_model_path
 
-    f = gguf.GGUFReader(default_model_path()).fields["tokenizer.chat_template"]
+    f = GGUFReader(default_model_path()).fields["tokenizer.chat_template"]
     smol = bytes(f.parts[f.data[0]]).decode("utf-8")
     msgs = [{"role": "system", "content": " s x "}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more x"}]

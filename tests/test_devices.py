@@ -5,12 +5,11 @@ import pytest
 
 from river_gguf import Model, _native
 from river_gguf.devices import list_devices, offload_gpus
-from river_gguf.testing import write_tiny_model
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("devices") / "tiny.gguf", "llama", n_layer=2, seed=5)
+def tiny_path(tiny):
+    return tiny.model("llama", n_layer=2, seed=5)
 
 
 def test_the_cpu_is_listed_with_its_memory():

@@ -1,19 +1,19 @@
 """Lossless decoding's draft vocabulary (native/draft_vocab.h): a draft's head runs the rows of
 the tokens the file ranks first, the end-of-generation tokens and the context's tokens, and the
 text stays the backbone's."""
-import gguf
 import numpy as np
 import pytest
 
 from river_gguf import Model
 from river_gguf._loader import native
-from river_gguf.convert.build import build_river_gguf, draft_token_ranking
+from river_gguf.convert.build import draft_token_ranking
 from river_gguf.gguf.meta import set_river_metadata
 from river_gguf.llama import Llama
-from river_gguf.testing import write_tiny_model
 
-from conftest import PROSE
 from test_lossless import _assert_lossless
+
+from support import PROSE, THREADS
+from river_gguf.gguf.reader import GGUFReader
 
 # Padded past 65536 tokens, so that the default restricts the draft (SmolLM2 has 49152).
 BIG_VOCAB = 70000
@@ -21,17 +21,13 @@ CONTEXT_ROWS = 512  # kDraftContextRows
 
 
 @pytest.fixture(scope="module")
-def big_vocab_river(tmp_path_factory):
-    d = tmp_path_factory.mktemp("draft_vocab")
-    plain = write_tiny_model(d / "qwen2.gguf", "qwen2", seed=3, n_layer=2, n_vocab=BIG_VOCAB)
-    river = d / "qwen2.river.gguf"
-    build_river_gguf(plain, river, backbone_type=None, river_type="q4_0", imatrix=None, presets=False,
-                     threshold=0.9, progress=False, n_threads=2)
-    return str(plain), str(river)
+def big_vocab_river(tiny):
+    model = dict(seed=3, n_layer=2, n_vocab=BIG_VOCAB)
+    return tiny.model("qwen2", **model), tiny.river("qwen2", model)
 
 
 def _ranking(path):
-    field = gguf.GGUFReader(path).fields.get(native.DRAFT_TOKENS_KEY)
+    field = GGUFReader(path).fields.get(native.DRAFT_TOKENS_KEY)
     return None if field is None else [int(t) for t in field.contents()]
 
 
@@ -53,25 +49,25 @@ def test_draft_vocabulary_rule(big_vocab_river, tmp_path):
     copy.write_bytes(open(river, "rb").read())
     ranking = [60000, 5, 65000, 5, 69999, 7]  # a repeat, and ids past the first N
     set_river_metadata(str(copy), {native.DRAFT_TOKENS_KEY: ranking})
-    m = Model(str(copy), n_ctx=64, n_threads=2, draft_vocab=8)
+    m = Model(str(copy), n_ctx=64, n_threads=THREADS, draft_vocab=8)
     eog = [t for t in range(m.n_vocab) if m.is_eog(t)]
     assert eog, "the vocabulary has an end-of-generation token"
     want = {60000, 5, 65000, 69999, 7, 0, 1, 2}  # the ranking, then the lowest ids left
     assert m.draft_vocab == sorted(want | set(eog))  # the end-of-generation tokens are pinned
-    assert len(Model(str(copy), n_ctx=64, n_threads=2).draft_vocab) == 32768
-    assert Model(str(copy), n_ctx=64, n_threads=2, draft_vocab=0).draft_vocab == []
-    assert Model(str(copy), n_ctx=64, n_threads=2, draft_vocab=BIG_VOCAB).draft_vocab == []
+    assert len(Model(str(copy), n_ctx=64, n_threads=THREADS).draft_vocab) == 32768
+    assert Model(str(copy), n_ctx=64, n_threads=THREADS, draft_vocab=0).draft_vocab == []
+    assert Model(str(copy), n_ctx=64, n_threads=THREADS, draft_vocab=BIG_VOCAB).draft_vocab == []
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "8", True])
 def test_bad_draft_vocab_is_refused(big_vocab_river, bad):
     with pytest.raises(ValueError, match="draft_vocab"):
-        Model(big_vocab_river[1], n_ctx=64, n_threads=2, draft_vocab=bad)
+        Model(big_vocab_river[1], n_ctx=64, n_threads=THREADS, draft_vocab=bad)
 
 
 def test_context_tokens_join_the_draft_vocabulary(big_vocab_river):
     """Every evaluated token outside the vocabulary takes a context row; the oldest gives way."""
-    m = Model(big_vocab_river[1], n_ctx=1024, n_threads=2, draft_vocab=64)
+    m = Model(big_vocab_river[1], n_ctx=1024, n_threads=THREADS, draft_vocab=64)
     vocab = set(m.draft_vocab)
     rotating = CONTEXT_ROWS - (len(vocab) - 64)  # less the pinned end-of-generation tokens' rows
     outside = [t for t in range(1000, BIG_VOCAB) if t not in vocab][:rotating + 40]
@@ -99,8 +95,8 @@ def test_a_draft_is_the_rivers_best_token_of_its_vocabulary(river_gguf_path, siz
     """Each draft is the river's greedy token among the draft vocabulary and the context's tokens:
     its logit under the whole head is the highest of theirs (to rounding: the rows run in another
     mul_mat)."""
-    restricted = Model(river_gguf_path, n_ctx=256, n_threads=2, draft_vocab=size)
-    full = Model(river_gguf_path, n_ctx=256, n_threads=2, draft_vocab=0)
+    restricted = Model(river_gguf_path, n_ctx=256, n_threads=THREADS, draft_vocab=size)
+    full = Model(river_gguf_path, n_ctx=256, n_threads=THREADS, draft_vocab=0)
     opts = restricted.options(mode="lossless", draft_max=6)
     prompt = restricted.tokenize(PROSE)[:40]
     restricted.begin()
@@ -122,12 +118,12 @@ def test_a_draft_is_the_rivers_best_token_of_its_vocabulary(river_gguf_path, siz
 
 
 def test_greedy_lossless_with_a_draft_vocabulary_is_the_backbone(river_gguf_path):
-    llm = Llama(river_gguf_path, n_ctx=256, n_threads=2, flash_attn=True, verbose=False, draft_vocab=1024)
+    llm = Llama(river_gguf_path, n_ctx=256, n_threads=THREADS, flash_attn=True, verbose=False, draft_vocab=1024)
     assert _has_draft_vocab(llm.river_model, 1024)
     _assert_lossless(llm, PROSE, temp=0.0)
 
 
 def test_greedy_lossless_default_vocabulary_is_the_backbone(big_vocab_river):
-    llm = Llama(big_vocab_river[1], n_ctx=256, n_threads=2, flash_attn=True, verbose=False)
+    llm = Llama(big_vocab_river[1], n_ctx=256, n_threads=THREADS, flash_attn=True, verbose=False)
     assert _has_draft_vocab(llm.river_model, 32768)
     _assert_lossless(llm, PROSE, temp=0.0)

@@ -12,20 +12,18 @@ import pytest
 from river_gguf import Model
 from river_gguf.chat import format_chat
 from river_gguf.greedy import greedy
-from river_gguf.testing import LlamaCppOracle
 
-from conftest import oracle_pick
-
+from support import Oracle, THREADS, oracle_pick
 
 @pytest.fixture(scope="module")
 def m(q4_1_path):
-    return Model(q4_1_path, n_ctx=512, n_threads=2)
+    return Model(q4_1_path, n_ctx=512, n_threads=THREADS)
 
 
 @pytest.fixture(scope="module")
 def oracle(q4_1_path):
     """llama.cpp's greedy tokens, ending at any end-of-generation token as the engine does."""
-    o = LlamaCppOracle(q4_1_path, stop_at_any_eog=True)
+    o = Oracle(q4_1_path, stop_at_any_eog=True)
     yield o
     o.close()
 
@@ -109,7 +107,7 @@ def test_detokenize_round_trip(m):
 def test_greedy_exits_are_the_decode_steps(river_gguf_path):
     """On a River GGUF the loop's decode steps run with exits, as Model.score's do: the exit
     layers it reports are those of teacher-forcing its own tokens."""
-    m = Model(river_gguf_path, n_ctx=256, n_threads=2)
+    m = Model(river_gguf_path, n_ctx=256, n_threads=THREADS)
     g = greedy(m, PROMPT, 12, mode="river", threshold=0.95, tail=0)
     prompt = _toks(m, PROMPT)
     r = m.score(prompt + g.tokens, prefix=len(prompt), mode="river", threshold=0.95, tail=0)

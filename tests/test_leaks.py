@@ -17,7 +17,11 @@ import river_gguf
 from river_gguf.testing import truncate_copy, write_tiny_model
 from river_gguf.greedy import greedy
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="measures the process through /proc/self")
+from support import THREADS
+
+# Growth of the process over many calls: alone, so another worker's load does not stretch it.
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="measures the process through /proc/self"),
+              pytest.mark.alone]
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MiB = 1 << 20
@@ -66,13 +70,13 @@ def test_failed_loads_do_not_grow_the_process(monkeypatch, tmp_path, tiny):
         if i % 5 == 4:
             monkeypatch.delenv("RIVER_GGUF_FAIL_LOAD_AT", raising=False)
             with pytest.raises(river_gguf.GGUFFormatError, match="truncated"):
-                river_gguf.Model(cut, n_threads=2, n_ctx=64)
+                river_gguf.Model(cut, n_threads=THREADS, n_ctx=64)
             return
         stage = STAGES[i % 5]
         monkeypatch.setenv("RIVER_GGUF_FAIL_LOAD_AT", stage)
         river = tiny if i % 3 == 0 else None  # sometimes a second file (the river) too
         with pytest.raises(RuntimeError, match=f"stage '{stage}'"):
-            river_gguf.Model(tiny, river=river, n_threads=2, n_ctx=64)
+            river_gguf.Model(tiny, river=river, n_threads=THREADS, n_ctx=64)
 
     g = growth(fail_once, warmup=20, n=200)
     monkeypatch.delenv("RIVER_GGUF_FAIL_LOAD_AT", raising=False)

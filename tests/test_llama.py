@@ -42,7 +42,7 @@ from river_gguf.greedy import greedy
 from river_gguf.llama import Llama, LlamaGrammar, ModelPathError
 from river_gguf.llama_sampling import SamplerChain, SamplingError
 
-from conftest import oracle_pick
+from support import Oracle, THREADS, oracle_pick
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 COLORS = "List three colors:\n1."
@@ -188,10 +188,9 @@ def test_max_tokens_fills_small_context(q4_1_path):
     """max_tokens -1 (and a max_tokens past the end) stop at the context's end, as in llama_cpp:
     for a prompt whose greedy reply on llama.cpp does not reach EOS first (llama_cpp.Llama rounds
     a 24-token context up, so its greedy tokens come from the oracle of tests/conftest.py)."""
-    from river_gguf.testing import LlamaCppOracle
 
     small = Llama(q4_1_path, n_ctx=24, n_threads=1, flash_attn=True, verbose=False)
-    oracle = LlamaCppOracle(q4_1_path, stop_at_any_eog=True)  # ends at any EOG, as llama_cpp.Llama does
+    oracle = Oracle(q4_1_path, stop_at_any_eog=True)  # ends at any EOG, as llama_cpp.Llama does
     try:
         def greedy(p):
             toks = small.tokenize(p.encode(), add_bos=True, special=True)  # as a completion tokenizes
@@ -591,7 +590,7 @@ def test_embeddings_need_embedding_true(llm, ref):
 def test_constructor_parameters(q4_1_path, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        m = Llama(q4_1_path, n_ctx=0, n_batch=64, n_ubatch=32, n_threads=1, n_threads_batch=2, seed=5,
+        m = Llama(q4_1_path, n_ctx=0, n_batch=64, n_ubatch=32, n_threads=1, n_threads_batch=THREADS, seed=5,
                   flash_attn=True, offload_kqv=False, use_mmap=True, use_mlock=False, type_k=1, type_v=1,
                   n_gpu_layers=0, last_n_tokens_size=32, verbose=False)
     assert m.n_ctx() == m.river_model.hparams["n_ctx_train"] and m.n_batch == 64

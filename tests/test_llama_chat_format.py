@@ -29,7 +29,7 @@ from llama_cpp.llama_chat_format import hf_tokenizer_config_to_chat_formatter
 
 from river_gguf.llama import Llama
 
-from conftest import oracle_pick
+from support import oracle_pick
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 TOOLS = [{

@@ -7,6 +7,7 @@ import pytest
 
 import river_gguf
 from river_gguf import Llama, Model
+from river_gguf.gguf.reader import GGUFReader
 
 TEXT = "Hello World, embeddings from the backbone."
 POOLINGS = {"none": llama_cpp.LLAMA_POOLING_TYPE_NONE, "mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN,
@@ -79,7 +80,7 @@ def test_embeddings_are_the_rows_the_head_reads(q4_1_path):
     assert rows.shape == (len(toks), m.n_embd) and rows.dtype == np.float32
     # The cache is left empty: a later computation cannot continue from the text's rows.
     assert m.n_past == 0
-    w = next(t for t in gguf.GGUFReader(q4_1_path).tensors if t.name == "token_embd.weight")
+    w = next(t for t in GGUFReader(q4_1_path).tensors if t.name == "token_embd.weight")
     head = gguf.dequantize(w.data, w.tensor_type).reshape(m.n_vocab, m.n_embd)
     logits = m.logits(toks)
     np.testing.assert_allclose(rows @ head.T, logits, atol=0.05 * np.abs(logits).max())

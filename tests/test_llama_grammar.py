@@ -14,7 +14,6 @@ asserted on the oracle first, for the first of a few candidate prompts where it 
 so what SmolLM2 generates for one fixed prompt does too.
 """
 import json
-import re
 
 import pytest
 
@@ -24,7 +23,7 @@ from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 import river_gguf.llama as rl
 from river_gguf.llama import Llama, LlamaGrammar
 
-from conftest import oracle_pick
+from support import oracle_pick
 
 TREE = """
 leaf ::= "."

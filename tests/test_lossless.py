@@ -9,34 +9,25 @@ import pytest
 
 import llama_cpp
 from river_gguf import Model
-from river_gguf.convert.build import build_river_gguf
 from river_gguf.llama import Llama
-from river_gguf.testing import write_tiny_model
 
-from conftest import PROSE
-from test_engine_parity import LOGIT_TOL
+from support import LOGIT_TOL, PROSE, THREADS
+
 
 N_TOKENS = 48
 SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, repeat_penalty=1.1, seed=1234)
 
 
 @pytest.fixture(scope="module")
-def tiny_rivers(tmp_path_factory):
+def tiny_rivers(tiny):
     """Random qwen2 and gemma3 models (gemma3 with a sliding window shorter than the prompts),
     each as a River GGUF with a Q4_0 river."""
-    d = tmp_path_factory.mktemp("lossless")
-    out = {}
-    for arch, kw in (("qwen2", dict(n_layer=3)), ("gemma3", dict(n_layer=4, head_dim=32, sliding_window=8))):
-        plain = write_tiny_model(d / f"{arch}.gguf", arch, seed=5, **kw)
-        river = d / f"{arch}.river.gguf"
-        build_river_gguf(plain, river, backbone_type=None, river_type="q4_0", imatrix=None, presets=False,
-                         threshold=0.9, progress=False, n_threads=2)
-        out[arch] = str(river)
-    return out
+    return {arch: tiny.river(arch, dict(seed=5, **kw))
+            for arch, kw in (("qwen2", dict(n_layer=3)), ("gemma3", dict(n_layer=4, head_dim=32, sliding_window=8)))}
 
 
 def _llama(path, **kw):
-    return Llama(path, n_ctx=256, n_threads=2, flash_attn=True, verbose=False, **kw)
+    return Llama(path, n_ctx=256, n_threads=THREADS, flash_attn=True, verbose=False, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +51,7 @@ def _why_they_differ(llm, prompt_toks, a, b) -> str:
     logits pick different tokens there (a near-tie that the two evaluations round differently):
     the one allowed cause of a difference (RIVER.md invariant 6)."""
     i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-    m = Model(llm.model_path, n_ctx=256, n_threads=2)
+    m = Model(llm.model_path, n_ctx=256, n_threads=THREADS)
     prefix = prompt_toks + a[:i]
     batched = m.logits(prefix, mode="backbone")[-1]
     m.begin()
@@ -133,7 +124,7 @@ def test_sampled_partings_are_batched_rounding(smol):
     The backbone also parts from itself when a repeated call reuses its cache (its prompt's last
     token then runs alone): counted beside, for the README's statement."""
     kw = dict(temp=0.8, top_k=40, top_p=0.95, repeat_penalty=1.1)
-    m = Model(smol.model_path, n_ctx=256, n_threads=2)
+    m = Model(smol.model_path, n_ctx=256, n_threads=THREADS)
     backbone = m.options(mode="backbone")
     runs = lossless_parts = self_parts = 0
     for prompt in ("Once upon a time", "The three most important rivers of Europe are", "def fibonacci(n):"):
@@ -195,7 +186,7 @@ def test_streaming_lossless_gives_the_same_text(smol):
 def _drafted(path, n_prompt: int, draft_max: int):
     """A model whose cache holds a prompt of n_prompt - 1 tokens of PROSE, and the river's drafts
     after its last token: (model, options, prefix, that token, drafts, their probabilities)."""
-    m = Model(path, n_ctx=256, n_threads=2)
+    m = Model(path, n_ctx=256, n_threads=THREADS)
     opts = m.options(mode="lossless", draft_max=draft_max)
     toks = m.tokenize(PROSE)[:n_prompt]
     prefix, nxt = toks[:-1], toks[-1]
@@ -212,7 +203,7 @@ def test_verify_batch_equals_llama_cpp_batch(river_gguf_path, f16_path):
     batch = [nxt] + drafts
     ours = m.eval(batch, opts, prompt=True, all_logits=True).logits
     # llama.cpp: the same prefix, then the same tokens in one batch (the F16 file is the backbone).
-    ref = llama_cpp.Llama(f16_path, n_ctx=256, n_threads=2, n_threads_batch=2, logits_all=True,
+    ref = llama_cpp.Llama(f16_path, n_ctx=256, n_threads=THREADS, n_threads_batch=THREADS, logits_all=True,
                           flash_attn=True, verbose=False)
     try:
         ref.eval(prefix)
@@ -259,7 +250,7 @@ def test_rejected_rows_leave_the_cache(river_gguf_path, keep):
     assert np.array_equal(step, other)
     # A fresh backbone evaluation of the kept tokens in one batch: equal up to the rounding of
     # batched against single-token evaluation, with the same top token.
-    fresh = Model(river_gguf_path, n_ctx=256, n_threads=2)
+    fresh = Model(river_gguf_path, n_ctx=256, n_threads=THREADS)
     ref = fresh.logits(kept, mode="backbone")[-1]
     assert np.abs(step - ref).max() < ROUNDING_TOL and step.argmax() == ref.argmax()
     for layer in range(m.n_layer):
@@ -276,7 +267,7 @@ def test_a_round_is_the_draft_then_one_backbone_batch(river_gguf_path):
     """Model.lossless_round, the round Llama's loop and Model.score share: the river's drafts after
     the token, then the backbone's rows for the token and its drafts, bit for bit what one backbone
     batch of those tokens gives; the cache holds the whole batch."""
-    m = Model(river_gguf_path, n_ctx=256, n_threads=2)
+    m = Model(river_gguf_path, n_ctx=256, n_threads=THREADS)
     toks = m.tokenize(PROSE)[:24]
     opts = m.options(mode="lossless", draft_max=4)
     m.begin()
@@ -294,7 +285,7 @@ def test_a_round_is_the_draft_then_one_backbone_batch(river_gguf_path):
 
 def test_lossless_scoring_is_the_backbone(river_gguf_path):
     # Teacher-forced through the decode path: drafts, verify batches and rejections on the text.
-    m = Model(river_gguf_path, n_ctx=256, n_threads=2)
+    m = Model(river_gguf_path, n_ctx=256, n_threads=THREADS)
     toks = m.tokenize(PROSE)[:64]
     lossless = m.score(toks, prefix=8, keep_logits=True, mode="lossless", draft_max=4)
     backbone = m.score(toks, prefix=8, keep_logits=True, mode="backbone")
@@ -358,7 +349,7 @@ def test_acceptance_from_the_grid():
 def test_a_verify_graph_serves_every_round(river_gguf_path):
     # A verify batch attends over llama.cpp's padded n_kv, so a round's graph is the next round's
     # when the batch has the same size: after the first round, rounds build no graph.
-    m = Model(river_gguf_path, n_ctx=256, n_threads=2)
+    m = Model(river_gguf_path, n_ctx=256, n_threads=THREADS)
     opts = m.options(mode="lossless", draft_max=4)
     m.begin()
     tok = int(m.eval(m.tokenize(PROSE)[:20], opts, prompt=True).logits[-1].argmax())
@@ -379,7 +370,7 @@ def test_costs_are_timed_where_generation_runs(river_gguf_path, n_ctx, context):
     # After CONTEXT positions (256), or as many as n_ctx leaves room for beside the timed steps.
     from river_gguf.calibrate import lossless as cost_model
 
-    m = Model(river_gguf_path, n_ctx=n_ctx, n_threads=2)
+    m = Model(river_gguf_path, n_ctx=n_ctx, n_threads=THREADS)
     costs = cost_model.measure_costs(m, m.options(mode="lossless", draft_max=4), 5, rounds=1, steps=2)
     assert costs.context == context == min(cost_model.CONTEXT, context)
     assert costs.step > 0 and costs.draft > 0 and set(costs.verify) == {2, 3, 4, 5}

@@ -13,7 +13,6 @@ import sys
 import textwrap
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from river_gguf.greedy import greedy
 from river_gguf._loader import HAS_RPC, native
 from river_gguf.testing import write_tiny_model
 
-from conftest import PROSE
+from support import PROSE
 
 pytestmark = pytest.mark.skipif(
     not HAS_RPC, reason="ggml has no RPC backend: rebuild llama-cpp-python with CMAKE_ARGS=-DGGML_RPC=ON")

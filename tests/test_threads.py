@@ -17,10 +17,13 @@ from river_gguf.testing import write_tiny_model
 
 TIMEOUT_S = 300
 
+# Threads against each other: on a core of its own, not beside another xdist worker.
+pytestmark = pytest.mark.alone
+
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("threads") / "tiny.gguf", "llama", n_layer=4, seed=11)
+def tiny_path(tiny):
+    return tiny.model("llama", n_layer=4, seed=11)
 
 
 def _run_script(script: str, *args) -> dict:

@@ -1244,9 +1244,10 @@ def prepare_bases(bases_dir: str) -> Dict[str, str]:
 
 def run_fuzz(n_cases: int, seed: int = 0, workdir: Optional[str] = None, timeout: float = 30.0,
              progress: Optional[Callable[[Result], None]] = None, start_timeout: float = 180.0,
-             api: str = "model") -> Report:
-    """Generate and run cases 0..n_cases-1 of `seed`; see the module docstring. api: "model" loads
-    each case with Model, "llama" with river_gguf.Llama, "both" alternates."""
+             api: str = "model", first: int = 0) -> Report:
+    """Generate and run cases first..n_cases-1 of `seed` (a run split in parts gives each part's
+    cases as the whole run would); see the module docstring. api: "model" loads each case with
+    Model, "llama" with river_gguf.Llama, "both" alternates."""
     if api not in APIS:
         raise ValueError(f"api must be one of {APIS}, got {api!r}")
     own = workdir is None
@@ -1259,7 +1260,7 @@ def run_fuzz(n_cases: int, seed: int = 0, workdir: Optional[str] = None, timeout
         os.makedirs(scratch, exist_ok=True)
         results: List[Result] = []
         workers = 0
-        i = 0
+        i = first
         while i < n_cases:
             workers += 1
             w = _Worker(seed, bases_dir, scratch, os.path.join(workdir, f"worker{workers}.log"), api)

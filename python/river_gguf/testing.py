@@ -15,6 +15,7 @@ import numpy as np
 
 from .default_model import default_model_path
 from .gguf.io import atomic_output, metadata_items
+from .gguf.reader import GGUFReader
 
 ARCHS = ("llama", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "phi3", "mistral3")
 # Architectures whose files may set a sliding window (gemma2 and gemma3 require one).
@@ -43,7 +44,7 @@ TOKENIZER_ENV = "RIVER_GGUF_TOKENIZER"
 def _tokenizer_kvs() -> tuple:
     """tokenizer.* KVs of the default model (or of $RIVER_GGUF_TOKENIZER), read once per process
     (parsing ~100k strings takes seconds)."""
-    reader = gguf.GGUFReader(os.environ.get(TOKENIZER_ENV) or default_model_path())
+    reader = GGUFReader(os.environ.get(TOKENIZER_ENV) or default_model_path())
     skip = [k for k in reader.fields if not k.startswith("tokenizer.")]
     return tuple(metadata_items(reader, skip))
 
@@ -362,7 +363,7 @@ def truncate_copy(src: str | os.PathLike, dst: str | os.PathLike, keep_fraction:
 
 class LlamaCppOracle:
     """Stock llama.cpp (llama-cpp-python) on a GGUF, set up like the engine: F16 KV cache (the
-    default), flash attention, 2 threads. The tests' reference for logits and greedy text.
+    default), flash attention, n_threads threads (2 unless told). The tests' reference for logits and greedy text.
 
     logits() asks llama.cpp for every row (logits_all); greedy() generates as llama.cpp does by
     default, with one output row per batch, so its last layer selects that row before the FFN (on a
@@ -372,10 +373,11 @@ class LlamaCppOracle:
     at the EOS token; models whose chat turns end on another token (Qwen) need it. n_gpu_layers:
     llama.cpp's own offload (-1: every layer and the head), the reference for the GPU tests."""
 
-    def __init__(self, path, n_ctx: int = 512, stop_at_any_eog: bool = False, n_gpu_layers: int = 0):
+    def __init__(self, path, n_ctx: int = 512, stop_at_any_eog: bool = False, n_gpu_layers: int = 0,
+                 n_threads: int = 2):
         self._llama_cpp = llama_cpp
-        self._args = dict(n_ctx=n_ctx, n_threads=2, n_threads_batch=2, flash_attn=True, n_gpu_layers=n_gpu_layers,
-                          verbose=False)
+        self._args = dict(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads, flash_attn=True,
+                          n_gpu_layers=n_gpu_layers, verbose=False)
         self._path = os.fspath(path)
         self.llm = llama_cpp.Llama(self._path, logits_all=True, **self._args)
         self._gen = None  # the one-output-row instance, made at the first greedy()

@@ -29,12 +29,12 @@ import functools
 import os
 from typing import Dict, List
 
-import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .._loader import native
 from ..gguf.river_index import river_tensors
+from ..gguf.reader import GGUFReader
 
 # Each tier and the llama.cpp quant whose bytes per decode step bound it.
 TIERS = (("fast", "q4_0"), ("balanced", "q4_k_m"), ("quality", "q8_0"))
@@ -179,7 +179,7 @@ def _layer_nodes(types: Dict[str, str], kinds=None) -> int:
 
 @functools.lru_cache(maxsize=2)
 def _reader_of(path: str, stamp: tuple):
-    return gguf.GGUFReader(path)
+    return GGUFReader(path)
 
 
 def _reader(path: str):

@@ -41,6 +41,7 @@ from .._loader import native
 from ..gguf.io import atomic_output, copy_metadata, deferred_interrupts, quantize_params, run_quantize
 from ..measure import data as eval_data
 from ..model import Model
+from ..gguf.reader import GGUFReader
 
 IMATRIX_TYPE = "imatrix"  # general.type of an imatrix GGUF
 KEY_DATASETS = "imatrix.datasets"
@@ -204,7 +205,7 @@ def read_imatrix_gguf(path: Union[str, os.PathLike]) -> Imatrix:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"imatrix file not found: {path}")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = GGUFReader(path)
     except Exception as e:  # the gguf package raises ValueError/struct.error/... on bad bytes
         raise native.GGUFFormatError(
             f"{path} is not a readable GGUF file ({e}); legacy .dat imatrix files are not supported"
@@ -388,7 +389,7 @@ def quantize_with_imatrix(
 
 def _open(path: str):
     try:
-        return gguf.GGUFReader(path)
+        return GGUFReader(path)
     except Exception as e:
         raise native.GGUFFormatError(f"{path} is not a readable GGUF file ({e})") from e
 

@@ -70,6 +70,7 @@ from ..convert.imatrix import (CALIBRATION_DATASET, calibration_texts, collect_i
                                read_imatrix_gguf, write_imatrix_gguf)
 from ..default_model import cache_dir
 from ..gguf.io import FTYPES, atomic_output
+from ..gguf.reader import GGUFReader
 
 # The ladder eval/report.py's Pareto report walks for SmolLM2; each model drops from it the types
 # that rebuild its source grid (see the module docstring). "-imatrix" kinds are llama.cpp's
@@ -355,11 +356,11 @@ def _grid_report(name: str, kinds: Sequence[str], tol: float = 1e-3,
     rebuilt tensors, "median_rel_rms": ...}}. Slow (dequantizes every tensor in numpy); used to
     decide ``rebuilds_source``, not at run time."""
 
-    f16 = gguf.GGUFReader(derived(name, "f16"))
+    f16 = GGUFReader(derived(name, "f16"))
     ref = {t.name: t for t in f16.tensors if len(t.shape) >= 2}
     out = {}
     for kind in kinds:
-        q = gguf.GGUFReader(derived(name, kind))
+        q = GGUFReader(derived(name, kind))
         rebuilt = total = 0
         rels = []
         for t in q.tensors:

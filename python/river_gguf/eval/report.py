@@ -45,7 +45,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import gguf
 import numpy as np
 from tqdm import tqdm
 
@@ -58,6 +57,7 @@ from ..convert.hybrid import write_hybrid_gguf
 from ..default_model import cache_dir
 from ..measure import data as eval_data
 from ..measure import divergence
+from ..gguf.reader import GGUFReader
 from ..measure.scoring import (GreedyRun, LlamaCppRunner, agreement, greedy_river, histogram, prepare, score_forced,
                                shuffle_exits)
 from ..model import Model
@@ -136,7 +136,7 @@ def default_river_gguf(model: str = DEFAULT_MODEL, rebuild: bool = False, n_thre
 
 
 def _metadata(path: str, keys: Sequence[str]) -> dict:
-    r = gguf.GGUFReader(path)
+    r = GGUFReader(path)
     return {k: r.fields[k].contents() for k in keys if k in r.fields}
 
 

@@ -16,6 +16,7 @@ from .._loader import native
 from . import river_index
 from .io import copy_metadata, deferred_interrupts, temp_name
 from .river_index import RIVER_PREFIX, read_field, river_tensors
+from .reader import GGUFReader
 
 
 def check_loadable(path: str) -> dict:
@@ -35,7 +36,7 @@ def check_loadable(path: str) -> dict:
 
 
 def open_reader(path: str):
-    return gguf.GGUFReader(path)
+    return GGUFReader(path)
 
 
 def reader_path(reader) -> str:

@@ -29,6 +29,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 from tqdm import tqdm
 
+from .reader import GGUFReader
+
 # llama.cpp's LLAMA_FTYPE_MOSTLY_F16; general.file_type for an F16 conversion.
 _FILE_TYPE_MOSTLY_F16 = 1
 
@@ -349,7 +351,7 @@ def _f16_target(t: gguf.ReaderTensor) -> QT | None:
 def write_f16(src_path: str | os.PathLike, dst_path: str | os.PathLike, progress: bool = True) -> str:
     """Write an F16 copy of a GGUF: dequantize 2-D weights to F16, keep 1-D as F32."""
     check_output_path(dst_path, inputs=[src_path])
-    reader = gguf.GGUFReader(src_path)
+    reader = GGUFReader(src_path)
     arch = reader.fields["general.architecture"].contents()
 
     with atomic_output(dst_path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, arch)) as writer:
@@ -387,7 +389,7 @@ def write_f16(src_path: str | os.PathLike, dst_path: str | os.PathLike, progress
 
 def _embedding_width(path) -> int:
     """Row length of the token embedding (= the head's rows): n_embd."""
-    for t in gguf.GGUFReader(path).tensors:
+    for t in GGUFReader(path).tensors:
         if t.name == "token_embd.weight":
             return int(t.shape[0])
     raise ValueError(f"{path} has no token_embd.weight")

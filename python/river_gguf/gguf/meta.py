@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from . import river_index
 from .io import atomic_output, metadata_items
+from .reader import GGUFReader
 
 
 def _value_type(value: Any, old_type=None):
@@ -67,7 +68,7 @@ def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = Fals
     for k in updates:
         if not isinstance(k, str) or not k or k.startswith("GGUF.") or k == "general.architecture":
             raise ValueError(f"cannot set metadata key {k!r}")
-    reader = gguf.GGUFReader(path)
+    reader = GGUFReader(path)
 
     # A format-2 River GGUF keeps its river after the backbone's data: carried over as it is, at
     # the same offsets from the river's start (the index in the metadata does not change).

@@ -16,15 +16,15 @@ import llama_cpp
 
 import river_gguf  # noqa: E402
 from river_gguf import Model  # noqa: E402
-from river_gguf.convert import build as convert
 from river_gguf.convert.build import build_river_gguf  # noqa: E402
 from river_gguf.convert.hybrid import write_hybrid_gguf  # noqa: E402
 from river_gguf.testing import truncate_copy, write_tiny_model, write_unsupported_arch  # noqa: E402
 
-from conftest import PROSE  # noqa: E402
+from support import Oracle, PROSE, REPO, THREADS
+from river_gguf.gguf.reader import GGUFReader
+
 
 QT = gguf.GGMLQuantizationType
-REPO = pathlib.Path(__file__).resolve().parent.parent
 TOOL = REPO / "tools" / "add_river_gguf.py"
 
 # river_gguf_path, f16_path, q4_0_path and oracle_factory come from conftest.py.
@@ -33,7 +33,7 @@ TOOL = REPO / "tools" / "add_river_gguf.py"
 @functools.lru_cache(maxsize=None)
 def _reader(path: str):
     # Only for files never rewritten in the session (GGUFReader on SmolLM2 takes seconds).
-    return gguf.GGUFReader(path)
+    return GGUFReader(path)
 
 
 def _sha(path) -> str:
@@ -105,7 +105,7 @@ def test_round_trip_tensors(river_gguf_path, f16_path, q4_0_path):
 
 
 def test_round_trip_loads_in_engine(river_gguf_path):
-    m = Model(river_gguf_path, n_ctx=128, n_threads=2)
+    m = Model(river_gguf_path, n_ctx=128, n_threads=THREADS)
     assert m.has_river
     assert m.exit_options.mode == "river"
     assert m.exit_options.threshold == m.metadata["river.threshold"]
@@ -117,11 +117,10 @@ def test_round_trip_loads_in_engine(river_gguf_path):
 def test_stock_llama_cpp_opens_river_gguf_as_the_backbone(river_gguf_path, f16_path):
     """Format 2 keeps the river out of the GGUF tensor index, so llama.cpp loads the file as its
     backbone: the same logits as the backbone file, bit for bit."""
-    from river_gguf.testing import LlamaCppOracle
 
-    toks = Model(f16_path, n_ctx=128, n_threads=2).tokenize(PROSE)[:48]
-    a = LlamaCppOracle(river_gguf_path, n_ctx=128).logits(toks)
-    assert np.array_equal(a, LlamaCppOracle(f16_path, n_ctx=128).logits(toks))
+    toks = Model(f16_path, n_ctx=128, n_threads=THREADS).tokenize(PROSE)[:48]
+    a = Oracle(river_gguf_path, n_ctx=128).logits(toks)
+    assert np.array_equal(a, Oracle(f16_path, n_ctx=128).logits(toks))
 
 
 # ----- validation -------------------------------------------------------------------------
@@ -207,7 +206,7 @@ def test_options_written_and_inputs_unchanged(tmp_path):
     assert "river.profile_predicted_mean_exit_layer" not in meta
     from river_gguf.gguf.river_index import river_tensors
 
-    r = gguf.GGUFReader(out)
+    r = GGUFReader(out)
     river = {t.name: t for t in river_tensors(r)}
     assert "river.output.weight" in river and "river.token_embd.weight" in river  # untied river
     assert river["river.blk.1.ffn_up.weight"].tensor_type == QT.F32
@@ -252,7 +251,7 @@ def test_river_gguf_input_refused_then_replaced(tmp_path):
     again = tmp_path / "again.gguf"
     meta = _build_tiny(first, again, river_type="q4_0", threshold=0.7, replace_river=True)
     assert meta["river.type"] == "q4_0"
-    r, b = gguf.GGUFReader(again), gguf.GGUFReader(bb)
+    r, b = GGUFReader(again), GGUFReader(bb)
     names = [t.name for t in r.tensors]
     assert len(names) == len(set(names))
     plain = [t for t in r.tensors if not t.name.startswith("river.")]
@@ -301,7 +300,7 @@ def test_tool_end_to_end(tmp_path):
 def test_hybrid_layer_types_and_llama_cpp_loads(tmp_path, river_gguf_path, oracle_factory):
     out = tmp_path / "hybrid10.gguf"
     write_hybrid_gguf(river_gguf_path, river_gguf_path, out, exit_layer=10, river_head=True)
-    r = gguf.GGUFReader(out)
+    r = GGUFReader(out)
     t = {x.name: x for x in r.tensors}
     assert not any(n.startswith("river.") for n in t) and not any(k.startswith("river.") for k in r.fields)
     for i in range(30):
@@ -334,15 +333,15 @@ def test_hybrid_untied_tiny(tmp_path):
     bb = _tiny(tmp_path, "bb.gguf", seed=1)
     rv = _tiny(tmp_path, "rv.gguf", seed=2, dtype="f32")
     h = write_hybrid_gguf(bb, rv, tmp_path / "h.gguf", exit_layer=0, river_head=True)
-    t = {x.name: x for x in gguf.GGUFReader(h).tensors}
-    src_b = {x.name: x for x in gguf.GGUFReader(bb).tensors}
-    src_r = {x.name: x for x in gguf.GGUFReader(rv).tensors}
+    t = {x.name: x for x in GGUFReader(h).tensors}
+    src_b = {x.name: x for x in GGUFReader(bb).tensors}
+    src_r = {x.name: x for x in GGUFReader(rv).tensors}
     assert np.array_equal(t["blk.0.ffn_up.weight"].data, src_b["blk.0.ffn_up.weight"].data)
     assert np.array_equal(t["blk.1.ffn_up.weight"].data, src_r["blk.1.ffn_up.weight"].data)
     assert np.array_equal(t["output.weight"].data, src_r["output.weight"].data)
     assert np.array_equal(t["token_embd.weight"].data, src_b["token_embd.weight"].data)
     h2 = write_hybrid_gguf(bb, rv, tmp_path / "h2.gguf", exit_layer=-1, river_head=True)
-    t2 = {x.name: x for x in gguf.GGUFReader(h2).tensors}
+    t2 = {x.name: x for x in GGUFReader(h2).tensors}
     assert np.array_equal(t2["token_embd.weight"].data, src_r["token_embd.weight"].data)
     llm = llama_cpp.Llama(str(h2), n_ctx=64, verbose=False)
     llm.close()
@@ -354,7 +353,7 @@ def test_river_head_type(tmp_path):
     _build_tiny(bb, out, river_type="q4_0", river_head_type="q8_0")
     from river_gguf.gguf.river_index import river_tensors
 
-    types = {t.name: t.tensor_type for t in river_tensors(gguf.GGUFReader(out))}
+    types = {t.name: t.tensor_type for t in river_tensors(GGUFReader(out))}
     assert types["river.token_embd.weight"] == QT.Q8_0 and types["river.blk.0.attn_q.weight"] == QT.Q4_0
     # A type whose block does not divide the head's rows is refused before llama.cpp sees it.
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -373,10 +372,10 @@ def test_q8_0_backbone_parity(tmp_path, f16_path, oracle_factory):
                             presets=False, backbone_type="q8_0")
     assert meta["river.backbone_type"] == "q8_0"
     q8 = derived_model("q8_0")
-    got = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    got = {t.name: t for t in GGUFReader(out).tensors}
     for t in _reader(q8).tensors:
         assert got[t.name].tensor_type == t.tensor_type and np.array_equal(got[t.name].data, t.data), t.name
-    m = Model(str(out), n_ctx=256, n_threads=2)
+    m = Model(str(out), n_ctx=256, n_threads=THREADS)
     toks = m.tokenize(PROSE)
     ours = m.logits(toks, mode="backbone")
     ref = oracle_factory(q8, 256).logits(toks)

@@ -11,13 +11,13 @@ import pytest
 import river_gguf
 from river_gguf import Model
 from river_gguf.greedy import greedy
-from river_gguf.convert.build import build_river_gguf
 from river_gguf.convert.hybrid import write_hybrid_gguf
 from river_gguf.testing import write_tiny_model
 from river_gguf.convert.hybrid import write_backbone_attention_oracle
 
-from conftest import PROSE
-from test_engine_parity import LOGIT_TOL
+from support import LOGIT_TOL, PROSE, THREADS
+from river_gguf.gguf.reader import GGUFReader
+
 
 WINDOW = 8
 N_GREEDY = 24
@@ -52,20 +52,16 @@ def case(request):
 
 
 @pytest.fixture(scope="module")
-def files(case, tmp_path_factory):
+def files(case, tiny):
     """(plain model, River GGUF with a Q4_0 river) of the case."""
     arch, kw = CASES[case]
-    d = tmp_path_factory.mktemp(case)
-    plain = write_tiny_model(d / f"{case}.gguf", arch, seed=11, **kw)
-    river = d / f"{case}.river.gguf"
-    build_river_gguf(plain, river, backbone_type=None, river_type="q4_0", imatrix=None, presets=False,
-                     threshold=0.9, progress=False, n_threads=2)
-    return plain, str(river)
+    model = dict(seed=11, **kw)
+    return tiny.model(arch, **model), tiny.river(arch, model)
 
 
 @pytest.fixture(scope="module")
 def river_model(files):
-    return Model(files[1], n_ctx=256, n_threads=2, threshold=0.9)
+    return Model(files[1], n_ctx=256, n_threads=THREADS, threshold=0.9)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +87,7 @@ def _same_as_oracle(m, oracle, toks, **opts):
 def test_logits_and_greedy_match_llama_cpp(files, prose_tokens, oracle_factory):
     plain, _ = files
     oracle = oracle_factory(plain, 256)
-    _same_as_oracle(Model(plain, n_ctx=256, n_threads=2), oracle, prose_tokens)
+    _same_as_oracle(Model(plain, n_ctx=256, n_threads=THREADS), oracle, prose_tokens)
     # Prompt chunks of 16: later chunks read the window's rows written by earlier graphs.
     chunked = Model(plain, n_ctx=256, n_threads=1, n_batch=16).logits(prose_tokens)
     assert np.abs(chunked - oracle.logits(prose_tokens)).max() < LOGIT_TOL
@@ -104,8 +100,8 @@ def test_the_sliding_window_is_live(case, files, tmp_path):
     arch, kw = CASES[case]
     wide = write_tiny_model(tmp_path / "wide.gguf", arch, seed=11, **{**kw, "sliding_window": 512})
     toks = Model(files[0], n_ctx=8).tokenize(PROSE)
-    a = Model(files[0], n_ctx=128, n_threads=2).logits(toks)
-    b = Model(wide, n_ctx=128, n_threads=2).logits(toks)
+    a = Model(files[0], n_ctx=128, n_threads=THREADS).logits(toks)
+    b = Model(wide, n_ctx=128, n_threads=THREADS).logits(toks)
     assert np.array_equal(a[:WINDOW], b[:WINDOW])
     assert np.abs(a[WINDOW:] - b[WINDOW:]).max(axis=1).min() > LOGIT_TOL
 
@@ -249,11 +245,11 @@ def test_gemma3_window_period_and_sliding_rope_base_follow_the_file(extra, tmp_p
     dst = tmp_path / "keyed.gguf"
     (key, value), = extra.items()
     _rewrite(src, dst, key, value)
-    m = Model(str(dst), n_ctx=128, n_threads=2)
+    m = Model(str(dst), n_ctx=128, n_threads=THREADS)
     toks = m.tokenize(PROSE)
     ref = oracle_factory(str(dst), 128).logits(toks)
     assert np.abs(m.logits(toks) - ref).max() < LOGIT_TOL
-    assert np.abs(Model(src, n_ctx=128, n_threads=2).logits(toks) - ref).max() > 10 * LOGIT_TOL
+    assert np.abs(Model(src, n_ctx=128, n_threads=THREADS).logits(toks) - ref).max() > 10 * LOGIT_TOL
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +264,7 @@ def test_phi3_longrope_picks_its_factors_by_context_as_llama_cpp(n_ctx, longrope
     # factors; 280 would too by its length, but llama.cpp rounds a context up to 256 positions
     # first (512) and so runs the long ones, as 512 does.
     src = longrope_file
-    m = Model(src, n_ctx=n_ctx, n_threads=2)
+    m = Model(src, n_ctx=n_ctx, n_threads=THREADS)
     toks = m.tokenize(PROSE)
     assert np.abs(m.logits(toks) - oracle_factory(src, n_ctx).logits(toks)).max() < LOGIT_TOL
 
@@ -279,9 +275,9 @@ def test_phi3_longrope_factors_and_attn_factor_are_live(longrope_file, tmp_path)
     no_factor = tmp_path / "no-attn-factor.gguf"
     _rewrite(src, no_factor, "phi3.rope.scaling.attn_factor", None)
     toks = Model(src, n_ctx=8).tokenize(PROSE)
-    short = Model(src, n_ctx=256, n_threads=2).logits(toks)
-    long = Model(src, n_ctx=512, n_threads=2).logits(toks)
-    plain = Model(str(no_factor), n_ctx=256, n_threads=2).logits(toks)
+    short = Model(src, n_ctx=256, n_threads=THREADS).logits(toks)
+    long = Model(src, n_ctx=512, n_threads=THREADS).logits(toks)
+    plain = Model(str(no_factor), n_ctx=256, n_threads=THREADS).logits(toks)
     assert np.abs(short - long).max() > 10 * LOGIT_TOL
     assert np.abs(short - plain).max() > 10 * LOGIT_TOL
 
@@ -303,7 +299,7 @@ def _rewrite(src, dst, key, value, extra_tensor=None):
     import gguf
     from river_gguf.gguf.io import metadata_items
 
-    r = gguf.GGUFReader(src)
+    r = GGUFReader(src)
     with contextlib.closing(gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))) as w:
         for k, v, vtype, sub in metadata_items(r, [key] if key else []):
             w.add_key_value(k, v, vtype, sub_type=sub)
@@ -325,7 +321,7 @@ def test_llama3_rope_factors_match_llama_cpp(rope, tmp_path, oracle_factory):
     # Llama 3.1/3.2's rope base (500000) and per-dimension factors over 64-wide heads.
     path = write_tiny_model(tmp_path / f"{rope}.gguf", "llama", n_layer=2, n_embd=128, n_head=2, n_head_kv=1,
                             rope_freqs=rope, seed=4)
-    m = Model(path, n_ctx=256, n_threads=2)
+    m = Model(path, n_ctx=256, n_threads=THREADS)
     _same_as_oracle(m, oracle_factory(path, 256), m.tokenize(PROSE))
 
 
@@ -338,7 +334,7 @@ def test_mistral3_temperature_is_live(tmp_path):
     b = write_tiny_model(tmp_path / "b.gguf", "mistral3", n_layer=3, seed=11, attn_temperature=0.0)
     toks = Model(a, n_ctx=8).tokenize(PROSE)
     assert len(toks) > YARN_ORIG_CTX + 8
-    la = Model(a, n_ctx=256, n_threads=2).logits(toks)
-    lb = Model(b, n_ctx=256, n_threads=2).logits(toks)
+    la = Model(a, n_ctx=256, n_threads=THREADS).logits(toks)
+    lb = Model(b, n_ctx=256, n_threads=THREADS).logits(toks)
     assert np.array_equal(la[:YARN_ORIG_CTX], lb[:YARN_ORIG_CTX])
     assert np.abs(la[YARN_ORIG_CTX:] - lb[YARN_ORIG_CTX:]).max(axis=1).min() > LOGIT_TOL

@@ -4,10 +4,9 @@ import pytest
 import river_gguf
 from river_gguf import Model
 from river_gguf.greedy import greedy
-from river_gguf.testing import LlamaCppOracle, truncate_copy, write_unsupported_arch
+from river_gguf.testing import truncate_copy, write_unsupported_arch
 
-from conftest import oracle_pick
-
+from support import Oracle, THREADS, oracle_pick
 
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
@@ -43,7 +42,7 @@ def test_unsupported_architecture(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_model(q4_1_path):
-    return Model(q4_1_path, n_ctx=64, n_threads=2)
+    return Model(q4_1_path, n_ctx=64, n_threads=THREADS)
 
 
 def test_prompt_longer_than_context(small_model):
@@ -62,7 +61,7 @@ def test_generation_stops_at_context_end(small_model, q4_1_path):
     n_ctx = small_model.n_ctx
     texts = ("word " * 50, "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,", "The river rose in the hills. " * 6)
     # A prompt whose greedy reply (llama.cpp's) does not reach EOS before the context is full.
-    oracle = LlamaCppOracle(q4_1_path, stop_at_any_eog=True)  # ends at any EOG, as the engine
+    oracle = Oracle(q4_1_path, stop_at_any_eog=True)  # ends at any EOG, as the engine
     try:
         toks, (_, ref) = oracle_pick(
             [small_model.tokenize(t) for t in texts],

@@ -14,9 +14,9 @@ import gguf
 import llama_cpp
 
 from river_gguf import default_model as dm  # noqa: E402
-from river_gguf.greedy import greedy
 from river_gguf import testing  # noqa: E402
 from river_gguf.gguf import io as gguf_io  # noqa: E402
+from river_gguf.gguf.reader import GGUFReader
 
 QT = gguf.GGMLQuantizationType
 PROMPT = b"The capital of France is"
@@ -50,7 +50,7 @@ def _greedy(path, n=16):
 def _reader(path: str):
     # Parsing SmolLM2's ~100k tokenizer strings takes seconds; read each file once.
     # Only for files that are never rewritten during the session.
-    return gguf.GGUFReader(path)
+    return GGUFReader(path)
 
 
 def _types(path, min_dims=2):
@@ -208,7 +208,7 @@ def test_tiny_model_runs(tiny_dir, name):
 
 def test_tiny_model_metadata(tiny_dir):
     path = testing.write_tiny_model(tiny_dir / "meta.gguf", "qwen3", head_dim=32, n_layer=3)
-    r = gguf.GGUFReader(path)
+    r = GGUFReader(path)
     f = {k: r.fields[k].contents() for k in r.fields if k.startswith("qwen3.")}
     assert f["qwen3.block_count"] == 3 and f["qwen3.context_length"] == 512
     assert f["qwen3.attention.key_length"] == f["qwen3.attention.value_length"] == 32
@@ -228,7 +228,7 @@ def test_tiny_model_deterministic(tiny_dir):
 
 def test_bad_inputs(tiny_dir):
     unsupported = testing.write_unsupported_arch(tiny_dir / "mamba.gguf")
-    assert gguf.GGUFReader(unsupported).fields["general.architecture"].contents() == "mamba"
+    assert GGUFReader(unsupported).fields["general.architecture"].contents() == "mamba"
 
     full = testing.write_tiny_model(tiny_dir / "full.gguf", "llama")
     half = testing.truncate_copy(full, tiny_dir / "half.gguf", keep_fraction=0.5)

@@ -8,15 +8,17 @@ from river_gguf.measure import divergence
 from river_gguf.eval import report as evaluate
 from river_gguf.measure import data as eval_data
 
+from support import THREADS
+
 
 @pytest.fixture(scope="module")
 def ref(f16_path):
-    return Model(f16_path, n_ctx=512, n_threads=2)
+    return Model(f16_path, n_ctx=512, n_threads=THREADS)
 
 
 @pytest.fixture(scope="module")
 def river(river_gguf_path):
-    return Model(river_gguf_path, n_ctx=512, n_threads=2)
+    return Model(river_gguf_path, n_ctx=512, n_threads=THREADS)
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +82,11 @@ def test_batched_and_decode_differ_for_q4_0_exactly_as_in_llama_cpp(q4_0_path, p
     import llama_cpp
 
     toks, prefix = prepared[0]
-    m = Model(q4_0_path, n_ctx=512, n_threads=2)
+    m = Model(q4_0_path, n_ctx=512, n_threads=THREADS)
     ours_b, _ = divergence.config_logits(m, toks, prefix, batched=True, mode="backbone")
     ours_d, _ = divergence.config_logits(m, toks, prefix, batched=False, mode="backbone")
     del m
-    kw = dict(n_ctx=512, n_threads=2, n_threads_batch=2, logits_all=True, flash_attn=True, verbose=False)
+    kw = dict(n_ctx=512, n_threads=THREADS, n_threads_batch=THREADS, logits_all=True, flash_attn=True, verbose=False)
     a = llama_cpp.Llama(q4_0_path, **kw)
     try:
         a.eval(toks)

@@ -15,6 +15,9 @@ from river_gguf.eval import report as evaluate
 from river_gguf.measure import scoring
 from river_gguf.eval.report import Setup, Settings
 
+from support import THREADS
+from river_gguf.gguf.reader import GGUFReader
+
 
 # ----- data ----------------------------------------------------------------------------
 @pytest.mark.parametrize("domain,n,n_cal", [("gsm8k", 100, 20), ("humaneval", 164, 33)])
@@ -269,11 +272,11 @@ def test_set_river_metadata_roundtrip(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    before = {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(str(path)).tensors}
+    before = {t.name: bytes(t.data.tobytes()) for t in GGUFReader(str(path)).tensors}
 
     out = set_river_metadata(str(path), {"river.threshold": 0.975, "river.threshold_source": "calibrated",
                                          "river.calibration_budget": 0.02, "river.backbone_ppl": 6.5})
-    r = gguf.GGUFReader(str(path))
+    r = GGUFReader(str(path))
     assert r.fields["river.threshold"].contents() == pytest.approx(0.975, abs=1e-6)
     assert r.fields["river.threshold_source"].contents() == "calibrated"
     assert r.fields["river.calibration_budget"].contents() == pytest.approx(0.02, abs=1e-7)
@@ -289,7 +292,7 @@ def test_set_river_metadata_roundtrip(tmp_path):
 def river_model(f16_path, q4_0_path):
     from river_gguf import Model
 
-    return Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=2)
+    return Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=THREADS)
 
 
 @pytest.fixture(scope="module")
@@ -348,16 +351,16 @@ def test_eval_tiny_end_to_end(f16_path, q4_0_path, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def small_river_gguf(f16_path, tmp_path_factory):
-    """A River GGUF of SmolLM2 with hand-written presets (no imatrix, no preset calibration, so
-    it builds in seconds): one dynamic preset with a tail, one static river-only + tail."""
+def small_river_gguf(river_gguf_path, tmp_path_factory):
+    """The suite's SmolLM2 River GGUF (no imatrix, no preset calibration) with hand-written
+    presets: one dynamic preset with a tail, one static river-only + tail."""
+    import shutil
+
     from river_gguf import presets
-    from river_gguf.convert.build import build_river_gguf
     from river_gguf.gguf.meta import set_river_metadata
 
     path = tmp_path_factory.mktemp("rg") / "smollm2.river.gguf"
-    build_river_gguf(f16_path, path, threshold=0.98, progress=False, imatrix=None, presets=False,
-                     backbone_type=None, river_type="q4_0")
+    shutil.copy(river_gguf_path, path)
     stored = {"fast": {"options": {"mode": "river-only", "tail": 2, "river_head": True}, "ppl": 5.0},
               "balanced": {"options": {"mode": "river", "threshold": 0.98, "min_exit_layer": 0, "tail": 2,
                                        "river_head": True}, "ppl": 4.5}}
@@ -366,18 +369,17 @@ def small_river_gguf(f16_path, tmp_path_factory):
 
 
 def test_control_path_is_the_static_tail_hybrid(small_river_gguf):
-    import gguf
 
     p2 = evaluate.control_path("smollm2", 2, small_river_gguf)
     p0 = evaluate.control_path("smollm2", 0, small_river_gguf)
     assert os.path.dirname(p2) == os.path.dirname(small_river_gguf) and p0 != p2
     mtime = os.stat(p2).st_mtime_ns
     assert evaluate.control_path("smollm2", 2, small_river_gguf) == p2 and os.stat(p2).st_mtime_ns == mtime  # cached
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(p2).tensors}
+    types = {t.name: t.tensor_type.name for t in GGUFReader(p2).tensors}
     assert not [n for n in types if n.startswith("river.")]
     assert types["blk.29.ffn_down.weight"] == types["blk.28.attn_q.weight"] == "F16"  # the F16 tail
     assert types["blk.27.ffn_down.weight"] == types["blk.0.attn_q.weight"] == "Q4_0"  # the river
-    assert {t.name: t.tensor_type.name for t in gguf.GGUFReader(p0).tensors}["blk.29.ffn_down.weight"] == "Q4_0"
+    assert {t.name: t.tensor_type.name for t in GGUFReader(p0).tensors}["blk.29.ffn_down.weight"] == "Q4_0"
 
 
 def test_eval_river_gguf_presets_and_controls(small_river_gguf, monkeypatch):

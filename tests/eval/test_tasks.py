@@ -2,7 +2,6 @@
 GSM8K's answer matching."""
 import time
 
-import pytest
 
 from river_gguf.eval import tasks
 

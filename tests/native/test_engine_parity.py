@@ -1,8 +1,8 @@
 """The engine against stock llama.cpp on the same GGUF: logits, top-1 tokens, greedy text.
 
 Tolerance: both sides run the same ggml kernels on the same graph shape (F16 KV cache, flash
-attention), so logits agree to the bit in practice. LOGIT_TOL leaves room only for reduction
-order (thread splits), far below the ~1-10 logit gaps that decide tokens."""
+attention), so logits agree to the bit in practice. support.LOGIT_TOL leaves room only for
+reduction order (thread splits), far below the ~1-10 logit gaps that decide tokens."""
 import numpy as np
 import pytest
 
@@ -10,13 +10,11 @@ from river_gguf import Model
 from river_gguf.greedy import greedy
 from river_gguf.testing import write_tiny_model
 
-from conftest import PROSE, oracle_pick
-
-LOGIT_TOL = 2e-3
+from support import LOGIT_TOL, PROSE, THREADS, oracle_pick
 
 
 def _check_logits(model_path, oracle_factory, n_ctx=512, text=PROSE, **model_kw):
-    m = Model(model_path, n_ctx=n_ctx, n_threads=2, **model_kw)
+    m = Model(model_path, n_ctx=n_ctx, n_threads=THREADS, **model_kw)
     toks = m.tokenize(text)
     assert len(toks) > 40
     ours = m.logits(toks)
@@ -40,7 +38,7 @@ GREEDY_PROMPTS = ["Once upon a time, in a small village by the sea,", PROSE, "Th
 @pytest.mark.parametrize("which", ["q4_1_path", "f16_path"])
 def test_greedy_128_tokens_match_llama_cpp(which, request, oracle_factory):
     path = request.getfixturevalue(which)
-    m = Model(path, n_ctx=512, n_threads=2)
+    m = Model(path, n_ctx=512, n_threads=THREADS)
     oracle = oracle_factory(path)
     # A prompt whose greedy reply on llama.cpp runs the full 128 tokens (no early EOS) on this CPU.
     _, (prompt, ref) = oracle_pick(GREEDY_PROMPTS, lambda t: (m.tokenize(t), oracle.greedy(m.tokenize(t), 128)),
@@ -67,7 +65,7 @@ def test_tiny_random_models_match_llama_cpp(arch, kw, tmp_path, oracle_factory):
 
 def test_prompt_longer_than_batch_is_chunked(q4_1_path, oracle_factory):
     # n_batch=16 splits the prompt into several graphs; the cache must stitch them exactly.
-    m = Model(q4_1_path, n_ctx=512, n_threads=2, n_batch=16)
+    m = Model(q4_1_path, n_ctx=512, n_threads=THREADS, n_batch=16)
     toks = m.tokenize(PROSE)
     ref = oracle_factory(q4_1_path).logits(toks)
     assert np.abs(m.logits(toks) - ref).max() < LOGIT_TOL
@@ -75,7 +73,7 @@ def test_prompt_longer_than_batch_is_chunked(q4_1_path, oracle_factory):
 
 def test_layer_by_layer_decode_equals_fused(q4_1_path):
     # The segmented path (one graph per layer, exit-decision readback) computes the same thing.
-    m = Model(q4_1_path, n_ctx=256, n_threads=2)
+    m = Model(q4_1_path, n_ctx=256, n_threads=THREADS)
     toks = m.tokenize(PROSE)[:24]
     e = m.engine
     e.truncate(0)

@@ -2,7 +2,6 @@
 hash is the hash of the fake parts. The real Qwen download is tested in tests_qwen/."""
 import dataclasses
 import hashlib
-import io
 import pathlib
 import subprocess
 import sys

@@ -30,7 +30,7 @@ from river_gguf.serve.protocol import accepts
 from river_gguf.serve.schemas import CompletionRequest
 from river_gguf.serve.settings import API_KEY_ENV
 
-from conftest import oracle_pick
+from support import oracle_pick
 
 API_KEY = "test-key-123"
 ALIAS = "smol"
@@ -382,6 +382,7 @@ def test_wrong_or_missing_api_key_gets_401(server, client, local):
 
 
 # ----- disconnects ---------------------------------------------------------------------
+@pytest.mark.alone  # compares a request's time with a token's
 def test_client_disconnecting_mid_stream_frees_the_model(server, client, local, endless):
     """A client that stops reading and closes its connection mid-stream: the server stops that
     generation and serves the next request at once instead of generating to the end."""

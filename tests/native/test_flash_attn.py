@@ -14,14 +14,12 @@ import pytest
 
 import llama_cpp
 from river_gguf import Model, _native
-from river_gguf.convert.build import build_river_gguf
 from river_gguf.convert.hybrid import write_hybrid_gguf
 from river_gguf.llama import Llama
-from river_gguf.testing import write_tiny_model
 from river_gguf.convert.hybrid import write_backbone_attention_oracle
 
-from conftest import PROSE
-from test_engine_parity import LOGIT_TOL
+from support import LOGIT_TOL, PROSE
+
 
 N_CTX = 512
 PROMPT = 300          # longer than one 256-row block of the padded n_kv
@@ -86,9 +84,8 @@ def _random_tokens(n_vocab, n, seed=0):
 
 
 @pytest.fixture(scope="module")
-def tiny_paths(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fa")
-    return {arch: write_tiny_model(d / f"{arch}.gguf", arch, seed=7, **kw) for arch, kw in TINY.items()}
+def tiny_paths(tiny):
+    return {arch: tiny.model(arch, seed=7, **kw) for arch, kw in TINY.items()}
 
 
 @pytest.mark.parametrize("flash_attn", [False, True])
@@ -147,14 +144,10 @@ def test_flash_attn_must_be_a_bool(bad, q4_1_path):
 # --- River without flash attention ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def river_files(tmp_path_factory):
+def river_files(tiny):
     """(plain tiny llama, its River GGUF with a Q4_0 river)."""
-    d = tmp_path_factory.mktemp("fa-river")
-    plain = write_tiny_model(d / "tiny.gguf", "llama", n_layer=4, seed=11)
-    river = d / "tiny.river.gguf"
-    build_river_gguf(plain, river, backbone_type=None, river_type="q4_0", imatrix=None, presets=False,
-                     threshold=0.9, progress=False, n_threads=1)
-    return plain, str(river)
+    model = dict(n_layer=4, seed=11)
+    return tiny.model("llama", **model), tiny.river("llama", model)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,10 @@ from river_gguf.gguf import river_index
 from river_gguf.convert.build import FORMAT_VERSION, RIVER_PREFIX, build_river_gguf, upgrade_river_gguf
 from river_gguf.gguf.copy import new_writer, plain_tensors, write_tensors
 from river_gguf.gguf.meta import set_river_metadata
-from river_gguf.testing import LlamaCppOracle, write_tiny_model
+from river_gguf.testing import write_tiny_model
+
+from support import Oracle
+from river_gguf.gguf.reader import GGUFReader
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the river runs to the sea."
 
@@ -32,7 +35,7 @@ def files(tmp_path_factory):
 
 def _write_format1(river_path, out):
     """The old layout: river tensors in the GGUF index, river.format_version 1, no river index."""
-    r = gguf.GGUFReader(river_path)
+    r = GGUFReader(river_path)
     rv = river_index.river_tensors(r)
     with contextlib.closing(new_writer(str(out), r)) as w:  # river.* keys left out, then put back
         for key, field in r.fields.items():
@@ -45,15 +48,15 @@ def _write_format1(river_path, out):
 
 def test_llama_cpp_opens_a_river_gguf_as_its_backbone(files):
     bb, river, _ = files
-    assert river_index.format_version(gguf.GGUFReader(river)) == FORMAT_VERSION == 2
+    assert river_index.format_version(GGUFReader(river)) == FORMAT_VERSION == 2
     toks = Model(bb, n_ctx=64, n_threads=1).tokenize(TEXT)
-    ours = LlamaCppOracle(river, n_ctx=64).logits(toks)
-    assert np.array_equal(ours, LlamaCppOracle(bb, n_ctx=64).logits(toks))
+    ours = Oracle(river, n_ctx=64).logits(toks)
+    assert np.array_equal(ours, Oracle(bb, n_ctx=64).logits(toks))
 
 
 def test_the_river_lies_outside_the_gguf_index(files):
     _, river, _ = files
-    r = gguf.GGUFReader(river)
+    r = GGUFReader(river)
     assert not any(t.name.startswith(RIVER_PREFIX) for t in r.tensors)
     rv = river_index.river_tensors(r)
     assert {t.name for t in rv} >= {"river.blk.0.attn_q.weight", "river.token_embd.weight"}
@@ -71,28 +74,28 @@ def test_river_gguf_finds_the_river(files):
     m = Model(river, n_ctx=64, n_threads=1)
     toks = m.tokenize(TEXT)
     ours = m.logits(toks, mode="river-only", river_head=True)
-    assert np.abs(ours - LlamaCppOracle(str(plain_river), n_ctx=64).logits(toks)).max() < 2e-3
+    assert np.abs(ours - Oracle(str(plain_river), n_ctx=64).logits(toks)).max() < 2e-3
     assert not np.array_equal(ours, m.logits(toks, mode="backbone"))
 
 
 def test_format1_is_read_and_upgraded(files, tmp_path):
     bb, river, _ = files
     v1 = _write_format1(river, tmp_path / "old.river.gguf")
-    r1 = gguf.GGUFReader(str(v1))
+    r1 = GGUFReader(str(v1))
     assert river_index.format_version(r1) == 1 and any(t.name.startswith(RIVER_PREFIX) for t in r1.tensors)
     del r1
     m1 = Model(str(v1), n_ctx=64, n_threads=1)
     toks = m1.tokenize(TEXT)
     want = m1.logits(toks, mode="river-only", river_head=True)
     with pytest.raises(Exception):  # llama.cpp refuses format 1 ("wrong number of tensors")
-        LlamaCppOracle(str(v1), n_ctx=64).logits(toks)
+        Oracle(str(v1), n_ctx=64).logits(toks)
 
     v2 = tmp_path / "new.river.gguf"
     assert upgrade_river_gguf(str(v1), str(v2), progress=False) == {"from": 1, "to": 2}
     m2 = Model(str(v2), n_ctx=64, n_threads=1)
     assert np.array_equal(m2.logits(toks, mode="river-only", river_head=True), want)
     assert m2.metadata["river.threshold"] == m1.metadata["river.threshold"]
-    assert np.array_equal(LlamaCppOracle(str(v2), n_ctx=64).logits(toks), LlamaCppOracle(bb, n_ctx=64).logits(toks))
+    assert np.array_equal(Oracle(str(v2), n_ctx=64).logits(toks), Oracle(bb, n_ctx=64).logits(toks))
     with pytest.raises(ValueError, match="already"):
         upgrade_river_gguf(str(v2), str(tmp_path / "again.gguf"), progress=False)
     with pytest.raises(ValueError, match="not a River GGUF"):
@@ -108,7 +111,7 @@ def test_upgrade_cli(files, tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "format 1 -> 2" in r.stdout
-    assert river_index.format_version(gguf.GGUFReader(str(out))) == 2
+    assert river_index.format_version(GGUFReader(str(out))) == 2
 
 
 def test_metadata_rewrite_keeps_the_river(files, tmp_path):
@@ -134,7 +137,7 @@ def test_a_damaged_river_index_is_a_clear_error(files, tmp_path, damage):
         bad.write_bytes(data[: len(data) - 4096])
     else:
         bad.write_bytes(data)
-        r = gguf.GGUFReader(river)
+        r = GGUFReader(river)
         n = len(r.fields[river_index.NAMES_KEY].contents())
         del r
         up = {"offset": {river_index.DATA_SIZE_KEY: 64}, "version": {river_index.VERSION_KEY: 3}}.get(damage)
@@ -150,7 +153,7 @@ def _rewrite_array(path, damage, n):
     """Rewrite one river index array in place of the file (types: an unknown type id; names: too few)."""
     from river_gguf.gguf.io import atomic_output, metadata_items
 
-    r = gguf.GGUFReader(str(path))
+    r = GGUFReader(str(path))
     river = river_index.river_tensors(r)
     start = river_index.river_data_start(r)
     with atomic_output(str(path)) as tmp:

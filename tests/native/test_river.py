@@ -10,8 +10,8 @@ from river_gguf import Model
 from river_gguf.greedy import greedy
 from river_gguf.convert.hybrid import write_hybrid_gguf
 
-from conftest import PROSE
-from test_engine_parity import LOGIT_TOL
+from support import LOGIT_TOL, PROSE, THREADS
+
 
 N_GREEDY = 32
 
@@ -19,7 +19,7 @@ N_GREEDY = 32
 @pytest.fixture(scope="module")
 def river_model(f16_path, q4_0_path):
     # Backbone F16, river Q4_0: two plain GGUFs (the same checks as a River GGUF).
-    return Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=2, threshold=0.97)
+    return Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=THREADS, threshold=0.97)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_invariant4_no_cache_holes_after_mixed_exits(f16_path, q4_0_path, prose_
                         _mixed, "a real mix of exits", taus=(0.965,) + TAUS)
     # A fresh model: its cache starts as NaN, so any slot no layer wrote stays NaN.
     # threshold given: no similarity profile runs at load, so no step has touched the cache yet.
-    m = Model(f16_path, river=q4_0_path, n_ctx=256, n_threads=2, threshold=tau)
+    m = Model(f16_path, river=q4_0_path, n_ctx=256, n_threads=THREADS, threshold=tau)
     assert np.isnan(m.engine.cache_rows(0, False, 4)).all()
     g = greedy(m, prose_tokens[:16], max_tokens=48, mode="river", threshold=tau)
     assert _mixed(g), f"want a real mix of exits, got {g.stats['exit_histogram']}"
@@ -240,7 +240,7 @@ def test_graph_reuse_changes_no_logit_across_a_padding_boundary(f16_path, q4_0_p
     text = (PROSE + " ") * 6
     runs = []
     for reuse in (True, False):
-        e = _native.Engine(f16_path, q4_0_path, n_ctx=512, n_threads=2, graph_reuse=reuse)
+        e = _native.Engine(f16_path, q4_0_path, n_ctx=512, n_threads=THREADS, graph_reuse=reuse)
         m = Model(f16_path, n_ctx=8)  # only for the tokenizer
         toks = m.tokenize(text)[:300]
         assert len(toks) == 300
@@ -265,7 +265,7 @@ def test_joined_qkv_and_gate_up_change_no_logit(f16_path, q4_0_path, oracle_fact
     toks = m.tokenize(PROSE)[:40]
     runs = []
     for fuse in (True, False):
-        e = _native.Engine(f16_path, q4_0_path, n_ctx=128, n_threads=2, fuse=fuse)
+        e = _native.Engine(f16_path, q4_0_path, n_ctx=128, n_threads=THREADS, fuse=fuse)
         prompt = e.eval(toks[:24], mode=2, river_head=True)[0]
         steps = [e.eval([t], mode=2, river_head=True)[0] for t in toks[24:]]
         e.truncate(0)

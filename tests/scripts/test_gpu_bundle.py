@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from support import REPO
+
+ROOT = REPO
 RUN = ROOT / "scripts" / "gpu_device_run.sh"
 BUNDLE = ROOT / "scripts" / "gpu_bundle.sh"
 

@@ -22,8 +22,9 @@ from river_gguf.convert.imatrix import (
 )
 from river_gguf.testing import write_tiny_model
 
-from conftest import PROSE, Oracle
-from test_engine_parity import LOGIT_TOL
+from support import LOGIT_TOL, Oracle, PROSE
+from river_gguf.gguf.reader import GGUFReader
+
 
 TEXTS = [PROSE, "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
 QKV = ("attn_q", "attn_k", "attn_v")
@@ -34,7 +35,7 @@ THREADS = 1
 
 def _copy_with(src, dst, changes):
     """A copy of GGUF ``src`` whose tensors named in ``changes`` are replaced by f(data)."""
-    r = gguf.GGUFReader(src)
+    r = GGUFReader(src)
     with contextlib.closing(gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())) as w:
         copy_metadata(r, w)
         for t in r.tensors:
@@ -49,7 +50,7 @@ def _copy_with(src, dst, changes):
 
 
 def _tensors(path):
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+    return {t.name: t for t in GGUFReader(path).tensors}
 
 
 # ----- collection -----------------------------------------------------------------------
@@ -169,7 +170,7 @@ def test_plain_requantization_is_llama_cpps_q4_0(f16_path, q4_0_path, tmp_path):
     assert list(ref) == list(got)
     for name, t in ref.items():
         assert got[name].tensor_type == t.tensor_type and np.array_equal(got[name].data, t.data), name
-    ra, rb = gguf.GGUFReader(q4_0_path), gguf.GGUFReader(out)
+    ra, rb = GGUFReader(q4_0_path), GGUFReader(out)
     assert {k for k in ra.fields if not k.startswith("GGUF.")} == {k for k in rb.fields if not k.startswith("GGUF.")}
 
 
@@ -262,7 +263,7 @@ def test_imatrix_gguf_round_trip(smol_imatrix, tmp_path):
 
     # llama.cpp's layout: general.type, u32 chunk keys, string-array datasets, no architecture,
     # F32 <name>.in_sum2 [n_cols, 1] and <name>.counts [1, 1].
-    r = gguf.GGUFReader(path)
+    r = GGUFReader(path)
     assert r.fields["general.type"].contents() == "imatrix"
     assert "general.architecture" not in r.fields
     assert r.fields["imatrix.chunk_count"].types == [gguf.GGUFValueType.UINT32]

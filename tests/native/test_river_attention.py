@@ -10,13 +10,13 @@ from river_gguf.greedy import greedy
 from river_gguf.convert.hybrid import write_hybrid_gguf, write_mixed_gguf
 from river_gguf.convert.hybrid import attention_from
 
-from conftest import PROSE
-from test_engine_parity import LOGIT_TOL
 from test_river import TAUS, _first_tau
+
+from support import LOGIT_TOL, PROSE, THREADS
 
 @pytest.fixture(scope="module")
 def river_model(f16_path, q4_0_path):
-    return Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=2)
+    return Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=THREADS)
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,15 @@ import pytest
 
 from river_gguf import Model, presets
 from river_gguf.calibrate import cost_model
-from river_gguf.convert.build import build_river_gguf
+from river_gguf.convert.build import DEFAULT_BACKBONE_TYPE, build_river_gguf
 from river_gguf.gguf.meta import set_river_metadata
 from river_gguf.testing import write_tiny_model
+from river_gguf.gguf.reader import GGUFReader
 
 
 @pytest.fixture(scope="module")
-def tiny_river(tmp_path_factory):
-    d = tmp_path_factory.mktemp("presets")
-    bb = write_tiny_model(d / "bb.gguf", "llama", n_layer=6, dtype="f16", seed=5)
-    out = d / "bb.river.gguf"
-    build_river_gguf(bb, out, river_type="q4_0", threshold=0.9, progress=False, imatrix=None, presets=False)
-    return str(out)
+def tiny_river(tiny):
+    return tiny.river("llama", dict(n_layer=6, dtype="f16", seed=5), backbone_type=DEFAULT_BACKBONE_TYPE)
 
 
 STORED = {
@@ -100,13 +97,12 @@ def test_anchor_bytes_match_llama_cpp_files(f16_path):
     """static_step_bytes applies llama.cpp's type choice: the bytes it predicts per decode step
     are those of the files llama.cpp's quantizer makes from the same F16 (SmolLM2, whose 576-wide
     rows send Q4_K/Q6_K to their Q5_0/Q8_0 fallbacks)."""
-    import gguf
 
     from river_gguf.default_model import derived_model
 
-    shapes = {t.name: tuple(int(x) for x in t.shape) for t in gguf.GGUFReader(f16_path).tensors}
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in GGUFReader(f16_path).tensors}
     for kind in ("q4_0", "q4_k_m", "q8_0"):
-        r = gguf.GGUFReader(derived_model(kind))
+        r = GGUFReader(derived_model(kind))
         sizes = {t.name: int(t.n_bytes) for t in r.tensors}
         head = "output.weight" if "output.weight" in sizes else "token_embd.weight"
         real = sum(n for name, n in sizes.items() if name.startswith("blk.") and name.endswith(".weight")
@@ -117,13 +113,12 @@ def test_anchor_bytes_match_llama_cpp_files(f16_path):
 def test_anchor_costs_match_llama_cpp_files(f16_path):
     """The cost measure of the anchors is that of the files llama.cpp makes: each weight's type
     cost and one mat-mul node per weight (llama.cpp joins nothing)."""
-    import gguf
 
     from river_gguf.default_model import derived_model
 
-    shapes = {t.name: tuple(int(x) for x in t.shape) for t in gguf.GGUFReader(f16_path).tensors}
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in GGUFReader(f16_path).tensors}
     for kind in ("q4_0", "q4_k_m", "q8_0"):
-        r = gguf.GGUFReader(derived_model(kind))
+        r = GGUFReader(derived_model(kind))
         names = {t.name for t in r.tensors}
         head = "output.weight" if "output.weight" in names else "token_embd.weight"
         real = sum(cost_model.type_cost(t.tensor_type.name, int(np.prod(shapes[t.name]))) + cost_model.NODE_COST

@@ -4,7 +4,6 @@ import hashlib
 import json
 import pathlib
 
-import gguf
 import pytest
 
 from river_gguf import Model, presets
@@ -12,6 +11,7 @@ from river_gguf.calibrate import cost_model
 from river_gguf.calibrate import tune as tune_mod
 from river_gguf.convert import build
 from river_gguf.testing import write_tiny_model
+from river_gguf.gguf.reader import GGUFReader
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def tuned_pair(tmp_path_factory):
 
 
 def _tensor_digest(path):
-    r = gguf.GGUFReader(path)
+    r = GGUFReader(path)
     h = hashlib.sha256()
     for t in r.tensors:
         h.update(t.name.encode())

@@ -27,7 +27,6 @@ import time
 
 import pytest
 
-import gguf
 
 import river_gguf
 from river_gguf import default_model
@@ -38,7 +37,9 @@ from river_gguf.convert.build import build_river_gguf
 from river_gguf.gguf.io import deferred_interrupts
 from river_gguf.testing import write_tiny_model
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from support import REPO
+from river_gguf.gguf.reader import GGUFReader
+
 TOOL = REPO / "tools" / "add_river_gguf.py"
 # The package under test (a checkout or an overlay may come before the installed one).
 PKG_PARENT = str(pathlib.Path(river_gguf.__file__).resolve().parent.parent)
@@ -505,6 +506,6 @@ def test_presets_measured_on_the_staged_file(tiny, tmp_path, monkeypatch):
     meta = _build_tiny(tiny, out, presets=True, finalize=lambda p: finals.append(p) or {"x": 1})
     assert len(seen) == 1 and finals == seen
     assert meta["river.default_preset"] == "balanced" and meta["x"] == 1
-    r = gguf.GGUFReader(out)
+    r = GGUFReader(out)
     assert r.fields["river.default_preset"].contents() == "balanced"
     assert _files(tmp_path) == {"out.gguf"}

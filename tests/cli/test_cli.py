@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from river_gguf.greedy import greedy
 
+from support import Oracle, THREADS
+
 # Small context and thread count keep every model load and run quick.
 FAST = ["-c", "256", "-t", "2"]
 
@@ -50,10 +52,9 @@ def _greedy(model_path, prompt, n):
     """llama.cpp's greedy reply (text, token count, finish reason) to a prompt, as the CLI's
     `generate` (greedy by default) must print it."""
     from river_gguf import Model
-    from river_gguf.testing import LlamaCppOracle
 
-    m = Model(model_path, n_ctx=256, n_threads=2)
-    oracle = LlamaCppOracle(model_path, n_ctx=256, stop_at_any_eog=True)  # ends at any EOG, as the engine
+    m = Model(model_path, n_ctx=256, n_threads=THREADS)
+    oracle = Oracle(model_path, n_ctx=256, stop_at_any_eog=True)  # ends at any EOG, as the engine
     try:
         toks = oracle.greedy(m.tokenize(prompt, add_special=True, parse_special=True), n)
     finally:
@@ -157,7 +158,7 @@ def test_subprocess_chat_two_lines_then_eof(model_path):
     from river_gguf import Model
     from river_gguf.chat import format_chat
 
-    m = Model(model_path, n_ctx=256, n_threads=2)
+    m = Model(model_path, n_ctx=256, n_threads=THREADS)
     history, want = [], ""
     for line in ("Hello", "What is 2+2?"):
         history.append({"role": "user", "content": line})

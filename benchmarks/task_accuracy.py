@@ -5,7 +5,7 @@ for the F16 backbone, llama.cpp's static quants and every preset of the model's 
         [--model qwen2.5-coder-0.5b] [--configs f16,q8_0,q4_0,preset:fast,...] [--limit N] [--out DIR]
 
 Every configuration runs on river_gguf's engine (a static file in backbone mode computes what
-llama.cpp computes, bit for bit: tests/test_engine_parity.py), greedy, batch 1. HumanEval: all 164
+llama.cpp computes, bit for bit: tests/native/test_engine_parity.py), greedy, batch 1. HumanEval: all 164
 problems, the prompt continued and cut at the usual stop sequences, checked in eval/tasks.py's
 sandbox (own process group, time and memory limits, no network). GSM8K: the 100 shipped items,
 4-shot from the calibration split (never an item's own text), the last number of the answer

@@ -151,7 +151,7 @@ def test_bad_template_syntax():
 
 def test_a_files_broken_template_is_a_file_error():
     # The formatter is built from a GGUF's tokenizer.chat_template when Llama loads: a template
-    # that does not compile is a defect of the file (a byte flip found by tests/test_fuzz.py),
+    # that does not compile is a defect of the file (a byte flip found by tests/native/test_fuzz.py),
     # raised as GGUFFormatError, which is still a ValueError.
     from river_gguf import GGUFFormatError
     from river_gguf.chat import LimitedChatFormatter

@@ -22,12 +22,10 @@ from river_gguf.greedy import greedy
 from river_gguf._loader import HAS_RPC, native
 from river_gguf.testing import write_tiny_model
 
-from support import PROSE
+from support import LOGIT_TOL, PROSE
 
 pytestmark = pytest.mark.skipif(
     not HAS_RPC, reason="ggml has no RPC backend: rebuild llama-cpp-python with CMAKE_ARGS=-DGGML_RPC=ON")
-
-LOGIT_TOL = 2e-3  # against llama.cpp, as tests/test_engine_parity.py
 
 
 def free_port() -> int:

@@ -1,7 +1,7 @@
 """Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, untied head, 896 wide): the engine against stock
 llama.cpp on the shipped Q4_K_M file and on its F16, and River early exit on it.
 
-Tolerance as in tests/test_engine_parity.py: both sides run the same ggml kernels on the same graph
+Tolerance as in tests/native/test_engine_parity.py: both sides run the same ggml kernels on the same graph
 (F16 KV cache, flash attention), so logits agree to the bit in practice; LOGIT_TOL only leaves room
 for reduction order, far below the logit gaps that decide tokens.
 
@@ -110,7 +110,7 @@ def test_river_generation_exits_early(river_model):
 
 
 def test_river_only_equals_q4_0_in_llama_cpp(qwen_f16, qwen_q4_0, oracle_factory):
-    # RIVER.md invariant 3, as tests/test_river.py checks it for SmolLM2: with the river head,
+    # RIVER.md invariant 3, as tests/native/test_river.py checks it for SmolLM2: with the river head,
     # river-only runs exactly the river file (embeddings, layers, head), which llama.cpp can load.
     m = Model(qwen_f16, river=qwen_q4_0, n_ctx=512, n_threads=2, threshold=0.97)
     oracle = oracle_factory(qwen_q4_0)

@@ -91,6 +91,7 @@ import warnings
 from collections import deque
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
+import llama_cpp
 import llama_cpp._logger as llama_logger
 import llama_cpp.llama_chat_format as llama_chat_format
 import numpy as np

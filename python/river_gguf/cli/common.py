@@ -14,6 +14,7 @@ from ..default_model import default_model_path, default_river_path
 from ..llama import Llama
 from ..model import Model
 from ..options import RiverOptions
+from ..results import json_safe
 
 PROG = "river-gguf"
 

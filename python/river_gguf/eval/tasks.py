@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..measure.data import gsm8k_items, is_calibration, package_file
 

@@ -23,7 +23,7 @@ against itself is exactly 0. A batched pass (``Model.logits``) is offered for st
 (backbone, or river-only with a tail), but it is not the same computation for quantized weights:
 ggml's batched and single-token kernels quantize activations differently, and on SmolLM2's Q4_0
 the two paths' logits differ by up to 1.3 (top token on 7 of 8 positions), in stock llama.cpp
-exactly as in river_gguf (tests/test_divergence.py). F16 weights agree to 0.04. So reports and
+exactly as in river_gguf (tests/measure/test_divergence.py). F16 weights agree to 0.04. So reports and
 presets score every row through decode; the batched pass is for quick looks at static files.
 """
 from __future__ import annotations

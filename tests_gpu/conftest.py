@@ -8,7 +8,10 @@ import sys
 
 import pytest
 
-os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "test"))
+# Where tests/ keeps the default model's derived files (tests/conftest.py: pytest's cache folder),
+# so that CI's GPU stage reuses what its CPU stage built.
+os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "d"
+                                              / "river_gguf" / "derived"))
 
 import llama_cpp  # noqa: E402,F401
 

@@ -486,16 +486,20 @@ def test_shorter_prompt_prefix_reuse_matches_fresh(llm):
     assert _first3(llm, tokens) == expected
 
 
-def test_eval_logits_all(q4_1_path, ref):
+def test_eval_logits_all(q4_1_path):
     m = Llama(q4_1_path, n_ctx=64, n_threads=1, logits_all=True, flash_attn=True, verbose=False)
+    # A reference of its own: llama_cpp.Llama.sample() reuses the sampler a generate() call left on
+    # the instance (the module's `ref`), whatever it is asked for.
+    ref = llama_cpp.Llama(q4_1_path, n_ctx=64, n_threads=1, n_threads_batch=1, logits_all=True, flash_attn=True,
+                          verbose=False)
     tokens = m.tokenize(COLORS.encode())
     m.eval(tokens)
-    ref.reset()
     ref.eval(tokens)
     assert np.abs(m._scores - ref._scores[: len(tokens)]).max() < 0.05
     assert m.sample(temp=0.0, idx=1) == ref.sample(temp=0.0, idx=1)
     assert len(m.eval_logits) == len(tokens) and list(m.eval_tokens) == tokens
     m.close()
+    ref.close()
 
 
 # ----- River -----------------------------------------------------------------------------------

@@ -356,7 +356,7 @@ decode_table() {  # shape: preset_speed.py over the shape's files
   # Forced exits after 2, 4 and 8 backbone layers (the paper's depth): the cost of an exit depth
   # does not depend on the weights.
   for k in 2 4 8; do
-    exits+=(--setting "exit after $k={\"mode\": \"fixed\", \"exit_layer\": $((k - 1)), \"tail\": 0, \"river_attention\": \"river\"}")
+    exits+=(--setting "exit after $k={\"mode\": \"river\", \"exit_layer\": $((k - 1)), \"tail\": 0, \"river_attention\": \"river\"}")
   done
   "$PY" benchmarks/preset_speed.py --ngl -1 --gpu-check --no-presets --static "" --threads "$JOBS" "${exits[@]}" \
     --river "$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['river'])" "$f")" \

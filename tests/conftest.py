@@ -27,21 +27,23 @@ from river_gguf.testing import oracles, write_tiny_model  # noqa: E402
 from support import THREADS, BuildCache, package_digest  # noqa: E402
 
 
+def _cache_root(config) -> pathlib.Path:
+    """Where the suite keeps what it builds between runs: pytest's cache folder (.cache/test
+    without the cache plugin)."""
+    cache = getattr(config, "cache", None)
+    return cache.mkdir("river_gguf") if cache else pathlib.Path(__file__).parent.parent / ".cache" / "test"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "alone: times or measures the process: run outside pytest-xdist's workers "
                                        "(scripts/test.sh runs these after the others, one at a time)")
-    # Files derived from the default model (its F16 and llama.cpp's quants of it) are slow to make:
-    # kept in pytest's cache folder (or .cache/test without the cache plugin) between runs.
-    cache = getattr(config, "cache", None)
-    default = cache.mkdir("river_gguf") / "derived" if cache else pathlib.Path(__file__).parent.parent / ".cache" / "test"
-    os.environ.setdefault("RIVER_GGUF_CACHE", str(default))
+    # Files derived from the default model (its F16 and llama.cpp's quants of it) are slow to make.
+    os.environ.setdefault("RIVER_GGUF_CACHE", str(_cache_root(config) / "derived"))
 
 
 @pytest.fixture(scope="session")
 def built(pytestconfig):
-    cache = getattr(pytestconfig, "cache", None)
-    root = cache.mkdir("river_gguf") / "built" if cache else pathlib.Path(os.environ["RIVER_GGUF_CACHE"]) / "built"
-    return BuildCache(root)
+    return BuildCache(_cache_root(pytestconfig) / "built")
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,7 @@ import sys
 
 import pytest
 
-# Where tests/ keeps the default model's derived files (tests/conftest.py: pytest's cache folder),
-# so that CI's GPU stage reuses what its CPU stage built.
-os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "d"
-                                              / "river_gguf" / "derived"))
+os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "test"))
 
 import llama_cpp  # noqa: E402,F401
 

@@ -93,16 +93,13 @@ def test_preset_choice_is_deterministic_for_a_fixed_grid():
     assert cost_model.choose([{"options": {}, "kld": 0.0, "relative_cost": 5.0}], BOUNDS)["fast"]["relative_cost"] == 5.0
 
 
-def test_anchor_bytes_match_llama_cpp_files(f16_path):
+def test_anchor_bytes_match_llama_cpp_files(f16_path, derived):
     """static_step_bytes applies llama.cpp's type choice: the bytes it predicts per decode step
     are those of the files llama.cpp's quantizer makes from the same F16 (SmolLM2, whose 576-wide
     rows send Q4_K/Q6_K to their Q5_0/Q8_0 fallbacks)."""
-
-    from river_gguf.default_model import derived_model
-
     shapes = {t.name: tuple(int(x) for x in t.shape) for t in GGUFReader(f16_path).tensors}
     for kind in ("q4_0", "q4_k_m", "q8_0"):
-        r = GGUFReader(derived_model(kind))
+        r = GGUFReader(derived(kind))
         sizes = {t.name: int(t.n_bytes) for t in r.tensors}
         head = "output.weight" if "output.weight" in sizes else "token_embd.weight"
         real = sum(n for name, n in sizes.items() if name.startswith("blk.") and name.endswith(".weight")
@@ -110,15 +107,12 @@ def test_anchor_bytes_match_llama_cpp_files(f16_path):
         assert cost_model.static_step_bytes(shapes, 30, kind) == pytest.approx(real, rel=1e-9), kind
 
 
-def test_anchor_costs_match_llama_cpp_files(f16_path):
+def test_anchor_costs_match_llama_cpp_files(f16_path, derived):
     """The cost measure of the anchors is that of the files llama.cpp makes: each weight's type
     cost and one mat-mul node per weight (llama.cpp joins nothing)."""
-
-    from river_gguf.default_model import derived_model
-
     shapes = {t.name: tuple(int(x) for x in t.shape) for t in GGUFReader(f16_path).tensors}
     for kind in ("q4_0", "q4_k_m", "q8_0"):
-        r = GGUFReader(derived_model(kind))
+        r = GGUFReader(derived(kind))
         names = {t.name for t in r.tensors}
         head = "output.weight" if "output.weight" in names else "token_embd.weight"
         real = sum(cost_model.type_cost(t.tensor_type.name, int(np.prod(shapes[t.name]))) + cost_model.NODE_COST

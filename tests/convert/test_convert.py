@@ -361,17 +361,15 @@ def test_river_head_type(tmp_path):
     assert not (tmp_path / "bad.gguf").exists()
 
 
-def test_q8_0_backbone_parity(tmp_path, f16_path, oracle_factory):
+def test_q8_0_backbone_parity(tmp_path, f16_path, derived, oracle_factory):
     # --backbone-type q8_0 stores llama.cpp's own Q8_0 of the input as the backbone: its
     # backbone mode equals stock llama.cpp on the plain Q8_0 file, and the river is still made
     # from the F16 (identical to a river built beside the F16 backbone).
-    from river_gguf.default_model import derived_model
-
     out = tmp_path / "q8.river.gguf"
     meta = build_river_gguf(f16_path, out, river_type="q4_0", threshold=0.97, progress=False, imatrix=None,
                             presets=False, backbone_type="q8_0")
     assert meta["river.backbone_type"] == "q8_0"
-    q8 = derived_model("q8_0")
+    q8 = derived("q8_0")
     got = {t.name: t for t in GGUFReader(out).tensors}
     for t in _reader(q8).tensors:
         assert got[t.name].tensor_type == t.tensor_type and np.array_equal(got[t.name].data, t.data), t.name

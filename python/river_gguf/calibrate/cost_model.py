@@ -33,8 +33,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .._loader import native
-from ..gguf.river_index import river_tensors
 from ..gguf.reader import GGUFReader
+from ..gguf.river_index import river_tensors
 
 # Each tier and the llama.cpp quant whose bytes per decode step bound it.
 TIERS = (("fast", "q4_0"), ("balanced", "q4_k_m"), ("quality", "q8_0"))

@@ -39,9 +39,9 @@ from tqdm import tqdm
 
 from .._loader import native
 from ..gguf.io import atomic_output, copy_metadata, deferred_interrupts, quantize_params, run_quantize
+from ..gguf.reader import GGUFReader
 from ..measure import data as eval_data
 from ..model import Model
-from ..gguf.reader import GGUFReader
 
 IMATRIX_TYPE = "imatrix"  # general.type of an imatrix GGUF
 KEY_DATASETS = "imatrix.datasets"

@@ -55,9 +55,9 @@ from ..calibrate.tau import DEFAULT_TAUS
 from ..convert.build import DEFAULT_RIVER_TYPE, build_river_gguf
 from ..convert.hybrid import write_hybrid_gguf
 from ..default_model import cache_dir
+from ..gguf.reader import GGUFReader
 from ..measure import data as eval_data
 from ..measure import divergence
-from ..gguf.reader import GGUFReader
 from ..measure.scoring import (GreedyRun, LlamaCppRunner, agreement, greedy_river, histogram, prepare, score_forced,
                                shuffle_exits)
 from ..model import Model

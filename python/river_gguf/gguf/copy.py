@@ -15,8 +15,8 @@ from tqdm import tqdm
 from .._loader import native
 from . import river_index
 from .io import copy_metadata, deferred_interrupts, temp_name
-from .river_index import RIVER_PREFIX, read_field, river_tensors
 from .reader import GGUFReader
+from .river_index import RIVER_PREFIX, read_field, river_tensors
 
 
 def check_loadable(path: str) -> dict:

@@ -1,13 +1,13 @@
-"""gguf-py's GGUFReader, parsed about 4x faster.
+"""gguf-py's GGUFReader, parsed about 20x faster.
 
 gguf-py takes every value of a metadata array as a view of its np.memmap: a 49k-token vocabulary
 and its merges are some 200k memmap views, and making a memmap view costs microseconds in
-numpy's memmap.__array_finalize__, so opening SmolLM2 costs 1.7 s and a 152k-token vocabulary
-several seconds, on every open. This reader takes the same views of a plain ndarray over the same
-mapping, and walks arrays of strings and of numbers without numpy's per-value bookkeeping. The
-fields, parts, data indices, types and tensors are gguf-py's, value for value; tensor data are
-ndarrays over the mapping (not np.memmap). Files of the other byte order are parsed as gguf-py
-parses them."""
+numpy's memmap.__array_finalize__, so opening SmolLM2 costs 1.7-2 s (this reader: 0.1 s) and a
+152k-token vocabulary several seconds, on every open. This reader takes the same views of a plain
+ndarray over the same mapping, and walks arrays of strings and of numbers without numpy's
+per-value bookkeeping. The fields, parts, data indices, types and tensors are gguf-py's, value for
+value; tensor data are ndarrays over the mapping (not np.memmap). Files of the other byte order
+are parsed as gguf-py parses them."""
 from __future__ import annotations
 
 import struct
@@ -60,8 +60,8 @@ class GGUFReader(gguf.GGUFReader):
                 parts.append(plain[offs + 8:end])
                 offs = end
             return offs - orig_offs, parts, list(range(3, 2 * n + 3, 2)), _types(itype, n)
-        nptype = self.gguf_scalar_to_np.get(GGUFValueType(itype)) if itype in GGUFValueType._value2member_map_ else None
-        if nptype is None:  # nested arrays and unknown types: gguf-py's own walk
+        nptype = self.gguf_scalar_to_np.get(itype)  # keyed by GGUFValueType, an IntEnum: an int finds it
+        if nptype is None:  # nested arrays and unknown types: gguf-py's own walk (and its errors)
             return super()._get_field_parts(orig_offs, raw_type)
         dt = np.dtype(nptype)
         values = plain[offs:offs + dt.itemsize * n].view(dt)

@@ -3,15 +3,15 @@
 same calibration text, in one run; and the peak memory of each.
 
     ./scripts/build_llama_tools.sh             # once: llama-imatrix and llama-quantize
-    .venv/bin/python benchmarks/convert_cost.py [--models smollm2,qwen2.5-coder-0.5b,llama-3.2-1b]
+    .venv/bin/python benchmarks/convert_cost.py [--models smollm2,qwen2.5-coder-0.5b,qwen2.5-1.5b,llama-3.1-8b]
         [--threads 2] [--json out.json]
 
 A model is a model_zoo name (its F16) or a testing.RANDOM_SHAPES name (a random-weight F16 of that
 shape, benchmarks/random_models.py: a conversion's cost does not depend on the weights). river_gguf
 runs `river-gguf convert F16 -o OUT` with its defaults as a process of its own; each stage's time
-is the time between the converter's step lines (read, the river's quantization to llama.cpp's
-types, the importance matrix, the river's requantization with it, the backbone's Q8_0, tau,
-writing, the presets). llama.cpp's side runs llama-imatrix on the converter's calibration texts
+is the time between the converter's step lines (read; the one pass over the F16: the importance
+matrix, the presets' reference rows, tau's profile; the river's quantization with the matrix; the
+backbone's Q8_0; the draft vocabulary; the presets; writing). llama.cpp's side runs llama-imatrix on the converter's calibration texts
 joined into one file (chunks of 512, the output head's statistics too) and llama-quantize. Every
 process runs under /usr/bin/time for its peak resident memory (RSS), which the conversion must
 keep at or under the F16's size plus 2 GiB. Run it alone on the machine.
@@ -38,7 +38,7 @@ from river_gguf.testing import RANDOM_SHAPES  # noqa: E402
 
 TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".cache", "llama-tools", "build", "bin")
 GIB = 1 << 30
-STAGES = ("read", "river types", "imatrix", "river imatrix", "backbone", "threshold", "write", "presets")
+STAGES = ("read", "imatrix", "reference", "threshold", "river", "backbone", "draft vocabulary", "presets", "write")
 
 
 def f16_of(name: str, threads: int) -> str:
@@ -77,8 +77,6 @@ def stage_of(line: str):
     if not m:
         return None
     word = m.group(1)
-    if word == "river":
-        return "river imatrix" if "importance matrix" in line else "river types"
     return {"wrote": "write", "read": "read"}.get(word, word)
 
 
@@ -115,7 +113,7 @@ def llama_side(f16: str, out_dir: str, threads: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="smollm2,qwen2.5-coder-0.5b,llama-3.2-1b,llama-3.2-3b")
+    ap.add_argument("--models", default="smollm2,qwen2.5-coder-0.5b,qwen2.5-1.5b,llama-3.1-8b")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--no-llama", action="store_true", help="leave out llama.cpp's tools")
     ap.add_argument("--json", default=None)

@@ -99,6 +99,24 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, bool all_logits, bool tra
     return py::make_tuple(logits, res.exit_layer, res.similarity);
 }
 
+// Per tail, its logits rows [n, n_vocab] (Engine::river_tails).
+py::list river_tails(Engine& e, std::vector<int32_t> tokens, std::vector<int> tails, bool backbone_attention,
+                     bool river_head, int first_row) {
+    std::vector<std::vector<float>> rows;
+    {
+        py::gil_scoped_release release;
+        rows = e.river_tails(tokens, tails, backbone_attention, river_head, first_row);
+    }
+    py::list out;
+    const py::ssize_t n = static_cast<py::ssize_t>(tokens.size()) - first_row, width = e.hparams().n_vocab;
+    for (const auto& r : rows) {
+        py::array_t<float> a({n, width});
+        std::memcpy(a.mutable_data(), r.data(), r.size() * sizeof(float));
+        out.append(a);
+    }
+    return out;
+}
+
 py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, bool with_probs, py::object pick,
                 const py::kwargs& setting) {
     EvalRequest how;
@@ -188,6 +206,8 @@ void bind_engine(py::module_& m) {
         .def("pin_draft_tokens", &Engine::pin_draft_tokens, py::arg("tokens"),
              "Keep these tokens draftable for good (the end-of-generation ones), in rows of their own.")
         .def("truncate", &Engine::truncate)
+        .def("river_tails", &river_tails, py::arg("tokens"), py::arg("tails"), py::arg("backbone_attention") = false,
+             py::arg("river_head") = true, py::arg("first_row") = 0)
         .def_property_readonly("n_past", &Engine::n_past)
         .def_property_readonly("draft_vocab", &Engine::draft_vocab,
                                "The tokens a draft may propose (empty: the whole vocabulary).")

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <utility>
 
 #include "engine_graph.h"
@@ -163,6 +165,7 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     exit_.threshold = req.threshold;
     exit_.record_first = exit_.may_exit ? req.min_exit_layer : 0;
     exit_.record_last = req.trace ? last : last - 1;
+    exit_.record_rows = req.trace;
     exit_.exit_first = req.min_exit_layer;
     exit_.exit_last = river_last - 1;  // the river needs at least one layer
     exit_.similarity = &out.similarity;
@@ -184,6 +187,75 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     rest.head = exit_head;
     run(rest, nullptr, &out);
     note_exit(k);
+}
+
+std::vector<std::vector<float>> Engine::river_tails(const std::vector<int32_t>& tokens, const std::vector<int>& tails,
+                                                   bool backbone_attention, bool river_head, int first_row) {
+    check_links();
+    const int n = static_cast<int>(tokens.size()), last = hp_.n_layer - 1;
+    if (n < 1 || n > n_batch_) {
+        throw std::invalid_argument("river_tails takes 1 to n_batch (" + std::to_string(n_batch_) + ") tokens, got " +
+                                    std::to_string(n));
+    }
+    if (first_row < 0 || first_row >= n) {
+        throw std::invalid_argument("first_row must be in [0, " + std::to_string(n - 1) + "]");
+    }
+    if (tails.empty()) throw std::invalid_argument("river_tails needs at least one tail");
+    EvalRequest req;  // the checks of the same request to eval
+    req.tokens = tokens;
+    req.mode = ExitMode::RiverOnly;
+    req.all_logits = true;
+    req.backbone_attention = backbone_attention;
+    req.river_head = river_head;
+    for (int t : tails) {
+        req.tail = t;
+        check_request(req);
+    }
+    note_draft_context(tokens.data(), n);
+    std::vector<int> order(tails.begin(), tails.end());
+    std::sort(order.begin(), order.end(), std::greater<int>());  // the earliest branch first
+    order.erase(std::unique(order.begin(), order.end()), order.end());
+    std::map<int, std::vector<float>> by_tail;
+    GraphSpec spec;
+    spec.n = n;
+    constexpr int kPaddedBatch = 32;  // as eval_chunk: the same attention kernels as eval
+    const int padded = std::min(cache_->n_ctx(), std::max(256, (n_past_ + n + 255) / 256 * 256));
+    spec.n_kv = n <= kPaddedBatch || !flash_attn_ ? padded : n_past_ + n;
+    spec.backbone_attention = backbone_attention;
+    spec.river_embd = river_->tok_embd && river_head;
+    spec.first_row = first_row;
+    const Head head = river_head ? Head::River : Head::Backbone;
+    int next = 0;  // the first river layer not yet run
+    try {
+        for (int t : order) {
+            const int branch = last - t;  // the river's last layer with this tail
+            EvalResult out;
+            GraphSpec trunk = spec, rest = spec;
+            trunk.spans = {{next, branch, true}};
+            trunk.head = t > 0 ? Head::None : head;
+            trunk.all_logits = t == 0;
+            trunk.from_tokens = next == 0;
+            run(trunk, tokens.data(), t > 0 ? nullptr : &out);
+            next = branch + 1;
+            if (t > 0) {
+                rest.from_tokens = false;
+                rest.spans = {{branch + 1, last, false}};
+                rest.head = head;
+                rest.all_logits = true;
+                run(rest, nullptr, &out);
+            }
+            by_tail[t] = std::move(out.logits);
+        }
+    } catch (const RpcError&) {
+        throw;
+    } catch (...) {
+        check_links();
+        throw;
+    }
+    check_links();
+    std::vector<std::vector<float>> result;
+    for (int t : tails) result.push_back(by_tail[t]);
+    return result;
 }
 
 bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) {
@@ -263,6 +335,13 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
     }
     if (status != GGML_STATUS_SUCCESS) throw std::runtime_error("ggml graph compute failed");
 
+    if (g.hidden) {
+        const size_t row = sizeof(float) * hp_.n_embd;
+        for (int i = 0; i < n; ++i) {
+            ggml_backend_tensor_get(g.hidden, static_cast<char*>(h_state_->data) + i * h_state_->nb[1],
+                                    i * g.hidden->nb[1], row);
+        }
+    }
     if (g.logits && out) {
         const int n_rows = static_cast<int>(g.logits->ne[1]);
         out->n_cols = static_cast<int>(g.logits->ne[0]);  // n_vocab, or n_embd for embeddings

@@ -52,7 +52,9 @@ struct EvalResult {
     int n_rows = 0;
     int n_cols = 0;
     int exit_layer = -1;            // last backbone layer run; n_layer-1 when no exit, -1 for river-only
-    std::vector<float> similarity;  // the exit rule's lowest score in the batch, per backbone layer tested
+    // Per backbone layer tested, the exit rule's lowest score in the batch; with trace, every
+    // token's score (layer by layer, n per layer; per chunk of n_batch tokens).
+    std::vector<float> similarity;
 };
 
 class Engine {
@@ -81,6 +83,16 @@ public:
     // Forget cache rows n.. (keeps a shared prefix for the next prompt).
     void truncate(int n);
     EvalResult eval(const EvalRequest& req);
+    // River-only with each of several backbone tails, from one pass of the river's shared layers
+    // (a calibration's static tails): `tokens` (at most n_batch, from n_past) run river layers
+    // 0..L-1-t for the largest tail t first, the hidden state is kept, and each tail then runs
+    // only its own layers: the backbone's L-t..L-1 and the head, while the river goes on from the
+    // kept state to the next branch. Per tail (in the order given), the logits of rows
+    // first_row.. [n - first_row, n_vocab] (the head runs those rows only), as eval(mode
+    // river-only, tail t, all_logits) computes them up to the batch's rounding. The cache rows
+    // written are left past n_past (truncate semantics): nothing continues from them.
+    std::vector<std::vector<float>> river_tails(const std::vector<int32_t>& tokens, const std::vector<int>& tails,
+                                                bool backbone_attention, bool river_head, int first_row = 0);
     // The draft of lossless decoding: from `token` at position n_past, up to n_max greedy tokens
     // under the exit setting `how` (river-only, or River's exit), each kept only while its
     // probability under the draft is at least p_min (with a draft vocabulary: the greedy token of
@@ -144,10 +156,11 @@ private:
         int rule = 0;                // their exit rule (exit_rule.h), when exits
         Head head = Head::Backbone;
         bool all_logits = false;
+        int first_row = 0;           // with all_logits: the head runs rows first_row.. only
         bool backbone_attention = false;  // river spans use river_mixed_
         bool draft_vocab = false;    // the head's draft-vocabulary rows alone
         auto key() const {
-            return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, rule, head, all_logits,
+            return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, rule, head, all_logits, first_row,
                             backbone_attention, draft_vocab);
         }
         bool operator==(const GraphSpec& o) const;
@@ -161,6 +174,7 @@ private:
         const ExitRule* rule = nullptr;
         float threshold = 2.0f;
         int record_first = 0, record_last = -1;  // scores recorded for these layers
+        bool record_rows = false;                // every token's score, not the batch's lowest (a trace)
         int exit_first = 0, exit_last = -1;      // layers a token may leave after
         int exit_layer = -1;                     // set when the backbone graph stopped for an exit
         std::vector<float>* similarity = nullptr;

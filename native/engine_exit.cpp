@@ -26,7 +26,11 @@ bool Engine::decide_exit(int layer, const float* s, int64_t n, ggml_tensor* h_ou
     ExitState& st = exit_;
     float lowest;
     const bool leaves = batch_leaves(s, n, st.threshold, &lowest);
-    if (st.records(layer)) st.similarity->push_back(lowest);
+    if (st.records(layer)) {
+        // A trace keeps every token's score (one per layer in decode); an exit test the lowest.
+        if (st.record_rows) st.similarity->insert(st.similarity->end(), s, s + n);
+        else st.similarity->push_back(lowest);
+    }
     if (!(st.exit_allowed(layer) && leaves)) return false;
     // The river graph starts from this layer's output, read from whichever device holds it into
     // h_state_ (host memory).

@@ -136,9 +136,19 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
         }
     }
 
+    if (spec.head == Head::None && !spec.exits) {
+        // A trunk shared by several continuations (Engine::river_tails): its output goes to
+        // h_state_, where the next graph starts.
+        g->hidden = h;
+        ggml_set_output(h);
+        ggml_build_forward_expand(gf, h);
+    }
     if (spec.head != Head::None) {
         // The last layer kept its last row alone (last_row_only); a graph without it keeps every row.
         if (!spec.all_logits && h->ne[1] > 1) h = ggml_view_2d(ctx, h, hp_.n_embd, 1, h->nb[1], h->nb[1] * (h->ne[1] - 1));
+        if (spec.all_logits && spec.first_row > 0) {
+            h = ggml_view_2d(ctx, h, hp_.n_embd, h->ne[1] - spec.first_row, h->nb[1], h->nb[1] * spec.first_row);
+        }
         // A draft's head runs the draft vocabulary's rows where that head has them.
         ggml_tensor* w = spec.head == Head::River ? river_->head : backbone_.output;
         ggml_tensor* rows = spec.head == Head::River ? river_->draft_head : backbone_.draft_output;

@@ -26,6 +26,7 @@ struct Engine::Graph {
     BatchInputs in;
     ggml_tensor* tok_in = nullptr;
     ggml_tensor* logits = nullptr;
+    ggml_tensor* hidden = nullptr;     // a graph without a head: its last hidden state, kept in h_state_
     std::vector<ExitNode> exit_nodes;  // user data of the exit nodes; reserved, never moved
 
     Graph() = default;

@@ -112,6 +112,10 @@ class Model:
     memory (`placement` says what went where). A plain model, or a layer count asked for, takes
     the last layers that fit, as llama.cpp does. use_mmap: map the
     file (default) or read it into memory (also RIVER_GGUF_NO_MMAP=1), as llama.cpp's use_mmap.
+    repack: give the CPU's mat-muls their own copies of the weights, in ggml's repacked layouts with
+    Q/K/V and gate/up joined (default, what decode is fastest with); False reads every weight from
+    the file's mapping as it is, with no copy, as llama.cpp's --no-repack (a conversion's batched
+    passes over an F16 lose little by it and hold no second copy of the model).
     flash_attn: a bool; attention as llama.cpp computes it with flash attention on (True, the
     default: faster) or off (False: llama.cpp's KQ/softmax/KQV path over a transposed V cache).
     Each gives llama.cpp's logits with the same setting.
@@ -171,6 +175,7 @@ class Model:
         main_gpu: int = 0,
         use_mmap: bool = True,
         flash_attn: bool = True,
+        repack: bool = True,
         verbose: bool = False,
         river_options: Optional[RiverOptions] = None,
         **river_kw,
@@ -197,6 +202,7 @@ class Model:
         verbose = _bool_arg("verbose", verbose)
         rpc_kw = rpc.engine_kwargs(ro.rpc_servers, ro.rpc_layers, ro.rpc_split, ro.rpc_weights, ro.rpc_timeout)
         self._use_mmap = _bool_arg("use_mmap", use_mmap)
+        repack = _bool_arg("repack", repack)
         self.flash_attn = _bool_arg("flash_attn", flash_attn)
         if ro.exit_decision not in EXIT_DECISIONS:
             raise ValueError(f"exit_decision must be one of {', '.join(EXIT_DECISIONS)}, got {ro.exit_decision!r}")
@@ -221,7 +227,8 @@ class Model:
             self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
                                          main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
                                          use_mmap=self._use_mmap, flash_attn=self.flash_attn,
-                                         exit_decision=ro.exit_decision, draft_vocab=draft_vocab, **rpc_kw)
+                                         repack=repack, fuse=repack, exit_decision=ro.exit_decision,
+                                         draft_vocab=draft_vocab, **rpc_kw)
             # libllama's vocabulary loader warns on stderr whatever llama_cpp's log level (Qwen:
             # "control-looking token"); llama_cpp.Llama(verbose=False) silences its load the same way.
             with suppress_stdout_stderr(disable=verbose):
@@ -661,6 +668,53 @@ class Model:
             _, _, sims = self._eval_on(engine, [t], opts, prompt=False, trace=True)
             traces.append(list(sims))
         return traces
+
+    @_locked
+    def similarity_rows(self, tokens: Sequence[int]) -> np.ndarray:
+        """The exit rule's score of every backbone layer for every token, from one batched
+        backbone pass over `tokens` (from an empty cache): float32 [len(tokens), n_layer]. Row i
+        is what similarity_trace reports for the decode step of tokens[i], up to the batched
+        kernels' rounding (the first token has no decode step there)."""
+        toks = self._check_tokens(tokens)
+        if not toks:
+            raise ValueError("no tokens")
+        if len(toks) > self._n_batch:
+            raise ValueError(f"{len(toks)} tokens do not fit in one batch (n_batch={self._n_batch})")
+        self._clear()
+        try:
+            _, _, sims = self._eval(toks, self.options(mode="backbone"), prompt=True, all_logits=True, trace=True)
+        finally:
+            self._clear()  # the cache holds the text's rows; nothing may continue from them
+        return np.asarray(sims, dtype=np.float32).reshape(self.n_layer, len(toks)).T
+
+    @_locked
+    def river_tails(self, tokens: Sequence[int], tails: Sequence[int], river_attention: str = "river",
+                    river_head: bool = True, first_row: int = 0) -> List[np.ndarray]:
+        """logits(tokens, mode="river-only", tail=t, ...)[first_row:] for each tail t, from one
+        batched pass (from an empty cache) of the river layers the tails share: each tail runs
+        only its own backbone layers and the head, on rows first_row.. (native
+        Engine.river_tails). float32 [len(tokens) - first_row, n_vocab] per tail, in the order
+        given."""
+        toks = self._check_tokens(tokens)
+        if not toks:
+            raise ValueError("no tokens")
+        if len(toks) > self._n_batch:
+            raise ValueError(f"{len(toks)} tokens do not fit in one batch (n_batch={self._n_batch})")
+        if river_attention not in ("river", "backbone"):
+            raise ValueError(f"river_attention must be 'river' or 'backbone', got {river_attention!r}")
+        tails = [_int_arg("tail", t, 0, self.n_layer - 1) for t in tails]
+        first_row = _int_arg("first_row", first_row, 0, len(toks) - 1)
+        self._clear()
+        try:
+            rows = self._engine.river_tails(toks, tails, backbone_attention=river_attention == "backbone",
+                                            river_head=_bool_arg("river_head", river_head), first_row=first_row)
+        finally:
+            self._clear()
+        for r in rows:
+            if not np.isfinite(r).all():
+                raise NumericalError("the model produced NaN or infinite logits (mode='river-only'); its weights or "
+                                     "hyperparameters are broken, so no score is returned")
+        return rows
 
     def backbone_trace(self, tokens: Sequence[int]) -> List[List[float]]:
         """similarity_trace of backbone decode in a short-lived engine of its own: the profile's

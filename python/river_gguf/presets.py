@@ -81,7 +81,7 @@ def describe(presets: Dict[str, dict], default: Optional[str] = None) -> List[st
             + (f" [{p['kld_ci'][0]:.4f}, {p['kld_ci'][1]:.4f}]" if p.get("kld_ci") else "")
             + (f" ({p['n_tokens']} tokens, {p['scored']})" if p.get("n_tokens") else "") + ", ppl "
             f"{p.get('ppl', float('nan')):.4f}"
-            + (f" (backbone {p['backbone_ppl']:.4f})" if "backbone_ppl" in p else "") + ", "
+            + (f" ({p.get('reference', 'backbone')} {p['reference_ppl']:.4f})" if "reference_ppl" in p else "") + ", "
             f"{p.get('relative_cost', float('nan')):.2f}x river-only's cost per step (tier "
             f"{p.get('tier', float('nan')):.2f}x), mean exit {p.get('mean_exit_layer', float('nan')):.1f}"
             + (f" [= {p['same_as']}: {p['why']}]" if p.get("same_as") else f" [{p['why']}]" if p.get("why") else ""))

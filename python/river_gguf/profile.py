@@ -17,27 +17,45 @@ def profile_text() -> str:
     return resources.files("river_gguf").joinpath("data/profile.txt").read_text(encoding="utf-8")
 
 
-def similarity_profile(model, text: Optional[str] = None, max_tokens: int = 256) -> np.ndarray:
+def similarity_profile(model, text: Optional[str] = None, max_tokens: int = 256, own_engine: bool = True) -> np.ndarray:
     """[steps, n_layer] similarities of backbone-only decode over `text`.
 
     It runs in a short-lived engine of its own (Model.backbone_trace), sized to the profile: a
-    Model with a small n_ctx can still be profiled, and the Model's own KV cache is untouched."""
+    Model with a small n_ctx can still be profiled, and the Model's own KV cache is untouched.
+    own_engine=False runs it in the Model's engine instead (its cache is cleared; it must hold
+    max_tokens), in one batched pass (Model.similarity_rows): a caller that owns the Model saves a
+    second load of the weights and the decode steps."""
     toks = model.tokenize(text or profile_text())[:max_tokens]
+    if not own_engine:
+        return model.similarity_rows(toks)[1:]  # decode's trace has no step for the first token
     return np.array(model.backbone_trace(toks))
 
 
-def default_threshold(model, quantile: float = DEFAULT_QUANTILE) -> dict:
-    """tau from the profile, with the numbers behind it (written into River GGUF metadata)."""
-    sims = similarity_profile(model)
+def default_threshold(model, quantile: float = DEFAULT_QUANTILE, own_engine: bool = True, sims=None) -> dict:
+    """tau from the profile, with the numbers behind it (written into River GGUF metadata).
+    sims: a profile already taken (similarity_profile), instead of taking one."""
+    sims = similarity_profile(model, own_engine=own_engine) if sims is None else np.asarray(sims)
     mid = sims[:, 1:-1] if sims.shape[1] > 3 else sims
     tau = float(np.quantile(mid, quantile))
-    # Where tokens would leave with this tau (first layer whose similarity passes).
-    passed = sims[:, :-1] > tau
-    exits = np.where(passed.any(1), passed.argmax(1), sims.shape[1] - 1)
     return {
         "threshold": round(tau, 4),
         "quantile": quantile,
         "profile_tokens": int(sims.shape[0]),
-        "predicted_mean_exit_layer": float(exits.mean()),
+        "predicted_mean_exit_layer": predicted_mean_exit(sims, tau),
         "median_similarity_per_layer": [float(x) for x in np.median(sims, 0)],
     }
+
+
+def predicted_mean_exit(sims: np.ndarray, threshold: float, min_exit_layer: int = 0, tail: int = 0) -> float:
+    """Where tokens of the profile would leave with this setting, on average: the first layer at
+    or after min_exit_layer whose similarity passes the threshold, before the river's last layer
+    (n_layer - 1 - tail); the last layer for a token that never passes. A prediction from
+    backbone decode: once tokens exit, later tokens read the river's KV, so a run differs."""
+    sims = np.asarray(sims)
+    n_layer = sims.shape[1]
+    last = n_layer - 1 - tail  # the river needs at least one layer: exits up to last - 1
+    passed = sims[:, :-1] > threshold
+    passed[:, :min(min_exit_layer, n_layer - 1)] = False
+    passed[:, max(last, 0):] = False
+    exits = np.where(passed.any(1), passed.argmax(1), n_layer - 1)
+    return float(exits.mean())

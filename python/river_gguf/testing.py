@@ -322,14 +322,18 @@ RANDOM_SHAPES = {
     "llama-3.2-1b": dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, tied=True, n_vocab=128256),
     "llama-3.2-3b": dict(n_layer=28, n_embd=3072, n_head=24, n_head_kv=8, n_ff=8192, tied=True, n_vocab=128256),
     "llama-3.1-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, tied=False, n_vocab=128256),
+    # Qwen2.5(-Coder)-1.5B, untied as the project's dequantized F16 of it is (3.3 GiB)
+    "qwen2.5-1.5b": dict(arch="qwen2", n_layer=28, n_embd=1536, n_head=12, n_head_kv=2, n_ff=8960, tied=False,
+                         n_vocab=151936),
 }
 
 
 def write_random_shape(path: str | os.PathLike, shape: str, seed: int = 0) -> str:
-    """An F16 llama model with random weights in one of RANDOM_SHAPES."""
+    """An F16 model with random weights in one of RANDOM_SHAPES (llama unless the shape names its arch)."""
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
-    return write_tiny_model(path, "llama", dtype="f16", seed=seed, **RANDOM_SHAPES[shape])
+    kw = dict(RANDOM_SHAPES[shape])
+    return write_tiny_model(path, kw.pop("arch", "llama"), dtype="f16", seed=seed, **kw)
 
 
 def write_unsupported_arch(path: str | os.PathLike, arch: str = "mamba") -> str:

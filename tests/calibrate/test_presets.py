@@ -172,6 +172,20 @@ def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
     grid = json.loads(m.metadata[presets.GRID_KEY])  # every measured setting, for re-choosing tiers
     anchors = json.loads(m.metadata[presets.ANCHORS_KEY])
     assert len(grid) == len(cost_model.grid(m.n_layer))
+    # Each row is measured against the F16 input, as it runs in use, or says why the cost model
+    # left it out; only measured rows are chosen.
+    assert m.metadata["river.presets_reference"] == "F16"
+    for r in grid:
+        if r["scored"] == "not measured":
+            assert "kld" not in r and r["why"], r
+        else:
+            assert r["reference"] == "F16" and r["scored"] in ("batched, own prefill", "decode"), r
+            assert (r["kld_ci"] is None) == r["interval"].startswith("none"), r
+    measured = [r for r in grid if "kld" in r]
+    assert {json.dumps(p["options"], sort_keys=True) for p in m.presets.values()} <= {
+        json.dumps(r["options"], sort_keys=True) for r in measured}
+    cheapest = min(grid, key=lambda r: r["relative_cost"])
+    assert "kld" in cheapest  # what a tier no setting fits takes, and lossless mode's acceptance
     again = cost_model.choose(grid, anchors["bounds"])
     assert {n: p["options"] for n, p in again.items()} == {n: p["options"] for n, p in m.presets.items()}
     # Tiers rise with the anchors' bytes: Q4_0 < Q4_K_M < Q8_0.
@@ -183,6 +197,41 @@ def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
     m2 = Model(str(out2), n_ctx=128, n_threads=1)
     for key in (presets.PRESET_KEY, presets.GRID_KEY, presets.ANCHORS_KEY):
         assert m2.metadata[key] == m.metadata[key], key
+
+
+def _costs(n_layer, backbone=10.0, river=6.0, head=40.0):
+    """Per-layer and head costs in millions of Q8_0 elements (the exit test's cost is 0.85)."""
+    layers = [dict(backbone=backbone * 1e6, river=river * 1e6, backbone_attention=4e6, river_attention=2e6)
+              for _ in range(n_layer)]
+    return layers, {"backbone": head * 1e6, "river": head * 1e6}
+
+
+def test_plan_measures_only_what_can_win_a_tier():
+    L = 8
+    layers, head = _costs(L)
+    settings = cost_model.grid(L)
+    ro = cost_model.step_bytes(layers, head, L, -1, 0, True)
+    bb = cost_model.setting_cost(settings[0], layers, head, L) / ro
+    tails = {o["tail"]: cost_model.setting_cost(o, layers, head, L) / ro for o in settings
+             if o["mode"] == "river-only" and "river_attention" not in o}
+    bounds = {"fast": 0.9, "balanced": (tails[1] + tails[2]) / 2, "quality": bb + 0.01}
+    why = cost_model.plan(settings, layers, head, L, bounds)
+    measured = [o for o, w in zip(settings, why) if not w]
+    # quality admits the backbone, whose layers are all costlier than the river's: it takes it.
+    # balanced's candidates are river-only tails 0 and 1; fast fits nothing: the cheapest.
+    assert measured == [settings[0], {"mode": "river-only", "tail": 0, "river_head": True},
+                        {"mode": "river-only", "tail": 1, "river_head": True}]
+    assert all(w for o, w in zip(settings, why) if o not in measured)
+    # A dynamic setting whose least possible cost fits is measured, unless a prediction of its
+    # exits (with the margin) puts it out.
+    wide = dict(bounds, balanced=1.3)  # below the backbone (1.36x), above every dynamic least cost
+    dyn = [i for i, o in enumerate(settings) if o["mode"] == "river"]
+    assert all(not cost_model.plan(settings, layers, head, L, wide)[i] for i in dyn)
+    late = cost_model.plan(settings, layers, head, L, dict(bounds, balanced=tails[2]), lambda o: L - 2.0)
+    assert all(late[i] for i in dyn) and any("predicted" in late[i] for i in dyn)
+    # With a river as costly as the backbone nothing is decided by structure: every tier is open.
+    same = _costs(L, river=10.0)
+    assert not any(cost_model.plan(settings, *same, L, {"fast": 0.5, "balanced": 0.6, "quality": 5.0}))
 
 
 def test_static_settings_scored_in_one_pass_match_decode(tiny_river):

@@ -258,11 +258,28 @@ def test_signal_during_quantization_stops_and_leaves_nothing(slow_tiny, tmp_path
     assert _files(tmp_path) == before  # no output, no temp files
 
 
+def _holds_reference_rows(pid: int) -> bool:
+    """The calibration pass has begun: the process holds the presets' reference rows, an unlinked
+    temp file (it leaves nothing behind however the process ends)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if ".river-reference-" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                return True
+        except OSError:
+            pass
+    return False
+
+
 _PHASES = {
-    # the plain river is quantized (its temp file got its name): the imatrix is being collected
-    "imatrix": re.compile(r"\.out\.gguf\.\d+\.[0-9a-f]{8}\.river\.tmp"),
-    # the staged output is written: the presets are being measured on it
-    "presets": re.compile(r"\.out\.gguf\.\d+\.[0-9a-f]{8}\.tmp"),
+    # the calibration pass (the importance matrix, the reference rows) is running
+    "imatrix": lambda proc, folder: _holds_reference_rows(proc.pid),
+    # the stored backbone is quantized (its temp file got its name): the presets are being measured
+    "presets": lambda proc, folder: any(re.fullmatch(r"\.out\.gguf\.\d+\.[0-9a-f]{8}\.backbone-q\.tmp", p.name)
+                                        for p in _temps(folder)),
 }
 
 
@@ -272,8 +289,7 @@ def test_sigint_during_imatrix_or_presets_leaves_nothing(tiny, tmp_path, phase):
     before = _files(tmp_path)
     proc = _start(_convert_cmd(False, tiny, out, "--river-type", "q4_0"), tmp_path)  # imatrix and presets on
     try:
-        assert _wait_for(proc, lambda: any(_PHASES[phase].fullmatch(p.name) for p in _temps(tmp_path))), \
-            proc.communicate()
+        assert _wait_for(proc, lambda: _PHASES[phase](proc, tmp_path)), proc.communicate()
         time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
@@ -304,10 +320,10 @@ def test_sigkill_leftovers_are_harmless_and_removed_by_the_next_conversion(slow_
 # ----- temp files: every exit path, and stale ones --------------------------------------------------
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
 def test_temp_files_removed_on_every_exit(tiny, tmp_path, monkeypatch, exc):
-    def boom(*a, **k):  # after the river is quantized and the staged output written
+    def boom(*a, **k):  # after the river and the backbone are quantized
         raise exc("stop")
 
-    monkeypatch.setattr(preset_grid, "calibrate_presets_file", boom)
+    monkeypatch.setattr(preset_grid, "calibrate_presets", boom)
     with pytest.raises(exc):
         _build_tiny(tiny, tmp_path / "out.gguf", presets=True)
     assert _files(tmp_path) == set()
@@ -488,24 +504,26 @@ def test_check_output_path_leaves_no_probe(tmp_path):
 
 
 # ----- presets (and --calibrate) are measured before the output gets its name ---------------------
-def test_presets_measured_on_the_staged_file(tiny, tmp_path, monkeypatch):
+def test_presets_measured_on_the_parts_before_the_output_is_written(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out.gguf"
     seen = []
 
-    def fake_presets(path, **kw):
-        from river_gguf.gguf.meta import set_river_metadata
-
-        seen.append(path)
+    def fake_presets(model, **kw):
+        seen.append((model.model_path, model.river_path))
         assert not out.exists()  # the output's name holds nothing until the file is complete
-        name = os.path.basename(path)
-        assert os.path.dirname(path) == str(tmp_path) and name.startswith(".out.gguf.") and name.endswith(".tmp")
-        return set_river_metadata(path, {"river.presets": "{}", "river.default_preset": "balanced"})
+        assert not any(p.name.endswith(".tmp") and ".backbone-q." not in p.name and ".river." not in p.name
+                       for p in _temps(tmp_path))  # nor is it staged: it is written once, presets included
+        return {"presets": {}, "rows": [], "anchors": {}, "n_tokens": 0, "reference": "F16"}
 
-    monkeypatch.setattr(preset_grid, "calibrate_presets_file", fake_presets)
+    monkeypatch.setattr(preset_grid, "calibrate_presets", fake_presets)
     finals = []
     meta = _build_tiny(tiny, out, presets=True, finalize=lambda p: finals.append(p) or {"x": 1})
-    assert len(seen) == 1 and finals == seen
-    assert meta["river.default_preset"] == "balanced" and meta["x"] == 1
+    assert len(seen) == 1 and len(finals) == 1
+    backbone, river = seen[0]
+    assert backbone == str(tiny)  # stored as given (a quantized backbone would be a temp file like the river's)
+    name = os.path.basename(river)  # the river's temp file, next to the output
+    assert os.path.dirname(river) == str(tmp_path) and name.startswith(".out.gguf.") and name.endswith(".tmp")
+    assert meta["river.presets"] == "{}" and meta["x"] == 1
     r = GGUFReader(out)
-    assert r.fields["river.default_preset"].contents() == "balanced"
+    assert r.fields["river.presets"].contents() == "{}"
     assert _files(tmp_path) == {"out.gguf"}

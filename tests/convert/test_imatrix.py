@@ -298,3 +298,27 @@ def test_read_imatrix_gguf_errors(tiny, tmp_path):
         write_imatrix_gguf(Imatrix(), tmp_path / "empty.gguf")
     with pytest.raises(ValueError):
         Imatrix(sums={"a.weight": np.ones(4)}, counts={})
+
+
+def test_converted_river_is_llama_quantize_with_the_imatrix(tmp_path):
+    """The river a conversion stores is llama.cpp's quantizer of the input with the importance
+    matrix (what llama-quantize --imatrix FILE writes, run in process): the same types and bytes."""
+    from river_gguf.convert.build import build_river_gguf
+    from river_gguf.gguf.river_index import river_tensors
+
+    src = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=4, dtype="f16", seed=21)
+    imx = collect_imatrix(src, TEXTS, n_threads=THREADS, progress=False)
+    path = write_imatrix_gguf(imx, tmp_path / "imx.gguf")
+    out = tmp_path / "out.gguf"
+    build_river_gguf(src, out, river_type="q4_k_m", imatrix=path, backbone_type=None, presets=False, threshold=0.9,
+                     progress=False, n_threads=THREADS)
+    ref = _tensors(llama_quantize(src, tmp_path / "ref.gguf", "q4_k_m", read_imatrix_gguf(path), n_threads=THREADS))
+    river = {t.name[len("river."):]: t for t in river_tensors(GGUFReader(out))}
+    assert river and set(river) <= set(ref)
+    for name, t in river.items():
+        assert t.tensor_type == ref[name].tensor_type, name
+        assert np.array_equal(np.asarray(t.data).view(np.uint8), np.asarray(ref[name].data).view(np.uint8)), name
+    # and the importance changed the rounding: a plain quantization differs
+    plain = _tensors(llama_quantize(src, tmp_path / "plain.gguf", "q4_k_m", None, n_threads=THREADS))
+    assert any(not np.array_equal(np.asarray(river[n].data), np.asarray(plain[n].data)) for n in river
+               if river[n].tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16))

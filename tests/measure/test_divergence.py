@@ -1,5 +1,7 @@
 """KL divergence from the F16 backbone (measure/divergence.py): the measure the Pareto report and
 `river-gguf eval` judge every configuration by."""
+import os
+
 import numpy as np
 import pytest
 
@@ -132,3 +134,17 @@ def test_bootstrap_interval_is_deterministic_and_covers_the_mean(ref, river, pre
     assert d["kld"] == pytest.approx(a["kld"]) and d["kld_ci"][0] > 0  # the river is further from F16
     with pytest.raises(ValueError):
         divergence.paired_delta(runs["rq"], divergence.merge([runs["bb"], runs["bb"]]))
+
+
+def test_reference_rows_read_back_what_was_added(tmp_path):
+    rng = np.random.default_rng(0)
+    blocks = [rng.standard_normal((n, 7)).astype(np.float32) for n in (3, 1, 5)]
+    with divergence.ReferenceRows("F16", str(tmp_path)) as ref:
+        for b in blocks:
+            ref.add(b)
+        assert ref.label == "F16" and len(ref) == 3
+        assert os.listdir(tmp_path) == []  # unlinked at once: nothing to leave behind
+        for i in (2, 0, 1, 2):
+            np.testing.assert_array_equal(ref[i], blocks[i])
+        with pytest.raises(ValueError):
+            ref.add(np.zeros(3, np.float32))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Dict, List
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -96,12 +96,14 @@ def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, dict]:
     """Pick the presets from measured rows ({"options", "kld", "relative_cost", ...}): per tier,
     the lowest KLD among rows whose relative cost is within bounds[tier] (ties: the cheaper, then
     the row listed first); a tier no row fits gets the cheapest row. A pure function of its
-    inputs: the same rows and bounds give the same presets. A tier whose pick equals a lower
+    inputs: the same rows and bounds give the same presets. Rows without a KLD (settings plan
+    left unmeasured) are never chosen. A tier whose pick equals a lower
     tier's is marked same_as, with the reason.
 
     A setting is closer than another only where the difference separates from 0: among the rows
     not separated from the closest one (not_closer), the tier takes the cheapest."""
     out: Dict[str, dict] = {}
+    rows = [r for r in rows if r.get("kld") is not None]  # rows the cost model left unmeasured cannot win
     order = {id(r): i for i, r in enumerate(rows)}
     for name, _ in TIERS:
         tier = float(bounds[name])
@@ -124,6 +126,75 @@ def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, dict]:
             entry["why"] = f"no measured setting fits {tier:.2f}x river-only's cost: the cheapest is {pick['relative_cost']:.2f}x"
         out[name] = entry
     return out
+
+
+def setting_cost(options: dict, layers: List[dict], head: dict, n_layer: int,
+                 mean_exit_layer: float = float("nan")) -> float:
+    """A setting's decode cost per step (step_bytes with measure="cost" layers and head). A
+    dynamic setting's depends on its mean exit layer; without one (NaN), its least possible cost:
+    every token leaving at its min_exit_layer, after one exit test."""
+    dynamic = options.get("mode") == "river"
+    if dynamic and not np.isfinite(mean_exit_layer):
+        mean_exit_layer = float(options.get("min_exit_layer", 0))
+    step = setting_step(options, n_layer, mean_exit_layer)
+    cost = step_bytes(layers, head, n_layer, *step)
+    if dynamic:  # the layers the exit tests
+        cost += EXIT_TEST_COST * (min(float(step[0]), n_layer - 1 - options.get("tail", 0)) + 1)
+    return cost
+
+
+#: How far above a tier's bound a dynamic setting's predicted cost may be and still be measured: its
+#: mean exit layer is predicted from backbone decode (profile.predicted_mean_exit), not measured.
+PREDICTION_MARGIN = 1.03
+
+
+def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bounds: Dict[str, float],
+         mean_exit: Optional[Callable[[dict], float]] = None) -> List[str]:
+    """Which settings a calibration has to measure for choose to pick the tiers, from costs alone
+    (known from types and shapes before anything runs). Per setting, "" (measure it) or why not.
+
+    - A tier whose bound admits the backbone takes the backbone, without a measurement to decide
+      it, when every river layer costs less than the backbone's and the river head no more (the
+      river is the lower-precision copy): every other setting replaces backbone layers by river layers, so
+      it is further from the backbone's precision. The backbone is still measured (for its KLD).
+    - Any other tier's candidates are the settings whose cost is within its bound; all are
+      measured. A dynamic setting's cost is predicted from mean_exit(options) (its mean exit
+      layer, e.g. from the backbone's similarity profile), with PREDICTION_MARGIN to spare; without
+      a prediction, its least possible cost is used.
+    - The cheapest setting is always measured: it is what a tier no setting fits takes.
+    Everything else fits no tier it could win and is left out."""
+    river_only = step_bytes(layers, head, n_layer, -1, 0, True)
+    def predicted(o: dict) -> float:
+        if o.get("mode") != "river" or mean_exit is None:
+            return setting_cost(o, layers, head, n_layer) / river_only
+        return setting_cost(o, layers, head, n_layer, mean_exit(o)) / river_only / PREDICTION_MARGIN
+
+    costs = [predicted(o) for o in settings]
+    backbone = next((i for i, o in enumerate(settings) if o.get("mode") == "backbone"), None)
+    lower = all(lb["river"] < lb["backbone"] for lb in layers) and head["river"] <= head["backbone"]
+    open_bounds, decided = [], []
+    for name, _ in TIERS:
+        bound = float(bounds[name])
+        if backbone is not None and lower and costs[backbone] <= bound + 1e-12:
+            decided.append(name)
+        else:
+            open_bounds.append(bound)
+    cheapest = min(range(len(settings)), key=lambda i: costs[i]) if settings else None
+    top = max(open_bounds, default=float("-inf"))
+    why = []
+    for i, c in enumerate(costs):
+        if i == cheapest or i == backbone or c <= top + 1e-12:
+            why.append("")
+        elif decided and c <= max(float(bounds[n]) for n in decided) + 1e-12:
+            why.append(f"within {'/'.join(decided)}'s cost, which the backbone takes: every other setting runs layers "
+                       "in the lower-precision river")
+        else:
+            dynamic = settings[i].get("mode") == "river"
+            what = (f"is predicted to cost {c * PREDICTION_MARGIN:.3f}x" if dynamic and mean_exit is not None
+                    else f"costs at least {c:.3f}x" if dynamic else f"costs {c:.3f}x")
+            why.append(f"{what} river-only's step, more than any tier it could win allows"
+                       + (f" ({top:.3f}x)" if open_bounds else ""))
+    return why
 
 
 #: The paired bootstrap of not_closer: its draws, seed and level.
@@ -204,12 +275,25 @@ def weight_bytes(model, measure: str = "bytes") -> tuple:
         rv_ts = [(t.name, t) for t in _reader(model.river_path).tensors]
     else:
         rv_ts = [(t.name[len("river."):], t) for t in river_tensors(bb)]
+    return tensor_costs(bb_ts, rv_ts, model.n_layer, measure)
+
+
+class TensorInfo(NamedTuple):
+    """What the cost model reads of a tensor (a gguf reader's tensors have the same fields)."""
+    shape: tuple                          # ne0 first
+    tensor_type: GGMLQuantizationType
+    n_bytes: int
+
+
+def tensor_costs(bb_ts: List[tuple], rv_ts: List[tuple], n_layer: int, measure: str = "bytes") -> tuple:
+    """weight_bytes of two tensor lists, (plain name, tensor) pairs of the backbone's and the
+    river's (reader tensors or TensorInfo): a file not written yet can be costed from its types."""
     bb_sizes = {n: _measure(t, measure) for n, t in bb_ts}
     rv_sizes = {n: _measure(t, measure) for n, t in rv_ts}
     matrix = lambda n, t: n.startswith("blk.") and n.endswith(".weight") and len(t.shape) > 1  # noqa: E731
     bb_types = {n: t.tensor_type.name for n, t in bb_ts if matrix(n, t)}
     rv_types = {n: t.tensor_type.name for n, t in rv_ts if matrix(n, t)}
-    L = model.n_layer
+    L = n_layer
 
     def layer(sizes, l, kinds=None):
         p = f"blk.{l}."
@@ -339,8 +423,11 @@ def _plain_tensor_shapes(model) -> Dict[str, tuple]:
 def tier_bounds(model, layers: List[dict], head: dict, measure: str = "cost") -> dict:
     """Per tier, the anchor quant's cost per step (or bytes, measure="bytes"; layers and head
     from weight_bytes with the same measure) relative to this file's river-only step."""
-    shapes = _plain_tensor_shapes(model)
-    L = model.n_layer
+    return tier_bounds_of(_plain_tensor_shapes(model), model.n_layer, layers, head, measure)
+
+
+def tier_bounds_of(shapes: Dict[str, tuple], L: int, layers: List[dict], head: dict, measure: str = "cost") -> dict:
+    """tier_bounds from the backbone's tensor shapes ({name: shape}, ne0 first) and layer count."""
     river_only = step_bytes(layers, head, L, -1, 0, True)
     # Count only the weights step_bytes counts for the anchors' side too: layer matrices and head
     # (and the F32 norms, for bytes; they cost nothing in the cost measure).

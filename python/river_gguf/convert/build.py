@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import gguf
 import numpy as np
 from llama_cpp._utils import suppress_stdout_stderr
+from tqdm import tqdm
 
 from .. import presets as presets_mod
 from ..presets import GRID_KEY
@@ -54,8 +55,11 @@ from ..gguf import river_index
 from ..gguf.copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, reader_path,
                          temp_path, type_name, write_plain_copy, write_river_file)
 from ..gguf.io import FTYPES, LlamaLog, atomic_output, captured_llama_log, check_output_path, remove_stale_temp_files
+from ..gguf.meta import value_type
 from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX  # (2: the river after the backbone's data)
-from ..profile import default_threshold
+from ..measure import divergence
+from ..measure.scoring import calibration_selection
+from ..profile import default_threshold, similarity_profile
 from . import imatrix as imx
 
 DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
@@ -295,56 +299,145 @@ def build_river_gguf(
     log = LlamaLog(echo=(lambda line: print(line, file=sys.stderr)) if verbose else None)
     say = report if report is not None else (lambda line: None)
     with captured_llama_log(log), temp_path(out_path, ".tmp") as staged:  # the output, complete before it gets its name
-        # Intermediate files (river quantizations, stripped copies) are gone before the presets are
-        # measured: only the staged output stays on disk while that runs.
+        # Intermediate files (river and backbone quantizations, a stripped copy) live until the
+        # output is written, then go: only the staged output is on disk when finalize runs.
         with contextlib.ExitStack() as stack:
             plain = _plain_source(bb, backbone_path, out_path, stack)
+            calib = stack.enter_context(_CalibrationPass(
+                plain(), os.path.dirname(os.path.abspath(out_path)), n_threads, progress, say,
+                imatrix=imatrix == IMATRIX_AUTO and river_path is None, threshold=threshold is None,
+                presets=presets, calibration_tokens=calibration_tokens, reference=_reference_label(bb)))
             if river_path is not None:
                 river_src, type_label, imatrix_meta = _river_from_file(river_path, bb)
             else:
                 river_src, type_label, imatrix_meta = _make_river(
-                    plain(), out_path, stack, bb, river_type, river_head_type, imatrix, calibration_tokens,
-                    n_threads, progress, log, say)
+                    plain(), out_path, stack, bb, river_type, river_head_type, imatrix, calib.imatrix, n_threads,
+                    log, say)
             rv = open_reader(river_src)
             compare_models(bb, rv)
+            stored_path = plain()
             if backbone_type is not None:
                 # The stored backbone is a quantization of the input; the river came from the input.
-                stored = stack.enter_context(temp_path(out_path, ".backbone-q.tmp"))
+                stored_path = stack.enter_context(temp_path(out_path, ".backbone-q.tmp"))
                 mark = log.mark()
-                _quantize(plain(), stored, backbone_type, n_threads, _is_quantized(bb))
+                _quantize(plain(), stored_path, backbone_type, n_threads, _is_quantized(bb))
                 say(f"backbone: {backbone_type}: {log.quantize_summary(mark)}")
-                bb = open_reader(stored)
-            meta_threshold, source, prof = _threshold(threshold, backbone_path, n_threads)
-            say(f"threshold: {meta_threshold:.4f} ({source})")
+                bb = open_reader(stored_path)
+            if threshold is None:
+                meta_threshold, source, prof = float(calib.profile["threshold"]), \
+                    f"profile-q{calib.profile['quantile']:.2f}", calib.profile
+            else:
+                meta_threshold, source, prof = float(threshold), "user", None
             entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
                                      min_exit_layer, prefill, river_head, tail, backbone_type, imatrix_meta, prof)
             ranking = draft_token_ranking(backbone_path)
             say(f"draft vocabulary: {len(ranking)} tokens of the calibration text ranked")
             entries.append((native.DRAFT_TOKENS_KEY, ranking, gguf.GGUFValueType.ARRAY))
-            rv_by_name = {t.name: t for t in rv.tensors}
-            plan = [(t.name, t) for t in plain_tensors(bb)]
-            river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
-            river_plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
-            if "output.weight" in rv_by_name:
-                river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
-            write_river_file(staged, bb, entries, plan, river_plan, progress, f"river {os.path.basename(out_path)}")
-            say(f"wrote {len(plan) + len(river_plan)} tensors, {os.path.getsize(staged) / 2**20:.0f} MiB")
             meta: Dict[str, Any] = {k: v for k, v, _ in entries}
             # float32 as stored, so callers compare against what Model(out).metadata reads
             meta["river.threshold"] = float(np.float32(meta_threshold))
             if prof is not None:
                 meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
-        if presets:
-            meta.update(preset_grid.calibrate_presets_file(staged, n_threads=n_threads, progress=progress,
-                                                           min_tokens=calibration_tokens,
-                                                           score_tokens=preset_score_tokens(calibration_tokens)))
-            grid = json.loads(meta[GRID_KEY]) if GRID_KEY in meta else []
-            say(f"presets: {', '.join(presets_mod.parse(meta))} chosen from {len(grid)} settings"
-                + (f", at least {min(r['n_tokens'] for r in grid)} tokens each" if grid and "n_tokens" in grid[0] else ""))
+            if presets:
+                # Measured on the two parts before they are joined: the output is written once.
+                found = _measure_presets(stored_path, river_src, calib, n_threads, progress, calibration_tokens)
+                entries += [(k, v, value_type(v)) for k, v in found.items()]
+                meta.update(found)
+                grid = json.loads(found[GRID_KEY])
+                measured = [r for r in grid if "kld" in r]
+                tokens = found["river.presets_calibration_tokens"]
+                say(f"presets: {', '.join(presets_mod.parse(found))} chosen; {len(measured)} of {len(grid)} settings "
+                    f"measured (the cost model rules out the rest), at least {tokens} tokens each, against the "
+                    f"{found[preset_grid.REFERENCE_KEY]}")
+            calib.close()  # the reference rows' temp file goes now, before the output is written
+            rv_by_name = {t.name: t for t in rv.tensors}
+            tensor_plan = [(t.name, t) for t in plain_tensors(bb)]
+            river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
+            river_plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
+            if "output.weight" in rv_by_name:
+                river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
+            write_river_file(staged, bb, entries, tensor_plan, river_plan, progress, f"river {os.path.basename(out_path)}")
+            say(f"wrote {len(tensor_plan) + len(river_plan)} tensors, {os.path.getsize(staged) / 2**20:.0f} MiB")
+            # The readers map files the stack is about to delete: drop them first, so no deleted
+            # file's pages stay mapped (and its disk space held) while finalize runs.
+            del bb, rv, rv_by_name, tensor_plan, river_plan
         if finalize is not None:
             meta.update(finalize(staged) or {})
         os.replace(staged, out_path)
     return meta
+
+
+class _CalibrationPass:
+    """The one pass over the input (the precise model) a conversion makes, in one engine that
+    reads the weights in place (no repacked copies): the held-out items the presets are scored
+    on, prepared; the importance matrix, collected on the rest of the calibration text; the input's
+    logits on the held-out items (the presets' reference, kept on disk); and the exit-rule profile
+    that sets tau. Each part only when asked for."""
+
+    def __init__(self, path: str, folder: str, n_threads: int, progress: bool, say, *, imatrix: bool, threshold: bool,
+                 presets: bool, calibration_tokens: int, reference: str):
+        self.imatrix = None
+        self.profile = None
+        self.sims = None
+        self.prepared = None
+        self.reference = None
+        if not (imatrix or threshold or presets):
+            return
+        model = _open_model(path, n_ctx=1024, n_threads=n_threads, mode="backbone", repack=False)
+        held: list = []
+        if presets:
+            self.reference = divergence.ReferenceRows(reference, folder)
+            self.prepared, held = calibration_selection(model, calibration_tokens,
+                                                        preset_score_tokens(calibration_tokens))
+        if imatrix:
+            texts = _imatrix_texts(calibration_tokens, held)
+            self.imatrix = imx.collect_on(model, texts, progress=progress, dataset=IMATRIX_DATASET)
+            say(f"imatrix: {int(self.imatrix.n_tokens)} tokens of {len(texts)} texts "
+                f"({len(held)} items held out for the presets)")
+        if presets:
+            n = 0
+            for toks, prefix in tqdm(self.prepared, desc="reference", unit="item", disable=not progress):
+                rows, _ = divergence.config_logits(model, toks, prefix, batched=True, mode="backbone")
+                self.reference.add(rows)
+                n += len(rows)
+            say(f"reference: the {reference}'s logits on {len(self.prepared)} held-out items ({n} scored tokens)")
+        if threshold or presets:  # tau, and where a dynamic preset's tokens would exit
+            self.sims = similarity_profile(model, own_engine=False)
+        if threshold:
+            self.profile = default_threshold(model, sims=self.sims)
+            say(f"threshold: {self.profile['threshold']:.4f} (profile-q{self.profile['quantile']:.2f})")
+        del model
+
+    def close(self) -> None:
+        if self.reference is not None:
+            self.reference.close()
+
+    def __enter__(self) -> "_CalibrationPass":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _measure_presets(backbone: str, river: str, calib: _CalibrationPass, n_threads: int, progress: bool,
+                     calibration_tokens: int) -> dict:
+    """The preset keys of the output, measured on its backbone and river files."""
+    model = _open_model(backbone, river=river, n_ctx=1024, n_threads=n_threads, threshold=2.0)
+    try:
+        res = preset_grid.calibrate_presets(model, score_tokens=preset_score_tokens(calibration_tokens),
+                                            progress=progress, prepared=calib.prepared, reference=calib.reference,
+                                            prune=True, profile=calib.sims)
+    finally:
+        del model
+    return preset_grid.preset_metadata(res)
+
+
+def _reference_label(bb) -> str:
+    """What the presets' reference is: the input's weight type ("F16"), or "input (Q4_K)" for a
+    quantized input."""
+    types = [type_name(t) for t in plain_tensors(bb) if len(t.shape) >= 2]
+    common = max(set(types), key=types.count) if types else "F16"
+    return common if common in _FLOAT_TYPE_NAMES else f"input ({common})"
 
 
 def draft_token_ranking(vocab_path: str, texts: Optional[List[str]] = None) -> List[int]:
@@ -388,50 +481,37 @@ def _river_from_file(river_path: str, bb):
     return river_path, "from-file", []
 
 
-def _make_river(src: str, out_path: str, stack, bb, river_type: str, river_head_type, imatrix, calibration_tokens,
-                n_threads: int, progress: bool, log: LlamaLog, say) -> Tuple[str, str, list]:
-    """Quantize the river from `src` (with an importance matrix unless imatrix is None): (its
-    file, its type label, the river.imatrix* entries)."""
+def _make_river(src: str, out_path: str, stack, bb, river_type: str, river_head_type, imatrix, collected,
+                n_threads: int, log: LlamaLog, say) -> Tuple[str, str, list]:
+    """Quantize the river from `src` with llama.cpp's quantizer, given the importance matrix
+    (collected, or read from the imatrix file) unless imatrix is None: (its file, its type label,
+    the river.imatrix* entries)."""
     requant = _is_quantized(bb)
     if requant:
         warnings.warn(f"{src} is already quantized; the river is requantized from it", stacklevel=3)
+    imat, entries = None, []
+    if imatrix is not None:
+        if imatrix == IMATRIX_AUTO:
+            imat, label = collected, f"collected: {collected.datasets[0] if collected.datasets else 'calibration split'}"
+        else:
+            imat, label = imx.read_imatrix_gguf(imatrix), f"file: {os.path.basename(os.fspath(imatrix))}"
+            say(f"imatrix: {int(imat.n_tokens)} tokens ({label})")
+        entries = [("river.imatrix", label, "s"), ("river.imatrix_tokens", int(imat.n_tokens), "u")]
     river_src = stack.enter_context(temp_path(out_path, ".river.tmp"))
     mark = log.mark()
-    _quantize(src, river_src, river_type, n_threads, requant, head_type=river_head_type)
-    type_label = river_type if river_head_type is None else f"{river_type} (head {river_head_type})"
+    imx.llama_quantize(src, river_src, river_type, imat, n_threads=n_threads, allow_requantize=requant,
+                       head_type=river_head_type)
+    type_label = river_type + ("+imatrix" if imat is not None else "")
+    if river_head_type is not None:
+        type_label += f" (head {river_head_type})"
     say(f"river: {type_label}, llama.cpp's types: {log.quantize_summary(mark)}")
-    if imatrix is None:
-        return river_src, type_label, []
-    if imatrix == IMATRIX_AUTO:
-        imat = imx.collect_imatrix(src, _imatrix_texts(calibration_tokens), n_threads=n_threads, progress=progress,
-                                   dataset="calibration split (gsm8k, humaneval; item % 5 == 0)")
-        imatrix_label = f"collected: {imat.datasets[0] if imat.datasets else 'calibration split'}"
-    else:
-        imat = imx.read_imatrix_gguf(imatrix)
-        imatrix_label = f"file: {os.path.basename(os.fspath(imatrix))}"
-    say(f"imatrix: {int(imat.n_tokens)} tokens ({imatrix_label})")
-    weighted = stack.enter_context(temp_path(out_path, ".river-imatrix.tmp"))
-    mark = log.mark()
-    imx.quantize_with_imatrix(src, river_src, weighted, imat, progress=progress, n_threads=n_threads)
-    say(f"river: requantized with the importance matrix{_fallbacks(log, mark)}")
-    return weighted, f"{river_type}+imatrix", [("river.imatrix", imatrix_label, "s"),
-                                               ("river.imatrix_tokens", int(imat.n_tokens), "u")]
+    return river_src, type_label, entries
 
 
 def _fallbacks(log: LlamaLog, mark: int) -> str:
     """': <summary>' of the quantizer's fallbacks since mark, or '' when it logged none."""
     summary = log.quantize_summary(mark)
     return "" if summary.startswith("no tensor") else f": {summary}"
-
-
-def _threshold(threshold: Optional[float], backbone_path: str, n_threads: int):
-    """(tau, where it came from, the profile or None): the user's, or profiled on the backbone."""
-    if threshold is not None:
-        return float(threshold), "user", None
-    model = _open_model(backbone_path, n_threads=n_threads)
-    prof = default_threshold(model)
-    del model
-    return float(prof["threshold"]), f"profile-q{prof['quantile']:.2f}", prof
 
 
 def _river_entries(backbone_path, river_path, river_src, type_label, threshold, source, min_exit_layer, prefill,
@@ -479,12 +559,16 @@ def preset_score_tokens(calibration_tokens: int) -> int:
     return 64 if calibration_tokens >= 128 else max(16, calibration_tokens // 2)
 
 
-def _imatrix_texts(calibration_tokens: int) -> List[str]:
-    """The calibration texts for the imatrix, cut to about 10x calibration_tokens tokens (at ~4
-    characters a token; the default 1,024 keeps all of them, ~9,000 tokens)."""
+IMATRIX_DATASET = "calibration split (gsm8k, humaneval; item % 5 == 0), the presets' items held out"
+
+
+def _imatrix_texts(calibration_tokens: int, held_out=()) -> List[str]:
+    """The calibration texts for the imatrix, less the held-out items (the presets'), cut to
+    about 10x calibration_tokens tokens (at ~4 characters a token; the default 1,024 keeps all of
+    them, ~6,000 tokens once the presets' ~17 items are held out)."""
 
     texts, chars = [], 0
-    for t in imx.calibration_texts():
+    for t in imx.calibration_texts(held_out=held_out):
         if texts and chars + len(t) > 40 * calibration_tokens:
             break
         texts.append(t)

@@ -26,19 +26,17 @@ The pieces:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import gguf
-import llama_cpp
 import numpy as np
 from tqdm import tqdm
 
 from .._loader import native
-from ..gguf.io import atomic_output, copy_metadata, deferred_interrupts, quantize_params, run_quantize
+from ..gguf.io import atomic_output, copy_metadata, deferred_interrupts, quantize
 from ..gguf.reader import GGUFReader
 from ..measure import data as eval_data
 from ..model import Model
@@ -103,14 +101,17 @@ class Imatrix:
 
 
 # ----- calibration text -----------------------------------------------------------------
-def calibration_texts(domains: Sequence[str] = ("gsm8k", "humaneval")) -> List[str]:
+def calibration_texts(domains: Sequence[str] = ("gsm8k", "humaneval"), held_out: Sequence = ()) -> List[str]:
     """Prompt + completion of every **calibration** item of each domain (eval_data's split:
     index % 5 == 0). Evaluation items are never returned, so a river tuned on these is judged
-    on text it has not seen."""
+    on text it has not seen. held_out: calibration items (eval_data.Item) left out as well, e.g.
+    the ones the converter scores its presets on, so that they are scored out of sample."""
 
+    skip = {(it.domain, it.index) for it in held_out}
     out: List[str] = []
     for d in domains:
-        out.extend(it.prompt + it.completion for it in eval_data.select(eval_data.load_domain(d), "calibration"))
+        out.extend(it.prompt + it.completion for it in eval_data.select(eval_data.load_domain(d), "calibration")
+                   if (it.domain, it.index) not in skip)
     return out
 
 
@@ -126,6 +127,16 @@ def collect_imatrix(
     """Run each text (tokenized with BOS, cut to ``n_ctx`` tokens, from an empty cache) through
     the backbone of ``backbone_path`` and collect the input statistics of every weight mat-mul,
     the LM head included. ``dataset`` describes the texts in the result (and in the file)."""
+    texts = _check_texts(texts)
+    if not isinstance(n_ctx, int) or n_ctx < 2:
+        raise ValueError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
+    with deferred_interrupts():  # Ctrl-C would be dropped in libllama's log callback during the load
+        # No repacked copies: a batched pass reads the weights in place, and holds no second F16.
+        model = Model(os.fspath(backbone_path), n_ctx=n_ctx, n_threads=n_threads, mode="backbone", repack=False)
+    return collect_on(model, texts, progress=progress, dataset=dataset)
+
+
+def _check_texts(texts: Sequence[str]) -> List[str]:
     if isinstance(texts, str):
         raise ValueError("texts must be a sequence of strings, not one string")
     texts = list(texts)
@@ -133,18 +144,18 @@ def collect_imatrix(
         raise ValueError("no calibration texts")
     if not all(isinstance(t, str) for t in texts):
         raise ValueError("texts must be strings")
-    if not isinstance(n_ctx, int) or n_ctx < 2:
-        raise ValueError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
+    return texts
 
 
-    with deferred_interrupts():  # Ctrl-C would be dropped in libllama's log callback during the load
-        model = Model(os.fspath(backbone_path), n_ctx=n_ctx, n_threads=n_threads, mode="backbone")
+def collect_on(model: Model, texts: Sequence[str], progress: bool = True, dataset: Optional[str] = None) -> Imatrix:
+    """collect_imatrix on an open Model (its backbone), each text cut to the Model's n_ctx."""
+    texts = _check_texts(texts)
     stats = native.ActivationStats()
     n_tokens = n_texts = 0
     t0 = time.perf_counter()
     with tqdm(total=len(texts), desc="imatrix", unit="text", disable=not progress) as bar:
         for text in texts:
-            toks = model.tokenize(text, add_special=True)[:n_ctx]
+            toks = model.tokenize(text, add_special=True)[:model.n_ctx]
             if toks:
                 model.collect_activations(toks, stats)
                 n_tokens += len(toks)
@@ -160,7 +171,7 @@ def collect_imatrix(
         counts={k: v[1] for k, v in result.items()},
         datasets=[dataset if dataset is not None else f"{n_texts} texts"],
         chunk_count=n_texts,
-        chunk_size=n_ctx,
+        chunk_size=model.n_ctx,
         n_tokens=n_tokens,
     )
 
@@ -406,27 +417,18 @@ def llama_quantize(
     ftype: str,
     imatrix: Optional[Imatrix] = None,
     n_threads: int = 2,
+    allow_requantize: bool = False,
+    head_type: Optional[str] = None,
 ) -> str:
     """llama.cpp's own quantizer (``llama_model_quantize``) of ``src_path`` to ``ftype``, given
-    the importance of ``imatrix`` as llama-quantize would read it from the file (sums / counts).
-    Note that llama.cpp changes its mix when an imatrix is given (Q4_0: the first n_layer/8
-    ffn_down tensors become Q4_1), so this file's types can differ from a plain quantization's."""
-    params = quantize_params(src_path, dst_path, ftype, n_threads)
-    keep = []  # the ctypes objects llama.cpp reads through pointers, alive until it returns
+    the importance of ``imatrix`` as llama-quantize would read it from the file (sums / counts):
+    the same bytes as ``llama-quantize --imatrix``. Note that llama.cpp changes its mix when an
+    imatrix is given (Q4_0: the first n_layer/8 ffn_down tensors become Q4_1), so this file's
+    types can differ from a plain quantization's."""
+    importance = None
     if imatrix is not None:
         if not isinstance(imatrix, Imatrix) or not len(imatrix):
             raise ValueError("imatrix must be a non-empty Imatrix")
-        names = imatrix.names()
-        entries = (llama_cpp.llama_model_imatrix_data * (len(names) + 1))()  # ends with a null name
-        for i, name in enumerate(names):
-            imp = np.ascontiguousarray(imatrix.importance(name), dtype=np.float32)
-            cname = name.encode()
-            keep += [imp, cname]
-            entries[i].name = cname
-            entries[i].data = imp.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            entries[i].size = imp.size
-        keep.append(entries)
-        params.imatrix = entries
-    out = run_quantize(src_path, dst_path, ftype, params)
-    del keep
-    return out
+        importance = {name: imatrix.importance(name) for name in imatrix.names()}
+    return quantize(src_path, dst_path, ftype, n_threads=n_threads, allow_requantize=allow_requantize,
+                    head_type=head_type, importance=importance)

@@ -29,7 +29,9 @@ def check_loadable(path: str) -> dict:
         raise FileNotFoundError(f"model file not found: {path}")
 
     with deferred_interrupts():  # libllama's vocab loader logs through a ctypes callback (see _open_model)
-        engine = native.Engine(path, "", 8, 1, 8, 0)  # n_ctx=8: a tiny KV cache, opens in milliseconds
+        # n_ctx=8: a tiny KV cache; no repacked or joined copies: it opens in milliseconds and
+        # reads no weight
+        engine = native.Engine(path, "", 8, 1, 8, 0, repack=False, fuse=False)
     hparams = dict(engine.hparams)
     del engine
     return hparams

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional
 
 import gguf
 import llama_cpp
@@ -395,13 +395,24 @@ def _embedding_width(path) -> int:
     raise ValueError(f"{path} has no token_embd.weight")
 
 
+#: The F32 rows llama.cpp's quantizer converts and holds at once (its max_buf_size; llama.cpp's own
+#: default is 8 GiB): it quantizes a tensor slab by slab, so an 8B model's 2 GiB head costs this
+#: much memory, not twice its F32 size. The bytes written do not depend on it (rows round alone).
+QUANT_BUFFER_BYTES = 256 << 20
+
+
 def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: str, n_threads: int = 2,
-             allow_requantize: bool = False, head_type: str | None = None) -> str:
+             allow_requantize: bool = False, head_type: str | None = None,
+             importance: Mapping[str, np.ndarray] | None = None) -> str:
     """Quantize ``src_path`` (normally an F16 GGUF) with llama.cpp's own quantizer.
 
     allow_requantize: accept an already quantized source (e.g. Q8_0).
     head_type: a GGML type name ("q4_0", "q8_0", ...) for the token embedding and output tensors
-        (the head), instead of llama.cpp's choice for ``ftype``."""
+        (the head), instead of llama.cpp's choice for ``ftype``.
+    importance: per weight (GGUF tensor name), the mean square of each input column, which
+        llama-quantize --imatrix reads from an imatrix file (sum / count): ggml's
+        importance-weighted rounding for those tensors. Note that llama.cpp's mix changes with it
+        (for Q4_0 the first n_layer/8 ffn_down tensors become Q4_1), as with llama-quantize."""
     params = quantize_params(src_path, dst_path, ftype, n_threads)
     head = None
     if head_type is not None:
@@ -420,7 +431,69 @@ def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: st
     if head is not None:
         params.token_embedding_type = int(head)
         params.output_tensor_type = int(head)
-    return run_quantize(src_path, dst_path, ftype, params)
+    keep = []  # what llama.cpp reads through pointers, alive until it returns
+    if importance is not None:
+        if not len(importance):
+            raise ValueError("importance must name at least one weight")
+        entries = (llama_cpp.llama_model_imatrix_data * (len(importance) + 1))()  # ends with a null name
+        for i, name in enumerate(sorted(importance)):
+            imp = np.ascontiguousarray(importance[name], dtype=np.float32).reshape(-1)
+            cname = name.encode()
+            keep += [imp, cname]
+            entries[i].name = cname
+            entries[i].data = imp.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = imp.size
+        keep.append(entries)
+        params.imatrix = entries
+    out = run_quantize(src_path, dst_path, ftype, params)
+    del keep
+    return out
+
+
+# llama.cpp's quantizer, one line per tensor ("[  12/ 272] blk.1.attn_q.weight - [  576,   576,     1,     1],
+# type =    f16, size =    0.633 MiB ->    0.178 MiB (q4_0)" in a dry run; no "(type)" when it stays).
+_TENSOR_LINE = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[[^\]]*\], type =\s*(\S+),.*?(?:\((\w+)\))?\s*$")
+
+
+def planned_types(src_path: str | os.PathLike, ftype: str, n_threads: int = 2, allow_requantize: bool = False,
+                  head_type: str | None = None, importance: bool = False) -> dict:
+    """The ggml type llama.cpp's quantizer gives each tensor of ``src_path`` for ``ftype``,
+    without quantizing or writing anything (its dry run): {name: type name ("Q4_K", "F32")}.
+    importance: as with an importance matrix (llama.cpp's mix changes with one), given here as
+    unit vectors, which the type choice does not read."""
+    src_path = os.fspath(src_path)
+    params = quantize_params(src_path, os.path.join(os.path.dirname(os.path.abspath(src_path)), ".dry-run"), ftype,
+                             n_threads)
+    params.dry_run = True
+    params.allow_requantize = bool(allow_requantize)
+    if head_type is not None:
+        params.token_embedding_type = params.output_tensor_type = int(QT[str(head_type).upper()])
+    keep = []
+    if importance:
+        widths = {t.name: int(t.shape[0]) for t in GGUFReader(src_path).tensors if len(t.shape) >= 2}
+        entries = (llama_cpp.llama_model_imatrix_data * (len(widths) + 1))()
+        for i, (name, width) in enumerate(sorted(widths.items())):
+            ones, cname = np.ones(width, dtype=np.float32), name.encode()
+            keep += [ones, cname]
+            entries[i].name, entries[i].size = cname, width
+            entries[i].data = ones.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        keep.append(entries)
+        params.imatrix = entries
+    log = LlamaLog()
+    with captured_llama_log(log), deferred_interrupts():
+        rc = llama_cpp.llama_model_quantize(os.fsencode(src_path), os.fsencode(src_path + ".dry-run"),
+                                            ctypes.byref(params))
+    del keep
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src_path} -> {ftype}, dry run) failed with code {rc}")
+    out = {}
+    for line in log.lines:
+        m = _TENSOR_LINE.search(line)
+        if m:
+            out[m.group(1)] = (m.group(3) or m.group(2)).upper()
+    if not out:
+        raise RuntimeError(f"llama.cpp's dry run of {src_path} -> {ftype} listed no tensors")
+    return out
 
 
 def quantize_params(src_path, dst_path, ftype: str, n_threads: int):
@@ -436,6 +509,7 @@ def quantize_params(src_path, dst_path, ftype: str, n_threads: int):
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, FTYPES[key])
     params.nthread = n_threads
+    params.max_buf_size = QUANT_BUFFER_BYTES
     return params
 
 

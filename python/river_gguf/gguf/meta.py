@@ -20,7 +20,7 @@ from .io import atomic_output, metadata_items
 from .reader import GGUFReader
 
 
-def _value_type(value: Any, old_type=None):
+def value_type(value: Any, old_type=None):
     if isinstance(value, (list, tuple, np.ndarray)):
         if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
             raise TypeError("a list value must hold ints (it is written as an INT32 array)")
@@ -83,7 +83,7 @@ def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = Fals
             done = set()
             for key, value, vtype, sub in metadata_items(reader, skip={"general.alignment"}):
                 if key in updates:
-                    vt = _value_type(updates[key], vtype)
+                    vt = value_type(updates[key], vtype)
                     value, vtype, sub = _coerce(updates[key], vt), vt, _sub_type(vt)
                     written[key] = value
                     done.add(key)
@@ -92,7 +92,7 @@ def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = Fals
                 w.add_key_value(key, value, vtype, sub_type=sub)
             for key, value in updates.items():
                 if key not in done:
-                    vt = _value_type(value)
+                    vt = value_type(value)
                     written[key] = _coerce(value, vt)
                     if vt == VT.FLOAT32:
                         f32_keys.add(key)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -211,6 +212,47 @@ def paired_delta(a: DivergenceRun, b: DivergenceRun, draws: int = BOOTSTRAP_DRAW
     idx = _draws(len(sa), draws, seed)
     lo, hi = _interval(_stats(sa[idx].sum(axis=1)) - _stats(sb[idx].sum(axis=1)), confidence)
     return _named(point, lo, hi)
+
+
+class ReferenceRows:
+    """A reference's logits for a list of scored items, one [n_scored, n_vocab] float32 block per
+    item, kept in an anonymous temp file and read back one item at a time: with a 150k-token
+    vocabulary 1,024 scored rows are 0.6 GB, which a conversion should not hold while the model it
+    came from is open. ``label`` names the reference ("F16"). Use as a context manager, or close()."""
+
+    def __init__(self, label: str, folder: Optional[str] = None):
+        self.label = label
+        # Unlinked at once: nothing is left behind however the process ends (the name stays
+        # readable in /proc/PID/fd while it is open).
+        fd, path = tempfile.mkstemp(prefix=".river-reference-", dir=folder)
+        os.unlink(path)
+        self._file = os.fdopen(fd, "w+b")
+        self._index: List[Tuple[int, Tuple[int, int]]] = []
+
+    def add(self, rows: np.ndarray) -> None:
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if rows.ndim != 2:
+            raise ValueError(f"reference rows must be 2-D, got shape {rows.shape}")
+        self._file.seek(0, os.SEEK_END)
+        self._index.append((self._file.tell(), rows.shape))
+        self._file.write(rows.tobytes())
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        offset, shape = self._index[i]
+        self._file.seek(offset)
+        return np.frombuffer(self._file.read(shape[0] * shape[1] * 4), dtype=np.float32).reshape(shape)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "ReferenceRows":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def batched_logits(model, tokens: Sequence[int], prefix: int, settings: Sequence[dict]) -> Iterator[np.ndarray]:

@@ -176,17 +176,24 @@ def calibration_prepared(model, min_tokens: int, score_tokens: int = 64,
     """The calibration split's items, one domain after another in turn, prepared (at most
     score_tokens scored tokens each) until they hold at least min_tokens scored tokens (or the
     split runs out)."""
+    return calibration_selection(model, min_tokens, score_tokens, domains)[0]
+
+
+def calibration_selection(model, min_tokens: int, score_tokens: int = 64,
+                          domains: Sequence[str] = eval_data.DOMAINS) -> Tuple[Prepared, List[eval_data.Item]]:
+    """(calibration_prepared's items prepared, the eval_data.Items they came from)."""
     pools = [eval_data.select(eval_data.load_domain(d), "calibration") for d in domains]
-    out, n = [], 0
+    out, items, n = [], [], 0
     for i in range(max(len(p) for p in pools)):
         for pool in pools:
             if n >= min_tokens:
-                return out
+                return out, items
             if i < len(pool):
+                items.append(pool[i])
                 for toks, prefix in prepare(model, [pool[i]], score_tokens):
                     out.append((toks, prefix))
                     n += len(toks) - prefix
-    return out
+    return out, items
 
 
 def calibration_items(domains: Sequence[str] = eval_data.DOMAINS, per_domain: Optional[int] = 8):

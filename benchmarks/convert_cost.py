@@ -1,5 +1,5 @@
 """What a default conversion costs, stage by stage, against llama.cpp's own path for the same user
-(llama-imatrix, then llama-quantize to Q4_K_M with that importance matrix) on the same F16 and the
+(llama-imatrix, then llama-quantize to Q4_K_M, or --river-type's type, with that importance matrix) on the same F16 and the
 same calibration text, in one run; and the peak memory of each.
 
     ./scripts/build_llama_tools.sh             # once: llama-imatrix and llama-quantize
@@ -80,10 +80,12 @@ def stage_of(line: str):
     return {"wrote": "write", "read": "read"}.get(word, word)
 
 
-def river_side(f16: str, out_dir: str, threads: int) -> dict:
+def river_side(f16: str, out_dir: str, threads: int, river_type: str) -> dict:
     out = os.path.join(out_dir, "model.river.gguf")
     marks = []
     cmd = [sys.executable, "-m", "river_gguf.cli", "convert", f16, "-o", out, "-t", str(threads)]
+    if river_type != "q4_k_m":
+        cmd += ["--river-type", river_type]
     secs, peak, log = timed(cmd, lambda t, line: marks.append((t, stage_of(line))) if stage_of(line) else None)
     stages, last = {}, 0.0
     for t, name in marks:
@@ -94,15 +96,15 @@ def river_side(f16: str, out_dir: str, threads: int) -> dict:
     return {"seconds": secs, "peak_rss": peak, "stages": stages, "command": " ".join(cmd[1:])}
 
 
-def llama_side(f16: str, out_dir: str, threads: int) -> dict:
+def llama_side(f16: str, out_dir: str, threads: int, river_type: str) -> dict:
     text = os.path.join(out_dir, "calibration.txt")
     with open(text, "w") as f:
         f.write("\n\n".join(calibration_texts()))
     imatrix = os.path.join(out_dir, "llama.imatrix.gguf")
-    out = os.path.join(out_dir, "llama.q4_k_m.gguf")
+    out = os.path.join(out_dir, f"llama.{river_type}.gguf")
     c1 = [os.path.join(TOOLS, "llama-imatrix"), "-m", f16, "-f", text, "-o", imatrix, "-t", str(threads),
           "-c", "512", "--process-output", "-ngl", "0"]
-    c2 = [os.path.join(TOOLS, "llama-quantize"), "--imatrix", imatrix, f16, out, "Q4_K_M", str(threads)]
+    c2 = [os.path.join(TOOLS, "llama-quantize"), "--imatrix", imatrix, f16, out, river_type.upper(), str(threads)]
     s1, p1, _ = timed(c1)
     s2, p2, _ = timed(c2)
     for p in (imatrix, out):
@@ -115,6 +117,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,qwen2.5-coder-0.5b,qwen2.5-1.5b,llama-3.1-8b")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--river-type", default="q4_k_m", help="the converter's --river-type, and llama-quantize's type")
     ap.add_argument("--no-llama", action="store_true", help="leave out llama.cpp's tools")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -125,9 +128,10 @@ def main(argv=None) -> int:
         f16 = f16_of(name, a.threads)
         size = os.path.getsize(f16)
         with tempfile.TemporaryDirectory(prefix="convert-cost-", dir=os.path.dirname(f16)) as tmp:
-            r = {"model": name, "f16_bytes": size, "river": river_side(f16, tmp, a.threads)}
+            r = {"model": name, "river_type": a.river_type, "f16_bytes": size,
+                 "river": river_side(f16, tmp, a.threads, a.river_type)}
             if not a.no_llama:
-                r["llama"] = llama_side(f16, tmp, a.threads)
+                r["llama"] = llama_side(f16, tmp, a.threads, a.river_type)
                 r["ratio"] = r["river"]["seconds"] / r["llama"]["seconds"]
         r["rss_within"] = r["river"]["peak_rss"] <= size + 2 * GIB
         results.append(r)

@@ -79,12 +79,13 @@ void read_exit_setting(const py::kwargs& kw, ExitSetting& out) {
     }
 }
 
-py::tuple eval(Engine& e, std::vector<int32_t> tokens, bool all_logits, bool trace, bool embeddings,
+py::tuple eval(Engine& e, std::vector<int32_t> tokens, bool all_logits, bool trace, bool embeddings, int first_row,
                const py::kwargs& setting) {
     EvalRequest req;
     read_exit_setting(setting, req);
     req.tokens = std::move(tokens);
     req.all_logits = all_logits;
+    req.first_row = first_row;
     req.trace = trace;
     req.embeddings = embeddings;
     EvalResult res;
@@ -192,7 +193,7 @@ void bind_engine(py::module_& m) {
              py::arg("exit_decision") = "auto", py::arg("gpu_memory") = size_t(0),
              py::arg("draft_vocab") = 0)
         .def("eval", &eval, py::arg("tokens"), py::kw_only(), py::arg("all_logits") = false,
-             py::arg("trace") = false, py::arg("embeddings") = false,
+             py::arg("trace") = false, py::arg("embeddings") = false, py::arg("first_row") = 0,
              "Evaluate tokens at the cache's end under the exit setting given by keyword (EXIT_SETTING's names). "
              "Returns (logits, exit_layer, scores).")
         .def("draft", &draft, py::arg("token"), py::arg("n_max"), py::arg("p_min") = 0.0f, py::kw_only(),

@@ -91,6 +91,11 @@ void Engine::check_request(const EvalRequest& req) const {
         throw std::invalid_argument("river_head=True but the river has no output head");
     }
     if (std::isnan(req.threshold)) throw std::invalid_argument("threshold is NaN");
+    if (req.first_row != 0 && (req.first_row < 0 || req.first_row >= n || !(req.all_logits || req.embeddings) ||
+                               n > n_batch_ || req.trace)) {
+        throw std::invalid_argument("first_row needs all_logits and one batch of more than first_row tokens (and no "
+                                    "trace)");
+    }
     exit_rule(req.rule);  // throws for a code that names no rule
     if (req.min_exit_layer < 0) throw std::invalid_argument("min_exit_layer must be >= 0");
     if (req.tail < 0 || req.tail >= hp_.n_layer) {
@@ -135,6 +140,7 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     const int padded = std::min(cache_->n_ctx(), std::max(256, (n_past_ + n + 255) / 256 * 256));
     spec.n_kv = n <= kPaddedBatch || !flash_attn_ ? padded : n_past_ + n;
     spec.all_logits = req.all_logits || req.embeddings;
+    spec.first_row = spec.all_logits ? req.first_row : 0;
     spec.backbone_attention = req.backbone_attention;
     spec.draft_vocab = req.draft_vocab;
 

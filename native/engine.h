@@ -29,6 +29,7 @@ namespace river {
 struct EvalRequest : ExitSetting {
     std::vector<int32_t> tokens;
     bool all_logits = false;     // logits for every token, else for the last one only
+    int first_row = 0;           // with all_logits: the head runs rows first_row.. only (one batch)
     // The final norm's output for every token (n_embd wide rows: llama.cpp's embeddings with
     // pooling none) instead of logits. Backbone mode only.
     bool embeddings = false;

@@ -292,6 +292,11 @@ class Model:
         return self.hparams["n_embd"]
 
     @property
+    def n_batch(self) -> int:
+        """Tokens one batch holds (a longer evaluation runs in batches of this many)."""
+        return self._n_batch
+
+    @property
     def n_ctx(self) -> int:
         return self._engine.n_ctx
 
@@ -555,11 +560,12 @@ class Model:
         self._engine.collect_activations(toks, stats)
         self._engine.truncate(0)
 
-    def _eval(self, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits=False, trace=False):
-        return self._eval_on(self._engine, tokens, opts, prompt, all_logits, trace)
+    def _eval(self, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits=False, trace=False, first_row=0):
+        return self._eval_on(self._engine, tokens, opts, prompt, all_logits, trace, first_row)
 
-    def _eval_on(self, engine, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits=False, trace=False):
-        out = engine.eval(tokens, all_logits=all_logits, trace=trace, **opts.engine_args(prompt))
+    def _eval_on(self, engine, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits=False, trace=False,
+                 first_row=0):
+        out = engine.eval(tokens, all_logits=all_logits, trace=trace, first_row=first_row, **opts.engine_args(prompt))
         # Only the rows a caller reads are checked: the last one per step costs ~n_vocab compares.
         rows = out[0] if all_logits else out[0][-1:]
         if not np.isfinite(rows).all():
@@ -570,14 +576,19 @@ class Model:
         return out
 
     @_locked
-    def logits(self, tokens: Sequence[int], **options) -> np.ndarray:
-        """Logits for every position of `tokens` in one batched pass: float32 [len(tokens), n_vocab]."""
+    def logits(self, tokens: Sequence[int], first_row: int = 0, **options) -> np.ndarray:
+        """Logits for every position of `tokens` in one batched pass: float32 [len(tokens), n_vocab].
+        first_row: only positions first_row.. (the head runs those alone; `tokens` must then fit
+        one batch, n_batch)."""
         toks = self._check_tokens(tokens)
         if not toks:
             raise ValueError("no tokens")
+        first_row = _int_arg("first_row", first_row, 0, len(toks) - 1)
+        if first_row and len(toks) > self._n_batch:
+            raise ValueError(f"first_row needs the tokens in one batch: {len(toks)} > n_batch={self._n_batch}")
         opts = self.options(**options)
         self._clear()
-        out, _, _ = self._eval(toks, opts, prompt=True, all_logits=True)
+        out, _, _ = self._eval(toks, opts, prompt=True, all_logits=True, first_row=first_row)
         return out
 
     @_locked

@@ -197,6 +197,7 @@ def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
     m2 = Model(str(out2), n_ctx=128, n_threads=1)
     for key in (presets.PRESET_KEY, presets.GRID_KEY, presets.ANCHORS_KEY):
         assert m2.metadata[key] == m.metadata[key], key
+    assert out2.read_bytes() == out.read_bytes()  # and the whole file
 
 
 def _costs(n_layer, backbone=10.0, river=6.0, head=40.0):

@@ -71,7 +71,8 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
     if not m.has_river or raw is None:
         raise ValueError(f"{path} has no measured preset grid ({presets_mod.GRID_KEY}); convert it with presets "
                          "(river-gguf convert without --no-presets) first")
-    grid: List[dict] = json.loads(raw)
+    # Settings the conversion's cost model left unmeasured have no KLD to choose by: not timed.
+    grid: List[dict] = [r for r in json.loads(raw) if r.get("kld") is not None]
     river_only = next((i for i, r in enumerate(grid) if r["options"].get("mode") == "river-only"
                        and not r["options"].get("tail") and r["options"].get("river_attention", "river") == "river"),
                       None)

@@ -13,6 +13,7 @@ from .._loader import native
 from ..calibrate.tau import calibrate_file, calibration_metadata, parse_budget
 from ..convert.build import (BACKBONE_TYPES, DEFAULT_BACKBONE_TYPE, DEFAULT_RIVER_TYPE, DEFAULT_TAIL, IMATRIX_AUTO,
                              DEFAULT_CALIBRATION_TOKENS, PREFILL_CHOICES, build_river_gguf, upgrade_river_gguf)
+from ..convert.dry_run import plan_conversion
 from ..default_model import default_river_path, derived_model
 from ..gguf.io import FTYPES, check_output_path
 
@@ -68,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "whose perplexity is within --budget of the backbone's, and store it in the file")
     p.add_argument("--budget", type=_parse_budget, default=0.02, metavar="B",
                    help="perplexity budget for --calibrate: 2%% or 0.02 (default 2%%)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (stages, the preset settings in play), the predicted time and peak memory, "
+                        "from the header, llama.cpp's dry run of its quantizer and a short probe; write nothing")
     p.add_argument("-t", "--threads", type=int, default=2, help="threads for quantizing/profiling (default 2)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no step lines")
     p.add_argument("-v", "--verbose", action="store_true",
@@ -129,6 +133,20 @@ def _run(args: argparse.Namespace) -> int:
     elif args.output is None:
         print("error: -o/--output is required when BACKBONE is given", file=sys.stderr)
         return 2
+    if args.dry_run:
+        try:
+            check_output_path(args.output, inputs=[args.backbone, args.river])
+            plan = plan_conversion(
+                args.backbone, args.output, river_type=args.river_type, river_path=args.river,
+                imatrix=None if str(args.imatrix).lower() == "none" else args.imatrix,
+                backbone_type=args.backbone_type, presets=args.presets, threshold=args.threshold,
+                river_head_type=args.river_head_type, calibration_tokens=args.calibration_tokens,
+                n_threads=args.threads)
+        except (ValueError, OSError, RuntimeError, native.GGUFFormatError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print("\n".join(plan.lines()))
+        return 0
     calibration: Dict[str, Any] = {}
     stage = {"calibrating": False}
 

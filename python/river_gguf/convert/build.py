@@ -70,7 +70,7 @@ BACKBONE_TYPES = ("auto", "f16", "q8_0")
 DEFAULT_BACKBONE_TYPE = "auto"  # Q8_0 when the input's weights are floats, else as given
 
 # Tensor types that are not quantized: llama.cpp quantizes from these without "requantizing".
-_FLOAT_TYPE_NAMES = {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"}
+FLOAT_TYPE_NAMES = {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"}
 
 _MAX_LISTED = 6  # mismatches listed in one error message
 
@@ -288,7 +288,7 @@ def build_river_gguf(
         report(f"read {os.path.basename(backbone_path)}: {len(bb.tensors)} tensors, "
                f"{os.path.getsize(backbone_path) / 2**20:.0f} MiB")
     if backbone_type == "auto":
-        floats = all(type_name(t) in _FLOAT_TYPE_NAMES for t in plain_tensors(bb) if len(t.shape) >= 2)
+        floats = all(type_name(t) in FLOAT_TYPE_NAMES for t in plain_tensors(bb) if len(t.shape) >= 2)
         backbone_type = "q8_0" if floats else None
     if bb_has_river and not replace_river:
         raise ValueError(
@@ -330,7 +330,7 @@ def build_river_gguf(
                 meta_threshold, source, prof = float(threshold), "user", None
             entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
                                      min_exit_layer, prefill, river_head, tail, backbone_type, imatrix_meta, prof)
-            ranking = draft_token_ranking(backbone_path)
+            ranking = calib.ranking if calib.ranking is not None else draft_token_ranking(backbone_path)
             say(f"draft vocabulary: {len(ranking)} tokens of the calibration text ranked")
             entries.append((native.DRAFT_TOKENS_KEY, ranking, gguf.GGUFValueType.ARRAY))
             meta: Dict[str, Any] = {k: v for k, v, _ in entries}
@@ -379,6 +379,7 @@ class _CalibrationPass:
         self.imatrix = None
         self.profile = None
         self.sims = None
+        self.ranking = None
         self.prepared = None
         self.reference = None
         if not (imatrix or threshold or presets):
@@ -390,7 +391,7 @@ class _CalibrationPass:
             self.prepared, held = calibration_selection(model, calibration_tokens,
                                                         preset_score_tokens(calibration_tokens))
         if imatrix:
-            texts = _imatrix_texts(calibration_tokens, held)
+            texts = imatrix_texts(calibration_tokens, held)
             self.imatrix = imx.collect_on(model, texts, progress=progress, dataset=IMATRIX_DATASET)
             say(f"imatrix: {int(self.imatrix.n_tokens)} tokens of {len(texts)} texts "
                 f"({len(held)} items held out for the presets)")
@@ -406,6 +407,7 @@ class _CalibrationPass:
         if threshold:
             self.profile = default_threshold(model, sims=self.sims)
             say(f"threshold: {self.profile['threshold']:.4f} (profile-q{self.profile['quantile']:.2f})")
+        self.ranking = draft_token_ranking(None, tokenize=lambda text: model.tokenize(text, add_special=False))
         del model
 
     def close(self) -> None:
@@ -422,7 +424,7 @@ class _CalibrationPass:
 def _measure_presets(backbone: str, river: str, calib: _CalibrationPass, n_threads: int, progress: bool,
                      calibration_tokens: int) -> dict:
     """The preset keys of the output, measured on its backbone and river files."""
-    model = _open_model(backbone, river=river, n_ctx=1024, n_threads=n_threads, threshold=2.0)
+    model = _open_model(backbone, river=river, n_ctx=1024, n_threads=n_threads, threshold=2.0, repack=False)
     try:
         res = preset_grid.calibrate_presets(model, score_tokens=preset_score_tokens(calibration_tokens),
                                             progress=progress, prepared=calib.prepared, reference=calib.reference,
@@ -437,24 +439,28 @@ def _reference_label(bb) -> str:
     quantized input."""
     types = [type_name(t) for t in plain_tensors(bb) if len(t.shape) >= 2]
     common = max(set(types), key=types.count) if types else "F16"
-    return common if common in _FLOAT_TYPE_NAMES else f"input ({common})"
+    return common if common in FLOAT_TYPE_NAMES else f"input ({common})"
 
 
-def draft_token_ranking(vocab_path: str, texts: Optional[List[str]] = None) -> List[int]:
+def draft_token_ranking(vocab_path: Optional[str], texts: Optional[List[str]] = None,
+                        tokenize: Optional[Callable[[str], List[int]]] = None) -> List[int]:
     """The calibration text's tokens, most frequent first (ties: lower id first), as stored under
     river.draft_tokens: the ranking lossless decoding's draft vocabulary takes its tokens from
-    (native/draft_vocab.h). texts: default imatrix.calibration_texts()."""
-    with suppress_stdout_stderr():  # libllama's vocabulary warnings: the converter is quiet
-        vocab = native.Vocab(vocab_path)
+    (native/draft_vocab.h). texts: default imatrix.calibration_texts(). tokenize: the text's
+    tokens without BOS (e.g. an open Model's), instead of loading vocab_path's vocabulary."""
+    if tokenize is None:
+        with suppress_stdout_stderr():  # libllama's vocabulary warnings: the converter is quiet
+            vocab = native.Vocab(vocab_path)
+        tokenize = lambda text: vocab.tokenize(text, False, False)  # noqa: E731
     counts: Dict[int, int] = {}
     for text in imx.calibration_texts() if texts is None else texts:
-        for t in vocab.tokenize(text, False, False):
+        for t in tokenize(text):
             counts[t] = counts.get(t, 0) + 1
     return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
 def _is_quantized(reader) -> bool:
-    return any(type_name(t) not in _FLOAT_TYPE_NAMES for t in plain_tensors(reader) if len(t.shape) >= 2)
+    return any(type_name(t) not in FLOAT_TYPE_NAMES for t in plain_tensors(reader) if len(t.shape) >= 2)
 
 
 def _plain_source(bb, backbone_path: str, out_path: str, stack):
@@ -562,7 +568,7 @@ def preset_score_tokens(calibration_tokens: int) -> int:
 IMATRIX_DATASET = "calibration split (gsm8k, humaneval; item % 5 == 0), the presets' items held out"
 
 
-def _imatrix_texts(calibration_tokens: int, held_out=()) -> List[str]:
+def imatrix_texts(calibration_tokens: int, held_out=()) -> List[str]:
     """The calibration texts for the imatrix, less the held-out items (the presets'), cut to
     about 10x calibration_tokens tokens (at ~4 characters a token; the default 1,024 keeps all of
     them, ~6,000 tokens once the presets' ~17 items are held out)."""

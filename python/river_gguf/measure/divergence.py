@@ -95,11 +95,16 @@ def config_logits(model, tokens: Sequence[int], prefix: int, batched: bool = Fal
     if batched:
         if not is_static(options):
             raise ValueError(f"a batched pass equals decode only for static settings, not {options}")
-        logits = model.logits(tokens, **options)
+        # The scored rows alone: the last token predicts nothing scored, and the prompt's rows but
+        # its last need no head.
+        if len(tokens) - 1 <= model.n_batch:
+            logits = model.logits(tokens[:len(tokens) - 1], first_row=prefix - 1, **options)
+        else:  # more than one batch: every row's head, then the scored ones
+            logits = model.logits(tokens, **options)[prefix - 1:len(tokens) - 1]
         # The exit layer every decode step would report: the last layer (never exited) for the
         # backbone, -1 (before layer 0) for river-only, as the engine reports them.
         exit_layer = model.n_layer - 1 if options.get("mode") == "backbone" else -1
-        return logits[prefix - 1:len(tokens) - 1], [exit_layer] * (len(tokens) - prefix - 1)
+        return logits, [exit_layer] * (len(tokens) - prefix - 1)
     r = model.score(tokens, prefix=prefix, keep_logits=True, **options)
     return r.logits, [int(e) for e in r.exit_layers[1:]]
 

@@ -1,0 +1,291 @@
+"""What a conversion will do, how long it will take and how much memory it will hold, before it
+does anything (``river-gguf convert --dry-run``).
+
+The plan comes from the input's header and llama.cpp's own dry run of its quantizer (each
+tensor's type for the river and the stored backbone, nothing written), the calibration text
+tokenized with the model's vocabulary, and the cost model (cost_model.plan: the preset settings
+left in play). Time is predicted from a short probe on this machine: one batched pass of the F16
+over PROBE_TOKENS tokens (the per-token time every forward stage scales by; its first, cold run
+also times reading the weights from disk) and ggml quantizing a slab of random rows to each
+target type (per element). Each stage's time is that work times a constant fitted once on the
+2-core VM of BENCHMARKS.md ("Conversion cost") by benchmarks/convert_cost.py. Peak memory is the
+largest of the stages' resident sets, as the converter holds them: the F16 mapped whole during
+its pass with the logits buffers, one slab of llama.cpp's quantizer, the two parts mapped while
+the presets are measured and while the output is written.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from llama_cpp._utils import suppress_stdout_stderr
+
+from .._loader import native
+from ..calibrate import open_model
+from ..calibrate.cost_model import TensorInfo, grid, plan, setting_cost, step_bytes, tensor_costs, tier_bounds_of
+from ..gguf.copy import check_loadable, is_river_gguf, open_reader, plain_tensors, type_name
+from ..gguf.io import QUANT_BUFFER_BYTES, LlamaLog, captured_llama_log, planned_types
+from ..measure.scoring import calibration_selection
+from ..profile import predicted_mean_exit, similarity_profile
+from . import build
+from .imatrix import calibration_texts
+
+GIB = 1 << 30
+PROBE_TOKENS = 128
+PROFILE_TOKENS = 256
+# Seconds per unit of work, in units of the probe's times, fitted on the 2-core VM (see the module
+# docstring): the F16 pass per token (imatrix and reference rows, their logits included), the
+# presets per token-pass of a setting, quantization per element of the probe's rate, and the fixed
+# costs (engine loads, the vocabulary, hashing and writing per GiB).
+PASS_FACTOR = 0.94
+DECODE_FACTOR = 3.0       # a decode step against a batched token, for dynamic settings
+QUANT_FACTOR = 1.0
+FIXED_SECONDS = 2.0
+IO_SECONDS_PER_GIB = 1.5
+BASE_BYTES = 0.35 * GIB   # Python, numpy, the vocabulary and the engines' own buffers
+
+
+def presets_factor(f16_bytes: int) -> float:
+    """A quantized setting's batched token over the F16's (the probe's): about 1 on small models,
+    where graph and head overheads dominate, falling to about 0.6 from 1.5B on, where the quantized
+    weights' fewer bytes tell (fitted on SmolLM2 1.2, Qwen2.5-Coder-0.5B 1.0, the 1.5B shape 0.6;
+    interpolated in the F16's size, log scale)."""
+    x = np.log([0.25 * GIB, 1.18 * GIB, 3.31 * GIB])
+    return float(np.interp(np.log(max(f16_bytes, 1)), x, [1.2, 1.0, 0.6]))
+
+
+@dataclass
+class Stage:
+    name: str
+    what: str
+    seconds: float
+    peak_bytes: float
+
+
+@dataclass
+class ConversionPlan:
+    backbone: str
+    out: str
+    stages: List[Stage] = field(default_factory=list)
+    settings: List[dict] = field(default_factory=list)   # {"options", "relative_cost", "why"}
+    available_bytes: Optional[int] = None
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stages)
+
+    @property
+    def peak_bytes(self) -> float:
+        return max((s.peak_bytes for s in self.stages), default=0.0)
+
+    @property
+    def fits(self) -> bool:
+        return self.available_bytes is None or self.peak_bytes <= self.available_bytes
+
+    def lines(self) -> List[str]:
+        out = [f"dry run: {os.path.basename(self.backbone)} -> {self.out} (nothing is written)"]
+        for i, s in enumerate(self.stages, 1):
+            out.append(f"  {i}. {s.name}: {s.what}  [~{s.seconds:.0f} s, {s.peak_bytes / GIB:.2f} GiB]")
+        if self.settings:
+            play = [r for r in self.settings if not r["why"]]
+            out.append(f"  presets: {len(play)} of {len(self.settings)} settings in play:")
+            out += [f"     {_describe(r['options'])} ({r['relative_cost']:.3f}x river-only's cost)" for r in play]
+        out += [f"  note: {n}" for n in self.notes]
+        free = (f" (available: {self.available_bytes / GIB:.1f} GiB)" if self.available_bytes is not None else "")
+        out.append(f"predicted: {self.seconds:.0f} s, peak memory {self.peak_bytes / GIB:.2f} GiB{free}")
+        if not self.fits:
+            out.append("warning: the conversion is predicted to need more memory than this machine has available")
+        return out
+
+
+def _describe(o: dict) -> str:
+    what = o["mode"] if o["mode"] != "river" else f"tau {o['threshold']}"
+    extra = f" tail {o.get('tail', 0)}" if o["mode"] != "backbone" else ""
+    return what + extra + (" (backbone attention)" if o.get("river_attention") == "backbone" else "")
+
+
+def available_memory() -> Optional[int]:
+    """MemAvailable of /proc/meminfo, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class _Tokenizer:
+    """The model's vocabulary with Model.tokenize's signature, for counting the calibration text."""
+
+    def __init__(self, path: str):
+        with captured_llama_log(LlamaLog()), suppress_stdout_stderr():
+            self._vocab = native.Vocab(path)
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> List[int]:
+        return list(self._vocab.tokenize(text, add_special, parse_special))
+
+
+def _infos(types: Dict[str, str], shapes: Dict[str, tuple]) -> List[tuple]:
+    out = []
+    for name, t in types.items():
+        if name not in shapes:
+            continue
+        block, size = GGML_QUANT_SIZES[QT[t]]
+        n = int(np.prod(shapes[name]))
+        out.append((name, TensorInfo(shapes[name], QT[t], n // block * size)))
+    return out
+
+
+def _probe(path: str, tokens: List[int], n_threads: int) -> tuple:
+    """(seconds to read the weights, seconds per token of a batched F16 pass, tau's profile): the
+    profile is the conversion's own (similarity_profile, batched), taken first, cold; then one
+    warm batched pass over `tokens` times a token."""
+    model = open_model(path, n_ctx=max(PROFILE_TOKENS, len(tokens)) + 1, n_batch=max(PROFILE_TOKENS, len(tokens)),
+                       n_threads=n_threads, mode="backbone", repack=False)
+    try:
+        t0 = time.perf_counter()
+        sims = similarity_profile(model, own_engine=False)
+        t1 = time.perf_counter()
+        model.logits(tokens)
+        per_token = (time.perf_counter() - t1) / len(tokens)
+        return max(t1 - t0 - (len(sims) + 1) * per_token, 0.0), per_token, sims
+    finally:
+        del model
+
+
+def _probe_quantize(type_names: List[str], n_threads: int, n_elements: int = 1 << 22) -> Dict[str, float]:
+    """Seconds per element ggml takes to quantize rows of 4,096 to each type, with importance."""
+    cols = 4096
+    x = np.random.default_rng(0).standard_normal((n_elements // cols, cols)).astype(np.float32)
+    imp = np.ones(cols, dtype=np.float32)
+    out = {}
+    for t in sorted(set(type_names)):
+        qt = QT[t]
+        if qt in (QT.F32, QT.F16, QT.BF16) or cols % GGML_QUANT_SIZES[qt][0]:
+            continue
+        t0 = time.perf_counter()
+        native.quantize_rows(int(qt), x, imp, n_threads)
+        out[t] = (time.perf_counter() - t0) / x.size
+    return out
+
+
+def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_RIVER_TYPE, river_path=None,
+                    imatrix=build.IMATRIX_AUTO, backbone_type: Optional[str] = build.DEFAULT_BACKBONE_TYPE,
+                    presets: bool = True, threshold: Optional[float] = None, river_head_type: Optional[str] = None,
+                    calibration_tokens: Optional[int] = None, n_threads: int = 2, probe: bool = True) -> ConversionPlan:
+    """The plan of build_river_gguf with these options (the same checks of the input first)."""
+    backbone_path, out_path = os.fspath(backbone_path), os.fspath(out_path)
+    if not os.path.exists(backbone_path):
+        raise FileNotFoundError(f"model file not found: {backbone_path}")
+    n_layer = int(check_loadable(backbone_path)["n_layer"])
+    reader = open_reader(backbone_path)
+    if is_river_gguf(reader):
+        raise ValueError(f"{backbone_path} already is a River GGUF: the dry run plans conversions of plain files")
+    tensors = list(plain_tensors(reader))
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in tensors}
+    in_types = {t.name: type_name(t) for t in tensors}
+    quantized = any(in_types[t.name] not in build.FLOAT_TYPE_NAMES for t in tensors if len(t.shape) >= 2)
+    F = os.path.getsize(backbone_path)
+    calibration_tokens = calibration_tokens or build.calibration_token_budget(F)
+    backbone_type = None if backbone_type in (None, "f16") else str(backbone_type).lower()
+    if backbone_type == "auto":
+        backbone_type = None if quantized else "q8_0"
+    river_type = str(river_type).lower()
+    collect = imatrix == build.IMATRIX_AUTO and river_path is None
+    res = ConversionPlan(backbone_path, out_path, available_bytes=available_memory())
+
+    # Types: llama.cpp's dry runs, so nothing is guessed about its mix.
+    rv_types = (planned_types(backbone_path, river_type, n_threads, quantized, river_head_type,
+                              importance=imatrix is not None) if river_path is None
+                else {t.name: type_name(t) for t in open_reader(river_path).tensors})
+    bb_types = planned_types(backbone_path, backbone_type, n_threads, quantized) if backbone_type else in_types
+    bb_infos, rv_infos = _infos(bb_types, shapes), _infos(rv_types, shapes)
+    bb_bytes = sum(i.n_bytes for _, i in bb_infos)
+    rv_bytes = sum(i.n_bytes for n, i in rv_infos if n.startswith("blk.") or n in ("token_embd.weight", "output.weight"))
+    largest = max(int(np.prod(s)) for s in shapes.values())
+
+    # The calibration text, counted with the model's vocabulary.
+    tok = _Tokenizer(backbone_path)
+    prepared, held = (calibration_selection(tok, calibration_tokens, build.preset_score_tokens(calibration_tokens))
+                      if presets else ([], []))
+    imx_tokens = (sum(min(len(tok.tokenize(t, True)), 1024) for t in build.imatrix_texts(calibration_tokens, held))
+                  if collect else 0)
+    ref_tokens = sum(len(t) for t, _ in prepared)
+    profile = PROFILE_TOKENS if (threshold is None or presets) else 0
+
+    sims = None
+    if probe:
+        text = tok.tokenize(" ".join(calibration_texts()[:4]), True)[:PROBE_TOKENS]
+        load, per_token, sims = _probe(backbone_path, text, n_threads)
+        q_rate = _probe_quantize(list(rv_types.values()) + list(bb_types.values()), n_threads)
+    else:
+        per_token, load, q_rate = float("nan"), float("nan"), {}
+    n_vocab = shapes["token_embd.weight"][1]
+    logits_bytes = 512 * n_vocab * 4  # the engine's output buffer of a full batch's logits
+    kv = 2 * n_layer * 1024 * 2 * max((s[1] for n, s in shapes.items() if n.endswith("attn_k.weight")), default=0)
+
+    if collect or presets or profile:
+        parts = []
+        if collect:
+            parts.append(f"imatrix on {imx_tokens} tokens")
+        if presets:
+            parts.append(f"the presets' reference on {len(prepared)} held-out items ({ref_tokens} tokens)")
+        if profile:
+            parts.append(f"tau's profile ({profile} tokens)")
+        secs = load + PASS_FACTOR * per_token * (imx_tokens + ref_tokens + profile) + FIXED_SECONDS
+        res.stages.append(Stage("one pass over the input", "; ".join(parts), secs,
+                                F + kv + logits_bytes + BASE_BYTES))
+
+    def quant_seconds(types: Dict[str, str]) -> float:
+        total = 0.0
+        for name, t in types.items():
+            if name in shapes and t in q_rate and in_types.get(name) != t:
+                total += q_rate[t] * int(np.prod(shapes[name]))
+        return QUANT_FACTOR * total + IO_SECONDS_PER_GIB * F / GIB
+
+    slab = min(QUANT_BUFFER_BYTES, 4 * largest) * 2 + 2 * largest  # f32 rows, their quants, the source pages
+    if river_path is None:
+        res.stages.append(Stage("river", f"{river_type}{'+imatrix' if imatrix is not None else ''} by llama.cpp's "
+                                f"quantizer, {rv_bytes / GIB:.2f} GiB", quant_seconds(rv_types), slab + BASE_BYTES))
+    if backbone_type:
+        res.stages.append(Stage("backbone", f"{backbone_type} by llama.cpp's quantizer, {bb_bytes / GIB:.2f} GiB",
+                                quant_seconds(bb_types), slab + BASE_BYTES))
+    if presets:
+        layers, head = tensor_costs(bb_infos, rv_infos, n_layer, "cost")
+        bounds = tier_bounds_of(shapes, n_layer, layers, head)["bounds"]
+        settings = grid(n_layer)
+        guess = None if sims is None else (lambda o: predicted_mean_exit(
+            sims, o["threshold"], o.get("min_exit_layer", 0), o.get("tail", 0)))
+        why = plan(settings, layers, head, n_layer, bounds, guess)
+        river_only = step_bytes(layers, head, n_layer, -1, 0, True)
+        res.settings = [{"options": o, "relative_cost": setting_cost(o, layers, head, n_layer) / river_only, "why": w}
+                        for o, w in zip(settings, why)]
+        work = 0.0
+        families: Dict[tuple, List[int]] = {}
+        for o, w in zip(settings, why):
+            if w:
+                continue
+            if o["mode"] == "river-only":
+                families.setdefault((o.get("river_attention", "river"), o.get("river_head", True)), []).append(
+                    o.get("tail", 0))
+            elif o["mode"] == "backbone":
+                work += ref_tokens / 4  # measured for its KLD on a quarter of the items
+            else:
+                work += DECODE_FACTOR * ref_tokens / 4  # decode, a quarter of the items
+        for tails in families.values():
+            work += ref_tokens * (1 + sum(t for t in tails if t) / n_layer)
+        res.stages.append(Stage("presets", f"{sum(1 for w in why if not w)} of {len(settings)} settings measured",
+                                presets_factor(F) * per_token * work + FIXED_SECONDS,
+                                bb_bytes + rv_bytes + kv + logits_bytes + BASE_BYTES))
+    res.stages.append(Stage("write", f"{(bb_bytes + rv_bytes) / GIB:.2f} GiB, once",
+                            IO_SECONDS_PER_GIB * (bb_bytes + rv_bytes + F) / GIB + FIXED_SECONDS,
+                            bb_bytes + rv_bytes + BASE_BYTES))
+    return res

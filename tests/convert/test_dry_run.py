@@ -1,0 +1,50 @@
+"""`river-gguf convert --dry-run`: the plan of a conversion, before any work, and nothing written."""
+import json
+import os
+import subprocess
+import sys
+
+from river_gguf.convert import dry_run
+from river_gguf.convert.build import build_river_gguf
+from river_gguf.presets import GRID_KEY
+from river_gguf.testing import write_tiny_model
+
+
+def test_the_plan_is_what_the_conversion_does(tmp_path):
+    src = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=4, dtype="f16", seed=9)
+    out = tmp_path / "out.gguf"
+    plan = dry_run.plan_conversion(src, out, threshold=0.9, n_threads=1)
+    assert sorted(os.listdir(tmp_path)) == ["bb.gguf"]  # nothing written, no temp left
+    assert [s.name for s in plan.stages] == ["one pass over the input", "river", "backbone", "presets", "write"]
+    assert all(s.seconds > 0 for s in plan.stages)
+    assert plan.peak_bytes >= os.path.getsize(src)  # the input is mapped whole during its pass
+    lines = plan.lines()
+    assert lines[0].startswith("dry run:") and lines[-1].startswith("predicted:")
+
+    # The settings it says are in play are the ones the conversion measures.
+    meta = build_river_gguf(src, out, threshold=0.9, progress=False, n_threads=1)
+    measured = {json.dumps(r["options"], sort_keys=True) for r in json.loads(meta[GRID_KEY]) if "kld" in r}
+    planned = {json.dumps(r["options"], sort_keys=True) for r in plan.settings if not r["why"]}
+    assert planned == measured
+
+
+def test_a_conversion_that_does_not_fit_says_so(tmp_path, monkeypatch):
+    src = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, dtype="f16", seed=3)
+    monkeypatch.setattr(dry_run, "available_memory", lambda: 1 << 20)  # 1 MiB free
+    plan = dry_run.plan_conversion(src, tmp_path / "out.gguf", threshold=0.9, presets=False, probe=False,
+                                   n_threads=1)
+    assert not plan.fits and plan.lines()[-1].startswith("warning:")
+    assert [s.name for s in plan.stages] == ["one pass over the input", "river", "backbone", "write"]
+
+
+def test_cli_dry_run(tmp_path):
+    src = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, dtype="f16", seed=4)
+    out = tmp_path / "out.gguf"
+    p = subprocess.run([sys.executable, "-m", "river_gguf.cli", "convert", str(src), "-o", str(out), "--dry-run",
+                        "-t", "1", "--no-presets"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "predicted:" in p.stdout and "river: q4_k_m+imatrix" in p.stdout
+    assert not out.exists() and sorted(os.listdir(tmp_path)) == ["bb.gguf"]
+    p = subprocess.run([sys.executable, "-m", "river_gguf.cli", "convert", str(tmp_path / "missing.gguf"), "-o",
+                        str(out), "--dry-run"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.startswith("error:") and "Traceback" not in p.stderr

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Add an exit river to a GGUF: write a River GGUF.
 
-    python tools/add_river_gguf.py BACKBONE.gguf -o MODEL.river.gguf [--river-type q4_0|q4_k_m|q3_k_m|...]
+    python tools/add_river_gguf.py BACKBONE.gguf -o MODEL.river.gguf [--river-type q4_k_m|q4_0|q3_k_m|...]
         [--river EXISTING.gguf] [--threshold 0.97] [--min-exit-layer N] [--river-head/--no-river-head]
-        [--prefill backbone|river] [--tail N] [--imatrix auto|none|FILE] [--backbone-type f16|q8_0]
-        [--presets/--no-presets] [--replace-river] [--threads N]
+        [--prefill backbone|river] [--tail N] [--imatrix auto|none|FILE] [--backbone-type auto|f16|q8_0]
+        [--presets/--no-presets] [--replace-river] [--dry-run] [--threads N]
 
-The default river is q4_0 quantized with an importance matrix collected from the backbone's
-activations on the calibration split, and the file stores measured fast/balanced/quality
-presets (see river_gguf/convert/build.py and river_gguf/calibrate/cost_model.py; the options are river_gguf/cli/convert_cmd.py's). Errors print a message to
+The default is a Q8_0 backbone and a Q4_K_M river quantized by llama.cpp with an importance matrix
+collected from the input's activations on the calibration split, and the file stores measured
+fast/balanced/quality presets (see river_gguf/convert/build.py and
+river_gguf/calibrate/cost_model.py; the options are river_gguf/cli/convert_cmd.py's). --dry-run
+prints the plan, the predicted time and peak memory, and writes nothing. Errors print a message to
 stderr and exit with status 2; Ctrl-C exits with status 130 and leaves no file behind.
 Same as ``river-gguf convert``.
 """

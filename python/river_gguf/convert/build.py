@@ -212,13 +212,14 @@ def build_river_gguf(
         matrices are floats (F32/F16/BF16) and as given otherwise; None or "f16" keeps the
         backbone's tensors as they are; "q8_0" stores the backbone quantized to Q8_0. The river is
         always made from the input.
-    presets: measure the preset grid on the calibration split and store fast/balanced/quality
+    presets: measure the preset settings that can win a tier (calibrate/cost_model.plan) on
+        held-out calibration items, against the input's logits, and store fast/balanced/quality
         presets (river.presets) in the file.
     river_head_type: the river head's type (e.g. "q4_0"); None keeps llama.cpp's choice for
         river_type (Q8_0 for q4_0 on SmolLM2: a third of the river's bytes).
-    calibration_tokens: tokens each static preset setting is scored on (batched, at prefill speed;
-        dynamic settings: by decode on a quarter of the items), and a tenth of the token budget of the
-        imatrix collection; None (default) is 1,024 at every size.
+    calibration_tokens: scored tokens of the held-out items each static preset setting runs on
+        (batched, prompt included; dynamic settings: by decode on a quarter of the items), and a
+        tenth of the token budget of the imatrix collection; None (default) is 1,024 at every size.
     report: called with one line per step (the river's quantization and its fallback types, the
         importance matrix, the threshold), for a caller to print; llama.cpp's own log is kept
         (gguf.io.captured_llama_log) and printed to stderr only with verbose=True.
@@ -547,10 +548,10 @@ def _river_entries(backbone_path, river_path, river_src, type_label, threshold, 
 
 
 # ----- how much calibration -------------------------------------------------------------
-# The presets score every static setting of cost_model.grid at prefill speed (one backbone pass over
-# each prompt, then the completion as one batch per setting: measure/divergence.score_batched),
-# and the dynamic ones by decode on a quarter of the items; the imatrix is a batched prefill over about
-# 10x the tokens. So the default is the same at every size.
+# The presets score the static settings in play batched (each item whole, in one pass per setting;
+# river-only tails share their river layers), and the dynamic ones by decode on a quarter of the
+# items; the imatrix is a batched prefill over about 6x the tokens. So the default is the same at
+# every size.
 DEFAULT_CALIBRATION_TOKENS = 1024
 MIN_CALIBRATION_TOKENS = 32
 

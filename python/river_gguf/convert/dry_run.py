@@ -280,8 +280,13 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
                 work += ref_tokens / 4  # measured for its KLD on a quarter of the items
             else:
                 work += DECODE_FACTOR * ref_tokens / 4  # decode, a quarter of the items
+        # A family's tails share one river pass; each tail then runs its backbone layers over the
+        # item and the head over its scored rows (the head's share of a token-pass: its weights
+        # over all the weights).
+        head_share = shapes["token_embd.weight"][0] * n_vocab / sum(int(np.prod(v)) for v in shapes.values())
+        scored = sum(len(t) - p for t, p in prepared)
         for tails in families.values():
-            work += ref_tokens * (1 + sum(t for t in tails if t) / n_layer)
+            work += ref_tokens * (1 + sum(t for t in tails if t) / n_layer) + scored * head_share * (len(tails) - 1)
         res.stages.append(Stage("presets", f"{sum(1 for w in why if not w)} of {len(settings)} settings measured",
                                 presets_factor(F) * per_token * work + FIXED_SECONDS,
                                 bb_bytes + rv_bytes + kv + logits_bytes + BASE_BYTES))

@@ -19,12 +19,14 @@ same items for both, which is the interval to read before claiming one beats the
 
 Logits come through the decode path (``Model.score(keep_logits=True)``): the prompt prefilled,
 every scored token one decode step, with exits live; the reference's too, so a file scored
-against itself is exactly 0. A batched pass (``Model.logits``) is offered for static settings
-(backbone, or river-only with a tail), but it is not the same computation for quantized weights:
-ggml's batched and single-token kernels quantize activations differently, and on SmolLM2's Q4_0
-the two paths' logits differ by up to 1.3 (top token on 7 of 8 positions), in stock llama.cpp
-exactly as in river_gguf (tests/measure/test_divergence.py). F16 weights agree to 0.04. So reports and
-presets score every row through decode; the batched pass is for quick looks at static files.
+against itself is exactly 0. A batched pass (``Model.logits``, each item whole, the prompt run in
+the setting as it prefills in use) is offered for static settings (backbone, or river-only with a
+tail), but it is not the same computation for quantized weights: ggml's batched and single-token
+kernels quantize activations differently, and on SmolLM2's Q4_0 the two paths' logits differ by up
+to 1.3 (top token on 7 of 8 positions), in stock llama.cpp exactly as in river_gguf
+(tests/measure/test_divergence.py); F16 weights agree to 0.04. Averaged over a calibration's
+tokens the two agree within their intervals (BENCHMARKS.md), so the converter's presets score
+static settings batched, and reports score every row through decode.
 """
 from __future__ import annotations
 

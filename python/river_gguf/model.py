@@ -580,12 +580,10 @@ class Model:
         """Logits for every position of `tokens` in one batched pass: float32 [len(tokens), n_vocab].
         first_row: only positions first_row.. (the head runs those alone; `tokens` must then fit
         one batch, n_batch)."""
-        toks = self._check_tokens(tokens)
+        toks = self._one_batch(tokens) if first_row else self._check_tokens(tokens)
         if not toks:
             raise ValueError("no tokens")
         first_row = _int_arg("first_row", first_row, 0, len(toks) - 1)
-        if first_row and len(toks) > self._n_batch:
-            raise ValueError(f"first_row needs the tokens in one batch: {len(toks)} > n_batch={self._n_batch}")
         opts = self.options(**options)
         self._clear()
         out, _, _ = self._eval(toks, opts, prompt=True, all_logits=True, first_row=first_row)
@@ -680,17 +678,22 @@ class Model:
             traces.append(list(sims))
         return traces
 
+    def _one_batch(self, tokens: Sequence[int]) -> List[int]:
+        """The checked tokens of a call that runs them as one batch (at most n_batch, at least one)."""
+        toks = self._check_tokens(tokens)
+        if not toks:
+            raise ValueError("no tokens")
+        if len(toks) > self._n_batch:
+            raise ValueError(f"{len(toks)} tokens do not fit in one batch (n_batch={self._n_batch})")
+        return toks
+
     @_locked
     def similarity_rows(self, tokens: Sequence[int]) -> np.ndarray:
         """The exit rule's score of every backbone layer for every token, from one batched
         backbone pass over `tokens` (from an empty cache): float32 [len(tokens), n_layer]. Row i
         is what similarity_trace reports for the decode step of tokens[i], up to the batched
         kernels' rounding (the first token has no decode step there)."""
-        toks = self._check_tokens(tokens)
-        if not toks:
-            raise ValueError("no tokens")
-        if len(toks) > self._n_batch:
-            raise ValueError(f"{len(toks)} tokens do not fit in one batch (n_batch={self._n_batch})")
+        toks = self._one_batch(tokens)
         self._clear()
         try:
             _, _, sims = self._eval(toks, self.options(mode="backbone"), prompt=True, all_logits=True, trace=True)
@@ -706,11 +709,7 @@ class Model:
         only its own backbone layers and the head, on rows first_row.. (native
         Engine.river_tails). float32 [len(tokens) - first_row, n_vocab] per tail, in the order
         given."""
-        toks = self._check_tokens(tokens)
-        if not toks:
-            raise ValueError("no tokens")
-        if len(toks) > self._n_batch:
-            raise ValueError(f"{len(toks)} tokens do not fit in one batch (n_batch={self._n_batch})")
+        toks = self._one_batch(tokens)
         if river_attention not in ("river", "backbone"):
             raise ValueError(f"river_attention must be 'river' or 'backbone', got {river_attention!r}")
         tails = [_int_arg("tail", t, 0, self.n_layer - 1) for t in tails]

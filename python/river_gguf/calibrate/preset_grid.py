@@ -91,14 +91,20 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
             ref_only.append(divergence.DivergenceRun())
             ref_only[-1].add(divergence.compare(ref, ref, targets))
             want = [i for i in configs if k % every[i] == 0]
-            shared = _river_only_families(configs, [i for i in want if i in static])
+            shared = {}  # river-only tails of one family: one pass of their common river layers
+            for idx in _river_only_families(configs, [i for i in want if i in static]):
+                o = configs[idx[0]]
+                rows = model.river_tails(toks[:len(toks) - 1], [configs[j]["tail"] for j in idx],
+                                         river_attention=o["river_attention"], river_head=o.get("river_head", True),
+                                         first_row=prefix - 1)
+                shared.update(zip(idx, rows))
             for i in want:
                 o = configs[i]
                 t0 = time.perf_counter()
                 if own_backbone and divergence.is_static(o) and o.get("mode") == "backbone":
                     logits, exits = ref, [L - 1] * (len(targets) - 1)  # the reference itself: KLD 0
                 elif i in shared:
-                    logits, exits = shared[i](model, toks, prefix), [-1] * (len(targets) - 1)
+                    logits, exits = shared.pop(i), [-1] * (len(targets) - 1)
                 else:
                     logits, exits = divergence.config_logits(model, toks, prefix, batched=i in static, **o)
                 runs[i].add(divergence.compare(ref, logits, targets), exits)
@@ -148,35 +154,15 @@ GRID_FIELDS = ("options", "kld", "kld_ci", "interval", "same_top", "ppl", "cost"
                "mean_exit_layer", "reference", "scored", "why", "n_tokens", "items", "item_kld")
 
 
-def _river_only_families(configs: dict, static: List[int]) -> dict:
-    """For the static river-only settings among `static`, a function (model, tokens, prefix) ->
-    that setting's scored rows, where the settings of one family (the same head and attention)
-    share one pass of their common river layers (Model.river_tails): a family's first call runs
-    every tail of it, the others read what it kept. Settings alone in their family are left out."""
+def _river_only_families(configs: dict, static: List[int]) -> List[List[int]]:
+    """The static river-only settings among `static` grouped by family (the same head and
+    attention), families of two or more: their tails share one pass of the river (Model.river_tails)."""
     families: dict = {}
     for i in static:
         o = configs[i]
         if o.get("mode") == "river-only":
-            families.setdefault((o.get("river_attention", "river"), bool(o.get("river_head", True))), []).append(i)
-    out = {}
-    for (attention, head), idx in families.items():
-        if len(idx) < 2:
-            continue
-        kept: dict = {}
-
-        def rows(model, toks, prefix, i, idx=idx, attention=attention, head=head, kept=kept):
-            key = (id(toks), prefix)
-            if kept.get("key") != key:
-                tails = [configs[j].get("tail", 0) for j in idx]
-                got = model.river_tails(toks[:len(toks) - 1], tails, river_attention=attention, river_head=head,
-                                        first_row=prefix - 1)
-                kept.clear()
-                kept.update(key=key, **{str(j): r for j, r in zip(idx, got)})
-            return kept.pop(str(i))
-
-        for i in idx:
-            out[i] = (lambda model, toks, prefix, i=i, rows=rows: rows(model, toks, prefix, i))
-    return out
+            families.setdefault((o["river_attention"], bool(o.get("river_head", True))), []).append(i)
+    return [idx for idx in families.values() if len(idx) > 1]
 
 
 def preset_metadata(res: dict, default: str = DEFAULT_PRESET) -> dict:

@@ -32,6 +32,7 @@ The command line (``river-gguf convert``, ``tools/add_river_gguf.py``) is river_
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -408,7 +409,7 @@ class _CalibrationPass:
         if threshold:
             self.profile = default_threshold(model, sims=self.sims)
             say(f"threshold: {self.profile['threshold']:.4f} (profile-q{self.profile['quantile']:.2f})")
-        self.ranking = draft_token_ranking(None, tokenize=lambda text: model.tokenize(text, add_special=False))
+        self.ranking = draft_token_ranking(None, tokenize=functools.partial(model.tokenize, add_special=False))
         del model
 
     def close(self) -> None:
@@ -513,12 +514,6 @@ def _make_river(src: str, out_path: str, stack, bb, river_type: str, river_head_
         type_label += f" (head {river_head_type})"
     say(f"river: {type_label}, llama.cpp's types: {log.quantize_summary(mark)}")
     return river_src, type_label, entries
-
-
-def _fallbacks(log: LlamaLog, mark: int) -> str:
-    """': <summary>' of the quantizer's fallbacks since mark, or '' when it logged none."""
-    summary = log.quantize_summary(mark)
-    return "" if summary.startswith("no tensor") else f": {summary}"
 
 
 def _river_entries(backbone_path, river_path, river_src, type_label, threshold, source, min_exit_layer, prefill,

@@ -431,23 +431,29 @@ def quantize(src_path: str | os.PathLike, dst_path: str | os.PathLike, ftype: st
     if head is not None:
         params.token_embedding_type = int(head)
         params.output_tensor_type = int(head)
-    keep = []  # what llama.cpp reads through pointers, alive until it returns
-    if importance is not None:
-        if not len(importance):
-            raise ValueError("importance must name at least one weight")
-        entries = (llama_cpp.llama_model_imatrix_data * (len(importance) + 1))()  # ends with a null name
-        for i, name in enumerate(sorted(importance)):
-            imp = np.ascontiguousarray(importance[name], dtype=np.float32).reshape(-1)
-            cname = name.encode()
-            keep += [imp, cname]
-            entries[i].name = cname
-            entries[i].data = imp.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            entries[i].size = imp.size
-        keep.append(entries)
-        params.imatrix = entries
+    keep = _set_importance(params, importance) if importance is not None else []
     out = run_quantize(src_path, dst_path, ftype, params)
     del keep
     return out
+
+
+def _set_importance(params, importance: Mapping[str, np.ndarray]) -> list:
+    """Give llama.cpp's quantize params the importance vectors (its llama_model_imatrix_data list,
+    ended by a null name); returns what llama.cpp reads through pointers, to keep alive until the
+    quantizer returns."""
+    if not len(importance):
+        raise ValueError("importance must name at least one weight")
+    entries = (llama_cpp.llama_model_imatrix_data * (len(importance) + 1))()
+    keep: list = [entries]
+    for i, name in enumerate(sorted(importance)):
+        imp = np.ascontiguousarray(importance[name], dtype=np.float32).reshape(-1)
+        cname = name.encode()
+        keep += [imp, cname]
+        entries[i].name = cname
+        entries[i].data = imp.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        entries[i].size = imp.size
+    params.imatrix = entries
+    return keep
 
 
 # llama.cpp's quantizer, one line per tensor ("[  12/ 272] blk.1.attn_q.weight - [  576,   576,     1,     1],
@@ -468,17 +474,9 @@ def planned_types(src_path: str | os.PathLike, ftype: str, n_threads: int = 2, a
     params.allow_requantize = bool(allow_requantize)
     if head_type is not None:
         params.token_embedding_type = params.output_tensor_type = int(QT[str(head_type).upper()])
-    keep = []
-    if importance:
-        widths = {t.name: int(t.shape[0]) for t in GGUFReader(src_path).tensors if len(t.shape) >= 2}
-        entries = (llama_cpp.llama_model_imatrix_data * (len(widths) + 1))()
-        for i, (name, width) in enumerate(sorted(widths.items())):
-            ones, cname = np.ones(width, dtype=np.float32), name.encode()
-            keep += [ones, cname]
-            entries[i].name, entries[i].size = cname, width
-            entries[i].data = ones.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        keep.append(entries)
-        params.imatrix = entries
+    keep = (_set_importance(params, {t.name: np.ones(int(t.shape[0]), dtype=np.float32)
+                                     for t in GGUFReader(src_path).tensors if len(t.shape) >= 2})
+            if importance else [])
     log = LlamaLog()
     with captured_llama_log(log), deferred_interrupts():
         rc = llama_cpp.llama_model_quantize(os.fsencode(src_path), os.fsencode(src_path + ".dry-run"),

@@ -30,12 +30,11 @@ static settings batched, and reports score every row through decode.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -260,56 +259,6 @@ class ReferenceRows:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def batched_logits(model, tokens: Sequence[int], prefix: int, settings: Sequence[dict]) -> Iterator[np.ndarray]:
-    """Per static setting, in turn, the logits that predict tokens[prefix:], as decode would give them but
-    at prefill speed: the prompt is prefilled once with the backbone (decode's prefill policy) and
-    its last row predicts the first scored token for every setting; then, for each setting, the
-    cache is cut back to the prompt and the completion runs as one batch of that setting's layers.
-    Only static settings (is_static) mean the same in a batch; the rows round as batched kernels
-    do, not as single-token ones (see the module docstring). A generator, so that a caller holds
-    one setting's rows at a time (with a 150k vocabulary each is tens of MB); it holds the Model's
-    lock until it is exhausted or closed."""
-    for o in settings:
-        if not is_static(o):
-            raise ValueError(f"a batched pass equals decode only for static settings, not {o}")
-    rest = list(tokens[prefix:len(tokens) - 1])  # the scored tokens after the first, as inputs
-    with model.lock:
-        model.begin()
-        try:
-            first = model.eval(tokens[:prefix], model.options(mode="backbone"), prompt=True).logits[-1:]
-            for o in settings:
-                model.truncate(prefix)
-                rows = (model.eval(rest, model.options(**o), prompt=True, all_logits=True).logits if rest
-                        else first[:0])
-                yield np.concatenate([first, rows])
-        finally:
-            model.begin()  # the cache holds none of these rows for a later call
-
-
-def score_batched(model, configs: Dict[str, dict], prepared: Sequence[Tuple[List[int], int]],
-                  reference: dict, bar=None) -> Dict[str, "DivergenceRun"]:
-    """score_configs for static settings of one model at prefill speed (batched_logits): per
-    item, the reference (a static setting too, e.g. the backbone) and every configuration from one
-    shared prompt pass."""
-    labels = list(configs)
-    runs = {k: DivergenceRun() for k in labels}
-    for toks, prefix in prepared:
-        t0 = time.perf_counter()
-        exit_layer = {"backbone": model.n_layer - 1}
-        settings = [reference] + [configs[k] for k in labels]
-        with contextlib.closing(batched_logits(model, toks, prefix, settings)) as rows:
-            ref = next(rows)
-            for label in labels:
-                exits = [exit_layer.get(configs[label].get("mode"), -1)] * (len(toks) - prefix - 1)
-                runs[label].add(compare(ref, next(rows), toks[prefix:]), exits)
-        per = (time.perf_counter() - t0) / max(len(labels), 1)
-        for label in labels:
-            runs[label].seconds += per
-        if bar is not None:
-            bar.update((len(toks) - prefix) * len(labels))
-    return runs
 
 
 def score_configs(reference, configs: Dict[str, Tuple[object, dict]], prepared: Sequence[Tuple[List[int], int]],

@@ -1,9 +1,8 @@
-"""Greedy decoding on Model.eval, for measurement: evaluation, task accuracy and tuning.
+"""Greedy decoding, for measurement: evaluation, task accuracy and tuning. A policy on a Session:
+the argmax chooses each token (river_gguf.session runs the loop and times each evaluation).
 
-Text generation for users (sampling, stop strings, streaming, OpenAI dicts) is river_gguf.Llama's;
-this loop only takes the argmax, so it needs no sampler, and it times each decode step alone.
+Text generation for users (sampling, stop strings, streaming, OpenAI dicts) is river_gguf.Llama's.
 """
-import time
 from dataclasses import dataclass, field
 from typing import List, Sequence, Union
 
@@ -11,6 +10,7 @@ import numpy as np
 
 from .options import is_int
 from .results import exit_stats
+from .session import STOP
 
 
 @dataclass
@@ -61,34 +61,29 @@ def greedy(model, prompt: Union[str, Sequence[int]], max_tokens: int, stop: Sequ
     opts = model.options(**options)
     stops = [s for s in stop if s]
     max_tokens = min(int(max_tokens), model.n_ctx - len(toks))
-    out: List[int] = []
-    exits: List[int] = []
-    text, finish, cut_at_stop = "", "length", False
-    with model.lock:
-        model.begin()
-        t0 = time.perf_counter()
-        step = model.eval(toks, opts, prompt=True)
-        res = GreedyResult("", out, finish, exits, prefill_seconds=time.perf_counter() - t0, n_layer=model.n_layer,
-                           tail=opts.tail, threshold=opts.threshold, mode=opts.label)
-        while len(out) < max_tokens:
-            tok = int(np.argmax(step.logits[-1]))
-            if model.is_eog(tok):
-                finish = "stop"
-                break
-            out.append(tok)
-            exits.append(int(step.exit_layer))
+    res = GreedyResult("", [], "length", n_layer=model.n_layer, tail=opts.tail, threshold=opts.threshold,
+                       mode=opts.label)
+    out, text, cut_at_stop = res.tokens, "", False
+
+    def argmax(row, seen):
+        tok = int(np.argmax(row))
+        return STOP if model.is_eog(tok) else tok
+
+    with model.session(opts) as session:
+        session.prefill(toks)
+        for step in session.decode(argmax, limit=max_tokens):
+            out.append(step.token)
+            res.exit_layers.append(step.exit_layer)
             if stops:  # the text so far, only when a stop string may end it
                 text = model.detokenize(out)
                 cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
                 if cut >= 0:
-                    text, finish, cut_at_stop = text[:cut], "stop", True
+                    text, res.finish_reason, cut_at_stop = text[:cut], "stop", True
                     break
-            if len(out) >= max_tokens:
-                break
-            t0 = time.perf_counter()
-            step = model.eval([tok], opts, prompt=False)
-            res.decode_seconds += time.perf_counter() - t0
-            res.decode_steps += 1
+        else:
+            if len(out) < max_tokens:
+                res.finish_reason = "stop"  # an end-of-generation token
+        c = session.counters
+        res.prefill_seconds, res.decode_steps, res.decode_seconds = c.prefill_s, c.decode_steps, c.decode_s
     res.text = text if cut_at_stop else model.detokenize(out)
-    res.finish_reason = finish
     return res

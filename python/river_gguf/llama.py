@@ -79,6 +79,7 @@ One Llama owns one KV cache: use it from one thread at a time (a server queues r
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -113,6 +114,7 @@ from .options import EXIT_FIELDS
 from .options import NAMES as RIVER_NAMES
 from .options import RiverOptions, is_int
 from .results import exit_stats, lossless_stats
+from .session import Session
 
 __all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList",
            "ModelPathError"]
@@ -184,6 +186,17 @@ def _pick_draft(chain: SamplerChain, logits: np.ndarray, tokens: Optional[np.nda
         return chain.sample(logits) if tokens is None else chain.sample_from(tokens, logits)
     except SamplingError:
         return -1
+
+
+@contextlib.contextmanager
+def _draft_picker(chain: SamplerChain):
+    """A round's draft picker: a clone of the chain in its current state samples the drafts, so
+    they follow the sampler's randomness and penalties as far as the backbone's tokens do."""
+    twin = chain.clone()
+    try:
+        yield functools.partial(_pick_draft, twin)
+    finally:
+        twin.close()
 
 
 class _WithRiverOptions:
@@ -363,23 +376,17 @@ class Llama:
         self._n_ctx = n_ctx
 
         # llama_cpp's state: evaluated tokens and (when kept) their logits rows.
+        # llama_cpp's state: the evaluated tokens. They mirror what the session's KV cache holds
+        # after every evaluation; a caller may lower n_tokens (reset) or load a state, and the
+        # next evaluation makes the cache follow.
         self.n_tokens = 0
         self.input_ids = np.zeros((n_ctx,), dtype=np.intc)
         self._scores_buf: Optional[np.ndarray] = None
-        self._rows_valid = 0            # rows [0, _rows_valid) of scores hold these tokens' logits
-        self._last_logits: Optional[np.ndarray] = None
-        self._last_logits_pos = -1
-        self._last_exit_layer = -1
+        self._session: Optional[Session] = None  # the decode cursor, for the exit options it runs
         self._requires_eval = True      # restored or truncated state must evaluate before sampling
-        # Lossless mode: the logits rows of the last verify batch, from position _verify_first.
-        self._verify_rows: Optional[np.ndarray] = None
-        self._verify_first = 0
-        # What the engine's KV cache holds: tokens, under which exit options, since which epoch.
-        self._kv_tokens: List[int] = []
-        self._kv_opts = None
-        self._kv_epoch = None
-        self._kv_owned = False
-        self._acc: Dict[str, Any] = {}
+        # A loaded state's rows (and its last row), read until the next evaluation.
+        self._state_rows: Optional[np.ndarray] = None
+        self._state_last: Optional[np.ndarray] = None
         self.last_stats: Dict[str, Any] = {}
 
         self.chat_format = chat_format
@@ -416,9 +423,11 @@ class Llama:
     @property
     def scores(self) -> np.ndarray:
         """Logits rows [n_ctx, n_vocab]; rows of evaluated tokens are filled when kept
-        (logits_all=True, or a call with logprobs). Allocated on first use."""
+        (logits_all=True, or a call with logprobs): the session's buffer of kept rows.
+        Allocated on first use."""
         if self._scores_buf is None:
-            self._scores_buf = np.zeros((self._n_ctx, self._n_vocab), dtype=np.single)
+            self._scores_buf = (self._session.kept_rows(allocate=True) if self._session is not None
+                                else np.zeros((self._n_ctx, self._n_vocab), dtype=np.single))
         return self._scores_buf
 
     @scores.setter
@@ -439,13 +448,19 @@ class Llama:
 
     @property
     def eval_logits(self):
-        return deque(self.scores[: self._rows_valid, :].tolist(), maxlen=self._n_ctx if self._logits_all else 1)
+        return deque(self.scores[: self._rows_valid(), :].tolist(), maxlen=self._n_ctx if self._logits_all else 1)
 
     @property
     def model(self):
         """libllama's llama_model pointer of the vocab-only model (vocabulary and metadata only;
         llama_cpp's `model` is the full model)."""
         return self._vocab().model
+
+    @property
+    def session(self) -> Optional[Session]:
+        """The river_gguf Session whose KV cache this Llama decodes on (None before the first
+        evaluation): what the cache holds and the exit options it ran under."""
+        return self._session
 
     @property
     def exit_options(self):
@@ -546,14 +561,14 @@ class Llama:
         `llama_state` holds the tokens (STATE_MAGIC + int32), not KV bytes: load_state
         recomputes the KV cache from them."""
         n = self.n_tokens
-        rows = (self.scores[:n].copy() if n > 0 and self._rows_valid >= n
+        rows = (self.scores[:n].copy() if n > 0 and self._rows_valid() >= n
                 else np.zeros((0, self._n_vocab), dtype=np.single))
         blob = STATE_MAGIC + np.asarray(self.input_ids[:n], dtype="<i4").tobytes()
         state = LlamaState(input_ids=self.input_ids.copy(), scores=rows, n_tokens=n, llama_state=blob,
                            llama_state_size=len(blob), seed=self._seed)
         # The logits of the last position, so sample() works right after load_state as in llama_cpp.
-        keep_last = n > 0 and self._last_logits is not None and self._last_logits_pos == n - 1
-        state.river_last_logits = self._last_logits.copy() if keep_last else None
+        last = self._row_at(n - 1) if n > 0 else None
+        state.river_last_logits = None if last is None else np.array(last, dtype=np.single)
         return state
 
     def load_state(self, state: LlamaState) -> None:
@@ -576,14 +591,10 @@ class Llama:
         self.input_ids = ids
         self.n_tokens = int(n)
         rows = np.asarray(state.scores)
-        if n > 0 and rows.ndim == 2 and rows.shape == (n, self._n_vocab):
-            self.scores[:n] = rows
-            self._rows_valid = int(n)
-        else:
-            self._rows_valid = 0
+        keep = n > 0 and rows.ndim == 2 and rows.shape == (n, self._n_vocab)
+        self._state_rows = np.array(rows, dtype=np.single) if keep else None
         last = getattr(state, "river_last_logits", None)
-        self._last_logits = None if last is None else np.array(last, dtype=np.single)
-        self._last_logits_pos = n - 1 if last is not None else -1
+        self._state_last = None if last is None else np.array(last, dtype=np.single)
         self._requires_eval = True
         self._seed = state.seed
 
@@ -604,82 +615,80 @@ class Llama:
                             f"{', '.join(EXIT_FIELDS)})")
         return m.options(**river_options)
 
-    def _sync_kv(self, opts) -> None:
-        """Make the engine's KV cache hold exactly input_ids[:n_tokens], computed under `opts`:
-        keep the longest common prefix with what it holds and evaluate the rest. The cache is
-        rebuilt from scratch when another call on the same river_gguf.Model used it, or when the
-        exit options changed."""
-        m = self.river_model
-        if (not self._kv_owned or m.epoch != self._kv_epoch
-                or m.n_past != len(self._kv_tokens) or self._kv_opts != opts):
-            self._kv_epoch = m.begin()  # clears the cache and marks it this Llama's
-            self._kv_tokens, self._kv_opts, self._kv_owned = [], opts, True
-        target = self.input_ids[: self.n_tokens].tolist()
-        keep = _lcp(self._kv_tokens, target)
-        if keep < len(self._kv_tokens):
-            m.truncate(keep)
-            del self._kv_tokens[keep:]
-        if keep < len(target):
-            rest = target[keep:]
-            t0 = time.perf_counter()
-            m.eval(rest, opts, prompt=True)
-            self._count("prefill", len(rest), time.perf_counter() - t0)
-            self._kv_tokens.extend(rest)
-            if self._acc:  # tokens the call counted as reused had to be computed after all
-                self._acc["cached"] = max(0, self._acc["cached"] - len(rest))
+    def _sync(self, opts, want_rows: bool) -> Session:
+        """The session for `opts` (a new one, with an empty cache, when the exit options changed),
+        holding no more than the evaluated tokens input_ids[:n_tokens]: llama_cpp's n_tokens
+        says what the cache may be reused for."""
+        s = self._session
+        if s is None or s.options != opts:
+            if s is not None:
+                s.close()
+            s = self._session = self.river_model.session(opts)
+            self._scores_buf = None
+        s.keep_rows = want_rows
+        known = self.input_ids[: self.n_tokens].tolist()
+        keep = _lcp(s.tokens, known)
+        if self._requires_eval:  # the last row must come from an evaluation, not a restored state
+            keep = min(keep, max(self.n_tokens - 1, 0))
+        s.truncate(keep)
+        return s
 
-    def _eval_tokens(self, tokens: List[int], prompt: bool, opts, want_rows: bool, draft: bool = False,
-                     chain: Optional[SamplerChain] = None) -> None:
-        """Evaluate `tokens` after the n_tokens evaluated. draft (lossless mode, one token): the
-        river drafts after it, and the token and its drafts are verified in one backbone batch,
-        whose every row is kept for sampling (_logits_row). chain: the call's sampler chain, whose
-        copy samples the drafts (_pick_draft) when it is not plain greedy and has no grammar."""
-        if not tokens:
-            return
-        m = self._require_engine()
-        n, k = self.n_tokens, len(tokens)
-        if n + k > self._n_ctx:
-            raise native.ContextOverflowError(
-                f"{k} new tokens after {n} evaluated need {n + k} positions, but n_ctx is {self._n_ctx}")
-        self._verify_rows = None
-        with self._lock:
-            self._sync_kv(opts)
-            if draft:
-                twin = chain.clone() if chain is not None and not chain.greedy and not chain.has_grammar else None
-                try:
-                    pick = None if twin is None else functools.partial(_pick_draft, twin)
-                    r = m.lossless_round(tokens[0], opts, pick=pick)
-                finally:
-                    if twin is not None:
-                        twin.close()
-                tokens, k, logits, exit_layer = r.tokens, len(r.tokens), r.logits, r.exit_layer
-                self._count_round(k - 1, r.draft_seconds, r.verify_seconds)
-                self._verify_rows, self._verify_first = logits, n
-            else:
-                t0 = time.perf_counter()
-                logits, exit_layer, _ = m.eval(tokens, opts, prompt=prompt, all_logits=want_rows)
-                self._count("prefill" if prompt else "decode", k, time.perf_counter() - t0)
-            self._kv_tokens.extend(tokens)
-        self.input_ids[n:n + k] = tokens
-        if want_rows:
-            self.scores[n:n + k] = logits
-            if self._rows_valid >= n:
-                self._rows_valid = n + k
-        else:
-            self._rows_valid = min(self._rows_valid, n)
-        self._last_logits = np.array(logits[-1], dtype=np.single)
-        self._last_logits_pos = n + k - 1
-        self._last_exit_layer = int(exit_layer)
-        self.n_tokens = n + k
+    def _mirror(self) -> None:
+        """input_ids and n_tokens follow the tokens the session's cache holds."""
+        n, tail = self._session.changes()
+        self.input_ids[n:n + len(tail)] = tail
+        self.n_tokens = n + len(tail)
         self._requires_eval = False
+        self._state_rows = self._state_last = None
+
+    def _prefill(self, tokens: List[int], opts, want_rows: bool) -> Session:
+        """Evaluate `tokens` after the n_tokens evaluated (reusing what the cache holds of them)
+        as a prompt batch."""
+        m = self._require_engine()
+        n = self.n_tokens
+        if n + len(tokens) > self._n_ctx:
+            raise native.ContextOverflowError(
+                f"{len(tokens)} new tokens after {n} evaluated need {n + len(tokens)} positions, "
+                f"but n_ctx is {self._n_ctx}")
+        with m.lock:
+            s = self._sync(opts, want_rows)
+            s.prefill(self.input_ids[:n].tolist() + tokens, all_logits=want_rows)
+            self._mirror()
+        return s
 
     def eval(self, tokens: Sequence[int]) -> None:
         """Evaluate `tokens` after the n_tokens already evaluated. One token after others is a
         decode step, with River's exits live, exactly as in generate(); anything else is a prompt
         pass (River's prefill policy applies). Logits rows are kept when logits_all=True."""
-        self._require_engine()
+        m = self._require_engine()
         toks = self._check_tokens(tokens)
-        self._eval_tokens(toks, len(toks) != 1 or self.n_tokens == 0, self._default_opts, self._logits_all)
+        if not toks:
+            return
+        if len(toks) != 1 or self.n_tokens == 0:
+            self._prefill(toks, self._default_opts, self._logits_all)
+            return
+        n = self.n_tokens
+        if n + 1 > self._n_ctx:
+            raise native.ContextOverflowError(f"1 new token after {n} evaluated needs {n + 1} positions, "
+                                              f"but n_ctx is {self._n_ctx}")
+        with m.lock:
+            s = self._sync(self._default_opts, self._logits_all)
+            s.prefill(self.input_ids[:n].tolist(), all_logits=self._logits_all, need_row=False)
+            s.extend(toks, decode=True, all_logits=self._logits_all)
+            self._mirror()
+
+    def _rows_valid(self) -> int:
+        return self._session.rows_valid() if self._session is not None else 0
+
+    def _row_at(self, pos: int) -> Optional[np.ndarray]:
+        """The logits row that follows position `pos`, or None when it was not kept."""
+        if self._state_last is not None and pos == self.n_tokens - 1:
+            return self._state_last
+        if self._state_rows is not None and pos < len(self._state_rows):
+            return self._state_rows[pos]
+        if self._state_rows is None and self._state_last is None and self._session is not None:
+            return self._session.row(pos)
+        return None
 
     def _logits_row(self, idx: Optional[int]) -> np.ndarray:
         if self.n_tokens <= 0:
@@ -687,14 +696,11 @@ class Llama:
         pos = self.n_tokens - 1 if idx is None else idx
         if not is_int(pos) or not 0 <= pos < self.n_tokens:
             raise ValueError(f"idx must be an evaluated position in [0, {self.n_tokens}), got {idx!r}")
-        if pos == self._last_logits_pos and self._last_logits is not None:
-            return self._last_logits
-        if self._verify_rows is not None and 0 <= pos - self._verify_first < len(self._verify_rows):
-            return self._verify_rows[pos - self._verify_first]
-        if pos < self._rows_valid:
-            return self.scores[pos]
-        raise ValueError(f"the logits of position {pos} were not kept: create the Llama with logits_all=True "
-                         "to sample from any evaluated position")
+        row = self._row_at(pos)
+        if row is None:
+            raise ValueError(f"the logits of position {pos} were not kept: create the Llama with logits_all=True "
+                             "to sample from any evaluated position")
+        return row
 
     def _sample_row(self, chain: SamplerChain, logits: np.ndarray, processors, n_seen: Optional[int] = None) -> int:
         """Sample from `logits`, the row that follows the first n_seen tokens (default: all
@@ -741,100 +747,77 @@ class Llama:
             return self._sample_row(chain, logits, procs)
 
     # ----- generation ------------------------------------------------------------------------
-    def _stats_begin(self) -> None:
-        self._acc = {"cached": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
-                     "exit_layers": [], "rounds": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
-
-    def _count(self, kind: str, n: int, seconds: float) -> None:
-        if self._acc:
-            self._acc[kind + "_tokens"] += n
-            self._acc[kind + "_s"] += seconds
-
-    def _count_round(self, drafted: int, draft_s: float, verify_s: float) -> None:
-        """One lossless round: its time is decode time; its tokens count as they are sampled."""
-        a = self._acc
-        if a:
-            a["rounds"] += 1
-            a["drafted"] += drafted
-            a["draft_s"] += draft_s
-            a["verify_s"] += verify_s
-            a["decode_s"] += draft_s + verify_s
-
-    def _stats_end(self, opts) -> None:
-        a = self._acc
-        if not a:
+    def _stats(self, opts, cached: int) -> None:
+        """last_stats from the session's counters of this call."""
+        c = self._session.counters if self._session is not None else None
+        if c is None:
             return
         stats = {
-            "prompt_tokens_cached": a["cached"],
-            "prefill_tokens": a["prefill_tokens"],
-            "prefill_tok_s": a["prefill_tokens"] / a["prefill_s"] if a["prefill_s"] > 0 else 0.0,
-            "decode_tokens": a["decode_tokens"],
-            "decode_tok_s": a["decode_tokens"] / a["decode_s"] if a["decode_s"] > 0 else 0.0,
+            "prompt_tokens_cached": cached,
+            "prefill_tokens": c.prefill_tokens,
+            "prefill_tok_s": c.prefill_tokens / c.prefill_s if c.prefill_s > 0 else 0.0,
+            "decode_tokens": c.decode_tokens,
+            "decode_tok_s": c.decode_tokens / c.decode_s if c.decode_s > 0 else 0.0,
             "mode": opts.label,
             "threshold": opts.threshold,
             "tail": opts.tail,
         }
-        stats.update(exit_stats(a["exit_layers"], self.river_model.n_layer, opts.tail))
+        stats.update(exit_stats(c.exit_layers, self.river_model.n_layer, opts.tail))
         if opts.lossless:
-            stats.update(lossless_stats(a["rounds"], a["drafted"], a["accepted"], a["draft_s"], a["verify_s"]),
+            stats.update(lossless_stats(c.rounds, c.drafted, c.accepted, c.draft_s, c.verify_s),
                          draft_max=opts.draft_max, draft_p_min=opts.draft_p_min, draft_mode=opts.draft_mode)
         self.last_stats = stats
 
     def _run(self, tokens: List[int], reset: bool, chain: SamplerChain, processors, stopping_criteria, opts,
              want_rows: bool):
-        """llama_cpp's generate loop: reuse the evaluated prefix, evaluate, sample, yield, repeat."""
+        """llama_cpp's generate loop on the session: reuse the evaluated prefix, evaluate the
+        prompt, then Session.decode with the sampler chain (and logits processors) choosing each
+        token; tokens sent in are evaluated after the token they answer."""
+        m = self._require_engine()
         if reset and self.n_tokens > 0:
+            # Keep the evaluated tokens the prompt starts with: the session reuses them. The
+            # last prompt token is evaluated again unless the cache ends there (its row is live).
             common = _lcp(self.input_ids[: self.n_tokens].tolist(), tokens)
-            if want_rows:
-                common = min(common, self._rows_valid)  # rows this call reads must be computed
-            consumed = common == len(tokens)
-            if (consumed and self.n_tokens == len(tokens) and not self._requires_eval
-                    and self._kv_opts == opts):
-                # The whole prompt is evaluated and its last logits are live: sample at once.
-                reset, tokens, reuse = False, [], 0
-                self._acc["cached"] = self.n_tokens
-            else:
-                # Re-evaluate at least one token so the logits to sample from are fresh.
-                reuse = common - 1 if consumed else common
-            if reuse > 0:
-                reset, tokens = False, tokens[reuse:]
-                self.n_tokens = reuse
-                self._requires_eval = True
-                self._acc["cached"] = reuse
-        if reset:
+            if common == len(tokens) and self.n_tokens != len(tokens):
+                common -= 1
+            self.n_tokens = common
+            tokens = tokens[common:]
+        elif reset:
             self.reset()
         if not tokens and self.n_tokens == 0:
             raise ValueError("no tokens to evaluate")
-        sample_idx = self.n_tokens + len(tokens) - 1
-        first = True
-        while True:
-            # A decode step is one token. In lossless mode the river drafts after it and the
-            # backbone verifies the token and its drafts in one batch; the rows are sampled in
-            # order below, and the first sampled token that differs from the draft at its
-            # position ends the round (llama.cpp's speculative rule), so every token is the one
-            # the backbone's logits give the chain.
-            step = not first and len(tokens) == 1
-            drafting = step and opts.lossless
-            # Logits processors change the rows the chain samples: drafts then stay greedy.
-            self._eval_tokens(tokens, not step, opts, want_rows, draft=drafting, chain=None if processors else chain)
-            first = False
-            while sample_idx < self.n_tokens:
-                logits = self._logits_row(sample_idx)
-                token = self._sample_row(chain, logits, processors, sample_idx + 1)
-                self._acc["exit_layers"].append(self._last_exit_layer)
-                sample_idx += 1
-                if drafting:
-                    self._acc["decode_tokens"] += 1
-                    if sample_idx < self.n_tokens and token == self.input_ids[sample_idx]:
-                        self._acc["accepted"] += 1
-                if stopping_criteria is not None and stopping_criteria(self.input_ids[:sample_idx], logits):
+        with m.lock:
+            s = self._sync(opts, want_rows)
+            s.reset_counters()
+        s = self._prefill(tokens, opts, want_rows)
+        cached = s.n_past - s.counters.prefill_tokens
+        # Logits processors change the rows the chain samples: drafts then stay greedy.
+        pick = None if processors or chain.greedy or chain.has_grammar else functools.partial(_draft_picker, chain)
+
+        def choose(row, seen):
+            self._mirror()
+            return self._sample_row(chain, row, processors, seen)
+
+        try:
+            while True:
+                more = None
+                steps = s.decode(choose, pick=pick)
+                try:
+                    for step in steps:
+                        if stopping_criteria is not None and stopping_criteria(self.input_ids[:step.seen], step.row):
+                            return
+                        more = yield step.token
+                        if more is not None:
+                            break
+                finally:
+                    steps.close()
+                    self._mirror()
+                if more is None:
                     return
-                more = yield token
-                tokens = [token] + (self._check_tokens(more) if more is not None else [])
-                if sample_idx < self.n_tokens and token != self.input_ids[sample_idx]:
-                    self.n_tokens = sample_idx
-                    self._requires_eval = True
-                    break
+                # Tokens sent in follow the token they answer, in one prompt batch.
+                self._prefill([step.token] + self._check_tokens(more), opts, want_rows)
+        finally:
+            self._stats(opts, cached)
 
     def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
@@ -856,12 +839,10 @@ class Llama:
         return self._generate(tokens, _bool("reset", reset), chain, procs, stopping_criteria, opts)
 
     def _generate(self, tokens, reset, chain, procs, stopping_criteria, opts):
-        self._stats_begin()
         try:
             yield from self._run(tokens, reset, chain, procs, stopping_criteria, opts, self._logits_all)
         finally:
             chain.close()
-            self._stats_end(opts)
 
     # ----- completions -----------------------------------------------------------------------
     def _completion_prompt(self, prompt, suffix) -> tuple:
@@ -1008,7 +989,6 @@ class Llama:
         text = b""
         returned = 0
         utf8_wait = 0
-        self._stats_begin()
         gen = self._run(prompt_tokens, True, chain, procs, stopping_criteria, opts, want_rows)
         try:
             for token in gen:
@@ -1077,9 +1057,8 @@ class Llama:
         finally:
             gen.close()
             chain.close()
-            self._stats_end(opts)
 
-        if stopping_criteria is not None and stopping_criteria(self._input_ids, self._last_logits):
+        if stopping_criteria is not None and stopping_criteria(self._input_ids, self._row_at(self.n_tokens - 1)):
             text = detok(completion_tokens)
             finish_reason = "stop"
         if self.last_stats:
@@ -1349,6 +1328,7 @@ class Llama:
         if getattr(self, "_closed", True) and getattr(self, "_model", None) is None:
             return
         self._closed = True
+        self._session = None  # it holds the engine too
         self.river_model = None  # the engine goes with its last reference
         model, self._model = getattr(self, "_model", None), None
         if model is not None:

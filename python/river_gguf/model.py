@@ -23,19 +23,13 @@ from .gguf.io import deferred_interrupts
 from .options import EXIT_DECISIONS, ExitOptions, RiverOptions, check_river_options, is_bool, is_int, parse_bytes
 from .profile import default_threshold
 from .results import ScoreResult, log_softmax_at
-
-Prompt = Union[str, Sequence[int]]
+from .session import STOP, NumericalError, Session
 
 #: Largest accepted n_ctx and n_batch. The engine counts positions in 32-bit ints; past about a
 #: million positions the KV cache alone needs tens of GB for even a small model.
 MAX_CTX = 1 << 20
 #: ggml's thread pool holds at most GGML_MAX_N_THREADS (512) workers.
 _GGML_MAX_THREADS = 512
-
-
-class NumericalError(RuntimeError):
-    """The model produced NaN or infinite logits: its weights or hyperparameters are broken (or
-    overflow in this precision). Raised instead of returning text or scores computed from them."""
 
 
 class Step(NamedTuple):
@@ -153,12 +147,11 @@ class Model:
 
     Threads and the KV cache. A Model owns one KV cache. Every call that runs the engine
     (logits, score, similarity_trace, eval, begin, truncate) holds the Model's lock (a
-    threading.RLock, `lock`), so calls from several threads are serialized. A caller that keeps
-    state in the cache across calls (river_gguf.Llama does) takes the lock, calls begin() to
-    clear the cache and own it, and checks `epoch` before it reuses it: every call that clears
-    the cache (logits, score, similarity_trace, begin) bumps the epoch. Different Models share
-    no lock, and the native compute releases the GIL, so Models in different threads run in
-    parallel.
+    threading.RLock, `lock`), so calls from several threads are serialized. State kept in the
+    cache across calls is a Session's (`session()`): the cache holds one session's tokens at a
+    time, and a session that another call displaced evaluates what it needs again. Different
+    Models share no lock, and the native compute releases the GIL, so Models in different
+    threads run in parallel.
 
     NaN or infinite logits raise NumericalError (a RuntimeError) instead of producing text or
     scores; the Model stays usable.
@@ -218,7 +211,7 @@ class Model:
         self._n_batch = min(n_batch, n_ctx)
         self._n_gpu_layers = n_gpu_layers
         self._lock = threading.RLock()
-        self._epoch = 0  # bumped whenever a call clears the KV cache; a stream keeps the value it made
+        self._holder: Optional[Session] = None  # the session whose tokens the cache holds
 
         # libllama logs through llama-cpp-python's ctypes callback, which drops a KeyboardInterrupt
         # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
@@ -426,29 +419,11 @@ class Model:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.n_vocab})")
         return out
 
-    def _prompt_tokens(self, prompt: Prompt) -> List[int]:
-        if isinstance(prompt, (str, bytes)):
-            toks = self.tokenize(prompt, add_special=True, parse_special=True)
-        else:
-            toks = self._check_tokens(prompt)
-        if not toks:
-            raise ValueError("the prompt is empty")
-        if len(toks) >= self.n_ctx:
-            raise native.ContextOverflowError(
-                f"the prompt has {len(toks)} tokens, which leaves no room in n_ctx={self.n_ctx}"
-            )
-        return toks
-
     # ----- the KV cache and one evaluation ----------------------------------------------
     @property
     def lock(self) -> threading.RLock:
         """Held by every call that runs the engine; hold it across calls that share the cache."""
         return self._lock
-
-    @property
-    def epoch(self) -> int:
-        """Bumped whenever a call clears the KV cache: a caller that left state there checks it."""
-        return self._epoch
 
     @property
     def n_past(self) -> int:
@@ -458,28 +433,60 @@ class Model:
     @property
     def engine(self):
         """The native engine (river_gguf._native.Engine), for benchmarks and tools that drive it
-        without this class's checks. Its calls do not take the lock or bump the epoch."""
+        without this class's checks. Its calls do not take the lock or displace a session."""
         return self._engine
 
     @property
     def river_has_head(self) -> bool:
         return self._engine.river_has_head
 
-    @_locked
-    def begin(self) -> int:
-        """Clear the KV cache for a new computation and own it; returns the new epoch."""
-        return self._clear()
+    # ----- sessions: who the cache holds ------------------------------------------------
+    def session(self, options: Optional[ExitOptions] = None, *, keep_rows: bool = False, verify_kernels: bool = False,
+                **overrides) -> Session:
+        """A Session over this Model's KV cache (river_gguf.session): the one token loop. options:
+        resolved ExitOptions (from options()), or the keyword overrides options() takes.
+        keep_rows: keep every position's logits row. verify_kernels: decode steps in the verify
+        batch's kernels (each with a throwaway token), so that their text is lossless mode's bit
+        for bit."""
+        if options is not None and overrides:
+            raise ValueError("give options or keyword overrides, not both")
+        opts = self.options(**overrides) if options is None else options
+        if not isinstance(opts, ExitOptions):
+            raise ValueError(f"options must be ExitOptions (from Model.options), got {type(opts).__name__}")
+        return Session(self, self._engine, self._lock, opts, keep_rows=_bool_arg("keep_rows", keep_rows),
+                       verify_kernels=_bool_arg("verify_kernels", verify_kernels))
 
-    def _clear(self) -> int:
-        self._epoch += 1
+    def holds_cache(self, session: Session) -> bool:
+        """Whether the cache holds `session`'s tokens (no other call used it since)."""
+        return self._holder is session
+
+    def give_cache(self, session: Optional[Session], only_from: Optional[Session] = None) -> None:
+        """Hand the cache to `session`, cleared (None: to one-shot calls). only_from: only when
+        that session holds it, and then without clearing (a session letting it go)."""
+        with self._lock:
+            if only_from is not None:
+                if self._holder is only_from:
+                    self._holder = session
+                return
+            self._clear()
+            self._holder = session
+
+    @_locked
+    def begin(self) -> None:
+        """Clear the KV cache for raw calls (eval, truncate, draft); a session holding it is
+        displaced."""
+        self._clear()
+
+    def _clear(self) -> None:
+        self._holder = None
         self._engine.truncate(0)
-        return self._epoch
 
     @_locked
     def truncate(self, n_past: int) -> None:
-        """Keep the first n_past positions of the KV cache (the epoch stays: the prefix is kept)."""
+        """Keep the first n_past positions of the KV cache (a session holding it is displaced)."""
         if not is_int(n_past) or not 0 <= n_past <= self._engine.n_past:
             raise ValueError(f"n_past must be an int in [0, {self._engine.n_past}], got {n_past!r}")
+        self._holder = None
         self._engine.truncate(int(n_past))
 
     @_locked
@@ -501,6 +508,7 @@ class Model:
         if not isinstance(opts, ExitOptions):
             raise ValueError(f"options must be ExitOptions (from Model.options), got {type(opts).__name__}")
         opts.validate(self.n_layer, self.has_river)
+        self._holder = None
         return Step(*self._eval(toks, opts, _bool_arg("prompt", prompt), _bool_arg("all_logits", all_logits),
                                 _bool_arg("trace", trace)))
 
@@ -528,6 +536,7 @@ class Model:
         opts.validate(self.n_layer, self.has_river)
         if pick is not None and not callable(pick):
             raise ValueError(f"pick must be callable, got {type(pick).__name__}")
+        self._holder = None
         tokens, probs = self._engine.draft(tok, **opts.draft_args(), with_probs=_bool_arg("with_probs", with_probs),
                                            pick=pick)
         return list(tokens), list(probs)
@@ -561,10 +570,7 @@ class Model:
         self._engine.truncate(0)
 
     def _eval(self, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits=False, trace=False, first_row=0):
-        return self._eval_on(self._engine, tokens, opts, prompt, all_logits, trace, first_row)
-
-    def _eval_on(self, engine, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits=False, trace=False,
-                 first_row=0):
+        engine = self._engine
         out = engine.eval(tokens, all_logits=all_logits, trace=trace, first_row=first_row, **opts.engine_args(prompt))
         # Only the rows a caller reads are checked: the last one per step costs ~n_vocab compares.
         rows = out[0] if all_logits else out[0][-1:]
@@ -611,50 +617,29 @@ class Model:
 
     @_locked
     def score(self, tokens: Sequence[int], prefix: int = 1, keep_logits: bool = False, **options) -> ScoreResult:
-        """Teacher-forced scoring through the decode path: prefill tokens[:prefix], then feed the
-        rest one at a time, with exits, and report log p of each actual next token. keep_logits:
-        also return the logits that predicted each scored token (float32 [n_scored, n_vocab]),
-        for divergence from a reference model."""
+        """Teacher-forced scoring through the decode path: prefill tokens[:prefix], then decode the
+        rest with exits, the text choosing each token, and report log p of each actual next token.
+        In lossless mode the river drafts and the backbone verifies, and a draft is kept while it
+        equals the text, as lossless generation keeps it when the text is what it samples.
+        keep_logits: also return the logits that predicted each scored token (float32
+        [n_scored, n_vocab]), for divergence from a reference model."""
         keep_logits = _bool_arg("keep_logits", keep_logits)
         toks = self._check_tokens(tokens)
         if not is_int(prefix) or not 1 <= prefix < len(toks):
             raise ValueError(f"prefix must be an int in [1, {len(toks) - 1}], got {prefix!r}")
         if len(toks) > self.n_ctx:
             raise native.ContextOverflowError(f"{len(toks)} tokens do not fit in n_ctx={self.n_ctx}")
-        opts = self.options(**options)
-        self._clear()
-        logits, exit_layer, _ = self._eval(toks[:prefix], opts, prompt=True)
-        rows = logits[-1:]  # rows[j] predicts toks[i + j]
         logprobs, exits, kept = [], [], []
-        i = prefix
-        while True:
-            for row in rows:
-                logprobs.append(log_softmax_at(row, toks[i]))
-                exits.append(exit_layer)
+        text = iter(toks[prefix:])
+        with self.session(self.options(**options)) as s:
+            s.prefill(toks[:prefix])
+            for step in s.decode(lambda row, seen: next(text), limit=len(toks) - prefix):
+                logprobs.append(log_softmax_at(step.row, step.token))
+                exits.append(step.exit_layer)
                 if keep_logits:
-                    kept.append(np.array(row, dtype=np.float32))
-                i += 1
-            if i == len(toks):
-                break
-            rows, exit_layer = self._score_step(toks, i - 1, opts)
+                    kept.append(np.array(step.row, dtype=np.float32))
         return ScoreResult(np.array(logprobs), np.array(exits, dtype=np.int32),
                            np.stack(kept) if keep_logits else None)
-
-    def _score_step(self, toks: List[int], i: int, opts: ExitOptions):
-        """Teacher-forced decode of toks[i] after the cache's i positions: the logits rows that
-        predict toks[i+1], ... and their exit layer. A decode step gives one row. In lossless
-        mode the river drafts after toks[i], the backbone verifies toks[i] and the drafts in one
-        batch, and the rows up to the first draft that differs from the text are kept (the rest
-        leave the cache), as lossless generation keeps them when the text is what it samples."""
-        if not opts.lossless:
-            logits, exit_layer, _ = self._eval([toks[i]], opts, prompt=False)
-            return logits, exit_layer
-        r = self.lossless_round(toks[i], opts, max_drafts=len(toks) - i - 2)  # no row past the text's last prediction
-        accepted = 0
-        while accepted < len(r.tokens) - 1 and r.tokens[1 + accepted] == toks[i + 1 + accepted]:
-            accepted += 1
-        self._engine.truncate(i + 1 + accepted)
-        return r.logits[: accepted + 1], r.exit_layer
 
     @_locked
     def similarity_trace(self, tokens: Sequence[int], **options) -> List[List[float]]:
@@ -665,18 +650,8 @@ class Model:
             raise ValueError("no tokens")
         if len(toks) > self.n_ctx:
             raise native.ContextOverflowError(f"{len(toks)} tokens do not fit in n_ctx={self.n_ctx}")
-        opts = self.options(**options)
-        self._clear()
-        return self._trace_on(self._engine, toks, opts)
-
-    def _trace_on(self, engine, toks: List[int], opts: ExitOptions) -> List[List[float]]:
-        engine.truncate(0)
-        traces = []
-        self._eval_on(engine, toks[:1], opts, prompt=True)
-        for t in toks[1:]:
-            _, _, sims = self._eval_on(engine, [t], opts, prompt=False, trace=True)
-            traces.append(list(sims))
-        return traces
+        with self.session(self.options(**options)) as s:
+            return _trace(s, toks)
 
     def _one_batch(self, tokens: Sequence[int]) -> List[int]:
         """The checked tokens of a call that runs them as one batch (at most n_batch, at least one)."""
@@ -740,6 +715,16 @@ class Model:
                                    exit_decision=self._exit_decision,
                                    main_gpu=self._main_gpu, gpu_memory=self._gpu_memory)
         try:
-            return self._trace_on(engine, toks, ExitOptions(mode="backbone"))
+            # The short-lived engine's session: it counts positions against its own n_ctx.
+            session = Session(self, engine, threading.RLock(), ExitOptions(mode="backbone"), own_cache=True)
+            return _trace(session, toks)
         finally:
             del engine  # its weights map and KV cache go now, not at the next GC
+
+
+def _trace(session: Session, toks: List[int]) -> List[List[float]]:
+    """The exit rule's scores of the decode step of each token after the first, the text choosing."""
+    session.prefill(toks[:1])
+    text = iter(toks[1:])
+    steps = [step.scores for step in session.decode(lambda row, seen: next(text, STOP), trace=True)]
+    return [list(sc) for sc in steps[1:] + [session.scores]] if len(toks) > 1 else []

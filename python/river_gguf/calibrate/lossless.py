@@ -105,21 +105,19 @@ def river_only_acceptance(grid_rows: Sequence[dict]) -> Optional[float]:
 
 def measure_costs(model, options, max_batch: int, rounds: int = 5, steps: int = 16,
                   context: int = CONTEXT) -> Costs:
-    """Time, in `model`'s engine, a backbone decode step, a draft step (options' draft setting,
+    """Time, on a session of `model`, a backbone decode step, a draft step (options' draft setting,
     through the engine's draft itself: its draft vocabulary's head) and verify batches of
     2..max_batch tokens, each the median of `rounds` interleaved rounds of `steps` runs after the
     same prompt of `context` positions (fewer where n_ctx leaves less room, never fewer than
     PROMPT's tokens). The engine is timed alone (no sampling)."""
-    e = model.engine
     text = model.tokenize(PROMPT)
     room = model.n_ctx - steps - max_batch - 1
     if len(text) > room:
         raise ValueError(f"n_ctx={model.n_ctx} is too small to time {steps} steps after the prompt")
     n_prompt = max(len(text), min(int(context), room))
     prompt = (text * (n_prompt // len(text) + 1))[:n_prompt]
-    backbone = options.engine_args(prompt=True)
     # One draft of `steps` tokens, timed whole: drafts stop early only at a NaN row (p_min 0).
-    draft = dict(options.draft_args(), n_max=steps, p_min=0.0)
+    timing = options.with_overrides(draft_max=steps, draft_p_min=0.0)
     times: Dict[str, List[float]] = {}
 
     def timed(name, fn):
@@ -127,23 +125,22 @@ def measure_costs(model, options, max_batch: int, rounds: int = 5, steps: int = 
         fn()
         times.setdefault(name, []).append(time.perf_counter() - t0)
 
-    with model.lock:
-        model.begin()
-        e.eval(prompt, **backbone)
-        base = e.n_past
+    with model.session(timing) as session:
+        session.prefill(prompt)
+        base = session.n_past
         for _ in range(rounds):
-            e.truncate(base)
+            session.truncate(base)
             for i in range(steps):
-                timed("step", lambda: e.eval([prompt[i % len(prompt)]], **backbone))
-            e.truncate(base)
+                timed("step", lambda: session.extend([prompt[i % len(prompt)]], decode=True))
+            session.truncate(base)
             t0 = time.perf_counter()
-            drafted = len(e.draft(prompt[0], with_probs=False, **draft)[0])
+            drafted = len(session.draft(prompt[0]))
             times.setdefault("draft", []).append((time.perf_counter() - t0) / max(drafted, 1))
             for n in range(2, max_batch + 1):
                 for i in range(max(steps // n, 2)):
-                    e.truncate(base)
-                    timed(f"verify{n}", lambda: e.eval(prompt[:n], all_logits=True, **backbone))
-        model.begin()
+                    session.truncate(base)
+                    timed(f"verify{n}", lambda: session.verify(prompt[:n]))
+        session.truncate(0)
     med = {k: statistics.median(v) for k, v in times.items()}
     return Costs(step=med["step"], draft=med["draft"], verify={n: med[f"verify{n}"] for n in range(2, max_batch + 1)},
                  context=base)

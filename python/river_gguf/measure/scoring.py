@@ -75,21 +75,17 @@ def score_forced(model, reference, prepared: Prepared, exits: List[List[int]], r
     """Teacher-forced scoring with a given exit layer per decode step (engine mode 3): a
     backbone prefill, then step j of item i exits after layer exits[i][j]; KLD against the
     reference model (backbone mode, one batched pass per item)."""
-    backbone = ExitOptions(mode="backbone")
+    backbone = ExitOptions(mode="backbone", river_head=bool(river_head))
     run = divergence.DivergenceRun()
     t0 = time.perf_counter()
     for (toks, prefix), ex in zip(prepared, exits):
         if len(ex) != len(toks) - prefix - 1:
             raise ValueError(f"item needs {len(toks) - prefix - 1} exit layers, got {len(ex)}")
-        model.begin()
-        logits = model.eval(toks[:prefix], backbone).logits
-        kept = []
-        for i in range(prefix, len(toks)):
-            kept.append(np.array(logits[-1], dtype=np.float32))
-            if i + 1 < len(toks):
-                k = ex[i - prefix]
-                forced = ExitOptions(mode="river", exit_layer=int(k), river_head=bool(river_head))
-                logits = model.eval([toks[i]], forced, prompt=False).logits
+        text = iter(toks[prefix:])
+        with model.session(backbone) as session:
+            session.prefill(toks[:prefix])
+            kept = [np.array(step.row, dtype=np.float32)
+                    for step in session.decode(lambda row, seen: next(text), limit=len(toks) - prefix, exit_layers=ex)]
         ref = divergence.reference_logits(reference, toks, prefix, mode="backbone")  # decode, as score_configs
         run.add(divergence.compare(ref, np.stack(kept), toks[prefix:]), ex)
         if bar is not None:

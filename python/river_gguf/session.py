@@ -1,0 +1,436 @@
+"""A Session: a decode cursor over a Model's KV cache, and the one token loop.
+
+A Session is what a llama.cpp server slot is: it knows which tokens the cache holds, the exit
+options they ran under (resolved and validated once, when the session starts) and the logits rows
+that came with them. Its loop, `decode`, runs plain decode steps or lossless rounds (the river
+drafts, the backbone verifies the drafts in one batch) and applies one acceptance rule
+(`accept`): the rows are walked in order, a policy's `choose(row)` picks each token, and a draft
+is kept while it equals the token chosen at its position. Every caller is such a policy: the
+drop-in Llama's sampler chain, greedy's argmax, teacher-forced scoring's "the text's next token".
+
+Several Sessions may share one Model. The cache holds one of them at a time: a session that finds
+another (or a one-shot Model call) used the cache since, starts again from an empty cache, and
+re-evaluates what it needs through `prefill`'s prefix reuse.
+"""
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._loader import native
+from .options import ExitOptions
+
+#: What `choose` returns to end the loop.
+STOP = None
+
+#: choose(row, seen) -> token or STOP: `row` is the logits row that follows the first `seen`
+#: tokens of the session (Session.tokens[:seen]).
+Choose = Callable[[np.ndarray, int], Optional[int]]
+
+
+class NumericalError(RuntimeError):
+    """The model produced NaN or infinite logits: its weights or hyperparameters are broken (or
+    overflow in this precision). Raised instead of returning text or scores computed from them."""
+
+
+class Step(NamedTuple):
+    """One token of a decode loop, as the policy chose it."""
+    token: int
+    row: np.ndarray             # the logits row it was chosen from (valid until the next step)
+    seen: int                   # the row follows the session's first `seen` tokens
+    exit_layer: int             # of the pass that computed the row (n_layer - 1: never exited)
+    scores: Optional[List[float]]  # with trace: the exit rule's score per backbone layer of that pass
+
+
+@dataclass
+class Counters:
+    """What a session ran, for statistics: tokens and seconds of prefill and decode, the exit
+    layer of every row a token was chosen from, and lossless rounds."""
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0      # tokens chosen from decode steps' and rounds' rows
+    decode_steps: int = 0       # evaluations: plain steps and rounds
+    decode_s: float = 0.0
+    exit_layers: List[int] = field(default_factory=list)
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+def accept(rows: np.ndarray, drafts: Sequence[int], choose: Choose, seen: int) -> Iterator[Tuple[int, int]]:
+    """The acceptance rule (llama.cpp's speculative one): rows[j] predicts the token after the
+    j-th of (token, *drafts), which is the session's token seen + j - 1. Yields (j, chosen token)
+    in order, asking choose(rows[j], seen + j) for each;
+    the walk goes on while the chosen token equals drafts[j] and ends after the first that does
+    not (or after the last row, or at STOP, which is yielded too)."""
+    for j in range(len(rows)):
+        token = choose(rows[j], seen + j)
+        yield j, token
+        if token is STOP or j >= len(drafts) or token != drafts[j]:
+            return
+
+
+class Session:
+    """A decode cursor over `model`'s KV cache under one resolved exit setting. Made by
+    Model.session(); use it as a context manager or call close() to let the cache go.
+
+    tokens: what the cache holds. prefill(tokens) makes it hold `tokens` (reusing the longest
+    common prefix); extend(tokens) appends; decode(choose) runs the token loop from the last
+    position's logits. keep_rows: keep every position's logits row (llama_cpp's logits_all);
+    otherwise only the last evaluation's rows are kept (an attribute: a caller may switch it
+    between calls; the buffer [n_ctx, n_vocab] is allocated at the first evaluation that keeps
+    rows)."""
+
+    def __init__(self, model, engine, lock, options: ExitOptions, keep_rows: bool = False, own_cache: bool = False,
+                 verify_kernels: bool = False):
+        self._model = model
+        self._own_cache = own_cache  # an engine of the session's own, shared with nobody
+        self._engine = engine
+        self._lock = lock
+        self.options = options.validate(model.n_layer, model.has_river)
+        self._tokens: List[int] = []
+        # The last evaluation's rows: _rows[i] follows position _rows_from + i.
+        self._rows: Optional[np.ndarray] = None
+        self._rows_from = 0
+        self._exit_layer = -1
+        self._scores: Optional[List[float]] = None
+        self._kept: Optional[np.ndarray] = None
+        self._kept_valid = 0     # rows [0, _kept_valid) of _kept follow those positions
+        self.keep_rows = bool(keep_rows)
+        # Decode steps in the verify batch's kernels: each step evaluates its token with a
+        # throwaway copy, so the text is bit for bit lossless mode's (at a step's extra cost).
+        self.verify_kernels = bool(verify_kernels)
+        self._unchanged = 0      # positions unchanged since the last changes() call
+        self._from_decode = False  # whether the last evaluation was a decode step or round
+        self.counters = Counters()
+        self._closed = False
+
+    # ----- what the cache holds ------------------------------------------------------------
+    @property
+    def tokens(self) -> List[int]:
+        """The tokens the cache holds for this session (a copy; empty when another user of the
+        cache displaced it)."""
+        return list(self._tokens) if self._holds_cache() else []
+
+    @property
+    def n_past(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def exit_layer(self) -> int:
+        """The exit layer of the last evaluation (n_layer - 1: no token left the backbone)."""
+        return self._exit_layer
+
+    @property
+    def scores(self) -> Optional[List[float]]:
+        """The exit rule's score per backbone layer of the last evaluation, when it was traced."""
+        return self._scores
+
+    def row(self, pos: int) -> Optional[np.ndarray]:
+        """The logits row that follows position `pos` (predicts the token after it), or None when
+        it was not kept."""
+        if not 0 <= pos < len(self._tokens):
+            return None
+        if self._rows is not None and 0 <= pos - self._rows_from < len(self._rows):
+            return self._rows[pos - self._rows_from]
+        if self._kept is not None and pos < self._kept_valid:
+            return self._kept[pos]
+        return None
+
+    def kept_rows(self, allocate: bool = False) -> Optional[np.ndarray]:
+        """The buffer of kept rows, [n_ctx, n_vocab]: row i follows position i, for i below
+        rows_valid() (None before any was kept, unless allocate)."""
+        if self._kept is None and allocate:
+            self._kept = np.zeros((self._engine.n_ctx, self._model.n_vocab), dtype=np.float32)
+        return self._kept
+
+    def changes(self) -> Tuple[int, List[int]]:
+        """(n, tokens[n:]): the cache's first n positions are the same as at the last call, and
+        these tokens follow them now. For a caller that mirrors the tokens (Llama's input_ids)."""
+        n = min(self._unchanged, len(self._tokens))
+        self._unchanged = len(self._tokens)
+        return n, self._tokens[n:]
+
+    def rows_valid(self) -> int:
+        """With keep_rows: how many leading positions have their row kept."""
+        if self._kept is None:
+            return 0
+        return min(self._kept_valid, len(self._tokens))
+
+    def reset_counters(self) -> Counters:
+        """Start counting afresh; returns the counters so far."""
+        done, self.counters = self.counters, Counters()
+        return done
+
+    # ----- changing what the cache holds -----------------------------------------------------
+    def _claim(self) -> None:
+        """Own the cache: when another session or a one-shot call used it since, it holds nothing
+        of ours, so start from empty."""
+        if self._closed:
+            raise RuntimeError("this session is closed")
+        if not self._holds_cache():
+            self._model.give_cache(self)
+            self._tokens.clear()
+            self._rows, self._exit_layer, self._kept_valid, self._unchanged = None, -1, 0, 0
+
+    def _holds_cache(self) -> bool:
+        return self._own_cache or self._model.holds_cache(self)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions."""
+        with self._lock:
+            self._claim()
+            n = max(0, min(int(n), len(self._tokens)))
+            self._engine.truncate(n)
+            del self._tokens[n:]
+            self._unchanged = min(self._unchanged, n)
+            self._kept_valid = min(self._kept_valid, n)
+            if self._rows is not None:
+                keep = n - self._rows_from
+                self._rows = self._rows[:keep] if keep > 0 else None
+
+    def prefill(self, tokens: Sequence[int], all_logits: bool = False, need_row: bool = True) -> int:
+        """Make the cache hold `tokens`: keep the longest prefix it shares with them and evaluate
+        the rest as a prompt batch. The last position's row is live afterwards (a token is
+        evaluated again when its row was not kept), unless need_row=False; with all_logits, every
+        position's row is kept too. Returns how many positions were reused."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("no tokens to evaluate")
+        with self._lock:
+            self._claim()
+            common = 0
+            limit = min(len(tokens), len(self._tokens))
+            while common < limit and self._tokens[common] == tokens[common]:
+                common += 1
+            if all_logits:
+                common = min(common, self.rows_valid())
+            if need_row and common == len(tokens) and self.row(common - 1) is None:
+                common -= 1  # the last row must be fresh to sample from
+            self.truncate(common)
+            if common < len(tokens):
+                self.extend(tokens[common:], all_logits=all_logits)
+            return common
+
+    def extend(self, tokens: Sequence[int], *, decode: bool = False, all_logits: bool = False,
+               trace: bool = False, options: Optional[ExitOptions] = None) -> np.ndarray:
+        """Evaluate `tokens` after the cache's positions: a prompt batch (the prefill policy
+        applies), or with decode=True one decode step (exits live). Returns the last row, or every
+        row with all_logits. options: this evaluation's setting (a forced exit layer for one
+        step); default the session's."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("no tokens to evaluate")
+        opts = self.options if options is None else options
+        with self._lock:
+            self._claim()
+            t0 = time.perf_counter()
+            rows, exit_layer, scores = self._eval(tokens, opts, prompt=not decode, all_logits=all_logits,
+                                                  trace=trace)
+            seconds = time.perf_counter() - t0
+            c = self.counters
+            if decode:
+                c.decode_steps += 1
+                c.decode_s += seconds
+            else:
+                c.prefill_tokens += len(tokens)
+                c.prefill_s += seconds
+            self._record(tokens, rows, all_logits, exit_layer, scores, decode)
+            return rows if all_logits else rows[-1]
+
+    def _eval(self, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits: bool = False,
+              trace: bool = False):
+        n_ctx = self._engine.n_ctx
+        if self._engine.n_past + len(tokens) > n_ctx:
+            raise native.ContextOverflowError(
+                f"{len(tokens)} tokens after {self._engine.n_past} need more than n_ctx={n_ctx} positions")
+        out = self._engine.eval(tokens, all_logits=all_logits, trace=trace, **opts.engine_args(prompt))
+        rows = out[0] if all_logits else out[0][-1:]
+        # Only the rows a caller reads are checked: the last one per step costs ~n_vocab compares.
+        if not np.isfinite(rows).all():
+            raise NumericalError(
+                f"the model produced NaN or infinite logits (after {self._engine.n_past} positions, "
+                f"mode={opts.mode!r}); its weights or hyperparameters are broken, so no text or score is returned")
+        return rows, int(out[1]), (list(out[2]) if trace else None)
+
+    def _record(self, tokens: List[int], rows: np.ndarray, all_rows: bool, exit_layer: int, scores,
+                decode: bool) -> None:
+        first = len(self._tokens)
+        self._tokens.extend(tokens)
+        self._rows_from = first if all_rows else len(self._tokens) - 1
+        self._rows = rows
+        self._exit_layer = exit_layer
+        self._scores = scores
+        self._from_decode = decode
+        if self.keep_rows and all_rows and self._kept_valid >= first:
+            self.kept_rows(allocate=True)[first:len(self._tokens)] = rows
+            self._kept_valid = len(self._tokens)
+        else:
+            self._kept_valid = min(self._kept_valid, first)
+
+    # ----- the token loop --------------------------------------------------------------------
+    def decode(self, choose: Choose, limit: Optional[int] = None, *, trace: bool = False,
+               exit_layers: Optional[Sequence[int]] = None, pick=None) -> Iterator[Step]:
+        """The token loop, from the last position's row: choose(row) -> token (or STOP) picks each
+        token, which is yielded and then evaluated, as a decode step, or in lossless mode as a
+        round (the river drafts after it, the backbone verifies it and the drafts in one batch,
+        and `accept` walks the rows). Ends at STOP, after `limit` tokens, or when the caller
+        stops; the cache then holds the positions before the last token yielded.
+        trace: each step's exit-rule scores (Step.scores). exit_layers: the forced exit layer of
+        each decode step in turn (a plain step each, the session's other options kept).
+        pick: how the river chooses each round's drafts (default greedy): a callable returning a
+        context manager that gives pick(logits, tokens) -> token (Model.draft says more), made
+        afresh each round (a sampler's clone in its current state). The lock is taken per evaluation, not across yields: a session that another
+        user of the cache displaced between two steps evaluates its tokens again."""
+        lossless = self.options.lossless and exit_layers is None
+        forced = {}
+        n = 0
+        if limit is not None and limit <= 0:
+            return
+        with self._lock:
+            self._resume()
+            row = self.row(len(self._tokens) - 1)
+        if row is None:
+            raise RuntimeError("decode needs the last position's logits: prefill or extend first")
+        rows, drafts, base = row[None, :], [], len(self._tokens) - 1
+        from_decode = self._from_decode
+        while True:
+            j, token = 0, STOP
+            try:
+                for j, token in accept(rows, drafts, choose, base + 1):
+                    if token is STOP:
+                        return
+                    c = self.counters
+                    c.exit_layers.append(self._exit_layer)
+                    c.decode_tokens += from_decode
+                    c.accepted += j < len(drafts) and token == drafts[j]
+                    yield Step(int(token), rows[j], base + j + 1, self._exit_layer, self._scores)
+                    n += 1
+                    if limit is not None and n >= limit:
+                        return
+            finally:
+                # Rows up to the last one a token was chosen from stay; the drafts after it leave.
+                with self._lock:
+                    self._resume()
+                    if base + j + 1 < len(self._tokens):
+                        self.truncate(base + j + 1)
+            with self._lock:
+                self._resume()
+                if lossless:
+                    rows, drafts = self._round(token, None if limit is None else limit - n - 1, pick)
+                else:
+                    opts = None
+                    if exit_layers is not None:
+                        k = int(exit_layers[n - 1])
+                        if k not in forced:
+                            forced[k] = self.options.with_overrides(mode="river", exit_layer=k).validate(
+                                self._model.n_layer, self._model.has_river)
+                        opts = forced[k]
+                    if self.verify_kernels and not trace:
+                        rows = self._step_batched(token, opts or self.options)
+                    else:
+                        out = self.extend([token], decode=True, all_logits=self.keep_rows, trace=trace, options=opts)
+                        rows = out.reshape(-1, out.shape[-1])
+                    drafts = []
+                base = len(self._tokens) - len(rows)
+                from_decode = True
+
+    def _resume(self) -> None:
+        """When another user of the cache displaced this session, evaluate its tokens again (a
+        prompt batch) so that the loop goes on from where it was."""
+        if self._closed:
+            raise RuntimeError("this session is closed")
+        if self._holds_cache():
+            return
+        tokens = list(self._tokens)
+        self._claim()
+        if tokens:
+            self.extend(tokens)
+
+    def _step_batched(self, token: int, opts: ExitOptions) -> np.ndarray:
+        """A decode step in the verify batch's kernels (verify_kernels)."""
+        t0 = time.perf_counter()
+        rows, exit_layer = self._eval_batched([int(token)], opts, prompt=False)
+        c = self.counters
+        c.decode_steps += 1
+        c.decode_s += time.perf_counter() - t0
+        self._record([int(token)], rows, True, exit_layer, None, True)
+        return rows
+
+    def draft(self, token: int, max_drafts: Optional[int] = None, pick=None) -> List[int]:
+        """The river's drafts after `token` (which goes at position n_past; the cache keeps n_past
+        positions, the rows the drafts wrote beyond are the verify batch's to overwrite)."""
+        with self._lock:
+            self._claim()
+            if self._engine.n_past + 1 > self._engine.n_ctx:
+                raise native.ContextOverflowError(
+                    f"no room after {self._engine.n_past} positions in n_ctx={self._engine.n_ctx}")
+            args = self.options.draft_args()
+            if max_drafts is not None:
+                args["n_max"] = max(0, min(args["n_max"], int(max_drafts)))
+            if args["n_max"] == 0:
+                return []
+            # Drafts beyond the context's end have no room to be verified.
+            args["n_max"] = min(args["n_max"], self._engine.n_ctx - self._engine.n_past - 1)
+            tokens, _ = self._engine.draft(int(token), **args, with_probs=False, pick=pick)
+            return list(tokens)
+
+    def verify(self, tokens: Sequence[int]) -> np.ndarray:
+        """The backbone's rows for a round's batch (its token and drafts), evaluated in one batch
+        with every layer's K/V written: float32 [len(tokens), n_vocab]."""
+        return self.extend(tokens, all_logits=True)
+
+    def _eval_batched(self, tokens: List[int], opts: ExitOptions, prompt: bool) -> Tuple[np.ndarray, int]:
+        """Every row of `tokens` from a batch of at least two: one token goes with a throwaway copy
+        of itself, whose row and cache position are dropped. Rows then come from the batched
+        kernels whatever the batch's size (a lone token would take the single-token kernels,
+        which round differently), so a verify batch and a decode step in this form agree bit for
+        bit."""
+        if len(tokens) > 1:
+            rows, exit_layer, _ = self._eval(tokens, opts, prompt=prompt, all_logits=True)
+            return rows, exit_layer
+        rows, exit_layer, _ = self._eval(tokens * 2, opts, prompt=prompt, all_logits=True)
+        self._engine.truncate(self._engine.n_past - 1)
+        return rows[:1], exit_layer
+
+    def _round(self, token: int, room: Optional[int], pick) -> Tuple[np.ndarray, List[int]]:
+        """One lossless round after `token`: its drafts and the verify batch's rows."""
+        t0 = time.perf_counter()
+        if pick is None:
+            drafts = self.draft(token, room)
+        else:
+            with pick() as picker:
+                drafts = self.draft(token, room, picker)
+        t1 = time.perf_counter()
+        rows, exit_layer = self._eval_batched([int(token)] + drafts, self.options, prompt=True)
+        t2 = time.perf_counter()
+        self._record([int(token)] + drafts, rows, True, exit_layer, None, True)
+        c = self.counters
+        c.rounds += 1
+        c.decode_steps += 1
+        c.drafted += len(drafts)
+        c.draft_s += t1 - t0
+        c.verify_s += t2 - t1
+        c.decode_s += t2 - t0
+        return rows, drafts
+
+    # ----- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let the cache go (its contents stay until another user clears them)."""
+        if not self._closed:
+            self._closed = True
+            if not self._own_cache:
+                self._model.give_cache(None, only_from=self)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

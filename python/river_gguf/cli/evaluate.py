@@ -92,7 +92,7 @@ def _cmd_calibrate(args) -> int:
     if not m.has_river:
         raise UsageError(f"{args.model} has no river: convert it with tools/add_river_gguf.py or pass --river")
     items = tau_calibration.calibration_items([d for d in args.domains.split(",") if d.strip()], args.items)
-    res = tau_calibration.calibrate(m, budget=args.budget, taus=args.taus or tau_calibration.DEFAULT_TAUS,
+    res = tau_calibration.calibrate(m, budget=args.budget, taus=args.taus,
                                     items=items, score_tokens=args.tokens, progress=not args.no_progress,
                                     **({"river_head": args.river_head} if args.river_head is not None else {}))
     for r in res["rows"]:

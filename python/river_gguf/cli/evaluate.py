@@ -128,7 +128,7 @@ def register_calibrate(subparsers, common) -> None:
                    help="allowed perplexity increase over the backbone: 2%% or 0.02 (default 2%%)")
     p.add_argument("--write", action="store_true", help="store the chosen tau and numbers in the River GGUF")
     p.add_argument("--taus", type=_floats, default=None, metavar="T1,T2,...",
-                   help="tau grid (default: dense over 0.96..0.995)")
+                   help="tau grid (default: the rule's: cosine dense over 0.96..0.995, another rule quantiles of its profile)")
     p.add_argument("--domains", default="gsm8k,humaneval", help="calibration domains (their calibration split)")
     p.add_argument("--items", type=int, default=8, metavar="N", help="calibration items per domain (default 8)")
     p.add_argument("--tokens", type=int, default=96, metavar="N", help="completion tokens scored per item")

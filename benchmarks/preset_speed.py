@@ -58,7 +58,7 @@ class RiverRun:
         if not join_weights:  # the engine as before joined Q/K/V and gate/up weights, for comparison
             from river_gguf._loader import native
 
-            self.engine = native.Engine(path, "", N_CTX, threads, 512, 0, fuse=False)
+            self.engine = native.Engine(path, "", n_ctx=N_CTX, n_threads=threads, n_batch=512, fuse=False)
         self.toks = self.m.tokenize(PROMPT)
 
     def decode(self, n, preset):

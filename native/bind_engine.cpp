@@ -55,28 +55,162 @@ py::dict hparams(const HParams& hp) {
     return d;
 }
 
-// The exit setting of an eval or draft call, from its keyword arguments: each names a field of
-// ExitSetting (kExitSettingFields); the ones not given keep their defaults.
-void read_exit_setting(const py::kwargs& kw, ExitSetting& out) {
+// A name's code in a table of names (kExitDecisions, kRpcWeights), from a name or a code.
+template <size_t N>
+int named_code(const char* const (&names)[N], const char* what, py::handle v) {
+    std::string all;
+    for (const char* n : names) all += (all.empty() ? "'" : ", '") + std::string(n) + "'";
+    if (py::isinstance<py::str>(v)) {
+        const std::string name = py::cast<std::string>(v);
+        for (size_t i = 0; i < N; ++i) if (name == names[i]) return static_cast<int>(i);
+        throw std::invalid_argument(std::string(what) + " must be one of " + all + ", got '" + name + "'");
+    }
+    const int code = py::cast<int>(v);
+    if (code < 0 || static_cast<size_t>(code) >= N) throw std::invalid_argument(std::string(what) + " must be one of " + all);
+    return code;
+}
+
+// The engine's config from Engine's keyword arguments: each names a field of EngineConfig
+// (kEngineConfigFields); exit_decision and rpc_weights by name (or code).
+EngineConfig read_engine_config(const py::kwargs& kw) {
+    EngineConfig cfg;
     for (const auto& item : kw) {
         const std::string name = py::cast<std::string>(item.first);
-        const ExitSettingField* f = nullptr;
-        for (const ExitSettingField& c : kExitSettingFields) if (name == c.name) f = &c;
-        if (!f) throw py::type_error("unexpected keyword argument '" + name + "'");
-        const py::handle v = item.second;
+        const EngineConfigField* f = nullptr;
+        for (const EngineConfigField& c : kEngineConfigFields) if (name == c.name) f = &c;
+        if (!f || name == "path" || name == "river_path") throw py::type_error("unexpected keyword argument '" + name + "'");
         std::visit(
             [&](auto member) {
-                using T = std::remove_reference_t<decltype(out.*member)>;
-                if constexpr (std::is_same_v<T, ExitMode>) {
-                    const int code = py::cast<int>(v);
-                    if (!is_exit_mode(code)) throw std::invalid_argument("bad mode");
-                    out.*member = static_cast<ExitMode>(code);
+                using T = std::remove_reference_t<decltype(cfg.*member)>;
+                if constexpr (std::is_same_v<T, ExitDecision>) {
+                    cfg.*member = static_cast<ExitDecision>(named_code(kExitDecisions, "exit_decision", item.second));
+                } else if (name == "rpc_weights") {
+                    cfg.rpc_weights = named_code(kRpcWeights, "rpc_weights", item.second);
                 } else {
-                    out.*member = py::cast<T>(v);
+                    cfg.*member = py::cast<T>(item.second);
                 }
             },
             f->member);
     }
+    return cfg;
+}
+
+// EngineConfig's defaults by field name (exit_decision and rpc_weights by name).
+py::dict engine_config_defaults() {
+    const EngineConfig cfg;
+    py::dict d;
+    for (const EngineConfigField& f : kEngineConfigFields) {
+        std::visit(
+            [&](auto member) {
+                using T = std::remove_reference_t<decltype(cfg.*member)>;
+                if constexpr (std::is_same_v<T, const ExitDecision>) d[f.name] = kExitDecisions[static_cast<int>(cfg.*member)];
+                else d[f.name] = cfg.*member;
+            },
+            f.member);
+    }
+    d["rpc_weights"] = kRpcWeights[cfg.rpc_weights];
+    return d;
+}
+
+bool is_rule_field(const ExitSettingField& f) {
+    const auto* m = std::get_if<int ExitSetting::*>(&f.member);
+    return m && *m == &ExitSetting::rule;
+}
+
+// A field's value as Python sees it: the mode and the rule by name, the rest as they are.
+py::object field_value(const ExitSetting& s, const ExitSettingField& f) {
+    return std::visit(
+        [&](auto member) -> py::object {
+            const auto v = s.*member;
+            if constexpr (std::is_same_v<std::remove_const_t<decltype(v)>, ExitMode>) {
+                return py::str(kExitModes[static_cast<int>(v)].name);
+            } else {
+                if (is_rule_field(f)) return py::str(exit_rule(static_cast<int>(v)).name);
+                return py::cast(v);
+            }
+        },
+        f.member);
+}
+
+// Sets a field from Python: the mode and the rule by name or by code.
+void set_field(ExitSetting& s, const ExitSettingField& f, py::handle v) {
+    std::visit(
+        [&](auto member) {
+            using T = std::remove_reference_t<decltype(s.*member)>;
+            if constexpr (std::is_same_v<T, ExitMode>) {
+                int code = -1;
+                if (py::isinstance<py::str>(v)) {
+                    const std::string name = py::cast<std::string>(v);
+                    for (const ExitModeName& e : kExitModes) if (name == e.name) code = static_cast<int>(e.mode);
+                    if (code < 0) throw std::invalid_argument("bad mode '" + name + "'");
+                } else {
+                    code = py::cast<int>(v);
+                }
+                if (!is_exit_mode(code)) throw std::invalid_argument("bad mode");
+                s.*member = static_cast<ExitMode>(code);
+            } else if (is_rule_field(f) && py::isinstance<py::str>(v)) {
+                const std::string name = py::cast<std::string>(v);
+                const int code = exit_rule_code(name);
+                if (code < 0) throw std::invalid_argument("exit rule '" + name + "' is not one of " + exit_rule_names());
+                s.*member = static_cast<T>(code);
+            } else {
+                s.*member = py::cast<T>(v);
+            }
+        },
+        f.member);
+}
+
+const ExitSettingField& setting_field(const std::string& name) {
+    for (const ExitSettingField& c : kExitSettingFields) if (name == c.name) return c;
+    throw py::type_error("unexpected keyword argument '" + name + "'");
+}
+
+// The exit setting of an eval or draft call, from its keyword arguments: each names a field of
+// ExitSetting (kExitSettingFields); the ones not given keep their defaults.
+void read_exit_setting(const py::kwargs& kw, ExitSetting& out) {
+    for (const auto& item : kw) set_field(out, setting_field(py::cast<std::string>(item.first)), item.second);
+}
+
+py::dict setting_dict(const ExitSetting& s) {
+    py::dict d;
+    for (const ExitSettingField& f : kExitSettingFields) d[f.name] = field_value(s, f);
+    return d;
+}
+
+// The exit setting as a Python class: its fields (kExitSettingFields) as attributes, the
+// constructor's keywords, and as_dict(); the module's EXIT_SETTING is the defaults' dict.
+void bind_exit_setting(py::module_& m) {
+    py::class_<ExitSetting> cls(m, "ExitSetting",
+                                "The exit setting of a step (native/exit_setting.h): keyword arguments name its fields; "
+                                "the mode and the rule are names (or codes).");
+    cls.def(py::init([](const py::kwargs& kw) {
+        ExitSetting s;
+        read_exit_setting(kw, s);
+        return s;
+    }));
+    for (const ExitSettingField& f : kExitSettingFields) {
+        const ExitSettingField* fp = &f;
+        cls.def_property(
+            f.name, py::cpp_function([fp](const ExitSetting& s) { return field_value(s, *fp); }),
+            py::cpp_function([fp](ExitSetting& s, py::handle v) { set_field(s, *fp, v); }));
+    }
+    cls.def("as_dict", &setting_dict, "The fields by name, in declaration order.");
+    cls.def("__eq__", [](const ExitSetting& a, const ExitSetting& b) {
+        return setting_dict(a).equal(setting_dict(b));
+    });
+    cls.def("__repr__", [](const ExitSetting& s) {
+        std::string r = "ExitSetting(";
+        bool first = true;
+        for (const ExitSettingField& f : kExitSettingFields) {
+            r += (first ? "" : ", ") + std::string(f.name) + "=" + py::cast<std::string>(py::repr(field_value(s, f)));
+            first = false;
+        }
+        return r + ")";
+    });
+    py::list names;
+    for (const ExitSettingField& f : kExitSettingFields) names.append(f.name);
+    cls.attr("FIELDS") = py::tuple(names);
+    m.attr("EXIT_SETTING") = setting_dict(ExitSetting{});
 }
 
 py::tuple eval(Engine& e, std::vector<int32_t> tokens, bool all_logits, bool trace, bool embeddings, int first_row,
@@ -149,49 +283,21 @@ py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, bool with_prob
 }  // namespace
 
 void bind_engine(py::module_& m) {
+    bind_exit_setting(m);
+    m.attr("ENGINE_CONFIG") = engine_config_defaults();
+    m.attr("EXIT_DECISIONS") = py::tuple(py::cast(std::vector<std::string>(std::begin(kExitDecisions), std::end(kExitDecisions))));
+    m.attr("RPC_WEIGHTS") = py::tuple(py::cast(std::vector<std::string>(std::begin(kRpcWeights), std::end(kRpcWeights))));
     py::class_<Engine>(m, "Engine")
-        .def(py::init([](const std::string& path, const std::string& river_path, int n_ctx, int n_threads,
-                         int n_batch, int n_gpu_layers, bool repack, bool graph_reuse, bool fuse, bool use_mmap,
-                         std::vector<std::string> rpc_servers, int rpc_n_layers, std::vector<int> rpc_layers,
-                         std::vector<float> rpc_split, int rpc_weights, double rpc_timeout, int main_gpu, bool flash_attn,
-                         const std::string& exit_decision, size_t gpu_memory, int draft_vocab) {
-                 EngineConfig cfg;
+        .def(py::init([](const std::string& path, const std::string& river_path, const py::kwargs& kw) {
+                 EngineConfig cfg = read_engine_config(kw);
                  cfg.path = path;
                  cfg.river_path = river_path;
-                 cfg.n_ctx = n_ctx;
-                 cfg.n_threads = n_threads;
-                 cfg.n_batch = n_batch;
-                 cfg.n_gpu_layers = n_gpu_layers;
-                 cfg.main_gpu = main_gpu;
-                 cfg.gpu_memory = gpu_memory;
-                 cfg.repack = repack;
-                 cfg.graph_reuse = graph_reuse;
-                 cfg.fuse = fuse;
-                 cfg.use_mmap = use_mmap;
-                 cfg.flash_attn = flash_attn;
-                 if (exit_decision == "auto") cfg.exit_decision = ExitDecision::Auto;
-                 else if (exit_decision == "cpu") cfg.exit_decision = ExitDecision::Cpu;
-                 else if (exit_decision == "graph") cfg.exit_decision = ExitDecision::Graph;
-                 else throw std::invalid_argument("exit_decision must be 'auto', 'cpu' or 'graph', got '" + exit_decision + "'");
-                 cfg.rpc_servers = std::move(rpc_servers);
-                 cfg.rpc_n_layers = rpc_n_layers;
-                 cfg.rpc_layers = std::move(rpc_layers);
-                 cfg.rpc_split = std::move(rpc_split);
-                 if (rpc_weights < 0 || rpc_weights > 2) throw std::invalid_argument("rpc_weights must be 0, 1 or 2");
-                 cfg.rpc_weights = rpc_weights;
-                 cfg.rpc_timeout = rpc_timeout;
-                 cfg.draft_vocab = draft_vocab;
                  py::gil_scoped_release release;
                  return std::make_unique<Engine>(cfg);
              }),
-             py::arg("path"), py::arg("river_path") = "", py::arg("n_ctx") = 2048, py::arg("n_threads") = 1,
-             py::arg("n_batch") = 512, py::arg("n_gpu_layers") = 0, py::arg("repack") = true,
-             py::arg("graph_reuse") = true, py::arg("fuse") = true, py::arg("use_mmap") = true,
-             py::arg("rpc_servers") = std::vector<std::string>{}, py::arg("rpc_n_layers") = -1,
-             py::arg("rpc_layers") = std::vector<int>{}, py::arg("rpc_split") = std::vector<float>{},
-             py::arg("rpc_weights") = 0, py::arg("rpc_timeout") = 120.0, py::arg("main_gpu") = 0, py::arg("flash_attn") = true,
-             py::arg("exit_decision") = "auto", py::arg("gpu_memory") = size_t(0),
-             py::arg("draft_vocab") = 0)
+             py::arg("path"), py::arg("river_path") = "",
+             "Load a model: the backbone (or River GGUF) at `path`, a separate river at `river_path` when given; "
+             "the other fields of the engine's config come by keyword (ENGINE_CONFIG: their names and defaults).")
         .def("eval", &eval, py::arg("tokens"), py::kw_only(), py::arg("all_logits") = false,
              py::arg("trace") = false, py::arg("embeddings") = false, py::arg("first_row") = 0,
              "Evaluate tokens at the cache's end under the exit setting given by keyword (EXIT_SETTING's names). "
@@ -210,6 +316,24 @@ void bind_engine(py::module_& m) {
         .def("river_tails", &river_tails, py::arg("tokens"), py::arg("tails"), py::arg("backbone_attention") = false,
              py::arg("river_head") = true, py::arg("first_row") = 0)
         .def_property_readonly("n_past", &Engine::n_past)
+        .def_property_readonly(
+            "file_exit_setting",
+            [](const Engine& e) {
+                ExitSetting s = e.hparams().exit_defaults.setting;
+                if (!e.has_river()) return ExitSetting{};
+                s.river_head = s.river_head && e.river_has_head();
+                return s;
+            },
+            "The default exit setting the file stores (river.* keys; docs/format.md): mode 'river' with the "
+            "file's rule, threshold (the rule's never-exit threshold when none is stored), min_exit_layer, "
+            "tail and river_head (when the river has a head); a file without a river: ExitSetting().")
+        .def_property_readonly("file_threshold_stored",
+                               [](const Engine& e) { return e.hparams().exit_defaults.threshold_stored; },
+                               "Whether the file stores a threshold (river.threshold).")
+        .def_property_readonly(
+            "file_prefill",
+            [](const Engine& e) { return e.hparams().exit_defaults.prefill_river ? "river" : "backbone"; },
+            "The file's prompt policy (river.prefill): 'backbone' or 'river'.")
         .def_property_readonly("draft_vocab", &Engine::draft_vocab,
                                "The tokens a draft may propose (empty: the whole vocabulary).")
         .def_property_readonly("draft_context", &Engine::draft_context,

@@ -123,24 +123,10 @@ PYBIND11_MODULE(_native, m) {
         py::arg("backbone"), py::arg("river"),
         "How the river file's model differs from the backbone file's, as the engine checks a separate river "
         "(architecture, hyperparameters, sliding-window layers, vocabulary); empty when they are one model.");
-    // Engine.eval's `mode` codes by name (engine.h kExitModes); river_gguf.options reads them.
+    // Engine.eval's `mode` codes by name (exit_setting.h kExitModes); river_gguf.options reads them.
     py::dict exit_modes;
     for (const ExitModeName& e : kExitModes) exit_modes[e.name] = static_cast<int>(e.mode);
     m.attr("EXIT_MODES") = exit_modes;
-    // The exit setting's fields (exit_setting.h) with their defaults, and the exit rules by code
-    // (exit_rule.h) with what each one's threshold means.
-    const ExitSetting plain;
-    py::dict setting;
-    for (const ExitSettingField& f : kExitSettingFields) {
-        std::visit(
-            [&](auto member) {
-                const auto v = plain.*member;
-                if constexpr (std::is_same_v<std::remove_const_t<decltype(v)>, ExitMode>) setting[f.name] = static_cast<int>(v);
-                else setting[f.name] = v;
-            },
-            f.member);
-    }
-    m.attr("EXIT_SETTING") = setting;
     // Model facts the converter's cost model reads (weights.h): the GGUF tensor kinds of a layer's
     // attention group, and the kinds joined into one mat-mul when they share a type.
     py::list attention;
@@ -151,9 +137,13 @@ PYBIND11_MODULE(_native, m) {
     py::list joins;
     for (const LayerJoin& j : layer_joins()) joins.append(py::tuple(py::cast(j.kinds)));
     m.attr("WEIGHT_JOINS") = py::tuple(joins);
+    // The exit rules in code order (exit_rule.h): name, what the threshold means, the highest
+    // score, and the threshold that never passes.
     py::list rules;
-    for (const ExitRule* r : exit_rules()) rules.append(py::make_tuple(r->name, r->about));
-    m.attr("EXIT_RULES") = rules;
+    for (const ExitRule* r : exit_rules()) {
+        rules.append(py::make_tuple(r->name, r->about, r->max_score, never_exit_threshold(*r)));
+    }
+    m.attr("EXIT_RULES") = py::tuple(rules);
     // The key of a River GGUF's draft-vocabulary ranking (draft_vocab.h), which the converter writes.
     m.attr("DRAFT_TOKENS_KEY") = kDraftTokensKey;
     // ggml's RPC backend: compiled in (HAS_RPC), present in the loaded ggml (rpc_available).

@@ -8,10 +8,12 @@
 // then runs the backbone as one graph without exit nodes.
 //
 // A new rule is a file in native/exit_rules/ defining an ExitRule, plus its line in
-// exit_rules.cpp; the bindings and the Python package take the list from there (EXIT_RULES).
+// exit_rules.cpp; the bindings and the Python package take the list from there (EXIT_RULES), and
+// a River GGUF names its default rule under river.exit_rule (hparams.cpp).
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "ggml.h"
@@ -32,6 +34,13 @@ struct ExitRule {
 const std::vector<const ExitRule*>& exit_rules();
 // Throws std::invalid_argument for a code that names no rule.
 const ExitRule& exit_rule(int code);
+// The code of the rule of this name, or -1; and the names, as text for messages ("cosine, ...").
+int exit_rule_code(const std::string& name);
+std::string exit_rule_names();
+
+// A threshold of this rule that no score passes ("never exit"): above its max_score. The default
+// setting's threshold (exit_setting.h) is the default rule's.
+inline float never_exit_threshold(const ExitRule& rule) { return rule.max_score + 1.0f; }
 
 // Whether a batch with these scores leaves at `threshold` (the rule's shared decision).
 inline bool batch_leaves(const float* scores, int64_t n, float threshold, float* lowest) {

@@ -1,6 +1,8 @@
 // The exit setting of a step: which weights run each of its layers. Declared once here; the
-// bindings take an eval's or a draft's keyword arguments from kExitSettingFields, and the Python
-// package reads the names from the module (EXIT_SETTING, EXIT_MODES, EXIT_RULES).
+// bindings take an eval's or a draft's keyword arguments from kExitSettingFields and bind the
+// struct itself (ExitSetting, EXIT_SETTING: its defaults), and the Python package builds its
+// ExitOptions from them (EXIT_MODES, EXIT_RULES by name). A River GGUF stores a default setting
+// under the river.* keys (hparams.h FileExitDefaults).
 #pragma once
 #include <iterator>
 #include <variant>
@@ -41,7 +43,9 @@ inline bool is_exit_mode(int code) { return code >= 0 && static_cast<size_t>(cod
 struct ExitSetting {
     ExitMode mode = ExitMode::Backbone;
     int rule = 0;                // ExitMode::River's exit rule (exit_rule.h), by code
-    float threshold = 2.0f;      // the rule's threshold
+    // The rule's threshold. The default never passes: it is never_exit_threshold (exit_rule.h) of
+    // the default rule, which exit_rules() checks.
+    float threshold = 2.0f;
     int min_exit_layer = 0;      // backbone layers every token runs before it may exit
     int exit_layer = -1;         // for ExitMode::Fixed
     int tail = 0;                // an exited token rejoins the backbone for the last `tail` layers

@@ -7,6 +7,7 @@
 
 #include "arch.h"
 #include "errors.h"
+#include "exit_rule.h"
 #include "hparams_read.h"
 
 namespace river {
@@ -131,21 +132,30 @@ void check_text(const GgufFile& f) {
     }
 }
 
-// The exit defaults a River GGUF stores (written by convert.py, read by model.py): their types
-// and ranges, so that a damaged value is a format error rather than whatever Python's float()
-// or int() makes of it.
-void check_river_metadata(const GgufFile& f, int n_layer) {
-    if (f.has_key("river.threshold")) {
-        const float tau = f.get_float("river.threshold", 2.0f);
-        if (!std::isfinite(tau)) bad_value(f, "river.threshold", num(tau), "must be finite");
+// The exit defaults a River GGUF stores (written by the converter, docs/format.md): their types
+// and ranges, so that a damaged value is a format error rather than a setting no call could ask.
+FileExitDefaults read_exit_defaults(const GgufFile& f, int n_layer) {
+    FileExitDefaults d;
+    ExitSetting& s = d.setting;
+    s.mode = ExitMode::River;
+    const std::string rule = f.get_str("river.exit_rule", exit_rules()[0]->name);
+    s.rule = exit_rule_code(rule);
+    if (s.rule < 0) bad_value(f, "river.exit_rule", "'" + rule + "'", "one of " + exit_rule_names());
+    d.threshold_stored = f.has_key("river.threshold");
+    s.threshold = never_exit_threshold(exit_rule(s.rule));
+    if (d.threshold_stored) {
+        s.threshold = f.get_float("river.threshold", s.threshold);
+        if (!std::isfinite(s.threshold)) bad_value(f, "river.threshold", num(s.threshold), "must be finite");
     }
-    bounded_int(f, "river.min_exit_layer", 0, 0, n_layer - 1);
-    bounded_int(f, "river.tail", 0, 0, n_layer - 1);
-    if (f.has_key("river.head")) f.get_int("river.head", 0);  // a bool (or an integer)
+    s.min_exit_layer = bounded_int(f, "river.min_exit_layer", s.min_exit_layer, 0, n_layer - 1);
+    s.tail = bounded_int(f, "river.tail", s.tail, 0, n_layer - 1);
+    if (f.has_key("river.head")) s.river_head = f.get_int("river.head", 0) != 0;  // a bool (or an integer)
     const std::string prefill = f.get_str("river.prefill", "backbone");
     if (prefill != "backbone" && prefill != "river") bad_value(f, "river.prefill", "'" + prefill + "'", "backbone or river");
+    d.prefill_river = prefill == "river";
     f.get_str("river.presets");
     f.get_str("river.default_preset");
+    return d;
 }
 
 }  // namespace
@@ -277,7 +287,7 @@ HParams read_hparams(const GgufFile& f) {
 
     check_layer_tensors(f, hp.n_layer, a + "block_count");
     check_token_list(f, hp.n_vocab);
-    check_river_metadata(f, hp.n_layer);
+    hp.exit_defaults = read_exit_defaults(f, hp.n_layer);
     return hp;
 }
 

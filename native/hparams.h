@@ -3,11 +3,21 @@
 #include <string>
 #include <vector>
 
+#include "exit_setting.h"
 #include "gguf_file.h"
 
 namespace river {
 
 struct ArchSpec;  // arch.h: the family's facts (native/models/)
+
+// The default exit setting a River GGUF stores under its river.* keys (docs/format.md), read
+// and checked with the file; keys a file lacks read as ExitSetting's defaults, river.exit_rule
+// as "cosine" and the threshold as the rule's never_exit_threshold.
+struct FileExitDefaults {
+    ExitSetting setting;            // mode River: the rest from the keys
+    bool threshold_stored = false;  // whether the file has river.threshold
+    bool prefill_river = false;     // river.prefill: "river" (sequence-level exit), else "backbone"
+};
 
 struct HParams {
     const ArchSpec* arch = nullptr;
@@ -58,6 +68,8 @@ struct HParams {
     std::vector<bool> swa_layers;
     float rope_freq_base_swa = 10000.0f;
     float rope_freq_scale_swa = 1.0f;
+
+    FileExitDefaults exit_defaults;  // the river.* keys (plain files: the defaults)
 
     int n_embd_k_gqa() const { return head_dim_k * n_head_kv; }
     int n_embd_v_gqa() const { return head_dim_v * n_head_kv; }

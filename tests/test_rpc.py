@@ -220,7 +220,7 @@ def test_smollm2_split_matches_local_and_llama_cpp_rpc(server, q4_1_path, tmp_pa
 def _river_decode(path, toks, prefix, opts, **engine_kw):
     """What Model.score runs, on a bare engine: a backbone prefill, then River decoding token by
     token; the exit layer and logits of every step."""
-    e = native.Engine(path, "", 512, 1, 512, 0, **engine_kw)
+    e = native.Engine(path, "", n_ctx=512, n_threads=1, n_batch=512, **engine_kw)
     e.eval(toks[:prefix], **opts.engine_args(prompt=True))
     steps = []
     for t in toks[prefix:-1]:  # as score: the last token is only predicted

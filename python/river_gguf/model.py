@@ -217,8 +217,8 @@ class Model:
         # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
         draft_vocab = -1 if ro.draft_vocab is None else _int_arg("draft_vocab", ro.draft_vocab, 0, 1 << 30)
         with deferred_interrupts():
-            self._engine = native.Engine(model_path, river or "", n_ctx, n_threads, self._n_batch, n_gpu_layers,
-                                         main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
+            self._engine = native.Engine(model_path, river or "", n_ctx=n_ctx, n_threads=n_threads,
+                                         n_batch=self._n_batch, n_gpu_layers=n_gpu_layers, main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
                                          use_mmap=self._use_mmap, flash_attn=self.flash_attn,
                                          repack=repack, fuse=repack, exit_decision=ro.exit_decision,
                                          draft_vocab=draft_vocab, **rpc_kw)
@@ -326,23 +326,17 @@ class Model:
         return dict(self._engine.placement)
 
     def _file_exit_options(self, profile: bool) -> ExitOptions:
-        """Defaults stored in a River GGUF (river.* keys); plain files never exit by default."""
-        md = self.metadata
+        """The default exit setting a River GGUF stores, as the engine read it from the river.*
+        keys (native Engine.file_exit_setting, file_prefill); plain files never exit by default.
+        A file without a stored threshold gets its rule's profile's with `profile`, else none
+        that passes."""
         if not self.has_river:
             return ExitOptions(mode="backbone")
-        threshold = md.get("river.threshold", 2.0)
-        if "river.threshold" not in md and profile:
+        opts = ExitOptions.from_setting(self._engine.file_exit_setting, prefill=self._engine.file_prefill)
+        if profile and not self._engine.file_threshold_stored:
             # Two plain files carry no calibrated tau: profile the backbone, as the converter does.
-
-            threshold = default_threshold(self)["threshold"]
-        return ExitOptions(
-            mode="river",
-            threshold=float(threshold),
-            min_exit_layer=int(md.get("river.min_exit_layer", 0)),
-            river_head=bool(md.get("river.head", False)) and self._engine.river_has_head,
-            prefill=str(md.get("river.prefill", "backbone")),
-            tail=int(md.get("river.tail", 0)),
-        )
+            opts = replace(opts, threshold=default_threshold(self, exit_rule=opts.exit_rule)["threshold"])
+        return opts
 
     def _with_preset(self, base: ExitOptions, name: Optional[str]) -> ExitOptions:
         if name is None:
@@ -663,15 +657,19 @@ class Model:
         return toks
 
     @_locked
-    def similarity_rows(self, tokens: Sequence[int]) -> np.ndarray:
+    def similarity_rows(self, tokens: Sequence[int], exit_rule: Optional[str] = None) -> np.ndarray:
         """The exit rule's score of every backbone layer for every token, from one batched
         backbone pass over `tokens` (from an empty cache): float32 [len(tokens), n_layer]. Row i
         is what similarity_trace reports for the decode step of tokens[i], up to the batched
-        kernels' rounding (the first token has no decode step there)."""
+        kernels' rounding (the first token has no decode step there). exit_rule: that rule's
+        scores (default: the model's rule)."""
         toks = self._one_batch(tokens)
         self._clear()
         try:
-            _, _, sims = self._eval(toks, self.options(mode="backbone"), prompt=True, all_logits=True, trace=True)
+            opts = self.options(mode="backbone")
+            if exit_rule is not None:  # the scores of this rule (a plain model refuses it as an option)
+                opts = replace(opts, exit_rule=exit_rule).validate(self.n_layer, self.has_river)
+            _, _, sims = self._eval(toks, opts, prompt=True, all_logits=True, trace=True)
         finally:
             self._clear()  # the cache holds the text's rows; nothing may continue from them
         return np.asarray(sims, dtype=np.float32).reshape(self.n_layer, len(toks)).T
@@ -701,22 +699,24 @@ class Model:
                                      "hyperparameters are broken, so no score is returned")
         return rows
 
-    def backbone_trace(self, tokens: Sequence[int]) -> List[List[float]]:
+    def backbone_trace(self, tokens: Sequence[int], exit_rule: Optional[str] = None) -> List[List[float]]:
         """similarity_trace of backbone decode in a short-lived engine of its own: the profile's
         length does not depend on this Model's n_ctx, and its KV cache (and any stream on it)
-        is left alone."""
+        is left alone. exit_rule: that rule's scores (default: the default rule)."""
         toks = self._check_tokens(tokens)
         if not toks:
             raise ValueError("no tokens to profile")
 
         with deferred_interrupts():
-            engine = native.Engine(self.model_path, "", len(toks), self.n_threads, min(self._n_batch, len(toks)),
-                                   self._n_gpu_layers, use_mmap=self._use_mmap, flash_attn=self.flash_attn,
+            engine = native.Engine(self.model_path, "", n_ctx=len(toks), n_threads=self.n_threads,
+                                   n_batch=min(self._n_batch, len(toks)), n_gpu_layers=self._n_gpu_layers,
+                                   use_mmap=self._use_mmap, flash_attn=self.flash_attn,
                                    exit_decision=self._exit_decision,
                                    main_gpu=self._main_gpu, gpu_memory=self._gpu_memory)
         try:
+            opts = ExitOptions(mode="backbone") if exit_rule is None else ExitOptions(mode="backbone", exit_rule=exit_rule)
             # The short-lived engine's session: it counts positions against its own n_ctx.
-            session = Session(self, engine, threading.RLock(), ExitOptions(mode="backbone"), own_cache=True)
+            session = Session(self, engine, threading.RLock(), opts, own_cache=True)
             return _trace(session, toks)
         finally:
             del engine  # its weights map and KV cache go now, not at the next GC

@@ -16,18 +16,52 @@ import numpy as np
 
 from ._loader import native as _native  # already loaded by the package's __init__: costs nothing
 
-#: Engine.eval's mode codes by name: the one table, native/engine.h kExitModes.
+#: Engine.eval's mode codes by name: the one table, native/exit_setting.h kExitModes.
 EXIT_MODES = dict(_native.EXIT_MODES)
 _BACKBONE, _RIVER, _RIVER_ONLY, _FIXED = (EXIT_MODES[m] for m in ("backbone", "river", "river-only", "fixed"))
-#: The exit rules by name, in code order, and what each one's threshold means (native/exit_rule.h).
-EXIT_RULES = tuple(name for name, _ in _native.EXIT_RULES)
-_RULE_HELP = "; ".join(f"{name}: {about}" for name, about in _native.EXIT_RULES)
+#: The exit rules by name, in code order (native/exit_rule.h): what each one's threshold means,
+#: the highest score it reaches, and a threshold that no score passes.
+_RULES = {name: (about, max_score, never) for name, about, max_score, never in _native.EXIT_RULES}
+EXIT_RULES = tuple(_RULES)
+_RULE_HELP = "; ".join(f"{name}: {about}" for name, (about, _, _) in _RULES.items())
+
+
+def _rule(rule: Optional[str]) -> str:
+    rule = EXIT_RULES[0] if rule is None else rule
+    if rule not in _RULES:
+        raise ValueError(f"exit_rule must be one of {EXIT_RULES}, got {rule!r}")
+    return rule
+
+
+def max_score(rule: Optional[str] = None) -> float:
+    """The highest score `rule` (default: the default rule) gives: a threshold at or above it
+    never passes."""
+    return _RULES[_rule(rule)][1]
+
+
+def never_exit(rule: Optional[str] = None) -> float:
+    """A threshold of `rule` (default: the default rule) that no score passes: no token exits,
+    and the engine runs the backbone as one graph (native never_exit_threshold)."""
+    return _RULES[_rule(rule)][2]
+
+
+#: The fields of the native exit setting that ExitOptions holds, by their Python names (native
+#: names on the right). The rule and the river layers' attention are named for what they choose;
+#: the mode and a forced exit layer are the call's (ExitOptions.engine_args). Derived from the
+#: native field list, so a field added there fails here until it has its place.
+_PER_CALL = ("mode", "exit_layer")
+_PYTHON_NAME = {"rule": "exit_rule", "backbone_attention": "river_attention"}
+SETTING_FIELDS = {_PYTHON_NAME.get(n, n): n for n in _native.ExitSetting.FIELDS if n not in _PER_CALL}
+# native value -> Python value, and back, where they differ
+_TO_PYTHON = {"backbone_attention": lambda b: "backbone" if b else "river"}
+_TO_NATIVE = {"rule": EXIT_RULES.index, "backbone_attention": lambda s: s == "backbone"}
+_DEFAULTS = {py: _TO_PYTHON.get(n, lambda v: v)(_native.EXIT_SETTING[n]) for py, n in SETTING_FIELDS.items()}
 
 #: "lossless": the river drafts tokens and the backbone verifies them in one batch, so the output
 #: is the backbone's, token for token (Llama's token loop; Model.score teacher-forced).
 MODES = ("river", "backbone", "river-only", "lossless")
 #: How lossless decoding drafts: every layer from the river, or River's exit rule (backbone layers
-#: until cos(h_in, h_out) > threshold, the river above).
+#: until the rule's score passes the threshold, the river above).
 DRAFT_MODES = ("river-only", "river")
 #: The most drafts a lossless round may verify in one batch.
 MAX_DRAFT = 64
@@ -35,10 +69,12 @@ MAX_DRAFT = 64
 RIVER_ATTENTION = ("river", "backbone")
 PREFILL_POLICIES = ("backbone", "river")
 
-#: Seconds an RPC server may take to answer one request before the Model gives up on it.
-RPC_TIMEOUT = 120.0
-EXIT_DECISIONS = ("auto", "cpu", "graph")
-RPC_WEIGHTS = ("all", "backbone", "river")
+#: Seconds an RPC server may take to answer one request before the Model gives up on it
+#: (native/engine_config.h, as every default of the engine's config: _native.ENGINE_CONFIG).
+RPC_TIMEOUT = float(_native.ENGINE_CONFIG["rpc_timeout"])
+#: Where the exit decision runs, and whose weights of a remote layer go with it (engine_config.h).
+EXIT_DECISIONS = tuple(_native.EXIT_DECISIONS)
+RPC_WEIGHTS = tuple(_native.RPC_WEIGHTS)
 
 
 def is_int(x) -> bool:
@@ -83,15 +119,17 @@ def parse_bytes(name: str, v) -> int:
 
 @dataclass(frozen=True)
 class ExitOptions:
-    mode: str = "backbone"
-    exit_rule: str = EXIT_RULES[0]  # when a token leaves in mode "river"
-    threshold: float = 2.0          # the rule's tau; above its highest score means never exit
-    min_exit_layer: int = 0
+    # The native setting's fields (SETTING_FIELDS) with its defaults, and the call's mode and exit layer.
+    mode: str = _native.EXIT_SETTING["mode"]
+    exit_rule: str = _DEFAULTS["exit_rule"]            # when a token leaves in mode "river"
+    threshold: float = _DEFAULTS["threshold"]          # the rule's tau; the default never exits (never_exit)
+    min_exit_layer: int = _DEFAULTS["min_exit_layer"]
     exit_layer: Optional[int] = None  # force every token out after this backbone layer
-    river_head: bool = False
-    prefill: str = "backbone"       # "backbone": prompts never exit; "river": sequence-level exit
-    tail: int = 0                   # exited tokens rejoin the backbone for the last `tail` layers
-    river_attention: str = "river"  # "backbone": river layers run the backbone's attention weights
+    river_head: bool = _DEFAULTS["river_head"]
+    # The layer Python runs. "backbone": prompts never exit; "river": sequence-level exit.
+    prefill: str = "backbone"
+    tail: int = _DEFAULTS["tail"]                      # exited tokens rejoin the backbone for the last `tail` layers
+    river_attention: str = _DEFAULTS["river_attention"]  # "backbone": river layers run the backbone's attention
     # Lossless mode: at most draft_max drafts a round, each kept while its probability under the
     # draft is >= draft_p_min (llama.cpp's --draft-max / --draft-p-min), drafted as draft_mode says
     # with the options above (threshold, river_head, tail, river_attention).
@@ -173,10 +211,27 @@ class ExitOptions:
 
     def _setting_args(self) -> dict:
         """The fields of the engine's exit setting (native EXIT_SETTING) that these options set."""
-        return dict(rule=EXIT_RULES.index(self.exit_rule), threshold=float(self.threshold),
-                    min_exit_layer=int(self.min_exit_layer),
-                    river_head=bool(self.river_head), exit_layer=-1, tail=int(self.tail),
-                    backbone_attention=self.river_attention == "backbone")
+        args = {n: _TO_NATIVE.get(n, type(_native.EXIT_SETTING[n]))(getattr(self, py))
+                for py, n in SETTING_FIELDS.items()}
+        args.update(exit_layer=-1)
+        return args
+
+    @classmethod
+    def from_setting(cls, setting, **python_layer) -> "ExitOptions":
+        """These options of a native ExitSetting (e.g. Engine.file_exit_setting), with the
+        Python-only fields given (prefill, drafting)."""
+        d = setting.as_dict()
+        kw = {py: _TO_PYTHON.get(n, lambda v: v)(d[n]) for py, n in SETTING_FIELDS.items()}
+        if d["mode"] == "fixed":
+            kw.update(mode="river", exit_layer=d["exit_layer"])
+        else:
+            kw.update(mode=d["mode"])
+        return cls(**kw, **python_layer)
+
+
+_missing = set(SETTING_FIELDS) - {f.name for f in fields(ExitOptions)}
+if _missing:
+    raise ImportError(f"ExitOptions lacks the native exit setting's fields {sorted(_missing)} (SETTING_FIELDS)")
 
 
 def _flag(*flags: str, help: str, parse: Optional[str] = None, bool_flag: bool = False, **argparse_kw) -> dict:
@@ -234,7 +289,7 @@ class RiverOptions:
     draft_mode: Optional[str] = _exit("--draft-mode", choices=DRAFT_MODES,
                                       help="lossless: draft with every layer from the river (river-only, the "
                                            "default) or with River's exit rule (river: backbone layers until "
-                                           "cos > TAU)")
+                                           "the rule's score passes TAU)")
     draft_vocab: Optional[int] = _place(
         None, "--draft-vocab", type=int, metavar="N",
         help="lossless: the tokens a draft may propose, the N the file ranks first (its calibration text's, then "
@@ -289,6 +344,8 @@ class RiverOptions:
 NAMES = tuple(f.name for f in fields(RiverOptions))
 EXIT_FIELDS = tuple(f.name for f in fields(RiverOptions) if f.metadata["exit"])
 RIVER_ONLY = tuple(f.name for f in fields(RiverOptions) if f.metadata["river_only"])
+if set(EXIT_FIELDS) != {"preset"} | {f.name for f in fields(ExitOptions)}:
+    raise ImportError("RiverOptions' exit fields must be ExitOptions' fields and preset")
 
 
 def check_river_options(has_river: bool, where: str, **given) -> None:

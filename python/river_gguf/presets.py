@@ -27,8 +27,9 @@ ANCHORS_KEY = "river.presets_anchors"
 
 # The exit options a preset may set: every ExitOptions field but the prompt policy, which stays the file's.
 OPTION_KEYS = tuple(f.name for f in fields(ExitOptions) if f.name != "prefill")
-# What a setting that leaves them out means (a preset is a whole setting, Model._with_preset).
-PLAIN_OPTIONS = {"tail": 0, "min_exit_layer": 0, "river_attention": "river"}
+# What a setting that leaves them out means (a preset is a whole setting, Model._with_preset): the
+# native setting's defaults (options.ExitOptions reads them from the module).
+PLAIN_OPTIONS = {k: getattr(ExitOptions(), k) for k in ("exit_rule", "tail", "min_exit_layer", "river_attention")}
 
 
 def complete(options: dict) -> dict:

@@ -1,14 +1,19 @@
-"""Similarity profile: cos(h_in, h_out) per backbone layer on a small built-in text.
+"""Exit-rule profile: an exit rule's score per backbone layer (cosine, the default rule:
+cos(h_in, h_out)) on a small built-in text.
 
 Until a threshold is calibrated against a quality budget, a River GGUF's default tau is a fixed
-quantile of the mid-layer similarities. Layer 0 and the last layer are excluded: they rewrite
-the residual stream (s ~ 0.02 and ~ 0.7 on SmolLM2) and say nothing about where tokens settle.
-At the 0.70 quantile, SmolLM2 (F16) gets tau ~ 0.97 and tokens leave after ~6 backbone layers.
+quantile of its rule's mid-layer scores. Layer 0 and the last layer are excluded: they rewrite
+the residual stream (cosine s ~ 0.02 and ~ 0.7 on SmolLM2) and say nothing about where tokens
+settle. At the 0.70 quantile, SmolLM2 (F16) gets cosine tau ~ 0.97 and tokens leave after ~6
+backbone layers. Where a rule has no hand-placed tau grid, its grids are quantiles of its profile
+too (rule_taus).
 """
 from importlib import resources
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
+
+from .options import EXIT_RULES
 
 DEFAULT_QUANTILE = 0.70
 
@@ -17,33 +22,50 @@ def profile_text() -> str:
     return resources.files("river_gguf").joinpath("data/profile.txt").read_text(encoding="utf-8")
 
 
-def similarity_profile(model, text: Optional[str] = None, max_tokens: int = 256, own_engine: bool = True) -> np.ndarray:
-    """[steps, n_layer] similarities of backbone-only decode over `text`.
+def similarity_profile(model, text: Optional[str] = None, max_tokens: int = 256, own_engine: bool = True,
+                       exit_rule: Optional[str] = None) -> np.ndarray:
+    """[steps, n_layer] scores of `exit_rule` (default: the default rule) in backbone-only decode
+    over `text`.
 
     It runs in a short-lived engine of its own (Model.backbone_trace), sized to the profile: a
     Model with a small n_ctx can still be profiled, and the Model's own KV cache is untouched.
     own_engine=False runs it in the Model's engine instead (its cache is cleared; it must hold
     max_tokens), in one batched pass (Model.similarity_rows): a caller that owns the Model saves a
     second load of the weights and the decode steps."""
+    rule = EXIT_RULES[0] if exit_rule is None else exit_rule
     toks = model.tokenize(text or profile_text())[:max_tokens]
     if not own_engine:
-        return model.similarity_rows(toks)[1:]  # decode's trace has no step for the first token
-    return np.array(model.backbone_trace(toks))
+        return model.similarity_rows(toks, exit_rule=rule)[1:]  # decode's trace has no step for the first token
+    return np.array(model.backbone_trace(toks, exit_rule=rule))
 
 
-def default_threshold(model, quantile: float = DEFAULT_QUANTILE, own_engine: bool = True, sims=None) -> dict:
-    """tau from the profile, with the numbers behind it (written into River GGUF metadata).
-    sims: a profile already taken (similarity_profile), instead of taking one."""
-    sims = similarity_profile(model, own_engine=own_engine) if sims is None else np.asarray(sims)
-    mid = sims[:, 1:-1] if sims.shape[1] > 3 else sims
-    tau = float(np.quantile(mid, quantile))
+def _mid(sims: np.ndarray) -> np.ndarray:
+    return sims[:, 1:-1] if sims.shape[1] > 3 else sims
+
+
+def default_threshold(model, quantile: float = DEFAULT_QUANTILE, own_engine: bool = True, sims=None,
+                      exit_rule: Optional[str] = None) -> dict:
+    """tau of `exit_rule` (default: the default rule) from its profile, with the numbers behind it
+    (written into River GGUF metadata). sims: that rule's profile already taken
+    (similarity_profile), instead of taking one."""
+    rule = EXIT_RULES[0] if exit_rule is None else exit_rule
+    sims = similarity_profile(model, own_engine=own_engine, exit_rule=rule) if sims is None else np.asarray(sims)
+    tau = float(np.quantile(_mid(sims), quantile))
     return {
         "threshold": round(tau, 4),
+        "exit_rule": rule,
         "quantile": quantile,
         "profile_tokens": int(sims.shape[0]),
         "predicted_mean_exit_layer": predicted_mean_exit(sims, tau),
         "median_similarity_per_layer": [float(x) for x in np.median(sims, 0)],
     }
+
+
+def rule_taus(sims, quantiles: Sequence[float]) -> Tuple[float, ...]:
+    """Thresholds of a rule at these quantiles of its profile's mid-layer scores (sims, from
+    similarity_profile), ascending and distinct: a tau grid for a rule with no hand-placed one."""
+    taus = sorted({round(float(np.quantile(_mid(np.asarray(sims)), q)), 4) for q in quantiles})
+    return tuple(taus)
 
 
 def predicted_mean_exit(sims: np.ndarray, threshold: float, min_exit_layer: int = 0, tail: int = 0) -> float:

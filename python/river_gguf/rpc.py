@@ -11,14 +11,13 @@ import math
 from typing import List, Optional, Sequence, Union
 
 from ._loader import require_rpc
-from .options import is_bool, is_int
+from .options import RPC_TIMEOUT, RPC_WEIGHTS, is_bool, is_int
 
-#: Whose weights of a remote layer go with it (its KV cache always does): both models', only
-#: the backbone's (the river's layers then run locally on the remote cache), or only the river's.
-WEIGHTS = {"all": 0, "backbone": 1, "river": 2}
-#: Seconds a server may take to answer one request (a remote graph included) before the
-#: Model gives up on it with ConnectionError.
-DEFAULT_TIMEOUT = 120.0
+# RPC_WEIGHTS: whose weights of a remote layer go with it (its KV cache always does): both
+# models', only the backbone's (the river's layers then run locally on the remote cache), or only
+# the river's. RPC_TIMEOUT: seconds a server may take to answer one request (a remote graph
+# included) before the Model gives up on it with ConnectionError. Both are the engine's
+# (native/engine_config.h).
 
 Layers = Union[None, int, Sequence[int]]
 
@@ -65,13 +64,13 @@ def parse_layers_spec(text: str) -> Layers:
 
 
 def engine_kwargs(servers, layers: Layers = None, split: Optional[Sequence[float]] = None,
-                  weights: str = "all", timeout: Optional[float] = DEFAULT_TIMEOUT) -> dict:
+                  weights: str = "all", timeout: Optional[float] = RPC_TIMEOUT) -> dict:
     """native.Engine's rpc_* arguments; {} without servers (then the other options must be left
     at their defaults). ValueError for bad values; RuntimeError naming the fix when ggml has no RPC."""
     servers = parse_servers(servers)
     if not servers:
         given = [n for n, v, d in (("rpc_layers", layers, None), ("rpc_split", split, None),
-                                   ("rpc_weights", weights, "all"), ("rpc_timeout", timeout, DEFAULT_TIMEOUT))
+                                   ("rpc_weights", weights, "all"), ("rpc_timeout", timeout, RPC_TIMEOUT))
                  if v != d]
         if given:
             raise ValueError(f"{', '.join(given)} given without rpc_servers")
@@ -94,9 +93,9 @@ def engine_kwargs(servers, layers: Layers = None, split: Optional[Sequence[float
                 or sum(split) <= 0:
             raise ValueError(f"rpc_split must be a list of shares >= 0 (one per remote device, not all 0), got {split!r}")
         kw["rpc_split"] = [float(x) for x in split]
-    if weights not in WEIGHTS:
-        raise ValueError(f"rpc_weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    kw["rpc_weights"] = WEIGHTS[weights]
+    if weights not in RPC_WEIGHTS:
+        raise ValueError(f"rpc_weights must be one of {', '.join(RPC_WEIGHTS)}, got {weights!r}")
+    kw["rpc_weights"] = weights
     if timeout is None:
         kw["rpc_timeout"] = 0.0
     elif isinstance(timeout, (int, float)) and not is_bool(timeout) and math.isfinite(timeout) and timeout > 0:

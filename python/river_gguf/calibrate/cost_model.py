@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -35,6 +35,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from .._loader import native
 from ..gguf.reader import GGUFReader
 from ..gguf.river_index import river_tensors
+from ..options import EXIT_RULES
+from ..profile import rule_taus
 
 # Each tier and the llama.cpp quant whose bytes per decode step bound it.
 TIERS = (("fast", "q4_0"), ("balanced", "q4_k_m"), ("quality", "q8_0"))
@@ -316,25 +318,43 @@ def tensor_costs(bb_ts: List[tuple], rv_ts: List[tuple], n_layer: int, measure: 
 
 
 # The grid the calibrator measures: static river-only with a backbone tail, and the dynamic
-# exit with a tail (tau dense where SmolLM2's and Qwen2.5's mid-layer similarities live); then
-# the same with the backbone's attention in the river layers (precision by tensor kind).
+# exit with a tail; then the same with the backbone's attention in the river layers (precision by
+# tensor kind). The dynamic settings' taus are the rule's (dynamic_taus).
 STATIC_TAILS = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)
-DYNAMIC = tuple((tau, tail) for tail in (2, 4) for tau in (0.97, 0.98, 0.99))
+DYNAMIC_TAILS = (2, 4)
 ATTENTION_TAILS = (0, 2, 4, 8)
-ATTENTION_DYNAMIC = tuple((tau, 0) for tau in (0.97, 0.98, 0.99))
+#: Hand-placed taus of the dynamic settings, by rule: cosine's dense where SmolLM2's and
+#: Qwen2.5's mid-layer similarities live. A rule without an entry takes DYNAMIC_QUANTILES of its
+#: profile (profile.rule_taus): cosine's 0.97-0.99 sit near those quantiles on SmolLM2.
+DYNAMIC_TAUS = {"cosine": (0.97, 0.98, 0.99)}
+DYNAMIC_QUANTILES = (0.7, 0.8, 0.9)
 
 
-def grid(n_layer: int, river_head: bool = True) -> List[dict]:
+def dynamic_taus(exit_rule: str = EXIT_RULES[0], profile=None) -> Tuple[float, ...]:
+    """The dynamic settings' taus for `exit_rule`: its hand-placed ones, else quantiles of its
+    profile (the rule's scores, profile.similarity_profile), which such a rule needs."""
+    if exit_rule in DYNAMIC_TAUS:
+        return DYNAMIC_TAUS[exit_rule]
+    if profile is None:
+        raise ValueError(f"exit rule {exit_rule!r} has no hand-placed taus: its grid needs its profile")
+    return rule_taus(profile, DYNAMIC_QUANTILES)
+
+
+def grid(n_layer: int, river_head: bool = True, exit_rule: str = EXIT_RULES[0], profile=None) -> List[dict]:
+    """The settings the calibrator measures; the dynamic ones exit by `exit_rule` at its taus
+    (dynamic_taus: profile is that rule's profile, needed for a rule without hand-placed taus)."""
+    taus = dynamic_taus(exit_rule, profile)
+    rule = {} if exit_rule == EXIT_RULES[0] else {"exit_rule": exit_rule}
     # The backbone alone is a candidate too: with a Q8_0 backbone it is llama.cpp's Q8_0 at its
     # own cost, and no setting with river layers in it comes closer to F16 at that cost.
     rows = [{"mode": "backbone", "tail": 0, "river_head": False}]
     rows += [{"mode": "river-only", "tail": t, "river_head": river_head} for t in STATIC_TAILS if t < n_layer]
-    rows += [{"mode": "river", "threshold": tau, "min_exit_layer": 0, "tail": t, "river_head": river_head}
-             for tau, t in DYNAMIC if t < n_layer - 1]
+    rows += [{"mode": "river", **rule, "threshold": tau, "min_exit_layer": 0, "tail": t, "river_head": river_head}
+             for t in DYNAMIC_TAILS for tau in taus if t < n_layer - 1]
     rows += [{"mode": "river-only", "tail": t, "river_head": river_head, "river_attention": "backbone"}
              for t in ATTENTION_TAILS if t < n_layer]
-    rows += [{"mode": "river", "threshold": tau, "min_exit_layer": 0, "tail": t, "river_head": river_head,
-              "river_attention": "backbone"} for tau, t in ATTENTION_DYNAMIC if t < n_layer - 1]
+    rows += [{"mode": "river", **rule, "threshold": tau, "min_exit_layer": 0, "tail": 0, "river_head": river_head,
+              "river_attention": "backbone"} for tau in taus if n_layer > 1]
     return rows
 
 

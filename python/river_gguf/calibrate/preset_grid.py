@@ -1,8 +1,8 @@
 """Measuring the preset grid of a River GGUF on the calibration split (KL divergence from a
 reference, the converter's F16 input or the file's own backbone, teacher-forced, each setting run
 as it runs in use; and the cost model's cost of each setting) and storing the chosen presets in
-the file. The stored format, the grid and the cost model live in
-river_gguf.presets, which the runtime reads."""
+the file. The stored format lives in river_gguf.presets, which the runtime reads; the grid and
+the cost model in calibrate.cost_model."""
 from __future__ import annotations
 
 import time
@@ -13,10 +13,11 @@ from tqdm import tqdm
 from ..gguf.meta import set_river_metadata
 from ..measure import divergence
 from ..measure.scoring import calibration_prepared, prepare
-from ..profile import predicted_mean_exit
+from ..options import EXIT_RULES, never_exit
+from ..profile import predicted_mean_exit, similarity_profile
 from ..presets import ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, GRID_KEY, PRESET_KEY, complete, dump
 from . import open_model
-from .cost_model import (backbone_layers_per_step, choose, grid, plan, setting_cost, setting_step, step_bytes,
+from .cost_model import (DYNAMIC_TAUS, backbone_layers_per_step, choose, grid, plan, setting_cost, setting_step, step_bytes,
                          tier_bounds, weight_bytes)
 
 
@@ -31,7 +32,8 @@ MIN_INTERVAL_ITEMS = 10
 
 def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool = True,
                       settings: Optional[List[dict]] = None, batched: bool = True, min_tokens: int = 1024,
-                      prepared=None, reference=None, prune: bool = False, profile=None) -> dict:
+                      prepared=None, reference=None, prune: bool = False, profile=None,
+                      exit_rule: Optional[str] = None) -> dict:
     """Measure `settings` (default: grid()) on the calibration split and choose the presets.
 
     Quality is the KL divergence of each setting's next-token distribution from the reference's,
@@ -47,7 +49,8 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     prune=True measures only what cost_model.plan says can win a tier; the other settings stay in
     the rows with their cost and why they were not measured, and no KLD. profile: the backbone's
     similarity profile (profile.similarity_profile), from which plan predicts where a dynamic
-    setting's tokens exit.
+    setting's tokens exit. exit_rule: the dynamic settings' rule (default: the model's), and the
+    rule of `profile`; the default grid's taus are the rule's (cost_model.dynamic_taus).
 
     Each measured row keeps its KLD with an item-bootstrap interval (none on fewer than
     MIN_INTERVAL_ITEMS items), how it was scored and on how many tokens, and its per-item KLD
@@ -63,7 +66,11 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
                     else [p for its in items.values() for p in prepare(model, its, score_tokens)])
     if reference is not None and len(reference) != len(prepared):
         raise ValueError(f"the reference has {len(reference)} items, the calibration {len(prepared)}")
-    settings = grid(model.n_layer) if settings is None else settings
+    rule = model.exit_options.exit_rule if exit_rule is None else exit_rule
+    if settings is None:
+        if profile is None and rule not in DYNAMIC_TAUS:  # its taus come from its profile
+            profile = similarity_profile(model, exit_rule=rule)
+        settings = grid(model.n_layer, exit_rule=rule, profile=profile)
     layers, head = weight_bytes(model, "cost")
     layers_b, head_b = weight_bytes(model, "bytes")
     L = model.n_layer
@@ -179,7 +186,8 @@ def calibrate_presets_file(path: str, n_threads: int = 2, progress: bool = True,
     """Measure the preset grid on the calibration split (at least min_tokens scored tokens per
     static setting) and store the presets in the file (atomic rewrite of its metadata). Returns
     the keys written."""
-    m = open_model(path, n_ctx=1024, n_threads=n_threads, threshold=2.0)
+    # A threshold that never passes, whatever the file's rule: the grid sets its own, and the file needs no profile.
+    m = open_model(path, n_ctx=1024, n_threads=n_threads, threshold=max(never_exit(r) for r in EXIT_RULES))
     res = calibrate_presets(m, score_tokens=score_tokens, progress=progress, min_tokens=min_tokens)
     del m  # release the mapping before the file is replaced
     return set_river_metadata(path, preset_metadata(res))

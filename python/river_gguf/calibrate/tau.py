@@ -4,37 +4,53 @@ writes into a River GGUF."""
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from typing import Optional, Sequence
 
 from tqdm import tqdm
 
 from ..gguf.meta import set_river_metadata
 from ..measure import data as eval_data
 from ..measure.scoring import calibration_items, prepare, score_items
+from ..options import EXIT_RULES, never_exit
+from ..profile import rule_taus, similarity_profile
 from . import open_model
 
-# Dense where SmolLM2's mid-layer similarities live: mean exit layer moves from ~2 to ~28 here.
+# Cosine's, dense where SmolLM2's mid-layer similarities live: mean exit layer moves from ~2 to
+# ~28 here. Another rule's are these quantiles of its profile (default_taus).
 DEFAULT_TAUS = (0.96, 0.97, 0.975, 0.98, 0.9825, 0.985, 0.9875, 0.99, 0.995)
+DEFAULT_QUANTILES = (0.6, 0.7, 0.75, 0.8, 0.85, 0.875, 0.9, 0.95, 0.975)
 
 
-def select_tau(rows: Sequence[dict], backbone_ppl: float, budget: float) -> dict:
+def default_taus(model, exit_rule: str = EXIT_RULES[0]) -> tuple:
+    """The taus calibrate tries for `exit_rule`: DEFAULT_TAUS for cosine, else DEFAULT_QUANTILES
+    of the rule's profile on this model (profile.similarity_profile)."""
+    if exit_rule == EXIT_RULES[0]:
+        return DEFAULT_TAUS
+    return rule_taus(similarity_profile(model, exit_rule=exit_rule), DEFAULT_QUANTILES)
+
+
+def select_tau(rows: Sequence[dict], backbone_ppl: float, budget: float, exit_rule: str = EXIT_RULES[0]) -> dict:
     """The fastest row whose perplexity is within `budget` (a fraction: 0.02 = 2%) of the
     backbone's. Fastest = lowest mean exit layer (deterministic), then highest measured
     speed, then lowest tau. rows: dicts with tau, ppl, mean_exit_layer and optionally tok_s.
-    With no row within budget, tau 1.01 (never exit) is returned, feasible=False."""
+    With no row within budget, the rule's never-exit threshold (options.never_exit) is
+    returned, feasible=False."""
     limit = backbone_ppl * (1.0 + budget)
     ok = [r for r in rows if r["ppl"] <= limit]
     if not ok:
-        return {"threshold": 1.01, "feasible": False, "ppl_limit": limit}
+        return {"threshold": never_exit(exit_rule), "feasible": False, "ppl_limit": limit}
     best = min(ok, key=lambda r: (r["mean_exit_layer"], -r.get("tok_s", 0.0), r["tau"]))
     return {"threshold": float(best["tau"]), "feasible": True, "ppl_limit": limit, "row": dict(best)}
 
 
-def calibrate(model, budget: float = 0.02, taus: Sequence[float] = DEFAULT_TAUS, items=None,
+def calibrate(model, budget: float = 0.02, taus: Optional[Sequence[float]] = None, items=None,
               score_tokens: int = 96, progress: bool = True, **opts) -> dict:
-    """Pick tau: the fastest one whose calibration perplexity (tokens pooled over domains) is
-    within `budget` of the backbone's. items: {domain: [Item]} (default: calibration split of
-    GSM8K and HumanEval, 8 items each). opts: further exit options (river_head, min_exit_layer)."""
+    """Pick tau of the model's exit rule (or opts' exit_rule): the fastest one whose calibration
+    perplexity (tokens pooled over domains) is within `budget` of the backbone's. taus: default
+    default_taus for the rule. items: {domain: [Item]} (default: calibration split of GSM8K and
+    HumanEval, 8 items each). opts: further exit options (river_head, min_exit_layer)."""
+    rule = opts.get("exit_rule") or model.exit_options.exit_rule
+    taus = default_taus(model, rule) if taus is None else taus
 
     items = calibration_items() if items is None else items
     prepared = [p for its in items.values() for p in prepare(model, its, score_tokens)]
@@ -46,7 +62,7 @@ def calibrate(model, budget: float = 0.02, taus: Sequence[float] = DEFAULT_TAUS,
             r = score_items(model, prepared, bar, mode="river", threshold=float(tau), exit_layer=None, **opts)
             rows.append({"tau": float(tau), "ppl": r.perplexity, "mean_exit_layer": r.mean_exit_layer,
                          "tok_s": r.n_tokens / r.seconds if r.seconds > 0 else 0.0})
-    sel = select_tau(rows, base.perplexity, budget)
+    sel = select_tau(rows, base.perplexity, budget, rule)
     chosen = sel.get("row", {})
     return {
         "threshold": sel["threshold"], "feasible": sel["feasible"], "budget": float(budget),

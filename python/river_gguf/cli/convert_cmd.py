@@ -16,6 +16,7 @@ from ..convert.build import (BACKBONE_TYPES, DEFAULT_BACKBONE_TYPE, DEFAULT_RIVE
 from ..convert.dry_run import plan_conversion
 from ..default_model import default_river_path, derived_model
 from ..gguf.io import FTYPES, check_output_path
+from ..options import EXIT_RULES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,8 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"is a dequantized Q4_1). One of: {', '.join(sorted(FTYPES))}")
     p.add_argument("--river", default=None, metavar="EXISTING.gguf",
                    help="use this GGUF of the same model as the river instead of quantizing the backbone")
+    p.add_argument("--exit-rule", choices=EXIT_RULES, default=EXIT_RULES[0],
+                   help=f"the file's default exit rule (river.exit_rule); its threshold is profiled on this rule's "
+                        f"scores, and the dynamic presets exit by it (default {EXIT_RULES[0]})")
     p.add_argument("--threshold", "--tau", dest="threshold", type=float, default=None, metavar="TAU",
-                   help="default exit threshold (default: profiled on the backbone)")
+                   help="default exit threshold (default: profiled on the backbone, on the exit rule's scores)")
     p.add_argument("--min-exit-layer", type=int, default=0, metavar="N",
                    help="backbone layers every token runs before it may exit (default 0)")
     p.add_argument("--river-head", action=argparse.BooleanOptionalAction, default=True,
@@ -161,8 +165,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         meta = build_river_gguf(
             args.backbone, args.output, river_type=args.river_type, river_path=args.river,
-            threshold=args.threshold, min_exit_layer=args.min_exit_layer, river_head=args.river_head,
-            prefill=args.prefill, replace_river=args.replace_river, progress=not args.quiet,
+            threshold=args.threshold, exit_rule=args.exit_rule, min_exit_layer=args.min_exit_layer,
+            river_head=args.river_head, prefill=args.prefill, replace_river=args.replace_river, progress=not args.quiet,
             n_threads=args.threads, tail=args.tail,
             imatrix=None if str(args.imatrix).lower() == "none" else args.imatrix,
             backbone_type=args.backbone_type, presets=args.presets, river_head_type=args.river_head_type,
@@ -180,7 +184,7 @@ def _run(args: argparse.Namespace) -> int:
         extra = f", predicted mean exit after layer {meta['river.profile_predicted_mean_exit_layer']:.1f}"
     print(f"wrote {args.output}")
     print(f"  river:     {meta['river.type']}" + (f" ({args.river})" if args.river else ""))
-    print(f"  threshold: {meta['river.threshold']:.4f} ({src}{extra})")
+    print(f"  threshold: {meta['river.threshold']:.4f} ({meta['river.exit_rule']}, {src}{extra})")
     print(f"  defaults:  min_exit_layer={meta['river.min_exit_layer']} river_head={meta['river.head']} "
           f"prefill={meta['river.prefill']}")
     print(f"  size:      {_mib(out_size)}")

@@ -92,7 +92,7 @@ def _cmd_calibrate(args) -> int:
     if not m.has_river:
         raise UsageError(f"{args.model} has no river: convert it with tools/add_river_gguf.py or pass --river")
     items = tau_calibration.calibration_items([d for d in args.domains.split(",") if d.strip()], args.items)
-    res = tau_calibration.calibrate(m, budget=args.budget, taus=args.taus or tau_calibration.DEFAULT_TAUS,
+    res = tau_calibration.calibrate(m, budget=args.budget, taus=args.taus,
                                     items=items, score_tokens=args.tokens, progress=not args.no_progress,
                                     **({"river_head": args.river_head} if args.river_head is not None else {}))
     for r in res["rows"]:
@@ -128,7 +128,7 @@ def register_calibrate(subparsers, common) -> None:
                    help="allowed perplexity increase over the backbone: 2%% or 0.02 (default 2%%)")
     p.add_argument("--write", action="store_true", help="store the chosen tau and numbers in the River GGUF")
     p.add_argument("--taus", type=_floats, default=None, metavar="T1,T2,...",
-                   help="tau grid (default: dense over 0.96..0.995)")
+                   help="tau grid (default: the rule's: cosine dense over 0.96..0.995, another rule quantiles of its profile)")
     p.add_argument("--domains", default="gsm8k,humaneval", help="calibration domains (their calibration split)")
     p.add_argument("--items", type=int, default=8, metavar="N", help="calibration items per domain (default 8)")
     p.add_argument("--tokens", type=int, default=96, metavar="N", help="completion tokens scored per item")

@@ -60,6 +60,7 @@ from ..gguf.meta import value_type
 from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX  # (2: the river after the backbone's data)
 from ..measure import divergence
 from ..measure.scoring import calibration_selection
+from ..options import EXIT_RULES, never_exit
 from ..profile import default_threshold, similarity_profile
 from . import imatrix as imx
 
@@ -180,6 +181,7 @@ def build_river_gguf(
     river_type: str = DEFAULT_RIVER_TYPE,
     river_path=None,
     threshold: Optional[float] = None,
+    exit_rule: str = EXIT_RULES[0],
     min_exit_layer: int = 0,
     river_head: bool = True,
     prefill: str = "backbone",
@@ -202,6 +204,8 @@ def build_river_gguf(
         see the module docstring). Ignored when ``river_path`` is given.
     river_path: an existing GGUF of the same model (plain, not a River GGUF) to use as river.
     threshold: exit threshold tau; None profiles the backbone (profile.default_threshold).
+    exit_rule: the file's default exit rule (river.exit_rule): the threshold's profile, and the
+        dynamic preset settings, are this rule's scores.
     replace_river: allow a River GGUF as backbone; its river is dropped and replaced.
     tail: the default backbone tail (river.tail): exited tokens rejoin the backbone for the last
         `tail` layers.
@@ -280,6 +284,8 @@ def build_river_gguf(
     # Engine checks first: a truncated or foreign file is refused before the gguf package reads it.
     n_layer = int(check_loadable(backbone_path)["n_layer"])
     _validate_options(threshold, min_exit_layer, prefill, river_head, n_layer)
+    if not isinstance(exit_rule, str) or exit_rule not in EXIT_RULES:
+        raise ValueError(f"exit_rule must be one of {EXIT_RULES}, got {exit_rule!r}")
     if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail < n_layer:
         raise ValueError(f"tail must be an int in [0, {n_layer - 1}], got {tail!r}")
     if river_path is not None:
@@ -308,7 +314,8 @@ def build_river_gguf(
             calib = stack.enter_context(_CalibrationPass(
                 plain(), os.path.dirname(os.path.abspath(out_path)), n_threads, progress, say,
                 imatrix=imatrix == IMATRIX_AUTO and river_path is None, threshold=threshold is None,
-                presets=presets, calibration_tokens=calibration_tokens, reference=_reference_label(bb)))
+                presets=presets, calibration_tokens=calibration_tokens, reference=_reference_label(bb),
+                exit_rule=exit_rule))
             if river_path is not None:
                 river_src, type_label, imatrix_meta = _river_from_file(river_path, bb)
             else:
@@ -331,7 +338,7 @@ def build_river_gguf(
             else:
                 meta_threshold, source, prof = float(threshold), "user", None
             entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
-                                     min_exit_layer, prefill, river_head, tail, backbone_type, imatrix_meta, prof)
+                                     exit_rule, min_exit_layer, prefill, river_head, tail, backbone_type, imatrix_meta, prof)
             ranking = calib.ranking if calib.ranking is not None else draft_token_ranking(backbone_path)
             say(f"draft vocabulary: {len(ranking)} tokens of the calibration text ranked")
             entries.append((native.DRAFT_TOKENS_KEY, ranking, gguf.GGUFValueType.ARRAY))
@@ -377,7 +384,8 @@ class _CalibrationPass:
     that sets tau. Each part only when asked for."""
 
     def __init__(self, path: str, folder: str, n_threads: int, progress: bool, say, *, imatrix: bool, threshold: bool,
-                 presets: bool, calibration_tokens: int, reference: str):
+                 presets: bool, calibration_tokens: int, reference: str, exit_rule: str):
+        self.exit_rule = exit_rule
         self.imatrix = None
         self.profile = None
         self.sims = None
@@ -404,11 +412,11 @@ class _CalibrationPass:
                 self.reference.add(rows)
                 n += len(rows)
             say(f"reference: the {reference}'s logits on {len(self.prepared)} held-out items ({n} scored tokens)")
-        if threshold or presets:  # tau, and where a dynamic preset's tokens would exit
-            self.sims = similarity_profile(model, own_engine=False)
+        if threshold or presets:  # tau, and where a dynamic preset's tokens would exit: the rule's scores
+            self.sims = similarity_profile(model, own_engine=False, exit_rule=exit_rule)
         if threshold:
-            self.profile = default_threshold(model, sims=self.sims)
-            say(f"threshold: {self.profile['threshold']:.4f} (profile-q{self.profile['quantile']:.2f})")
+            self.profile = default_threshold(model, sims=self.sims, exit_rule=exit_rule)
+            say(f"threshold: {self.profile['threshold']:.4f} ({exit_rule}, profile-q{self.profile['quantile']:.2f})")
         self.ranking = draft_token_ranking(None, tokenize=functools.partial(model.tokenize, add_special=False))
         del model
 
@@ -426,11 +434,12 @@ class _CalibrationPass:
 def _measure_presets(backbone: str, river: str, calib: _CalibrationPass, n_threads: int, progress: bool,
                      calibration_tokens: int) -> dict:
     """The preset keys of the output, measured on its backbone and river files."""
-    model = _open_model(backbone, river=river, n_ctx=1024, n_threads=n_threads, threshold=2.0, repack=False)
+    model = _open_model(backbone, river=river, n_ctx=1024, n_threads=n_threads, threshold=never_exit(calib.exit_rule),
+                        exit_rule=calib.exit_rule, repack=False)
     try:
         res = preset_grid.calibrate_presets(model, score_tokens=preset_score_tokens(calibration_tokens),
                                             progress=progress, prepared=calib.prepared, reference=calib.reference,
-                                            prune=True, profile=calib.sims)
+                                            prune=True, profile=calib.sims, exit_rule=calib.exit_rule)
     finally:
         del model
     return preset_grid.preset_metadata(res)
@@ -516,8 +525,8 @@ def _make_river(src: str, out_path: str, stack, bb, river_type: str, river_head_
     return river_src, type_label, entries
 
 
-def _river_entries(backbone_path, river_path, river_src, type_label, threshold, source, min_exit_layer, prefill,
-                   river_head, tail, backbone_type, imatrix_meta, prof) -> list:
+def _river_entries(backbone_path, river_path, river_src, type_label, threshold, source, exit_rule, min_exit_layer,
+                   prefill, river_head, tail, backbone_type, imatrix_meta, prof) -> list:
     """The river.* keys of the file (docs/format.md)."""
     VT = gguf.GGUFValueType
     entries = [
@@ -525,6 +534,7 @@ def _river_entries(backbone_path, river_path, river_src, type_label, threshold, 
         ("river.type", type_label, VT.STRING),
         ("river.threshold", threshold, VT.FLOAT32),
         ("river.threshold_source", source, VT.STRING),
+        ("river.exit_rule", exit_rule, VT.STRING),
         ("river.min_exit_layer", int(min_exit_layer), VT.UINT32),
         ("river.prefill", prefill, VT.STRING),
         ("river.head", bool(river_head), VT.BOOL),

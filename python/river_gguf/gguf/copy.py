@@ -31,7 +31,7 @@ def check_loadable(path: str) -> dict:
     with deferred_interrupts():  # libllama's vocab loader logs through a ctypes callback (see _open_model)
         # n_ctx=8: a tiny KV cache; no repacked or joined copies: it opens in milliseconds and
         # reads no weight
-        engine = native.Engine(path, "", 8, 1, 8, 0, repack=False, fuse=False)
+        engine = native.Engine(path, "", n_ctx=8, n_threads=1, n_batch=8, repack=False, fuse=False)
     hparams = dict(engine.hparams)
     del engine
     return hparams

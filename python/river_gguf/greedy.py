@@ -8,7 +8,7 @@ from typing import List, Sequence, Union
 
 import numpy as np
 
-from .options import is_int
+from .options import is_int, never_exit
 from .results import exit_stats
 from .session import STOP
 
@@ -25,7 +25,7 @@ class GreedyResult:
     n_layer: int = 0
     tail: int = 0
     mode: str = "backbone"      # as Llama.last_stats: the mode, or "exit_layer=k" for a forced exit
-    threshold: float = 2.0
+    threshold: float = field(default_factory=never_exit)
 
     @property
     def decode_exit_layers(self) -> List[int]:

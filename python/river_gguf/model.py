@@ -200,6 +200,8 @@ class Model:
         if ro.exit_decision not in EXIT_DECISIONS:
             raise ValueError(f"exit_decision must be one of {', '.join(EXIT_DECISIONS)}, got {ro.exit_decision!r}")
         self._exit_decision = ro.exit_decision
+        #: Decode steps in the verify batch's kernels (RiverOptions.verify_kernels).
+        self.verify_kernels = _bool_arg("verify_kernels", ro.verify_kernels)
         if preset is not None and not isinstance(preset, str):
             raise ValueError(f"preset must be a str, got {preset!r}")
 
@@ -435,20 +437,21 @@ class Model:
         return self._engine.river_has_head
 
     # ----- sessions: who the cache holds ------------------------------------------------
-    def session(self, options: Optional[ExitOptions] = None, *, keep_rows: bool = False, verify_kernels: bool = False,
-                **overrides) -> Session:
+    def session(self, options: Optional[ExitOptions] = None, *, keep_rows: bool = False,
+                verify_kernels: Optional[bool] = None, **overrides) -> Session:
         """A Session over this Model's KV cache (river_gguf.session): the one token loop. options:
         resolved ExitOptions (from options()), or the keyword overrides options() takes.
         keep_rows: keep every position's logits row. verify_kernels: decode steps in the verify
         batch's kernels (each with a throwaway token), so that their text is lossless mode's bit
-        for bit."""
+        for bit (default: the Model's verify_kernels option)."""
         if options is not None and overrides:
             raise ValueError("give options or keyword overrides, not both")
         opts = self.options(**overrides) if options is None else options
         if not isinstance(opts, ExitOptions):
             raise ValueError(f"options must be ExitOptions (from Model.options), got {type(opts).__name__}")
         return Session(self, self._engine, self._lock, opts, keep_rows=_bool_arg("keep_rows", keep_rows),
-                       verify_kernels=_bool_arg("verify_kernels", verify_kernels))
+                       verify_kernels=self.verify_kernels if verify_kernels is None
+                       else _bool_arg("verify_kernels", verify_kernels))
 
     def holds_cache(self, session: Session) -> bool:
         """Whether the cache holds `session`'s tokens (no other call used it since)."""

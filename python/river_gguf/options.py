@@ -296,6 +296,11 @@ class RiverOptions:
              "ascending ids) and the end-of-generation ones; the draft's head runs their rows alone, and the "
              "backbone's verification keeps the text the same (0: the whole vocabulary; default: 32768 for a "
              "vocabulary of 65536 or more with a river head of its own)")
+    verify_kernels: bool = _place(
+        False, "--verify-kernels", bool_flag=True,
+        help="decode steps in the verify batch's kernels: each step evaluates its token with a throwaway "
+             "copy in one batch, so every mode's text equals lossless mode's bit for bit (near-ties that "
+             "single-token and batched kernels round apart then decide alike), at a step's extra cost")
     gpu_memory: Optional[Union[int, str]] = _place(
         None, "--gpu-memory", metavar="SIZE",
         help="the most the GPU placement may use, e.g. 6GiB (default: its free memory); with --ngl -1, a River "

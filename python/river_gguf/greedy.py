@@ -45,11 +45,12 @@ class GreedyResult:
 
 
 def greedy(model, prompt: Union[str, Sequence[int]], max_tokens: int, stop: Sequence[str] = (),
-           **options) -> GreedyResult:
+           stop_at_eog: bool = True, **options) -> GreedyResult:
     """Prefill `prompt` (text is tokenized with special tokens parsed, as a chat prompt needs),
-    then decode the argmax token by token with exits live, until an end-of-generation token, a
-    stop string (the text is cut before it), max_tokens or the end of the context (the prompt and
-    the reply fill at most n_ctx positions, as in llama_cpp)."""
+    then decode the argmax token by token with exits live, until an end-of-generation token
+    (unless stop_at_eog=False: benchmarks time a fixed count of steps), a stop string (the text is
+    cut before it), max_tokens or the end of the context (the prompt and the reply fill at most
+    n_ctx positions, as in llama_cpp). The session's counters time each evaluation alone."""
     if not is_int(max_tokens) or max_tokens < 0:
         raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
     if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
@@ -67,7 +68,7 @@ def greedy(model, prompt: Union[str, Sequence[int]], max_tokens: int, stop: Sequ
 
     def argmax(row, seen):
         tok = int(np.argmax(row))
-        return STOP if model.is_eog(tok) else tok
+        return STOP if stop_at_eog and model.is_eog(tok) else tok
 
     with model.session(opts) as session:
         session.prefill(toks)

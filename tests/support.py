@@ -1,8 +1,11 @@
 """What the tests share besides fixtures: the repository's root, the thread count, the common
-texts and tolerances, and the cache of files the tests build (conftest.py's `built` fixture).
+texts and tolerances, the oracle (stock llama.cpp through llama-cpp-python, and oracle_pick),
+files no engine should load (an unsupported architecture, a truncated copy), and the cache of
+files the tests build (conftest.py's `built` fixture). Random-weight models come from
+river_gguf.eval.random_model.
 
 Test modules import it as `support` (tests/ is on sys.path: pytest puts the root conftest's folder
-there)."""
+there); tests_gpu/ and tests_qwen/ put tests/ on sys.path themselves."""
 from __future__ import annotations
 
 import contextlib
@@ -17,9 +20,10 @@ from typing import Callable, Iterable
 
 import gguf
 import llama_cpp
+import numpy as np
 
 import river_gguf
-from river_gguf.testing import LlamaCppOracle, oracle_pick  # noqa: F401 (re-exported)
+from river_gguf.gguf.io import atomic_output
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -37,6 +41,123 @@ PROSE = (
     "and the miller's children counted the days until the ice broke. One year the flood came early; "
     "the bridge held, but the road to the market was closed for a week."
 )
+
+
+# --- llama.cpp, the oracle; files no engine should load ---------------------------------------
+
+def write_unsupported_arch(path: str | os.PathLike, arch: str = "mamba") -> str:
+    """A small but well-formed GGUF whose architecture the engine does not implement."""
+    with atomic_output(path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, arch)) as w:
+        w.add_name(f"unsupported-{arch}")
+        w.add_uint32(f"{arch}.block_count", 1)
+        w.add_uint32(f"{arch}.context_length", 512)
+        w.add_uint32(f"{arch}.embedding_length", 16)
+        w.add_tensor("token_embd.weight", np.zeros((32, 16), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    return os.fspath(path)
+
+
+def truncate_copy(src: str | os.PathLike, dst: str | os.PathLike, keep_fraction: float = 0.5) -> str:
+    """Copy only the first ``keep_fraction`` of ``src``'s bytes (a corrupt-file fixture)."""
+    if not 0.0 <= keep_fraction <= 1.0:
+        raise ValueError("keep_fraction must be within [0, 1]")
+    left = int(os.path.getsize(src) * keep_fraction)
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        while left > 0:
+            chunk = fi.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            fo.write(chunk)
+            left -= len(chunk)
+    return os.fspath(dst)
+
+
+class LlamaCppOracle:
+    """Stock llama.cpp (llama-cpp-python) on a GGUF, set up like the engine: F16 KV cache (the
+    default), flash attention, n_threads threads (2 unless told). The tests' reference for logits and greedy text.
+
+    logits() asks llama.cpp for every row (logits_all); greedy() generates as llama.cpp does by
+    default, with one output row per batch, so its last layer selects that row before the FFN (on a
+    GPU a one-row product rounds otherwise than the same row of a batch).
+
+    stop_at_any_eog: greedy() stops at any end-of-generation token (llama_vocab_is_eog), not only
+    at the EOS token; models whose chat turns end on another token (Qwen) need it. n_gpu_layers:
+    llama.cpp's own offload (-1: every layer and the head), the reference for the GPU tests."""
+
+    def __init__(self, path, n_ctx: int = 512, stop_at_any_eog: bool = False, n_gpu_layers: int = 0,
+                 n_threads: int = 2):
+        self._args = dict(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads, flash_attn=True,
+                          n_gpu_layers=n_gpu_layers, verbose=False)
+        self._path = os.fspath(path)
+        self.llm = llama_cpp.Llama(self._path, logits_all=True, **self._args)
+        self._gen = None  # the one-output-row instance, made at the first greedy()
+        self.stop_at_any_eog = stop_at_any_eog
+
+    def logits(self, tokens):
+        self.llm.reset()
+        self.llm.eval(list(tokens))
+        return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
+
+    def _stops(self, tok) -> bool:
+        if self.stop_at_any_eog:
+            return bool(llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, tok))
+        return tok == self.llm.token_eos()
+
+    def greedy(self, tokens, n):
+        if self._gen is None:
+            self._gen = llama_cpp.Llama(self._path, logits_all=False, **self._args)
+        # reset: llama-cpp-python would otherwise reuse a cached prefix computed inside a longer
+        # batch, which is not the computation the engine repeats step by step.
+        self._gen.reset()
+        out = []
+        for tok in self._gen.generate(list(tokens), temp=0.0, top_k=1, reset=True):
+            if self._stops(tok) or len(out) >= n:
+                break
+            out.append(tok)
+        return out
+
+    def close(self):
+        self.llm.close()
+        if self._gen is not None:
+            self._gen.close()
+
+
+@contextlib.contextmanager
+def oracles(**kw):
+    """A factory make(path, n_ctx=512) of LlamaCppOracle, closing every oracle it made on exit."""
+    made = []
+
+    def make(path, n_ctx=512):
+        made.append(LlamaCppOracle(path, n_ctx, **kw))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for o in made:
+            o.close()
+
+
+def oracle_pick(candidates, run, has, what, oracle="the oracle (llama.cpp)"):
+    """The first candidate input for which the oracle's output has a property, and that output.
+
+    Tests assert agreement with llama.cpp or invariants, never what a model happens to generate:
+    where a property of the output is the point (JSON mode parses, a grammar yields a whole tree,
+    a reply runs to the length limit), the test first finds an input for which the ORACLE's output
+    has it (float rounding differs between CPUs, so one fixed prompt may not do), then asserts
+    ours equals the oracle's, so a failure says which side moved.
+
+    run(candidate) -> the oracle's output; has(output) -> bool. Raises AssertionError, saying the
+    oracle lacks `what` on this CPU, when no candidate gives it (`oracle` names the reference)."""
+    seen = []
+    for c in candidates:
+        out = run(c)
+        if has(out):
+            return c, out
+        seen.append(f"{c!r} -> {out!r}"[:400])
+    raise AssertionError(f"{oracle} lacks {what} on this CPU for every candidate input:\n" + "\n".join(seen))
 
 
 class Oracle(LlamaCppOracle):

@@ -129,7 +129,7 @@ def test_create_chat_completion_with_a_hostile_template(tmp_path):
     """The limits guard river_gguf.Llama's handlers for a file's templates (and so the server)."""
     from river_gguf import Llama
     from river_gguf.gguf.meta import set_river_metadata
-    from river_gguf.testing import write_tiny_model
+    from river_gguf.eval.random_model import write_tiny_model
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_layer=2)
     set_river_metadata(path, {"tokenizer.chat_template": ISSUE_TEMPLATE.replace("10**6", "10**5")})

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import river_gguf
-from river_gguf.testing import truncate_copy, write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 from river_gguf.greedy import greedy
 
-from support import THREADS
+from support import THREADS, truncate_copy
 
 # Growth of the process over many calls: alone, so another worker's load does not stretch it.
 pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="measures the process through /proc/self"),

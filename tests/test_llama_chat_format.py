@@ -10,7 +10,7 @@ Beyond upstream: the default template, dict shapes key by key (stream and non-st
 JSON mode (json_object, json_object with a schema, OpenAI's json_schema), tool calls (forced,
 automatic, streamed) and legacy functions through the chatml-function-calling handler.
 Model behaviour (a JSON-mode reply that parses, a tool call whose arguments parse) is asserted on
-the oracle first, for the first of a few candidate inputs that gives it (conftest.oracle_pick),
+the oracle first, for the first of a few candidate inputs that gives it (support.oracle_pick),
 then ours must equal the oracle's: float rounding differs between CPUs, so what SmolLM2 generates
 for one fixed prompt does too.
 Not covered: the multimodal handlers (Llava15ChatHandler and kin) and functionary's HF-tokenizer

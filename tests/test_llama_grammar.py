@@ -10,7 +10,7 @@ a single-sequence text model, so none is left out.
 
 What the model makes of a grammar (a whole tree, a JSON value that closes within max_tokens) is
 asserted on the oracle first, for the first of a few candidate prompts where it holds
-(conftest.oracle_pick); ours must then equal the oracle's: float rounding differs between CPUs,
+(support.oracle_pick); ours must then equal the oracle's: float rounding differs between CPUs,
 so what SmolLM2 generates for one fixed prompt does too.
 """
 import json

@@ -13,7 +13,7 @@ import pytest
 
 from river_gguf import Model
 from river_gguf.greedy import greedy
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 
 TIMEOUT_S = 300
 

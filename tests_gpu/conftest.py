@@ -14,7 +14,10 @@ import llama_cpp  # noqa: E402,F401
 
 from river_gguf.default_model import cache_dir, derived_model  # noqa: E402
 from river_gguf.devices import offload_gpus  # noqa: E402
-from river_gguf.testing import oracles  # noqa: E402
+
+# The oracle is tests/'s (support.oracles), with llama.cpp's own offload.
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+from support import oracles  # noqa: E402
 
 PROSE = (
     "The river rose in the hills above the town. Every spring it carried snow water down past the mill, "

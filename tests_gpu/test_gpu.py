@@ -15,7 +15,7 @@ from river_gguf.convert.build import build_river_gguf
 from river_gguf.convert.hybrid import write_hybrid_gguf, write_mixed_gguf
 from river_gguf.devices import list_devices, offload_gpus
 from river_gguf.greedy import greedy
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 from river_gguf.convert.hybrid import attention_from
 
 from conftest import PROSE

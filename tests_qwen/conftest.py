@@ -5,6 +5,7 @@ Kept out of CI (tests/) because the first run downloads ~490 MB and builds ~2 GB
 run with scripts/test_qwen.sh."""
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -14,7 +15,10 @@ os.environ.setdefault("RIVER_GGUF_CACHE", str(pathlib.Path(__file__).resolve().p
 import llama_cpp  # noqa: E402,F401
 
 from river_gguf.eval import model_zoo  # noqa: E402
-from river_gguf.testing import oracle_pick, oracles  # noqa: E402,F401
+
+# The oracle and oracle_pick are tests/'s (support).
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+from support import oracle_pick, oracles  # noqa: E402,F401
 
 QWEN = "qwen2.5-coder-0.5b"
 

@@ -6,9 +6,9 @@
         [--prefill backbone|river] [--tail N] [--imatrix auto|none|FILE] [--backbone-type auto|f16|q8_0]
         [--presets/--no-presets] [--replace-river] [--dry-run] [--threads N]
 
-The default is a Q8_0 backbone and a Q4_K_M river quantized by llama.cpp with an importance matrix
-collected from the input's activations on the calibration split, and the file stores measured
-fast/balanced/quality presets (see river_gguf/convert/build.py and
+The default is a Q8_0 backbone and a river of build.py's DEFAULT_RIVER_TYPE (Q4_K_M) quantized by
+llama.cpp with an importance matrix collected from the input's activations on the calibration
+split, and the file stores measured fast/balanced/quality presets (see river_gguf/convert/build.py and
 river_gguf/calibrate/cost_model.py; the options are river_gguf/cli/convert_cmd.py's). --dry-run
 prints the plan, the predicted time and peak memory, and writes nothing. Errors print a message to
 stderr and exit with status 2; Ctrl-C exits with status 130 and leaves no file behind.

@@ -1,7 +1,8 @@
 """Fuzzing the GGUF loader: damaged copies of tiny models, each loaded and run in a subprocess.
 
 Every case is a function of (seed, index) alone: a damaged copy of one of a few tiny base models
-(``testing.write_tiny_model`` for llama, qwen2 and qwen3; a River GGUF built from the llama one)
+(``river_gguf.eval.random_model.write_tiny_model`` for llama, qwen2 and qwen3; a River GGUF built
+from the llama one)
 — a truncation, flipped bytes, a hyperparameter given a wrong value or type, a tensor of another
 type, shape or name, a damaged vocabulary, river tensors removed or a River GGUF given as
 another model's river. Some cases use the damaged file as the river of an intact backbone.
@@ -355,7 +356,7 @@ BASE_NAMES = ("llama", "qwen2", "qwen3", "river", "river1")
 
 def build_bases(folder: str) -> Dict[str, str]:
     """Write the base models into `folder`; return name -> path."""
-    from river_gguf.testing import write_tiny_model
+    from river_gguf.eval.random_model import write_tiny_model
 
     os.makedirs(folder, exist_ok=True)
     paths = {}

@@ -9,7 +9,7 @@ from river_gguf import Model
 from river_gguf.cli import main as cli_main
 from river_gguf.calibrate.tau import calibrate_file
 from river_gguf.convert.build import build_river_gguf
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 
 
 def test_calibrate_writes_tau_that_model_uses(tmp_path):

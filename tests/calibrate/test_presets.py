@@ -9,7 +9,7 @@ from river_gguf import Model, presets
 from river_gguf.calibrate import cost_model
 from river_gguf.convert.build import DEFAULT_BACKBONE_TYPE, build_river_gguf
 from river_gguf.gguf.meta import set_river_metadata
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 from river_gguf.gguf.reader import GGUFReader
 
 

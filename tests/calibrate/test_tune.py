@@ -10,7 +10,7 @@ from river_gguf import Model, presets
 from river_gguf.calibrate import cost_model
 from river_gguf.calibrate import tune as tune_mod
 from river_gguf.convert import build
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 from river_gguf.gguf.reader import GGUFReader
 
 

@@ -18,9 +18,9 @@ import river_gguf  # noqa: E402
 from river_gguf import Model  # noqa: E402
 from river_gguf.convert.build import build_river_gguf  # noqa: E402
 from river_gguf.convert.hybrid import write_hybrid_gguf  # noqa: E402
-from river_gguf.testing import truncate_copy, write_tiny_model, write_unsupported_arch  # noqa: E402
+from river_gguf.eval.random_model import write_tiny_model  # noqa: E402
 
-from support import Oracle, PROSE, REPO, THREADS
+from support import PROSE, REPO, THREADS, Oracle, truncate_copy, write_unsupported_arch
 from river_gguf.gguf.reader import GGUFReader
 
 

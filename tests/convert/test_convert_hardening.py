@@ -35,7 +35,7 @@ from river_gguf.calibrate import preset_grid
 from river_gguf.convert import build as convert
 from river_gguf.convert.build import build_river_gguf
 from river_gguf.gguf.io import deferred_interrupts
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 
 from support import REPO
 from river_gguf.gguf.reader import GGUFReader

@@ -7,7 +7,7 @@ import sys
 from river_gguf.convert import dry_run
 from river_gguf.convert.build import build_river_gguf
 from river_gguf.presets import GRID_KEY
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 
 
 def test_the_plan_is_what_the_conversion_does(tmp_path):

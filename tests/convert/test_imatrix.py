@@ -20,7 +20,7 @@ from river_gguf.convert.imatrix import (
     read_imatrix_gguf,
     write_imatrix_gguf,
 )
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 
 from support import LOGIT_TOL, Oracle, PROSE
 from river_gguf.gguf.reader import GGUFReader

@@ -121,9 +121,13 @@ def test_plan_full_settings():
     assert s.score_items is None and qwen.score_items is None  # the whole evaluation split
     assert qwen.score_tokens <= s.score_tokens and max(qwen.controls) < 23
     assert not [x for x in evaluate._plan(qwen, ()) if x.setup == "F16+Q4_0"]
-    full = evaluate._plan(evaluate.full_settings("qwen2.5-coder-0.5b", plain_sweep="full"), ())
+    full_qwen = evaluate.full_settings("qwen2.5-coder-0.5b", plain_sweep="full")
+    full = evaluate._plan(full_qwen, (), n_layer=24)  # the file's depth, which run_eval reads
     assert len([x for x in full if x.setup == "F16+Q4_0" and x.kind == "river"]) == len(evaluate.DEFAULT_TAUS)
-    assert max(x.exit_layer for x in full if x.kind == "fixed") < 23
+    assert max(evaluate.DEFAULT_FIXED_EXITS) >= 23  # so the depth has exits to leave out
+    assert [x.exit_layer for x in full if x.kind == "fixed"] == [k for k in evaluate.DEFAULT_FIXED_EXITS if k < 23]
+    assert [x.exit_layer for x in evaluate._plan(full_qwen, ()) if x.kind == "fixed"] == \
+        list(evaluate.DEFAULT_FIXED_EXITS)
     assert not [x for x in evaluate._plan(evaluate.full_settings("smollm2", plain_sweep="none"), ())
                 if x.setup == "F16+Q4_0"]
     gemma = evaluate.full_settings("gemma3-270m")  # 18 layers: every tail leaves river layers

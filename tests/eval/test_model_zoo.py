@@ -12,7 +12,7 @@ import pytest
 from river_gguf import Model
 
 from river_gguf.eval import model_zoo
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 
 QWEN = "qwen2.5-coder-0.5b"
 

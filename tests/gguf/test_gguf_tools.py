@@ -1,4 +1,4 @@
-"""Tests of the GGUF helper modules (gguf.io, default_model, testing) against llama.cpp."""
+"""Tests of the GGUF helper modules (gguf.io, default_model, eval.random_model) against llama.cpp."""
 from __future__ import annotations
 
 import collections
@@ -13,10 +13,13 @@ import pytest
 import gguf
 import llama_cpp
 
+from river_gguf import _native as native  # noqa: E402
 from river_gguf import default_model as dm  # noqa: E402
-from river_gguf import testing  # noqa: E402
+from river_gguf.eval import random_model  # noqa: E402
 from river_gguf.gguf import io as gguf_io  # noqa: E402
 from river_gguf.gguf.reader import GGUFReader
+
+from support import truncate_copy, write_unsupported_arch
 
 QT = gguf.GGMLQuantizationType
 PROMPT = b"The capital of France is"
@@ -146,7 +149,7 @@ def test_quantize_tiny_k_types(tiny_dir, ftype, main):
     # legacy types for most K-quant tensors; a 256-wide model gets the real ones.
     src = tiny_dir / "llama256.gguf"
     if not src.exists():
-        testing.write_tiny_model(src, "llama", n_embd=256, n_ff=512, dtype="f16")
+        random_model.write_tiny_model(src, "llama", n_embd=256, n_ff=512, dtype="f16")
     dst = gguf_io.quantize(src, tiny_dir / f"llama256.{ftype}.gguf", ftype)
     counts = collections.Counter(_types(dst).values())
     assert counts.most_common(1)[0][0] == main, counts
@@ -159,7 +162,7 @@ def test_quantize_bad_ftype(tmp_path, f16_path):
 
 
 def test_quantize_failure_raises(tmp_path):
-    bad = testing.truncate_copy(dm.default_model_path(), tmp_path / "bad.gguf", 0.3)
+    bad = truncate_copy(dm.default_model_path(), tmp_path / "bad.gguf", 0.3)
     with pytest.raises(RuntimeError):
         gguf_io.quantize(bad, tmp_path / "out.gguf", "q8_0")
     assert not (tmp_path / "out.gguf").exists()
@@ -189,7 +192,7 @@ def _has_tensor(path, name):
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_model_runs(tiny_dir, name):
     arch, kw = TINY[name]
-    path = testing.write_tiny_model(tiny_dir / f"{name}.gguf", arch, **kw)
+    path = random_model.write_tiny_model(tiny_dir / f"{name}.gguf", arch, **kw)
     assert _has_tensor(path, "output.weight") != kw.get("tied", False)
     assert _has_tensor(path, "blk.0.attn_q.bias") == (arch == "qwen2")
     assert _has_tensor(path, "blk.0.attn_q_norm.weight") == (arch == "qwen3")
@@ -207,7 +210,7 @@ def test_tiny_model_runs(tiny_dir, name):
 
 
 def test_tiny_model_metadata(tiny_dir):
-    path = testing.write_tiny_model(tiny_dir / "meta.gguf", "qwen3", head_dim=32, n_layer=3)
+    path = random_model.write_tiny_model(tiny_dir / "meta.gguf", "qwen3", head_dim=32, n_layer=3)
     r = GGUFReader(path)
     f = {k: r.fields[k].contents() for k in r.fields if k.startswith("qwen3.")}
     assert f["qwen3.block_count"] == 3 and f["qwen3.context_length"] == 512
@@ -220,18 +223,26 @@ def test_tiny_model_metadata(tiny_dir):
     assert shapes["blk.0.ffn_down.weight"] == [128, 64]
 
 
+def test_random_models_cover_the_engines_architectures():
+    # The writer's list is its own (each family needs its keys and tensors written): it must name
+    # exactly the engine's families (native/models/models.cpp), so a family added there fails here
+    # until the writer writes it.
+    assert set(random_model.ARCHS) == set(native.ARCHITECTURES)
+    assert set(random_model.SLIDING_WINDOW_ARCHS) < set(random_model.ARCHS)
+
+
 def test_tiny_model_deterministic(tiny_dir):
-    a = testing.write_tiny_model(tiny_dir / "d1.gguf", "llama", seed=3)
-    b = testing.write_tiny_model(tiny_dir / "d2.gguf", "llama", seed=3)
+    a = random_model.write_tiny_model(tiny_dir / "d1.gguf", "llama", seed=3)
+    b = random_model.write_tiny_model(tiny_dir / "d2.gguf", "llama", seed=3)
     assert pathlib.Path(a).read_bytes() == pathlib.Path(b).read_bytes()
 
 
 def test_bad_inputs(tiny_dir):
-    unsupported = testing.write_unsupported_arch(tiny_dir / "mamba.gguf")
+    unsupported = write_unsupported_arch(tiny_dir / "mamba.gguf")
     assert GGUFReader(unsupported).fields["general.architecture"].contents() == "mamba"
 
-    full = testing.write_tiny_model(tiny_dir / "full.gguf", "llama")
-    half = testing.truncate_copy(full, tiny_dir / "half.gguf", keep_fraction=0.5)
+    full = random_model.write_tiny_model(tiny_dir / "full.gguf", "llama")
+    half = truncate_copy(full, tiny_dir / "half.gguf", keep_fraction=0.5)
     assert os.path.getsize(half) == os.path.getsize(full) // 2
     with pytest.raises(ValueError):  # llama.cpp refuses a truncated file
         _load(half)

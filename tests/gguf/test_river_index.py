@@ -15,7 +15,7 @@ from river_gguf.gguf import river_index
 from river_gguf.convert.build import FORMAT_VERSION, RIVER_PREFIX, build_river_gguf, upgrade_river_gguf
 from river_gguf.gguf.copy import new_writer, plain_tensors, write_tensors
 from river_gguf.gguf.meta import set_river_metadata
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 
 from support import Oracle
 from river_gguf.gguf.reader import GGUFReader

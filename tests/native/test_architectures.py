@@ -1,5 +1,5 @@
 """The architectures beyond llama/qwen (granite, olmo2, gemma2, gemma3, phi3, mistral3) against stock llama.cpp,
-on random-weight models written by river_gguf.testing, and River's invariants (RIVER.md 1-6) on each.
+on random-weight models written by river_gguf.eval.random_model, and River's invariants (RIVER.md 1-6) on each.
 
 Every prompt is longer than the sliding window of the models that have one (8 positions), so the
 windowed layers read a cache with rows outside their window, in the backbone and in the river."""
@@ -12,10 +12,10 @@ import river_gguf
 from river_gguf import Model
 from river_gguf.greedy import greedy
 from river_gguf.convert.hybrid import write_hybrid_gguf
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import YARN_ORIG_CTX, write_tiny_model
 from river_gguf.convert.hybrid import write_backbone_attention_oracle
 
-from support import LOGIT_TOL, PROSE, THREADS
+from support import LOGIT_TOL, PROSE, THREADS, write_unsupported_arch
 from river_gguf.gguf.reader import GGUFReader
 
 
@@ -208,8 +208,6 @@ def test_dynamic_exit_follows_the_rule_and_equals_the_forced_exit(river_model, p
 # --- refusals ---------------------------------------------------------------------------------------
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    from river_gguf.testing import write_unsupported_arch
-
     p = write_unsupported_arch(tmp_path / "mamba.gguf")
     with pytest.raises(river_gguf.UnsupportedModelError,
                        match=r"supported: llama, qwen2, qwen3, granite, olmo2, gemma2, gemma3, phi3"):
@@ -326,8 +324,6 @@ def test_llama3_rope_factors_match_llama_cpp(rope, tmp_path, oracle_factory):
 
 
 def test_mistral3_temperature_is_live(tmp_path):
-    from river_gguf.testing import YARN_ORIG_CTX
-
     # The attention temperature scales Q from the original context on: the same weights without
     # it give the same logits up to position YARN_ORIG_CTX - 1 and others after it.
     a = write_tiny_model(tmp_path / "a.gguf", "mistral3", n_layer=3, seed=11)

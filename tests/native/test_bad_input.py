@@ -3,10 +3,10 @@ import pytest
 
 import river_gguf
 from river_gguf import Model
+from river_gguf.eval.random_model import write_tiny_model
 from river_gguf.greedy import greedy
-from river_gguf.testing import truncate_copy, write_unsupported_arch
 
-from support import Oracle, THREADS, oracle_pick
+from support import THREADS, Oracle, oracle_pick, truncate_copy, write_unsupported_arch
 
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
@@ -110,8 +110,6 @@ def test_invalid_load_arguments(q4_1_path, kwargs):
 
 
 def test_mismatched_river_files_are_refused(tmp_path):
-    from river_gguf.testing import write_tiny_model
-
     bb = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, seed=1)
     qwen = write_tiny_model(tmp_path / "qwen.gguf", "qwen2", n_layer=2, seed=1)
     narrow = write_tiny_model(tmp_path / "narrow.gguf", "llama", n_layer=2, n_ff=96, seed=1)
@@ -129,7 +127,6 @@ def test_mismatched_river_files_are_refused(tmp_path):
 
 def test_river_gguf_with_a_second_river_is_refused(tmp_path):
     from river_gguf.convert.build import build_river_gguf
-    from river_gguf.testing import write_tiny_model
 
     bb = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, seed=1)
     rv = tmp_path / "m.river.gguf"

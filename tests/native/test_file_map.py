@@ -12,7 +12,9 @@ import pytest
 
 import river_gguf
 from river_gguf import _native as native
-from river_gguf.testing import truncate_copy, write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
+
+from support import truncate_copy
 
 HAS_PROC_MAPS = pathlib.Path("/proc/self/maps").is_file()
 

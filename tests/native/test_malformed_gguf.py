@@ -11,7 +11,7 @@ from river_gguf import Model
 from river_gguf.greedy import greedy
 from fuzz_gguf import (ARRAY, F32, F64, I32, STRING, TINY, U32, U64, Gguf, _build_river, _encode, _type_id,
                              _values)
-from river_gguf.testing import write_tiny_model
+from river_gguf.eval.random_model import write_tiny_model
 
 GGUFFormatError = river_gguf.GGUFFormatError
 

@@ -50,7 +50,7 @@ def test_the_bundle_holds_what_importing_river_gguf_needs():
     probe = (
         "import json, sys, importlib.metadata as md\n"
         "before = set(sys.modules)\n"
-        "import river_gguf, river_gguf.testing, river_gguf.convert.build, river_gguf.calibrate.lossless, pytest\n"
+        "import river_gguf, river_gguf.eval.random_model, river_gguf.convert.build, river_gguf.calibrate.lossless, pytest\n"
         "dists = md.packages_distributions()\n"
         "top = {m.split('.')[0] for m in set(sys.modules) - before}\n"
         "print(json.dumps(sorted({d for t in top if t not in sys.stdlib_module_names for d in dists.get(t, [])})))\n"

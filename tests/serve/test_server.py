@@ -473,7 +473,7 @@ def test_chat_template_limits_guard_the_server(tmp_path):
     the time limit, and keeps serving."""
     from river_gguf import chat
     from river_gguf.gguf.meta import set_river_metadata
-    from river_gguf.testing import write_tiny_model
+    from river_gguf.eval.random_model import write_tiny_model
 
     path = write_tiny_model(tmp_path / "hostile.gguf", "llama", n_layer=2)
     endless_loop = "{% for i in range(10**5) %}{% for j in range(10**5) %}{{ '' }}{% endfor %}{% endfor %}"

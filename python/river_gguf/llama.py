@@ -106,9 +106,9 @@ from llama_cpp.llama_tokenizer import LlamaTokenizer
 
 from ._loader import native
 from .chat import template_chat_handler
+from .completion import Completion, cut_at_stop, utf8_wait
 from .default_model import default_model_path
-from .llama_sampling import (SamplerChain, SamplingError, apply_processors, check_grammar, logit_bias_processor,
-                             top_logprobs_order)
+from .llama_sampling import SamplerChain, SamplingError, apply_processors, check_grammar, logit_bias_processor
 from .model import Model
 from .options import EXIT_FIELDS
 from .options import NAMES as RIVER_NAMES
@@ -133,6 +133,49 @@ _REFUSED = {
 }
 
 
+def _refuse_unsupported(given: Dict[str, Any]) -> None:
+    """llama_cpp arguments the engine cannot apply raise, where ignoring them would change the output."""
+    for name, default in _REFUSED.items():
+        v = given[name]
+        if v is not None and v != default and not (name == "rope_scaling_type" and v is None):
+            raise NotImplementedError(
+                f"river_gguf.Llama does not support {name}={v!r}: the river_gguf engine cannot apply it, and "
+                "ignoring it would change the output. Bake it into the GGUF (merge the LoRA, edit the metadata) "
+                "and load that file")
+
+
+def _check_numbers(n_ctx, n_batch, last_n_tokens_size, seed, flags: Dict[str, Any]) -> None:
+    for name, v in flags.items():
+        _bool(name, v)
+    if not is_int(n_ctx) or n_ctx < 0:
+        raise ValueError(f"n_ctx must be an int >= 0 (0: the model's training context), got {n_ctx!r}")
+    if not is_int(n_batch) or n_batch < 1:
+        raise ValueError(f"n_batch must be an int >= 1, got {n_batch!r}")
+    if not is_int(last_n_tokens_size) or last_n_tokens_size < -1:
+        raise ValueError(f"last_n_tokens_size must be an int >= -1, got {last_n_tokens_size!r}")
+    if not is_int(seed):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+
+
+def _load_vocab(model_path: str, verbose: bool):
+    """llama.cpp's vocabulary and metadata of the file (a vocab-only LlamaModel): tokenizer,
+    special tokens, chat templates, and the vocab pointer the grammar sampler needs."""
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    llama_logger.set_verbose(verbose)  # as llama_cpp.Llama: libllama's loader logs only when verbose
+    # The engine's own checks first: libllama aborts the process on some malformed
+    # vocabularies (a token with a NUL byte) that the engine refuses with GGUFFormatError.
+    with suppress_stdout_stderr(disable=verbose):  # its warnings, as Model's load
+        native.Vocab(model_path)
+    try:
+        model = internals.LlamaModel(path_model=model_path, params=params, verbose=verbose)
+        # llama-cpp-python decodes every key and string value as UTF-8 (UnicodeDecodeError
+        # is a ValueError too): a damaged file is named as such.
+        return model, model.metadata()
+    except ValueError as e:
+        raise native.GGUFFormatError(f"libllama could not load {model_path}: {e}") from None
+
+
 class ModelPathError(FileNotFoundError, ValueError):
     """The model file does not exist. A FileNotFoundError (river_gguf's promise) that is also the
     ValueError llama_cpp.Llama raises, so code written for either catches it."""
@@ -145,18 +188,6 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def _utf8_wait(text: bytes, current: int) -> int:
-    """How many more tokens llama_cpp waits before it looks at text that ends inside a UTF-8
-    sequence: for each of the last three bytes, counted 3, 2, 1 from the end, a lead byte of an
-    n-byte sequence closer to the end than n sets the wait to n minus that count."""
-    for i, byte in enumerate(text[-3:]):
-        dist = 3 - i
-        for need, lead in ((2, 0xC0), (3, 0xE0), (4, 0xF0)):
-            if need > dist and byte & lead == lead:
-                current = need - dist
-    return current
 
 
 def _stop_list(stop) -> List[str]:
@@ -292,28 +323,14 @@ class Llama:
                      rope_freq_scale=rope_freq_scale, yarn_ext_factor=yarn_ext_factor,
                      yarn_attn_factor=yarn_attn_factor, yarn_beta_fast=yarn_beta_fast,
                      yarn_beta_slow=yarn_beta_slow, yarn_orig_ctx=yarn_orig_ctx)
-        for name, default in _REFUSED.items():
-            v = given[name]
-            if v is not None and v != default and not (name == "rope_scaling_type" and v is None):
-                raise NotImplementedError(
-                    f"river_gguf.Llama does not support {name}={v!r}: the river_gguf engine cannot apply it, and "
-                    "ignoring it would change the output. Bake it into the GGUF (merge the LoRA, edit the metadata) "
-                    "and load that file")
+        _refuse_unsupported(given)
         if kwargs:
             warnings.warn(f"river_gguf.Llama: ignoring unknown keyword arguments {sorted(kwargs)}", RuntimeWarning,
                           stacklevel=2)
         self.verbose = _bool("verbose", verbose)
-        for name, v in (("logits_all", logits_all), ("embedding", embedding), ("vocab_only", vocab_only),
-                        ("spm_infill", spm_infill)):
-            _bool(name, v)
-        if not is_int(n_ctx) or n_ctx < 0:
-            raise ValueError(f"n_ctx must be an int >= 0 (0: the model's training context), got {n_ctx!r}")
-        if not is_int(n_batch) or n_batch < 1:
-            raise ValueError(f"n_batch must be an int >= 1, got {n_batch!r}")
-        if not is_int(last_n_tokens_size) or last_n_tokens_size < -1:
-            raise ValueError(f"last_n_tokens_size must be an int >= -1, got {last_n_tokens_size!r}")
-        if not is_int(seed):
-            raise ValueError(f"seed must be an int, got {seed!r}")
+        _check_numbers(n_ctx=n_ctx, n_batch=n_batch, last_n_tokens_size=last_n_tokens_size, seed=seed,
+                       flags=dict(logits_all=logits_all, embedding=embedding, vocab_only=vocab_only,
+                                  spm_infill=spm_infill))
 
         if model_path is None:
             model_path = default_model_path()
@@ -323,23 +340,7 @@ class Llama:
         self.model_path = model_path
         self._lock = threading.RLock()
 
-        # llama.cpp's vocabulary and metadata of the same file: tokenizer, special tokens, chat
-        # templates, and the vocab pointer the grammar sampler needs.
-        params = lib.llama_model_default_params()
-        params.vocab_only = True
-        llama_logger.set_verbose(self.verbose)  # as llama_cpp.Llama: libllama's loader logs only when verbose
-
-        # The engine's own checks first: libllama aborts the process on some malformed
-        # vocabularies (a token with a NUL byte) that the engine refuses with GGUFFormatError.
-        with suppress_stdout_stderr(disable=self.verbose):  # its warnings, as Model's load
-            native.Vocab(model_path)
-        try:
-            self._model = internals.LlamaModel(path_model=model_path, params=params, verbose=self.verbose)
-            # llama-cpp-python decodes every key and string value as UTF-8 (UnicodeDecodeError
-            # is a ValueError too): a damaged file is named as such.
-            self.metadata = self._model.metadata()
-        except ValueError as e:
-            raise native.GGUFFormatError(f"libllama could not load {model_path}: {e}") from None
+        self._model, self.metadata = _load_vocab(model_path, self.verbose)
         self.tokenizer_ = tokenizer or LlamaTokenizer(self)
         self._n_vocab = self._model.n_vocab()
 
@@ -359,23 +360,14 @@ class Llama:
         self.lora_base, self.lora_path, self.lora_scale = lora_base, lora_path, lora_scale
         self.cache = None
 
-        # The engine. River options left None take the file's defaults (a River GGUF's preset).
         self.river_model = None
         if not self._vocab_only:
-            self.river_model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, n_batch=self.n_batch,
-                                     n_gpu_layers=n_gpu_layers, main_gpu=main_gpu,
-                                     use_mmap=_bool("use_mmap", use_mmap), flash_attn=_bool("flash_attn", flash_attn),
-                                     verbose=self.verbose, river_options=ro)
-            if self.river_model.n_vocab != self._n_vocab:
-                raise ValueError(f"{model_path}: libllama's vocabulary has {self._n_vocab} tokens, the engine's "
-                                 f"{self.river_model.n_vocab}")
-            self._lock = self.river_model.lock
-            self._default_opts = self._resolve_options({})
+            self._load_engine(n_ctx, n_threads, n_gpu_layers, main_gpu, _bool("use_mmap", use_mmap),
+                              _bool("flash_attn", flash_attn), ro)
         elif ro != RiverOptions():
             raise ValueError("River options need the engine; this Llama is vocab_only")
         self._n_ctx = n_ctx
 
-        # llama_cpp's state: evaluated tokens and (when kept) their logits rows.
         # llama_cpp's state: the evaluated tokens. They mirror what the session's KV cache holds
         # after every evaluation; a caller may lower n_tokens (reset) or load a state, and the
         # next evaluation makes the cache follow.
@@ -398,6 +390,17 @@ class Llama:
             desc = "vocab only" if self.river_model is None else (
                 f"n_ctx={n_ctx}, threads={self.n_threads}, exit options {self._default_opts}")
             print(f"river_gguf.Llama: {model_path} ({desc}); chat format {self.chat_format!r}", file=sys.stderr)
+
+    def _load_engine(self, n_ctx, n_threads, n_gpu_layers, main_gpu, use_mmap, flash_attn, ro) -> None:
+        """The engine. River options left None take the file's defaults (a River GGUF's preset)."""
+        self.river_model = Model(self.model_path, n_ctx=n_ctx, n_threads=n_threads, n_batch=self.n_batch,
+                                 n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, use_mmap=use_mmap,
+                                 flash_attn=flash_attn, verbose=self.verbose, river_options=ro)
+        if self.river_model.n_vocab != self._n_vocab:
+            raise ValueError(f"{self.model_path}: libllama's vocabulary has {self._n_vocab} tokens, the engine's "
+                             f"{self.river_model.n_vocab}")
+        self._lock = self.river_model.lock
+        self._default_opts = self._resolve_options({})
 
     def _setup_chat_handlers(self) -> None:
         """llama_cpp's choice: a handler per chat template in the metadata; chat_format guessed
@@ -870,16 +873,6 @@ class Llama:
                 append = suffix
         return head + body + tail, append
 
-    def _logprob_entry(self, row: np.ndarray, token: int, n: int, stream: bool) -> tuple:
-        """(log p(token), top-n dict) from one logits row, as llama_cpp computes them, in its
-        types: Python floats in a stream's chunks, numpy float32 in a whole completion."""
-        lp = _LlamaCpp.logits_to_logprobs(row)
-        value = float if stream else np.float32
-        top = {}
-        for i in top_logprobs_order(lp, n):
-            top[self.detokenize([int(i)]).decode("utf-8", errors="ignore")] = value(lp[i])
-        return value(lp[token]), top
-
     def create_completion(
         self,
         prompt: Union[str, List[int]],
@@ -954,193 +947,72 @@ class Llama:
 
     def _completion(self, prompt, prompt_tokens, append, max_tokens, logprobs, echo, stops, stream, seed, model,
                     stopping_criteria, procs, sampling, opts):
-        cid = f"cmpl-{uuid.uuid4()}"
-        created = int(time.time())
-        name = model if model is not None else self.model_path
+        """The completion's chunks (or, without stream, its one dict): the generate loop's tokens
+        handed to a Completion (river_gguf.completion), which turns them into text."""
         bos_id = self.token_bos()
         detok = self.detokenize
-        completion_tokens: List[int] = [] if len(prompt) > 0 else [bos_id]
-        stop_bytes = [s.encode("utf-8") for s in stops]
-        want_rows = self._logits_all or logprobs is not None
-
-        def chunk(text, lp, finish):
-            return {"id": cid, "object": "text_completion", "created": created, "model": name,
-                    "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
-
+        done = Completion(f"cmpl-{uuid.uuid4()}", int(time.time()), model if model is not None else self.model_path,
+                          detok, lambda i: self.scores[i], prompt, prompt_tokens, bos_id, stops, logprobs)
         if prompt_tokens[:2] == [bos_id] * 2:
             warnings.warn(f'Detected duplicate leading "{self._model.token_get_text(bos_id)}" in prompt, this will '
                           "likely reduce response quality, consider removing it...", RuntimeWarning)
         if max_tokens is None or max_tokens <= 0:
             max_tokens = self._n_ctx - len(prompt_tokens)  # until the context is full
         max_tokens = min(max_tokens, self._n_ctx - len(prompt_tokens))
-
-        if self.cache:
-            try:
-                item = self.cache[prompt_tokens]
-                if (_LlamaCpp.longest_token_prefix(item.input_ids.tolist(), prompt_tokens)
-                        > _LlamaCpp.longest_token_prefix(self._input_ids.tolist(), prompt_tokens)):
-                    self.load_state(item)
-            except KeyError:
-                pass
+        self._load_cached_state(prompt_tokens)
         self.set_seed(seed if seed is not None else random.Random(self._seed).randint(0, 2 ** 32))
         chain = self._chain(**sampling)
 
-        finish_reason = "length"
-        text = b""
-        returned = 0
-        utf8_wait = 0
-        gen = self._run(prompt_tokens, True, chain, procs, stopping_criteria, opts, want_rows)
+        finish_reason, text, wait = "length", b"", 0
+        gen = self._run(prompt_tokens, True, chain, procs, stopping_criteria, opts,
+                        self._logits_all or logprobs is not None)
         try:
             for token in gen:
                 if self._is_eog(token):
-                    text = detok(completion_tokens)
-                    finish_reason = "stop"
+                    text, finish_reason = detok(done.tokens), "stop"
                     break
-                completion_tokens.append(token)
-                all_text = detok(completion_tokens)
-                utf8_wait = _utf8_wait(all_text, utf8_wait)
-                if utf8_wait > 0:
-                    utf8_wait -= 1
+                done.tokens.append(token)
+                all_text = detok(done.tokens)
+                wait = utf8_wait(all_text, wait)
+                if wait > 0:
+                    wait -= 1
                     continue
-                hit = next((s for s in stop_bytes if s in all_text), None)
-                if hit is not None:
-                    text = all_text[: all_text.index(hit)]
-                    finish_reason = "stop"
+                cut = cut_at_stop(all_text, done.stops)
+                if cut is not None:
+                    text, finish_reason = cut, "stop"
                     break
                 if stream:
-                    # Send what cannot be the start of a stop string; hold back the rest.
-                    pending = completion_tokens[returned:]
-                    pending_text = detok(pending)
-                    hold = 0
-                    for s in stop_bytes:
-                        for i in range(min(len(s), len(pending_text)), 0, -1):
-                            if pending_text.endswith(s[:i]):
-                                hold = max(hold, i)
-                                break
-                    sendable = len(pending_text) - hold
-                    end = 0
-                    if logprobs is not None:
-                        for tok in pending:
-                            if tok == bos_id:
-                                continue
-                            end += len(detok([tok]))
-                            if end > sendable:
-                                break
-                            token_str = detok([tok]).decode("utf-8", errors="ignore")
-                            offset = len(prompt) + len(detok(completion_tokens[:returned]).decode("utf-8", errors="ignore"))
-                            lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs, stream=True)
-                            top[token_str] = lp
-                            returned += 1
-                            yield chunk(token_str, {"tokens": [token_str], "text_offset": [offset],
-                                                    "token_logprobs": [lp], "top_logprobs": [top]}, None)
-                    else:
-                        while pending:
-                            for i in range(1, len(pending) + 1):
-                                piece = detok(pending[:i])
-                                try:
-                                    piece_text = piece.decode("utf-8")
-                                    break
-                                except UnicodeError:
-                                    pass
-                            else:
-                                break  # no prefix of the pending tokens decodes yet
-                            end += len(piece)
-                            if end > sendable:
-                                break
-                            pending = pending[i:]
-                            returned += i
-                            yield chunk(piece_text, None, None)
-                if len(completion_tokens) >= max_tokens:
-                    text = detok(completion_tokens)
-                    finish_reason = "length"
+                    yield from done.ready()
+                if len(done.tokens) >= max_tokens:
+                    text, finish_reason = detok(done.tokens), "length"
                     break
         finally:
             gen.close()
             chain.close()
 
         if stopping_criteria is not None and stopping_criteria(self._input_ids, self._row_at(self.n_tokens - 1)):
-            text = detok(completion_tokens)
-            finish_reason = "stop"
+            text, finish_reason = detok(done.tokens), "stop"
         if self.last_stats:
-            self.last_stats.update(completion_tokens=len(completion_tokens), finish_reason=finish_reason)
-
+            self.last_stats.update(completion_tokens=len(done.tokens), finish_reason=finish_reason)
         if stream:
-            pending = completion_tokens[returned:]
-            pending_text = detok(pending)
-            found = [s for s in stop_bytes if s in pending_text]
-            stop_at = min(pending_text.index(s) for s in found) if found else len(pending_text)
-            end = 0
-            for tok in pending:
-                end += len(detok([tok]))
-                lp_obj = None
-                if logprobs is not None:
-                    if tok == bos_id:
-                        continue
-                    token_str = detok([tok]).decode("utf-8", errors="ignore")
-                    offset = len(prompt) + len(detok(completion_tokens[:returned]))  # bytes, as llama_cpp
-                    lp, top = self._logprob_entry(self.scores[len(prompt_tokens) + returned - 1], tok, logprobs, stream=True)
-                    top[token_str] = lp
-                    lp_obj = {"tokens": [token_str], "text_offset": [offset], "token_logprobs": [lp],
-                              "top_logprobs": [top]}
-                if end >= stop_at:
-                    last = detok([tok])
-                    returned += 1
-                    yield chunk(last[: len(last) - (end - stop_at)].decode("utf-8", errors="ignore"), lp_obj, None)
-                    break
-                returned += 1
-                yield chunk(detok([tok]).decode("utf-8", errors="ignore"), lp_obj, None)
-            yield chunk("", None, finish_reason)
-            if self.cache:
-                self.cache[prompt_tokens + completion_tokens] = self.save_state()
-            return
-
+            yield from done.rest(finish_reason)
         if self.cache:
-            self.cache[prompt_tokens + completion_tokens] = self.save_state()
-        text_str = text.decode("utf-8", errors="ignore")
-        if echo:
-            text_str = (prompt if isinstance(prompt, str) else detok(prompt).decode("utf-8", errors="ignore")) + text_str
-        if append is not None:
-            text_str += append
+            self.cache[prompt_tokens + done.tokens] = self.save_state()
+        if not stream:
+            yield done.whole(text, finish_reason, echo, append, self.n_tokens)
 
-        lp_obj = None
-        if logprobs is not None:
-            if echo:
-                skip = 1 if prompt_tokens[0] == bos_id else 0
-                all_tokens = prompt_tokens[skip:] + completion_tokens
-                base_offset, first_row = 0, 0
-            else:
-                all_tokens = completion_tokens
-                base_offset, first_row = len(prompt), len(prompt_tokens) - 1
-            rows = self.scores[first_row: self.n_tokens]
-            offsets, token_lps, strs, tops = [], [], [], []
-            for idx, (tok, row) in enumerate(zip(all_tokens, rows)):
-                if tok == bos_id:
-                    continue
-                token_str = detok([tok]).decode("utf-8", errors="ignore")
-                offsets.append(base_offset + len(detok(all_tokens[:idx]).decode("utf-8", errors="ignore")))
-                strs.append(token_str)
-                lp, top = self._logprob_entry(row, tok, logprobs, stream=False)
-                token_lps.append(lp)
-                top[token_str] = lp
-                tops.append(top)
-            if echo and all_tokens:
-                # OpenAI's API gives no log-probability for the first token.
-                token_lps[0] = None
-                tops[0] = None
-            lp_obj = {"tokens": strs, "text_offset": offsets, "token_logprobs": token_lps, "top_logprobs": tops}
-
-        yield {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": name,
-            "choices": [{"text": text_str, "index": 0, "logprobs": lp_obj, "finish_reason": finish_reason}],
-            "usage": {
-                "prompt_tokens": len(prompt_tokens),
-                "completion_tokens": len(completion_tokens),
-                "total_tokens": len(prompt_tokens) + len(completion_tokens),
-            },
-        }
+    def _load_cached_state(self, prompt_tokens: List[int]) -> None:
+        """With a cache (set_cache): load the cached state that shares more of the prompt than
+        the evaluated tokens do, as llama_cpp does."""
+        if not self.cache:
+            return
+        try:
+            item = self.cache[prompt_tokens]
+        except KeyError:
+            return
+        if (_LlamaCpp.longest_token_prefix(item.input_ids.tolist(), prompt_tokens)
+                > _LlamaCpp.longest_token_prefix(self._input_ids.tolist(), prompt_tokens)):
+            self.load_state(item)
 
     def __call__(self, prompt: Union[str, List[int]], suffix: Optional[str] = None, max_tokens: Optional[int] = 16,
                  temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,

@@ -106,21 +106,29 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_temp_files(folder, name: str | None = None) -> list:
-    """Temp files in ``folder`` (of the final file ``name``, or of any) whose writers are gone."""
+def temp_files(folder, name: str | None = None) -> list:
+    """(path, writer pids) of the temp files in ``folder`` of the final file ``name`` (or of any
+    final file), whether their writers are alive or not; temps of temps count as their final
+    file's."""
     try:
         entries = os.listdir(folder)
     except OSError:
         return []
     out = []
-    for entry in entries:
+    for entry in sorted(entries):
         owner = _temp_owner(entry)
-        if owner is None or (name is not None and owner[0] != name):
-            continue
-        path = os.path.join(folder, entry)
+        if owner is not None and (name is None or owner[0] == name):
+            out.append((os.path.join(folder, entry), owner[1]))
+    return out
+
+
+def stale_temp_files(folder, name: str | None = None) -> list:
+    """Temp files in ``folder`` (of the final file ``name``, or of any) whose writers are gone."""
+    out = []
+    for path, pids in temp_files(folder, name):
         if os.name == "posix":
             # os.kill(pid, 0) is a liveness query only on POSIX (on Windows it would kill).
-            stale = not any(_pid_alive(p) for p in owner[1])
+            stale = not any(_pid_alive(p) for p in pids)
         else:
             try:
                 stale = time.time() - os.path.getmtime(path) > _STALE_AGE_S

@@ -40,6 +40,11 @@ from river_gguf.testing import write_tiny_model
 from support import REPO
 from river_gguf.gguf.reader import GGUFReader
 
+# The tests here send SIGINT, to themselves or to the converters they start, and assume Python's
+# default handling of it: every test gets it, even where the suite runs with SIGINT ignored (a
+# background job).
+pytestmark = pytest.mark.usefixtures("default_sigint")
+
 TOOL = REPO / "tools" / "add_river_gguf.py"
 # The package under test (a checkout or an overlay may come before the installed one).
 PKG_PARENT = str(pathlib.Path(river_gguf.__file__).resolve().parent.parent)
@@ -256,6 +261,34 @@ def test_signal_during_quantization_stops_and_leaves_nothing(slow_tiny, tmp_path
     if sig == signal.SIGINT:
         assert "interrupted" in stderr and "Traceback" not in stderr, stderr
     assert _files(tmp_path) == before  # no output, no temp files
+
+
+def test_converter_started_with_sigint_ignored_keeps_it_ignored(slow_tiny, tmp_path):
+    # Started from a background job (SIGINT ignored, as a shell without job control starts one),
+    # the converter leaves SIGINT ignored: a SIGINT during quantization changes nothing and the
+    # conversion completes, with nothing left beside its output. SIGTERM still stops it cleanly.
+    out = tmp_path / "out.gguf"
+    cmd = _convert_cmd(False, slow_tiny, out, "--river-type", "q4_k_m", "--imatrix", "none", "--no-presets")
+    ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 (in the child, before exec)
+    for sig, code in ((signal.SIGINT, 0), (signal.SIGTERM, 143)):
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=ignore)
+        try:
+            assert _wait_for(proc, lambda: _quantizing(tmp_path)), proc.communicate()
+            proc.send_signal(sig)
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == code, (stdout, stderr)
+        assert "Traceback" not in stderr, stderr
+        if code == 0:
+            assert f"wrote {out}" in stdout and _files(tmp_path) == {"out.gguf"}
+            assert GGUFReader(out).fields["river.type"].contents() == "q4_k_m"
+            out.unlink()
+        else:
+            assert _files(tmp_path) == set()
 
 
 def _holds_reference_rows(pid: int) -> bool:

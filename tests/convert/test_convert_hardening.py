@@ -206,6 +206,34 @@ def test_converter_model_loads_keep_the_interrupt(tiny, sigint_from_llama_log, d
     assert sigint_from_llama_log[0] > 1 and dropped == []
 
 
+def test_converter_vocabulary_loads_keep_the_interrupt(tiny, sigint_from_llama_log, dropped):
+    # The draft ranking's vocabulary (a conversion without the calibration pass loads it): a
+    # Ctrl-C there was dropped, and the conversion went on to write its output.
+    with pytest.raises(KeyboardInterrupt):
+        convert.draft_token_ranking(tiny, texts=["a b c"])
+    assert sigint_from_llama_log[0] > 1 and dropped == []
+
+
+
+def test_dry_run_vocabulary_load_keeps_the_interrupt(tiny, dropped, monkeypatch):
+    # The dry run's vocabulary loads inside its own capture of llama.cpp's log: SIGINT arrives
+    # with the capture's first line.
+    from river_gguf.convert.dry_run import _Tokenizer
+
+    real, lines = gguf_io.LlamaLog.add, []
+
+    def add(self, text):
+        lines.append(text)
+        if len(lines) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, text)
+
+    monkeypatch.setattr(gguf_io.LlamaLog, "add", add)
+    with pytest.raises(KeyboardInterrupt):
+        _Tokenizer(tiny)
+    assert len(lines) > 1 and dropped == []
+
+
 # ----- Ctrl-C / SIGTERM on the converter process --------------------------------------------------
 def _temps(folder, name="out.gguf"):
     """Hidden temp files of the output ``name``, temps of temps included."""
@@ -534,6 +562,43 @@ def test_read_only_output_folder_refused_up_front():
 def test_check_output_path_leaves_no_probe(tmp_path):
     assert gguf_io.check_output_path(tmp_path / "x.gguf") == str(tmp_path / "x.gguf")
     assert _files(tmp_path) == set()
+
+
+def test_ctrl_c_while_the_probe_exists_leaves_no_probe(tmp_path, monkeypatch):
+    # SIGINT lands while the probe file exists (sent from its os.close): the interrupt comes
+    # through once the probe is gone.
+    real_close, sent = os.close, []
+
+    def close(fd):
+        if not sent and any(n.endswith(".probe.tmp") for n in os.listdir(tmp_path)):
+            sent.append(fd)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_close(fd)
+
+    monkeypatch.setattr(os, "close", close)
+    with pytest.raises(KeyboardInterrupt):
+        gguf_io.check_output_path(tmp_path / "x.gguf")
+        for _ in range(1000):  # where the interrupt would land without the hold, at the latest
+            pass
+    assert sent and _files(tmp_path) == set()
+
+
+def test_ctrl_c_inside_a_temp_files_removal_leaves_nothing(tiny, tmp_path, monkeypatch):
+    # A Ctrl-C that lands in the middle of the removal of an intermediate file (after its check,
+    # before its unlink), as the conversion finishes: the converter sweeps its temp files as the
+    # interrupt unwinds.
+    real, hit = os.path.lexists, []
+
+    def lexists(p):
+        if not hit and os.fspath(p).endswith(".river.tmp") and real(p):
+            hit.append(p)
+            raise KeyboardInterrupt
+        return real(p)
+
+    monkeypatch.setattr(os.path, "lexists", lexists)
+    with pytest.raises(KeyboardInterrupt):
+        _build_tiny(tiny, tmp_path / "out.gguf")
+    assert hit and _files(tmp_path) == set()
 
 
 # ----- presets (and --calibrate) are measured before the output gets its name ---------------------

@@ -55,7 +55,8 @@ from ..gguf import io as gguf_io
 from ..gguf import river_index
 from ..gguf.copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, reader_path,
                          temp_path, type_name, write_plain_copy, write_river_file)
-from ..gguf.io import FTYPES, LlamaLog, atomic_output, captured_llama_log, check_output_path, remove_stale_temp_files
+from ..gguf.io import (FTYPES, LlamaLog, atomic_output, captured_llama_log, check_output_path, deferred_interrupts,
+                       remove_own_temp_files, remove_stale_temp_files)
 from ..gguf.meta import value_type
 from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX  # (2: the river after the backbone's data)
 from ..measure import divergence
@@ -300,72 +301,79 @@ def build_river_gguf(
 
     log = LlamaLog(echo=(lambda line: print(line, file=sys.stderr)) if verbose else None)
     say = report if report is not None else (lambda line: None)
-    with captured_llama_log(log), temp_path(out_path, ".tmp") as staged:  # the output, complete before it gets its name
-        # Intermediate files (river and backbone quantizations, a stripped copy) live until the
-        # output is written, then go: only the staged output is on disk when finalize runs.
-        with contextlib.ExitStack() as stack:
-            plain = _plain_source(bb, backbone_path, out_path, stack)
-            calib = stack.enter_context(_CalibrationPass(
-                plain(), os.path.dirname(os.path.abspath(out_path)), n_threads, progress, say,
-                imatrix=imatrix == IMATRIX_AUTO and river_path is None, threshold=threshold is None,
-                presets=presets, calibration_tokens=calibration_tokens, reference=_reference_label(bb)))
-            if river_path is not None:
-                river_src, type_label, imatrix_meta = _river_from_file(river_path, bb)
-            else:
-                river_src, type_label, imatrix_meta = _make_river(
-                    plain(), out_path, stack, bb, river_type, river_head_type, imatrix, calib.imatrix, n_threads,
-                    log, say)
-            rv = open_reader(river_src)
-            compare_models(bb, rv)
-            stored_path = plain()
-            if backbone_type is not None:
-                # The stored backbone is a quantization of the input; the river came from the input.
-                stored_path = stack.enter_context(temp_path(out_path, ".backbone-q.tmp"))
-                mark = log.mark()
-                _quantize(plain(), stored_path, backbone_type, n_threads, _is_quantized(bb))
-                say(f"backbone: {backbone_type}: {log.quantize_summary(mark)}")
-                bb = open_reader(stored_path)
-            if threshold is None:
-                meta_threshold, source, prof = float(calib.profile["threshold"]), \
-                    f"profile-q{calib.profile['quantile']:.2f}", calib.profile
-            else:
-                meta_threshold, source, prof = float(threshold), "user", None
-            entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
-                                     min_exit_layer, prefill, river_head, tail, backbone_type, imatrix_meta, prof)
-            ranking = calib.ranking if calib.ranking is not None else draft_token_ranking(backbone_path)
-            say(f"draft vocabulary: {len(ranking)} tokens of the calibration text ranked")
-            entries.append((native.DRAFT_TOKENS_KEY, ranking, gguf.GGUFValueType.ARRAY))
-            meta: Dict[str, Any] = {k: v for k, v, _ in entries}
-            # float32 as stored, so callers compare against what Model(out).metadata reads
-            meta["river.threshold"] = float(np.float32(meta_threshold))
-            if prof is not None:
-                meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
-            if presets:
-                # Measured on the two parts before they are joined: the output is written once.
-                found = _measure_presets(stored_path, river_src, calib, n_threads, progress, calibration_tokens)
-                entries += [(k, v, value_type(v)) for k, v in found.items()]
-                meta.update(found)
-                grid = json.loads(found[GRID_KEY])
-                measured = [r for r in grid if "kld" in r]
-                tokens = found["river.presets_calibration_tokens"]
-                say(f"presets: {', '.join(presets_mod.parse(found))} chosen; {len(measured)} of {len(grid)} settings "
-                    f"measured (the cost model rules out the rest), at least {tokens} tokens each, against the "
-                    f"{found[preset_grid.REFERENCE_KEY]}")
-            calib.close()  # the reference rows' temp file goes now, before the output is written
-            rv_by_name = {t.name: t for t in rv.tensors}
-            tensor_plan = [(t.name, t) for t in plain_tensors(bb)]
-            river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
-            river_plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
-            if "output.weight" in rv_by_name:
-                river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
-            write_river_file(staged, bb, entries, tensor_plan, river_plan, progress, f"river {os.path.basename(out_path)}")
-            say(f"wrote {len(tensor_plan) + len(river_plan)} tensors, {os.path.getsize(staged) / 2**20:.0f} MiB")
-            # The readers map files the stack is about to delete: drop them first, so no deleted
-            # file's pages stay mapped (and its disk space held) while finalize runs.
-            del bb, rv, rv_by_name, tensor_plan, river_plan
-        if finalize is not None:
-            meta.update(finalize(staged) or {})
-        os.replace(staged, out_path)
+    folder, name = os.path.split(os.path.abspath(out_path))
+    try:
+        with captured_llama_log(log), temp_path(out_path, ".tmp") as staged:  # the output, complete before it gets its name
+            # Intermediate files (river and backbone quantizations, a stripped copy) live until the
+            # output is written, then go: only the staged output is on disk when finalize runs.
+            with contextlib.ExitStack() as stack:
+                plain = _plain_source(bb, backbone_path, out_path, stack)
+                calib = stack.enter_context(_CalibrationPass(
+                    plain(), os.path.dirname(os.path.abspath(out_path)), n_threads, progress, say,
+                    imatrix=imatrix == IMATRIX_AUTO and river_path is None, threshold=threshold is None,
+                    presets=presets, calibration_tokens=calibration_tokens, reference=_reference_label(bb)))
+                if river_path is not None:
+                    river_src, type_label, imatrix_meta = _river_from_file(river_path, bb)
+                else:
+                    river_src, type_label, imatrix_meta = _make_river(
+                        plain(), out_path, stack, bb, river_type, river_head_type, imatrix, calib.imatrix, n_threads,
+                        log, say)
+                rv = open_reader(river_src)
+                compare_models(bb, rv)
+                stored_path = plain()
+                if backbone_type is not None:
+                    # The stored backbone is a quantization of the input; the river came from the input.
+                    stored_path = stack.enter_context(temp_path(out_path, ".backbone-q.tmp"))
+                    mark = log.mark()
+                    _quantize(plain(), stored_path, backbone_type, n_threads, _is_quantized(bb))
+                    say(f"backbone: {backbone_type}: {log.quantize_summary(mark)}")
+                    bb = open_reader(stored_path)
+                if threshold is None:
+                    meta_threshold, source, prof = float(calib.profile["threshold"]), \
+                        f"profile-q{calib.profile['quantile']:.2f}", calib.profile
+                else:
+                    meta_threshold, source, prof = float(threshold), "user", None
+                entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
+                                         min_exit_layer, prefill, river_head, tail, backbone_type, imatrix_meta, prof)
+                ranking = calib.ranking if calib.ranking is not None else draft_token_ranking(backbone_path)
+                say(f"draft vocabulary: {len(ranking)} tokens of the calibration text ranked")
+                entries.append((native.DRAFT_TOKENS_KEY, ranking, gguf.GGUFValueType.ARRAY))
+                meta: Dict[str, Any] = {k: v for k, v, _ in entries}
+                # float32 as stored, so callers compare against what Model(out).metadata reads
+                meta["river.threshold"] = float(np.float32(meta_threshold))
+                if prof is not None:
+                    meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
+                if presets:
+                    # Measured on the two parts before they are joined: the output is written once.
+                    found = _measure_presets(stored_path, river_src, calib, n_threads, progress, calibration_tokens)
+                    entries += [(k, v, value_type(v)) for k, v in found.items()]
+                    meta.update(found)
+                    grid = json.loads(found[GRID_KEY])
+                    measured = [r for r in grid if "kld" in r]
+                    tokens = found["river.presets_calibration_tokens"]
+                    say(f"presets: {', '.join(presets_mod.parse(found))} chosen; {len(measured)} of {len(grid)} settings "
+                        f"measured (the cost model rules out the rest), at least {tokens} tokens each, against the "
+                        f"{found[preset_grid.REFERENCE_KEY]}")
+                calib.close()  # the reference rows' temp file goes now, before the output is written
+                rv_by_name = {t.name: t for t in rv.tensors}
+                tensor_plan = [(t.name, t) for t in plain_tensors(bb)]
+                river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
+                river_plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
+                if "output.weight" in rv_by_name:
+                    river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
+                write_river_file(staged, bb, entries, tensor_plan, river_plan, progress, f"river {os.path.basename(out_path)}")
+                say(f"wrote {len(tensor_plan) + len(river_plan)} tensors, {os.path.getsize(staged) / 2**20:.0f} MiB")
+                # The readers map files the stack is about to delete: drop them first, so no deleted
+                # file's pages stay mapped (and its disk space held) while finalize runs.
+                del bb, rv, rv_by_name, tensor_plan, river_plan
+            if finalize is not None:
+                meta.update(finalize(staged) or {})
+            os.replace(staged, out_path)
+    finally:
+        # Each temp file is removed where it is made, but a Ctrl-C that lands inside one of those
+        # removals (between its check and its unlink, or in a probe) cuts it short: sweep what this
+        # process left of the output's temp files while the interrupt unwinds (a no-op otherwise).
+        remove_own_temp_files(folder, name)
     return meta
 
 
@@ -451,7 +459,9 @@ def draft_token_ranking(vocab_path: Optional[str], texts: Optional[List[str]] = 
     (native/draft_vocab.h). texts: default imatrix.calibration_texts(). tokenize: the text's
     tokens without BOS (e.g. an open Model's), instead of loading vocab_path's vocabulary."""
     if tokenize is None:
-        with suppress_stdout_stderr():  # libllama's vocabulary warnings: the converter is quiet
+        # libllama's vocabulary warnings: the converter is quiet; Ctrl-C is held while it loads (its
+        # log callback would drop the KeyboardInterrupt)
+        with suppress_stdout_stderr(), deferred_interrupts():
             vocab = native.Vocab(vocab_path)
         tokenize = lambda text: vocab.tokenize(text, False, False)  # noqa: E731
     counts: Dict[int, int] = {}

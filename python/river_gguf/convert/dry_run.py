@@ -29,7 +29,7 @@ from .._loader import native
 from ..calibrate import open_model
 from ..calibrate.cost_model import TensorInfo, grid, plan, setting_cost, step_bytes, tensor_costs, tier_bounds_of
 from ..gguf.copy import check_loadable, is_river_gguf, open_reader, plain_tensors, type_name
-from ..gguf.io import QUANT_BUFFER_BYTES, LlamaLog, captured_llama_log, planned_types
+from ..gguf.io import QUANT_BUFFER_BYTES, LlamaLog, captured_llama_log, deferred_interrupts, planned_types
 from ..measure.scoring import calibration_selection
 from ..profile import predicted_mean_exit, similarity_profile
 from . import build
@@ -126,7 +126,7 @@ class _Tokenizer:
     """The model's vocabulary with Model.tokenize's signature, for counting the calibration text."""
 
     def __init__(self, path: str):
-        with captured_llama_log(LlamaLog()), suppress_stdout_stderr():
+        with captured_llama_log(LlamaLog()), suppress_stdout_stderr(), deferred_interrupts():
             self._vocab = native.Vocab(path)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> List[int]:

@@ -139,6 +139,22 @@ def stale_temp_files(folder, name: str | None = None) -> list:
     return sorted(out)
 
 
+def remove_own_temp_files(folder, name: str) -> list:
+    """Remove the temp files in ``folder`` of the final file ``name`` that this process wrote
+    (temps of temps included); return the paths removed. A writer's own cleanup of a temp file can
+    itself be cut short by Ctrl-C (the KeyboardInterrupt raised between the check and the removal);
+    a caller that wraps all its writers of ``name`` sweeps with this once it unwinds."""
+    removed = []
+    for path, pids in temp_files(folder, name):
+        if os.getpid() in pids:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 def remove_stale_temp_files(folder, name: str | None = None) -> list:
     """Remove what ``stale_temp_files`` finds; return the paths removed. Never raises: a file
     another cleaner removed first, or one this user may not remove, is left to others."""
@@ -196,13 +212,18 @@ def check_output_path(dst_path: str | os.PathLike, inputs: Iterable[str | os.Pat
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"output folder does not exist: {folder}")
     probe = temp_name(dst, ".probe.tmp")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as e:
-        cls = PermissionError if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else OSError
-        raise cls(f"cannot write to the output folder {folder} ({e.strerror})") from None
-    os.close(fd)
-    os.unlink(probe)
+    # Ctrl-C is held while the probe exists: a KeyboardInterrupt between its creation and its
+    # removal would leave it behind.
+    with deferred_interrupts():
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            cls = PermissionError if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else OSError
+            raise cls(f"cannot write to the output folder {folder} ({e.strerror})") from None
+        try:
+            os.close(fd)
+        finally:
+            os.unlink(probe)
     return dst
 
 

@@ -440,6 +440,35 @@ def test_derived_file_cache_ignores_and_removes_stale_temp_files(tiny, tmp_path,
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def _reference_fds(folder) -> list:
+    """This process's descriptors of reference-row files (unlinked temp files) in ``folder``."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(os.path.join(str(folder), ".river-reference-")):
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_calibration_pass_closes_its_reference_file_when_it_fails(tiny, tmp_path, monkeypatch, exc):
+    # The pass fails after it opened its reference rows' file (here: in the items' selection);
+    # no caller holds the pass yet, so the pass closes the file itself, even while the
+    # exception's traceback (and the frames it holds) lives on.
+    def fail(*a, **k):
+        assert len(_reference_fds(tmp_path)) == 1  # opened before the failure
+        raise exc("selection failed")
+
+    monkeypatch.setattr(convert, "calibration_selection", fail)
+    with pytest.raises(exc) as info:
+        convert._CalibrationPass(str(tiny), str(tmp_path), 1, False, lambda line: None, imatrix=True,
+                                 threshold=True, presets=True, calibration_tokens=64, reference="F16")
+    assert info.traceback and _reference_fds(tmp_path) == []
+
+
 # ----- the output path, checked before any work ---------------------------------------------------
 @pytest.fixture
 def no_work(monkeypatch):

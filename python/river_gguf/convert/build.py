@@ -394,35 +394,49 @@ class _CalibrationPass:
         self.reference = None
         if not (imatrix or threshold or presets):
             return
+        # The pass owns its reference rows' file from the moment it opens it: a failure (or Ctrl-C)
+        # before __init__ returns closes it here, since no caller holds the pass yet to close it.
+        try:
+            self._run(path, folder, n_threads, progress, say, imatrix, threshold, presets, calibration_tokens,
+                      reference)
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self, path, folder, n_threads, progress, say, imatrix, threshold, presets, calibration_tokens,
+             reference) -> None:
         model = _open_model(path, n_ctx=1024, n_threads=n_threads, mode="backbone", repack=False)
-        held: list = []
-        if presets:
-            self.reference = divergence.ReferenceRows(reference, folder)
-            self.prepared, held = calibration_selection(model, calibration_tokens,
-                                                        preset_score_tokens(calibration_tokens))
-        if imatrix:
-            texts = imatrix_texts(calibration_tokens, held)
-            self.imatrix = imx.collect_on(model, texts, progress=progress, dataset=IMATRIX_DATASET)
-            say(f"imatrix: {int(self.imatrix.n_tokens)} tokens of {len(texts)} texts "
-                f"({len(held)} items held out for the presets)")
-        if presets:
-            n = 0
-            for toks, prefix in tqdm(self.prepared, desc="reference", unit="item", disable=not progress):
-                rows, _ = divergence.config_logits(model, toks, prefix, batched=True, mode="backbone")
-                self.reference.add(rows)
-                n += len(rows)
-            say(f"reference: the {reference}'s logits on {len(self.prepared)} held-out items ({n} scored tokens)")
-        if threshold or presets:  # tau, and where a dynamic preset's tokens would exit
-            self.sims = similarity_profile(model, own_engine=False)
-        if threshold:
-            self.profile = default_threshold(model, sims=self.sims)
-            say(f"threshold: {self.profile['threshold']:.4f} (profile-q{self.profile['quantile']:.2f})")
-        self.ranking = draft_token_ranking(None, tokenize=functools.partial(model.tokenize, add_special=False))
-        del model
+        try:
+            held: list = []
+            if presets:
+                self.reference = divergence.ReferenceRows(reference, folder)
+                self.prepared, held = calibration_selection(model, calibration_tokens,
+                                                            preset_score_tokens(calibration_tokens))
+            if imatrix:
+                texts = imatrix_texts(calibration_tokens, held)
+                self.imatrix = imx.collect_on(model, texts, progress=progress, dataset=IMATRIX_DATASET)
+                say(f"imatrix: {int(self.imatrix.n_tokens)} tokens of {len(texts)} texts "
+                    f"({len(held)} items held out for the presets)")
+            if presets:
+                n = 0
+                for toks, prefix in tqdm(self.prepared, desc="reference", unit="item", disable=not progress):
+                    rows, _ = divergence.config_logits(model, toks, prefix, batched=True, mode="backbone")
+                    self.reference.add(rows)
+                    n += len(rows)
+                say(f"reference: the {reference}'s logits on {len(self.prepared)} held-out items ({n} scored tokens)")
+            if threshold or presets:  # tau, and where a dynamic preset's tokens would exit
+                self.sims = similarity_profile(model, own_engine=False)
+            if threshold:
+                self.profile = default_threshold(model, sims=self.sims)
+                say(f"threshold: {self.profile['threshold']:.4f} (profile-q{self.profile['quantile']:.2f})")
+            self.ranking = draft_token_ranking(None, tokenize=functools.partial(model.tokenize, add_special=False))
+        finally:
+            del model  # not kept alive by a traceback's frame either
 
     def close(self) -> None:
         if self.reference is not None:
             self.reference.close()
+            self.reference = None
 
     def __enter__(self) -> "_CalibrationPass":
         return self

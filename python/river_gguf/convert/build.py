@@ -298,6 +298,9 @@ def build_river_gguf(
             f"{backbone_path} already is a River GGUF; pass replace_river=True (--replace-river) "
             "to replace its river, or start from the plain backbone"
         )
+    # A given river is checked against the input before the pass over the input (minutes on a
+    # large model): a River GGUF or another model is refused now.
+    given_river = _river_from_file(river_path, bb) if river_path is not None else None
 
     log = LlamaLog(echo=(lambda line: print(line, file=sys.stderr)) if verbose else None)
     say = report if report is not None else (lambda line: None)
@@ -312,8 +315,8 @@ def build_river_gguf(
                     plain(), os.path.dirname(os.path.abspath(out_path)), n_threads, progress, say,
                     imatrix=imatrix == IMATRIX_AUTO and river_path is None, threshold=threshold is None,
                     presets=presets, calibration_tokens=calibration_tokens, reference=_reference_label(bb)))
-                if river_path is not None:
-                    river_src, type_label, imatrix_meta = _river_from_file(river_path, bb)
+                if given_river is not None:
+                    river_src, type_label, imatrix_meta = given_river
                 else:
                     river_src, type_label, imatrix_meta = _make_river(
                         plain(), out_path, stack, bb, river_type, river_head_type, imatrix, calib.imatrix, n_threads,

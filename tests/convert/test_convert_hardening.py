@@ -588,6 +588,46 @@ def test_read_only_output_folder_refused_up_front():
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_dry_run_on_a_read_only_input_folder(tmp_path):
+    # The dry run writes nothing beside the input: it works where the input's folder refuses
+    # writes (to the nobody user, which the child checks first), the output going elsewhere.
+    base = pathlib.Path(tempfile.mkdtemp(prefix="river-ro-"))
+    try:
+        base.chmod(0o755)
+        ro, out = base / "ro", base / "out"
+        ro.mkdir()
+        out.mkdir()
+        out.chmod(0o777)
+        src = write_tiny_model(ro / "bb.gguf", "llama", n_layer=2, dtype="f16")
+        os.chmod(src, 0o644)
+        from river_gguf import cli
+
+        args = ["convert", str(src), "-o", str(out / "out.gguf"), "--dry-run", "-t", "1"]
+        # Once here first, while the folder is writable, so that everything the dry run imports is
+        # imported before the child runs as nobody, who cannot read root's Python installation.
+        assert cli.main(args) == 0
+        ro.chmod(0o555)
+        before = _files(ro)
+
+        def dry_run():
+            try:
+                open(ro / "probe", "wb").close()
+            except PermissionError:
+                pass
+            else:
+                raise AssertionError(f"{ro} accepts writes: the test would show nothing")
+            rc = cli.main(args)
+            if rc != 0:
+                raise RuntimeError(f"the dry run exited with {rc}")
+
+        name, msg = _readonly_run(dry_run)
+        assert name is None, msg
+        assert _files(ro) == before and _files(out) == set()
+    finally:
+        (base / "ro").chmod(0o755)
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_check_output_path_leaves_no_probe(tmp_path):
     assert gguf_io.check_output_path(tmp_path / "x.gguf") == str(tmp_path / "x.gguf")
     assert _files(tmp_path) == set()

@@ -497,8 +497,9 @@ def planned_types(src_path: str | os.PathLike, ftype: str, n_threads: int = 2, a
     importance: as with an importance matrix (llama.cpp's mix changes with one), given here as
     unit vectors, which the type choice does not read."""
     src_path = os.fspath(src_path)
-    params = quantize_params(src_path, os.path.join(os.path.dirname(os.path.abspath(src_path)), ".dry-run"), ftype,
-                             n_threads)
+    # No output path is checked or probed: a dry run writes nothing, and the input's folder may
+    # be read-only (llama.cpp's dry run never opens the output name it is given).
+    params = _default_params(src_path, ftype, n_threads)
     params.dry_run = True
     params.allow_requantize = bool(allow_requantize)
     if head_type is not None:
@@ -526,13 +527,18 @@ def planned_types(src_path: str | os.PathLike, ftype: str, n_threads: int = 2, a
 def quantize_params(src_path, dst_path, ftype: str, n_threads: int):
     """llama.cpp's default quantize parameters for ``ftype``, after checking the inputs and the
     output path (before any work starts)."""
+    params = _default_params(src_path, ftype, n_threads)
+    check_output_path(dst_path, inputs=[src_path])
+    return params
+
+
+def _default_params(src_path, ftype: str, n_threads: int):
+    """llama.cpp's default quantize parameters for ``ftype``, after checking the input."""
     key = ftype.lower()
     if key not in FTYPES:
         raise ValueError(f"unknown ftype {ftype!r}; valid: {', '.join(sorted(FTYPES))}")
     if not os.path.isfile(os.fspath(src_path)):
         raise FileNotFoundError(f"model file not found: {os.fspath(src_path)}")
-    check_output_path(dst_path, inputs=[src_path])
-
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, FTYPES[key])
     params.nthread = n_threads

@@ -13,6 +13,7 @@ Converter subprocesses run on tiny random models with one thread.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import pathlib
 import re
@@ -626,6 +627,34 @@ def test_dry_run_on_a_read_only_input_folder(tmp_path):
     finally:
         (base / "ro").chmod(0o755)
         shutil.rmtree(base, ignore_errors=True)
+
+
+class _Usage:
+    def __init__(self, free):
+        self.total, self.used, self.free = free, 0, free
+
+
+def test_free_space_checked_before_any_work_reference_rows_included(slow_tiny, tmp_path, monkeypatch):
+    # The output's file system holds, at once, the river and the quantized backbone with the
+    # presets' reference rows (larger than the output here: a 49,152-token vocabulary), then with
+    # the output. Too little room is refused before the pass over the input starts.
+    def no_pass(*a, **k):
+        raise AssertionError("the pass over the input started")
+
+    plan = convert.disk_plan(str(slow_tiny), convert.open_reader(str(slow_tiny)), "q4_0", "q8_0", None, False, True,
+                             1024, 1)
+    assert plan["reference"] > plan["output"] > 0 and plan["river"] > 0 and plan["backbone"] > 0
+    assert plan["need"] == plan["river"] + plan["backbone"] + plan["reference"]
+    monkeypatch.setattr(convert, "_CalibrationPass", no_pass)
+    for free in (plan["need"] - 1, plan["river"] + plan["backbone"] + plan["output"]):  # enough but for the rows
+        monkeypatch.setattr(convert.shutil, "disk_usage", lambda p, free=free: _Usage(free))
+        with pytest.raises(OSError, match="not enough free space.*reference rows") as e:
+            _build_tiny(slow_tiny, tmp_path / "out.gguf", presets=True, threshold=None, backbone_type="q8_0")
+        assert e.value.errno == errno.ENOSPC
+    monkeypatch.setattr(convert.shutil, "disk_usage", lambda p: _Usage(plan["need"]))
+    with pytest.raises(AssertionError, match="the pass over the input started"):  # the check passed
+        _build_tiny(slow_tiny, tmp_path / "out.gguf", presets=True, threshold=None, backbone_type="q8_0")
+    assert _files(tmp_path) == set()
 
 
 def test_check_output_path_leaves_no_probe(tmp_path):

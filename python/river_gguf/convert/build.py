@@ -32,11 +32,13 @@ The command line (``river-gguf convert``, ``tools/add_river_gguf.py``) is river_
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -301,6 +303,11 @@ def build_river_gguf(
     # A given river is checked against the input before the pass over the input (minutes on a
     # large model): a River GGUF or another model is refused now.
     given_river = _river_from_file(river_path, bb) if river_path is not None else None
+    # Room on the output's file system for what the conversion keeps there at its peak (the
+    # presets' reference rows included), checked before the work as the output path is.
+    need = disk_plan(backbone_path, bb, river_type if river_path is None else None, backbone_type, river_head_type,
+                     imatrix is not None, presets, calibration_tokens, n_threads, river_path=river_path)
+    check_free_space(os.path.dirname(os.path.abspath(out_path)), need)
 
     log = LlamaLog(echo=(lambda line: print(line, file=sys.stderr)) if verbose else None)
     say = report if report is not None else (lambda line: None)
@@ -378,6 +385,68 @@ def build_river_gguf(
         # process left of the output's temp files while the interrupt unwinds (a no-op otherwise).
         remove_own_temp_files(folder, name)
     return meta
+
+
+def disk_needed(river: int, backbone: int, output: int, reference: int) -> int:
+    """The most bytes a conversion keeps in its output's folder at once: the river and the
+    quantized backbone (temp files, until the output is written) with, first, the presets'
+    reference rows (an unlinked temp file: held-out scored rows x vocabulary x 4 bytes, closed
+    before the write) and then the output itself."""
+    return river + backbone + max(reference, output)
+
+
+def reference_rows_bytes(scored_rows: int, n_vocab: int) -> int:
+    """The presets' reference rows on disk: one float32 logit per vocabulary entry per scored row."""
+    return int(scored_rows) * int(n_vocab) * 4
+
+
+def planned_bytes(types: Dict[str, str], shapes: Dict[str, tuple]) -> int:
+    """Bytes of the tensors ``shapes`` (ggml order) at the ggml types ``types`` (names, as
+    gguf.io.planned_types gives them)."""
+    total = 0
+    for name, t in types.items():
+        if name in shapes:
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]]
+            total += int(np.prod(shapes[name])) // block * size
+    return total
+
+
+def disk_plan(backbone_path: str, bb, river_type: Optional[str], backbone_type: Optional[str],
+              river_head_type: Optional[str], importance: bool, presets: bool, calibration_tokens: int, n_threads: int,
+              river_path: Optional[str] = None) -> dict:
+    """What a conversion keeps in its output's folder (disk_needed), from llama.cpp's dry runs of
+    its quantizer (nothing written): {"river", "backbone", "output", "reference", "need"} in bytes.
+    river_type: None when the river is the given file ``river_path`` (read in place, copied into
+    the output); backbone_type: None when the
+    backbone is stored as given. The reference rows are counted at their most: the held-out items
+    stop at the first past calibration_tokens scored rows, each at most preset_score_tokens."""
+    tensors = list(plain_tensors(bb))
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in tensors}
+    requant = _is_quantized(bb)
+    river = (planned_bytes(gguf_io.planned_types(backbone_path, river_type, n_threads, requant, river_head_type,
+                                                 importance=importance), shapes) if river_type else 0)
+    stored = (planned_bytes(gguf_io.planned_types(backbone_path, backbone_type, n_threads, requant), shapes)
+              if backbone_type else sum(int(t.n_bytes) for t in tensors))
+    quantized_backbone = stored if backbone_type else 0
+    header = os.path.getsize(backbone_path) - sum(int(t.n_bytes) for t in tensors)  # metadata, vocabulary
+    output = header + stored + (river if river_type else os.path.getsize(river_path) if river_path else 0)
+    n_vocab = shapes["token_embd.weight"][1] if "token_embd.weight" in shapes else 0
+    reference = (reference_rows_bytes(calibration_tokens + preset_score_tokens(calibration_tokens), n_vocab)
+                 if presets else 0)
+    return {"river": river, "backbone": quantized_backbone, "output": output, "reference": reference,
+            "need": disk_needed(river, quantized_backbone, output, reference)}
+
+
+def check_free_space(folder: str, plan: dict) -> None:
+    """OSError (ENOSPC) when ``folder``'s file system has less free space than ``plan["need"]``."""
+    free = shutil.disk_usage(folder).free
+    if plan["need"] > free:
+        gib = 1 << 30
+        raise OSError(errno.ENOSPC,
+                      f"not enough free space in {folder}: the conversion needs about {plan['need'] / gib:.2f} GiB "
+                      f"there at once (river {plan['river'] / gib:.2f}, quantized backbone "
+                      f"{plan['backbone'] / gib:.2f}, then the presets' reference rows {plan['reference'] / gib:.2f} "
+                      f"or the output {plan['output'] / gib:.2f}), and {free / gib:.2f} GiB are free")
 
 
 class _CalibrationPass:

@@ -4,6 +4,7 @@ and the oracle: stock llama.cpp through llama-cpp-python. Each folder's conftest
 only that folder shares."""
 import os
 import pathlib
+import signal
 import sys
 
 import pytest
@@ -70,6 +71,21 @@ def q4_0_path(built):
 def derived(built):
     """derived(kind): a cached derivative of the default model (default_model.DERIVED_KINDS)."""
     return lambda kind: _derived(built, kind)
+
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT as a foreground Python process has it, for tests that send it: KeyboardInterrupt
+    here, and the default action in the processes the test starts (exec resets a caught signal
+    to the default). A suite started from a background job of a shell without job control
+    (`pytest ... &` in a script, `nohup ... &`) inherits SIGINT ignored, and so would the
+    processes it starts; this installs the handler such a test assumes, and puts back the one
+    it found."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 @pytest.fixture

@@ -429,7 +429,7 @@ def test_cli_generate_with_rpc_matches_local(server, tiny):
     assert bad.returncode == 2 and "without rpc_servers" in bad.stderr
 
 
-def test_rpc_server_stops_on_ctrl_c_and_refuses_a_taken_port(tmp_path):
+def test_rpc_server_stops_on_ctrl_c_and_refuses_a_taken_port(tmp_path, default_sigint):
     srv = RpcServer(log_dir=str(tmp_path))
     try:
         taken = subprocess.run([sys.executable, "-m", "river_gguf.cli", "rpc-server", "--port", str(srv.port)],

@@ -153,6 +153,28 @@ def test_missing_layer_tensor_refused(tmp_path):
         _build_tiny(bb, tmp_path / "out.gguf", river_path=rv)
 
 
+def test_given_river_checked_before_the_pass_over_the_input(tmp_path, monkeypatch):
+    # Another model, or a River GGUF, as --river is refused before the calibration pass (the
+    # input's whole F16 pass: minutes on a large model), with the defaults that run it.
+    from river_gguf.convert import build
+
+    def no_pass(*a, **k):
+        raise AssertionError("the pass over the input started before the river was checked")
+
+    monkeypatch.setattr(build, "_CalibrationPass", no_pass)
+    bb = _tiny(tmp_path, "bb.gguf", n_ff=128)
+    other = _tiny(tmp_path, "other.gguf", n_ff=96)
+    with pytest.raises(river_gguf.RiverMismatchError, match="feed_forward_length"):
+        build_river_gguf(bb, tmp_path / "out.gguf", river_path=other, progress=False, n_threads=1)
+    river = tmp_path / "first.river.gguf"
+    monkeypatch.undo()
+    _build_tiny(bb, river, river_type="q8_0")
+    monkeypatch.setattr(build, "_CalibrationPass", no_pass)
+    with pytest.raises(ValueError, match="itself a River GGUF"):
+        build_river_gguf(bb, tmp_path / "out.gguf", river_path=river, progress=False, n_threads=1)
+    assert not (tmp_path / "out.gguf").exists()
+
+
 @pytest.mark.parametrize("which", ["backbone", "river"])
 def test_truncated_input_refused(tmp_path, which):
     good = _tiny(tmp_path, "good.gguf")

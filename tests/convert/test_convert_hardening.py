@@ -13,6 +13,7 @@ Converter subprocesses run on tiny random models with one thread.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import pathlib
 import re
@@ -39,6 +40,11 @@ from river_gguf.eval.random_model import write_tiny_model
 
 from support import REPO
 from river_gguf.gguf.reader import GGUFReader
+
+# The tests here send SIGINT, to themselves or to the converters they start, and assume Python's
+# default handling of it: every test gets it, even where the suite runs with SIGINT ignored (a
+# background job).
+pytestmark = pytest.mark.usefixtures("default_sigint")
 
 TOOL = REPO / "tools" / "add_river_gguf.py"
 # The package under test (a checkout or an overlay may come before the installed one).
@@ -201,6 +207,34 @@ def test_converter_model_loads_keep_the_interrupt(tiny, sigint_from_llama_log, d
     assert sigint_from_llama_log[0] > 1 and dropped == []
 
 
+def test_converter_vocabulary_loads_keep_the_interrupt(tiny, sigint_from_llama_log, dropped):
+    # The draft ranking's vocabulary (a conversion without the calibration pass loads it): a
+    # Ctrl-C there was dropped, and the conversion went on to write its output.
+    with pytest.raises(KeyboardInterrupt):
+        convert.draft_token_ranking(tiny, texts=["a b c"])
+    assert sigint_from_llama_log[0] > 1 and dropped == []
+
+
+
+def test_dry_run_vocabulary_load_keeps_the_interrupt(tiny, dropped, monkeypatch):
+    # The dry run's vocabulary loads inside its own capture of llama.cpp's log: SIGINT arrives
+    # with the capture's first line.
+    from river_gguf.convert.dry_run import _Tokenizer
+
+    real, lines = gguf_io.LlamaLog.add, []
+
+    def add(self, text):
+        lines.append(text)
+        if len(lines) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, text)
+
+    monkeypatch.setattr(gguf_io.LlamaLog, "add", add)
+    with pytest.raises(KeyboardInterrupt):
+        _Tokenizer(tiny)
+    assert len(lines) > 1 and dropped == []
+
+
 # ----- Ctrl-C / SIGTERM on the converter process --------------------------------------------------
 def _temps(folder, name="out.gguf"):
     """Hidden temp files of the output ``name``, temps of temps included."""
@@ -256,6 +290,34 @@ def test_signal_during_quantization_stops_and_leaves_nothing(slow_tiny, tmp_path
     if sig == signal.SIGINT:
         assert "interrupted" in stderr and "Traceback" not in stderr, stderr
     assert _files(tmp_path) == before  # no output, no temp files
+
+
+def test_converter_started_with_sigint_ignored_keeps_it_ignored(slow_tiny, tmp_path):
+    # Started from a background job (SIGINT ignored, as a shell without job control starts one),
+    # the converter leaves SIGINT ignored: a SIGINT during quantization changes nothing and the
+    # conversion completes, with nothing left beside its output. SIGTERM still stops it cleanly.
+    out = tmp_path / "out.gguf"
+    cmd = _convert_cmd(False, slow_tiny, out, "--river-type", "q4_k_m", "--imatrix", "none", "--no-presets")
+    ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 (in the child, before exec)
+    for sig, code in ((signal.SIGINT, 0), (signal.SIGTERM, 143)):
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=ignore)
+        try:
+            assert _wait_for(proc, lambda: _quantizing(tmp_path)), proc.communicate()
+            proc.send_signal(sig)
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == code, (stdout, stderr)
+        assert "Traceback" not in stderr, stderr
+        if code == 0:
+            assert f"wrote {out}" in stdout and _files(tmp_path) == {"out.gguf"}
+            assert GGUFReader(out).fields["river.type"].contents() == "q4_k_m"
+            out.unlink()
+        else:
+            assert _files(tmp_path) == set()
 
 
 def _holds_reference_rows(pid: int) -> bool:
@@ -379,6 +441,35 @@ def test_derived_file_cache_ignores_and_removes_stale_temp_files(tiny, tmp_path,
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def _reference_fds(folder) -> list:
+    """This process's descriptors of reference-row files (unlinked temp files) in ``folder``."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(os.path.join(str(folder), ".river-reference-")):
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_calibration_pass_closes_its_reference_file_when_it_fails(tiny, tmp_path, monkeypatch, exc):
+    # The pass fails after it opened its reference rows' file (here: in the items' selection);
+    # no caller holds the pass yet, so the pass closes the file itself, even while the
+    # exception's traceback (and the frames it holds) lives on.
+    def fail(*a, **k):
+        assert len(_reference_fds(tmp_path)) == 1  # opened before the failure
+        raise exc("selection failed")
+
+    monkeypatch.setattr(convert, "calibration_selection", fail)
+    with pytest.raises(exc) as info:
+        convert._CalibrationPass(str(tiny), str(tmp_path), 1, False, lambda line: None, imatrix=True,
+                                 threshold=True, presets=True, calibration_tokens=64, reference="F16")
+    assert info.traceback and _reference_fds(tmp_path) == []
+
+
 # ----- the output path, checked before any work ---------------------------------------------------
 @pytest.fixture
 def no_work(monkeypatch):
@@ -498,9 +589,114 @@ def test_read_only_output_folder_refused_up_front():
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_dry_run_on_a_read_only_input_folder(tmp_path):
+    # The dry run writes nothing beside the input: it works where the input's folder refuses
+    # writes (to the nobody user, which the child checks first), the output going elsewhere.
+    base = pathlib.Path(tempfile.mkdtemp(prefix="river-ro-"))
+    try:
+        base.chmod(0o755)
+        ro, out = base / "ro", base / "out"
+        ro.mkdir()
+        out.mkdir()
+        out.chmod(0o777)
+        src = write_tiny_model(ro / "bb.gguf", "llama", n_layer=2, dtype="f16")
+        os.chmod(src, 0o644)
+        from river_gguf import cli
+
+        args = ["convert", str(src), "-o", str(out / "out.gguf"), "--dry-run", "-t", "1"]
+        # Once here first, while the folder is writable, so that everything the dry run imports is
+        # imported before the child runs as nobody, who cannot read root's Python installation.
+        assert cli.main(args) == 0
+        ro.chmod(0o555)
+        before = _files(ro)
+
+        def dry_run():
+            try:
+                open(ro / "probe", "wb").close()
+            except PermissionError:
+                pass
+            else:
+                raise AssertionError(f"{ro} accepts writes: the test would show nothing")
+            rc = cli.main(args)
+            if rc != 0:
+                raise RuntimeError(f"the dry run exited with {rc}")
+
+        name, msg = _readonly_run(dry_run)
+        assert name is None, msg
+        assert _files(ro) == before and _files(out) == set()
+    finally:
+        (base / "ro").chmod(0o755)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+class _Usage:
+    def __init__(self, free):
+        self.total, self.used, self.free = free, 0, free
+
+
+def test_free_space_checked_before_any_work_reference_rows_included(slow_tiny, tmp_path, monkeypatch):
+    # The output's file system holds, at once, the river and the quantized backbone with the
+    # presets' reference rows (larger than the output here: a 49,152-token vocabulary), then with
+    # the output. Too little room is refused before the pass over the input starts.
+    def no_pass(*a, **k):
+        raise AssertionError("the pass over the input started")
+
+    plan = convert.disk_plan(str(slow_tiny), convert.open_reader(str(slow_tiny)), "q4_0", "q8_0", None, False, True,
+                             1024, 1)
+    assert plan["reference"] > plan["output"] > 0 and plan["river"] > 0 and plan["backbone"] > 0
+    assert plan["need"] == plan["river"] + plan["backbone"] + plan["reference"]
+    monkeypatch.setattr(convert, "_CalibrationPass", no_pass)
+    for free in (plan["need"] - 1, plan["river"] + plan["backbone"] + plan["output"]):  # enough but for the rows
+        monkeypatch.setattr(convert.shutil, "disk_usage", lambda p, free=free: _Usage(free))
+        with pytest.raises(OSError, match="not enough free space.*reference rows") as e:
+            _build_tiny(slow_tiny, tmp_path / "out.gguf", presets=True, threshold=None, backbone_type="q8_0")
+        assert e.value.errno == errno.ENOSPC
+    monkeypatch.setattr(convert.shutil, "disk_usage", lambda p: _Usage(plan["need"]))
+    with pytest.raises(AssertionError, match="the pass over the input started"):  # the check passed
+        _build_tiny(slow_tiny, tmp_path / "out.gguf", presets=True, threshold=None, backbone_type="q8_0")
+    assert _files(tmp_path) == set()
+
+
 def test_check_output_path_leaves_no_probe(tmp_path):
     assert gguf_io.check_output_path(tmp_path / "x.gguf") == str(tmp_path / "x.gguf")
     assert _files(tmp_path) == set()
+
+
+def test_ctrl_c_while_the_probe_exists_leaves_no_probe(tmp_path, monkeypatch):
+    # SIGINT lands while the probe file exists (sent from its os.close): the interrupt comes
+    # through once the probe is gone.
+    real_close, sent = os.close, []
+
+    def close(fd):
+        if not sent and any(n.endswith(".probe.tmp") for n in os.listdir(tmp_path)):
+            sent.append(fd)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_close(fd)
+
+    monkeypatch.setattr(os, "close", close)
+    with pytest.raises(KeyboardInterrupt):
+        gguf_io.check_output_path(tmp_path / "x.gguf")
+        for _ in range(1000):  # where the interrupt would land without the hold, at the latest
+            pass
+    assert sent and _files(tmp_path) == set()
+
+
+def test_ctrl_c_inside_a_temp_files_removal_leaves_nothing(tiny, tmp_path, monkeypatch):
+    # A Ctrl-C that lands in the middle of the removal of an intermediate file (after its check,
+    # before its unlink), as the conversion finishes: the converter sweeps its temp files as the
+    # interrupt unwinds.
+    real, hit = os.path.lexists, []
+
+    def lexists(p):
+        if not hit and os.fspath(p).endswith(".river.tmp") and real(p):
+            hit.append(p)
+            raise KeyboardInterrupt
+        return real(p)
+
+    monkeypatch.setattr(os.path, "lexists", lexists)
+    with pytest.raises(KeyboardInterrupt):
+        _build_tiny(tiny, tmp_path / "out.gguf")
+    assert hit and _files(tmp_path) == set()
 
 
 # ----- presets (and --calibrate) are measured before the output gets its name ---------------------

@@ -48,3 +48,38 @@ def test_cli_dry_run(tmp_path):
     p = subprocess.run([sys.executable, "-m", "river_gguf.cli", "convert", str(tmp_path / "missing.gguf"), "-o",
                         str(out), "--dry-run"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and p.stderr.startswith("error:") and "Traceback" not in p.stderr
+
+
+def test_the_plan_counts_the_reference_rows_the_conversion_writes(tmp_path):
+    # Oracle: the size of the reference rows' file the converter's pass writes.
+    from river_gguf.convert import build
+
+    src = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, dtype="f16", seed=5)
+    out = tmp_path / "out.gguf"
+    plan = dry_run.plan_conversion(src, out, threshold=0.9, probe=False, calibration_tokens=256, n_threads=1)
+    with build._CalibrationPass(str(src), str(tmp_path), 1, False, lambda line: None, imatrix=False, threshold=False,
+                                presets=True, calibration_tokens=256, reference="F16") as calib:
+        written = os.fstat(calib.reference._file.fileno()).st_size
+    assert written > 0 and plan.reference_bytes == written
+    # The peak beside the output: the river and the quantized backbone with the larger of the
+    # reference rows (during the presets) and the output (while it is written).
+    parts = plan.disk_parts
+    assert parts["river"] > 0 and parts["backbone"] > 0
+    assert plan.disk_bytes == parts["river"] + parts["backbone"] + max(written, parts["output"])
+    assert any(line.startswith("disk:") and "reference rows" in line for line in plan.lines())
+    # The converter's own check counts them the same way, bounding the items it will hold out.
+    checked = build.disk_plan(str(src), build.open_reader(str(src)), "q4_k_m", "q8_0", None, True, True, 256, 1)
+    assert checked["reference"] >= written and checked["river"] == parts["river"]
+    assert checked["backbone"] == parts["backbone"] and checked["output"] == parts["output"]
+
+
+class _Usage:
+    def __init__(self, free):
+        self.total, self.used, self.free = free, 0, free
+
+
+def test_a_conversion_without_the_disk_says_so(tmp_path, monkeypatch):
+    src = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, dtype="f16", seed=3)
+    monkeypatch.setattr(dry_run.shutil, "disk_usage", lambda p: _Usage(1 << 20))  # 1 MiB free
+    plan = dry_run.plan_conversion(src, tmp_path / "out.gguf", threshold=0.9, probe=False, n_threads=1)
+    assert not plan.fits_disk and "more disk" in plan.lines()[-1]

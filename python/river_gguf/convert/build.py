@@ -32,11 +32,13 @@ The command line (``river-gguf convert``, ``tools/add_river_gguf.py``) is river_
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -55,7 +57,8 @@ from ..gguf import io as gguf_io
 from ..gguf import river_index
 from ..gguf.copy import (arch, check_loadable, is_river_gguf, np_shape, open_reader, plain_tensors, reader_path,
                          temp_path, type_name, write_plain_copy, write_river_file)
-from ..gguf.io import FTYPES, LlamaLog, atomic_output, captured_llama_log, check_output_path, remove_stale_temp_files
+from ..gguf.io import (FTYPES, LlamaLog, atomic_output, captured_llama_log, check_output_path, deferred_interrupts,
+                       remove_own_temp_files, remove_stale_temp_files)
 from ..gguf.meta import value_type
 from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX  # (2: the river after the backbone's data)
 from ..measure import divergence
@@ -303,77 +306,155 @@ def build_river_gguf(
             f"{backbone_path} already is a River GGUF; pass replace_river=True (--replace-river) "
             "to replace its river, or start from the plain backbone"
         )
+    # A given river is checked against the input before the pass over the input (minutes on a
+    # large model): a River GGUF or another model is refused now.
+    given_river = _river_from_file(river_path, bb) if river_path is not None else None
+    # Room on the output's file system for what the conversion keeps there at its peak (the
+    # presets' reference rows included), checked before the work as the output path is.
+    need = disk_plan(backbone_path, bb, river_type if river_path is None else None, backbone_type, river_head_type,
+                     imatrix is not None, presets, calibration_tokens, n_threads, river_path=river_path)
+    check_free_space(os.path.dirname(os.path.abspath(out_path)), need)
 
     log = LlamaLog(echo=(lambda line: print(line, file=sys.stderr)) if verbose else None)
     say = report if report is not None else (lambda line: None)
-    with captured_llama_log(log), temp_path(out_path, ".tmp") as staged:  # the output, complete before it gets its name
-        # Intermediate files (river and backbone quantizations, a stripped copy) live until the
-        # output is written, then go: only the staged output is on disk when finalize runs.
-        with contextlib.ExitStack() as stack:
-            plain = _plain_source(bb, backbone_path, out_path, stack)
-            calib = stack.enter_context(_CalibrationPass(
-                plain(), os.path.dirname(os.path.abspath(out_path)), n_threads, progress, say,
-                imatrix=imatrix == IMATRIX_AUTO and river_path is None, threshold=threshold is None,
-                presets=presets, calibration_tokens=calibration_tokens, reference=_reference_label(bb),
-                exit_rule=exit_rule))
-            if river_path is not None:
-                river_src, type_label, imatrix_meta = _river_from_file(river_path, bb)
-            else:
-                river_src, type_label, imatrix_meta = _make_river(
-                    plain(), out_path, stack, bb, river_type, river_head_type, imatrix, calib.imatrix, n_threads,
-                    log, say)
-            rv = open_reader(river_src)
-            compare_models(bb, rv)
-            stored_path = plain()
-            if backbone_type is not None:
-                # The stored backbone is a quantization of the input; the river came from the input.
-                stored_path = stack.enter_context(temp_path(out_path, ".backbone-q.tmp"))
-                mark = log.mark()
-                _quantize(plain(), stored_path, backbone_type, n_threads, _is_quantized(bb))
-                say(f"backbone: {backbone_type}: {log.quantize_summary(mark)}")
-                bb = open_reader(stored_path)
-            if threshold is None:
-                meta_threshold, source, prof = float(calib.profile["threshold"]), \
-                    f"profile-q{calib.profile['quantile']:.2f}", calib.profile
-            else:
-                meta_threshold, source, prof = float(threshold), "user", None
-            entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
-                                     exit_rule, min_exit_layer, prefill, river_head, tail, backbone_type, imatrix_meta, prof)
-            ranking = calib.ranking if calib.ranking is not None else draft_token_ranking(backbone_path)
-            say(f"draft vocabulary: {len(ranking)} tokens of the calibration text ranked")
-            entries.append((native.DRAFT_TOKENS_KEY, ranking, gguf.GGUFValueType.ARRAY))
-            meta: Dict[str, Any] = {k: v for k, v, _ in entries}
-            # float32 as stored, so callers compare against what Model(out).metadata reads
-            meta["river.threshold"] = float(np.float32(meta_threshold))
-            if prof is not None:
-                meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
-            if presets:
-                # Measured on the two parts before they are joined: the output is written once.
-                found = _measure_presets(stored_path, river_src, calib, n_threads, progress, calibration_tokens)
-                entries += [(k, v, value_type(v)) for k, v in found.items()]
-                meta.update(found)
-                grid = json.loads(found[GRID_KEY])
-                measured = [r for r in grid if "kld" in r]
-                tokens = found["river.presets_calibration_tokens"]
-                say(f"presets: {', '.join(presets_mod.parse(found))} chosen; {len(measured)} of {len(grid)} settings "
-                    f"measured (the cost model rules out the rest), at least {tokens} tokens each, against the "
-                    f"{found[preset_grid.REFERENCE_KEY]}")
-            calib.close()  # the reference rows' temp file goes now, before the output is written
-            rv_by_name = {t.name: t for t in rv.tensors}
-            tensor_plan = [(t.name, t) for t in plain_tensors(bb)]
-            river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
-            river_plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
-            if "output.weight" in rv_by_name:
-                river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
-            write_river_file(staged, bb, entries, tensor_plan, river_plan, progress, f"river {os.path.basename(out_path)}")
-            say(f"wrote {len(tensor_plan) + len(river_plan)} tensors, {os.path.getsize(staged) / 2**20:.0f} MiB")
-            # The readers map files the stack is about to delete: drop them first, so no deleted
-            # file's pages stay mapped (and its disk space held) while finalize runs.
-            del bb, rv, rv_by_name, tensor_plan, river_plan
-        if finalize is not None:
-            meta.update(finalize(staged) or {})
-        os.replace(staged, out_path)
+    folder, name = os.path.split(os.path.abspath(out_path))
+    try:
+        with captured_llama_log(log), temp_path(out_path, ".tmp") as staged:  # the output, complete before it gets its name
+            # Intermediate files (river and backbone quantizations, a stripped copy) live until the
+            # output is written, then go: only the staged output is on disk when finalize runs.
+            with contextlib.ExitStack() as stack:
+                plain = _plain_source(bb, backbone_path, out_path, stack)
+                calib = stack.enter_context(_CalibrationPass(
+                    plain(), os.path.dirname(os.path.abspath(out_path)), n_threads, progress, say,
+                    imatrix=imatrix == IMATRIX_AUTO and river_path is None, threshold=threshold is None,
+                    presets=presets, calibration_tokens=calibration_tokens, reference=_reference_label(bb),
+                    exit_rule=exit_rule))
+                if given_river is not None:
+                    river_src, type_label, imatrix_meta = given_river
+                else:
+                    river_src, type_label, imatrix_meta = _make_river(
+                        plain(), out_path, stack, bb, river_type, river_head_type, imatrix, calib.imatrix, n_threads,
+                        log, say)
+                rv = open_reader(river_src)
+                compare_models(bb, rv)
+                stored_path = plain()
+                if backbone_type is not None:
+                    # The stored backbone is a quantization of the input; the river came from the input.
+                    stored_path = stack.enter_context(temp_path(out_path, ".backbone-q.tmp"))
+                    mark = log.mark()
+                    _quantize(plain(), stored_path, backbone_type, n_threads, _is_quantized(bb))
+                    say(f"backbone: {backbone_type}: {log.quantize_summary(mark)}")
+                    bb = open_reader(stored_path)
+                if threshold is None:
+                    meta_threshold, source, prof = float(calib.profile["threshold"]), \
+                        f"profile-q{calib.profile['quantile']:.2f}", calib.profile
+                else:
+                    meta_threshold, source, prof = float(threshold), "user", None
+                entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
+                                         exit_rule, min_exit_layer, prefill, river_head, tail, backbone_type,
+                                         imatrix_meta, prof)
+                ranking = calib.ranking if calib.ranking is not None else draft_token_ranking(backbone_path)
+                say(f"draft vocabulary: {len(ranking)} tokens of the calibration text ranked")
+                entries.append((native.DRAFT_TOKENS_KEY, ranking, gguf.GGUFValueType.ARRAY))
+                meta: Dict[str, Any] = {k: v for k, v, _ in entries}
+                # float32 as stored, so callers compare against what Model(out).metadata reads
+                meta["river.threshold"] = float(np.float32(meta_threshold))
+                if prof is not None:
+                    meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
+                if presets:
+                    # Measured on the two parts before they are joined: the output is written once.
+                    found = _measure_presets(stored_path, river_src, calib, n_threads, progress, calibration_tokens)
+                    entries += [(k, v, value_type(v)) for k, v in found.items()]
+                    meta.update(found)
+                    grid = json.loads(found[GRID_KEY])
+                    measured = [r for r in grid if "kld" in r]
+                    tokens = found["river.presets_calibration_tokens"]
+                    say(f"presets: {', '.join(presets_mod.parse(found))} chosen; {len(measured)} of {len(grid)} settings "
+                        f"measured (the cost model rules out the rest), at least {tokens} tokens each, against the "
+                        f"{found[preset_grid.REFERENCE_KEY]}")
+                calib.close()  # the reference rows' temp file goes now, before the output is written
+                rv_by_name = {t.name: t for t in rv.tensors}
+                tensor_plan = [(t.name, t) for t in plain_tensors(bb)]
+                river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
+                river_plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
+                if "output.weight" in rv_by_name:
+                    river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
+                write_river_file(staged, bb, entries, tensor_plan, river_plan, progress, f"river {os.path.basename(out_path)}")
+                say(f"wrote {len(tensor_plan) + len(river_plan)} tensors, {os.path.getsize(staged) / 2**20:.0f} MiB")
+                # The readers map files the stack is about to delete: drop them first, so no deleted
+                # file's pages stay mapped (and its disk space held) while finalize runs.
+                del bb, rv, rv_by_name, tensor_plan, river_plan
+            if finalize is not None:
+                meta.update(finalize(staged) or {})
+            os.replace(staged, out_path)
+    finally:
+        # Each temp file is removed where it is made, but a Ctrl-C that lands inside one of those
+        # removals (between its check and its unlink, or in a probe) cuts it short: sweep what this
+        # process left of the output's temp files while the interrupt unwinds (a no-op otherwise).
+        remove_own_temp_files(folder, name)
     return meta
+
+
+def disk_needed(river: int, backbone: int, output: int, reference: int) -> int:
+    """The most bytes a conversion keeps in its output's folder at once: the river and the
+    quantized backbone (temp files, until the output is written) with, first, the presets'
+    reference rows (an unlinked temp file: held-out scored rows x vocabulary x 4 bytes, closed
+    before the write) and then the output itself."""
+    return river + backbone + max(reference, output)
+
+
+def reference_rows_bytes(scored_rows: int, n_vocab: int) -> int:
+    """The presets' reference rows on disk: one float32 logit per vocabulary entry per scored row."""
+    return int(scored_rows) * int(n_vocab) * 4
+
+
+def planned_bytes(types: Dict[str, str], shapes: Dict[str, tuple]) -> int:
+    """Bytes of the tensors ``shapes`` (ggml order) at the ggml types ``types`` (names, as
+    gguf.io.planned_types gives them)."""
+    total = 0
+    for name, t in types.items():
+        if name in shapes:
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]]
+            total += int(np.prod(shapes[name])) // block * size
+    return total
+
+
+def disk_plan(backbone_path: str, bb, river_type: Optional[str], backbone_type: Optional[str],
+              river_head_type: Optional[str], importance: bool, presets: bool, calibration_tokens: int, n_threads: int,
+              river_path: Optional[str] = None) -> dict:
+    """What a conversion keeps in its output's folder (disk_needed), from llama.cpp's dry runs of
+    its quantizer (nothing written): {"river", "backbone", "output", "reference", "need"} in bytes.
+    river_type: None when the river is the given file ``river_path`` (read in place, copied into
+    the output); backbone_type: None when the
+    backbone is stored as given. The reference rows are counted at their most: the held-out items
+    stop at the first past calibration_tokens scored rows, each at most preset_score_tokens."""
+    tensors = list(plain_tensors(bb))
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in tensors}
+    requant = _is_quantized(bb)
+    river = (planned_bytes(gguf_io.planned_types(backbone_path, river_type, n_threads, requant, river_head_type,
+                                                 importance=importance), shapes) if river_type else 0)
+    stored = (planned_bytes(gguf_io.planned_types(backbone_path, backbone_type, n_threads, requant), shapes)
+              if backbone_type else sum(int(t.n_bytes) for t in tensors))
+    quantized_backbone = stored if backbone_type else 0
+    header = os.path.getsize(backbone_path) - sum(int(t.n_bytes) for t in tensors)  # metadata, vocabulary
+    output = header + stored + (river if river_type else os.path.getsize(river_path) if river_path else 0)
+    n_vocab = shapes["token_embd.weight"][1] if "token_embd.weight" in shapes else 0
+    reference = (reference_rows_bytes(calibration_tokens + preset_score_tokens(calibration_tokens), n_vocab)
+                 if presets else 0)
+    return {"river": river, "backbone": quantized_backbone, "output": output, "reference": reference,
+            "need": disk_needed(river, quantized_backbone, output, reference)}
+
+
+def check_free_space(folder: str, plan: dict) -> None:
+    """OSError (ENOSPC) when ``folder``'s file system has less free space than ``plan["need"]``."""
+    free = shutil.disk_usage(folder).free
+    if plan["need"] > free:
+        gib = 1 << 30
+        raise OSError(errno.ENOSPC,
+                      f"not enough free space in {folder}: the conversion needs about {plan['need'] / gib:.2f} GiB "
+                      f"there at once (river {plan['river'] / gib:.2f}, quantized backbone "
+                      f"{plan['backbone'] / gib:.2f}, then the presets' reference rows {plan['reference'] / gib:.2f} "
+                      f"or the output {plan['output'] / gib:.2f}), and {free / gib:.2f} GiB are free")
 
 
 class _CalibrationPass:
@@ -394,35 +475,50 @@ class _CalibrationPass:
         self.reference = None
         if not (imatrix or threshold or presets):
             return
+        # The pass owns its reference rows' file from the moment it opens it: a failure (or Ctrl-C)
+        # before __init__ returns closes it here, since no caller holds the pass yet to close it.
+        try:
+            self._run(path, folder, n_threads, progress, say, imatrix, threshold, presets, calibration_tokens,
+                      reference)
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self, path, folder, n_threads, progress, say, imatrix, threshold, presets, calibration_tokens,
+             reference) -> None:
         model = _open_model(path, n_ctx=1024, n_threads=n_threads, mode="backbone", repack=False)
-        held: list = []
-        if presets:
-            self.reference = divergence.ReferenceRows(reference, folder)
-            self.prepared, held = calibration_selection(model, calibration_tokens,
-                                                        preset_score_tokens(calibration_tokens))
-        if imatrix:
-            texts = imatrix_texts(calibration_tokens, held)
-            self.imatrix = imx.collect_on(model, texts, progress=progress, dataset=IMATRIX_DATASET)
-            say(f"imatrix: {int(self.imatrix.n_tokens)} tokens of {len(texts)} texts "
-                f"({len(held)} items held out for the presets)")
-        if presets:
-            n = 0
-            for toks, prefix in tqdm(self.prepared, desc="reference", unit="item", disable=not progress):
-                rows, _ = divergence.config_logits(model, toks, prefix, batched=True, mode="backbone")
-                self.reference.add(rows)
-                n += len(rows)
-            say(f"reference: the {reference}'s logits on {len(self.prepared)} held-out items ({n} scored tokens)")
-        if threshold or presets:  # tau, and where a dynamic preset's tokens would exit: the rule's scores
-            self.sims = similarity_profile(model, own_engine=False, exit_rule=exit_rule)
-        if threshold:
-            self.profile = default_threshold(model, sims=self.sims, exit_rule=exit_rule)
-            say(f"threshold: {self.profile['threshold']:.4f} ({exit_rule}, profile-q{self.profile['quantile']:.2f})")
-        self.ranking = draft_token_ranking(None, tokenize=functools.partial(model.tokenize, add_special=False))
-        del model
+        try:
+            held: list = []
+            if presets:
+                self.reference = divergence.ReferenceRows(reference, folder)
+                self.prepared, held = calibration_selection(model, calibration_tokens,
+                                                            preset_score_tokens(calibration_tokens))
+            if imatrix:
+                texts = imatrix_texts(calibration_tokens, held)
+                self.imatrix = imx.collect_on(model, texts, progress=progress, dataset=IMATRIX_DATASET)
+                say(f"imatrix: {int(self.imatrix.n_tokens)} tokens of {len(texts)} texts "
+                    f"({len(held)} items held out for the presets)")
+            if presets:
+                n = 0
+                for toks, prefix in tqdm(self.prepared, desc="reference", unit="item", disable=not progress):
+                    rows, _ = divergence.config_logits(model, toks, prefix, batched=True, mode="backbone")
+                    self.reference.add(rows)
+                    n += len(rows)
+                say(f"reference: the {reference}'s logits on {len(self.prepared)} held-out items ({n} scored tokens)")
+            if threshold or presets:  # tau, and where a dynamic preset's tokens would exit: the rule's scores
+                self.sims = similarity_profile(model, own_engine=False, exit_rule=self.exit_rule)
+            if threshold:
+                self.profile = default_threshold(model, sims=self.sims, exit_rule=self.exit_rule)
+                say(f"threshold: {self.profile['threshold']:.4f} ({self.exit_rule}, "
+                    f"profile-q{self.profile['quantile']:.2f})")
+            self.ranking = draft_token_ranking(None, tokenize=functools.partial(model.tokenize, add_special=False))
+        finally:
+            del model  # not kept alive by a traceback's frame either
 
     def close(self) -> None:
         if self.reference is not None:
             self.reference.close()
+            self.reference = None
 
     def __enter__(self) -> "_CalibrationPass":
         return self
@@ -460,7 +556,9 @@ def draft_token_ranking(vocab_path: Optional[str], texts: Optional[List[str]] = 
     (native/draft_vocab.h). texts: default imatrix.calibration_texts(). tokenize: the text's
     tokens without BOS (e.g. an open Model's), instead of loading vocab_path's vocabulary."""
     if tokenize is None:
-        with suppress_stdout_stderr():  # libllama's vocabulary warnings: the converter is quiet
+        # libllama's vocabulary warnings: the converter is quiet; Ctrl-C is held while it loads (its
+        # log callback would drop the KeyboardInterrupt)
+        with suppress_stdout_stderr(), deferred_interrupts():
             vocab = native.Vocab(vocab_path)
         tokenize = lambda text: vocab.tokenize(text, False, False)  # noqa: E731
     counts: Dict[int, int] = {}

@@ -16,6 +16,7 @@ the presets are measured and while the output is written.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -29,7 +30,7 @@ from .._loader import native
 from ..calibrate import open_model
 from ..calibrate.cost_model import TensorInfo, grid, plan, setting_cost, step_bytes, tensor_costs, tier_bounds_of
 from ..gguf.copy import check_loadable, is_river_gguf, open_reader, plain_tensors, type_name
-from ..gguf.io import QUANT_BUFFER_BYTES, LlamaLog, captured_llama_log, planned_types
+from ..gguf.io import QUANT_BUFFER_BYTES, LlamaLog, captured_llama_log, deferred_interrupts, planned_types
 from ..measure.scoring import calibration_selection
 from ..profile import predicted_mean_exit, similarity_profile
 from . import build
@@ -75,6 +76,15 @@ class ConversionPlan:
     settings: List[dict] = field(default_factory=list)   # {"options", "relative_cost", "why"}
     available_bytes: Optional[int] = None
     notes: List[str] = field(default_factory=list)
+    # The output's folder: the most bytes the conversion keeps there at once (build.disk_needed),
+    # the presets' reference rows' share of it, and the free space there.
+    disk_parts: Dict[str, int] = field(default_factory=dict)  # river, backbone, output, reference (bytes)
+    disk_bytes: int = 0
+    free_disk_bytes: Optional[int] = None
+
+    @property
+    def reference_bytes(self) -> int:
+        return self.disk_parts.get("reference", 0)
 
     @property
     def seconds(self) -> float:
@@ -88,6 +98,10 @@ class ConversionPlan:
     def fits(self) -> bool:
         return self.available_bytes is None or self.peak_bytes <= self.available_bytes
 
+    @property
+    def fits_disk(self) -> bool:
+        return self.free_disk_bytes is None or self.disk_bytes <= self.free_disk_bytes
+
     def lines(self) -> List[str]:
         out = [f"dry run: {os.path.basename(self.backbone)} -> {self.out} (nothing is written)"]
         for i, s in enumerate(self.stages, 1):
@@ -97,10 +111,15 @@ class ConversionPlan:
             out.append(f"  presets: {len(play)} of {len(self.settings)} settings in play:")
             out += [f"     {_describe(r['options'])} ({r['relative_cost']:.3f}x river-only's cost)" for r in play]
         out += [f"  note: {n}" for n in self.notes]
+        ref = f", the presets' reference rows {self.reference_bytes / GIB:.2f} GiB of it" if self.reference_bytes else ""
+        free_disk = (f" (free: {self.free_disk_bytes / GIB:.1f} GiB)" if self.free_disk_bytes is not None else "")
+        out.append(f"disk: at most {self.disk_bytes / GIB:.2f} GiB at once beside the output{ref}{free_disk}")
         free = (f" (available: {self.available_bytes / GIB:.1f} GiB)" if self.available_bytes is not None else "")
         out.append(f"predicted: {self.seconds:.0f} s, peak memory {self.peak_bytes / GIB:.2f} GiB{free}")
         if not self.fits:
             out.append("warning: the conversion is predicted to need more memory than this machine has available")
+        if not self.fits_disk:
+            out.append("warning: the conversion needs more disk beside the output than is free there; it will refuse")
         return out
 
 
@@ -126,7 +145,7 @@ class _Tokenizer:
     """The model's vocabulary with Model.tokenize's signature, for counting the calibration text."""
 
     def __init__(self, path: str):
-        with captured_llama_log(LlamaLog()), suppress_stdout_stderr():
+        with captured_llama_log(LlamaLog()), suppress_stdout_stderr(), deferred_interrupts():
             self._vocab = native.Vocab(path)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> List[int]:
@@ -290,6 +309,19 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
         res.stages.append(Stage("presets", f"{sum(1 for w in why if not w)} of {len(settings)} settings measured",
                                 presets_factor(F) * per_token * work + FIXED_SECONDS,
                                 bb_bytes + rv_bytes + kv + logits_bytes + BASE_BYTES))
+    # Disk beside the output: the converter's own accounting (build.disk_needed), with the
+    # reference rows as the held-out items give them.
+    header = F - sum(int(t.n_bytes) for t in tensors)
+    river_file = sum(i.n_bytes for _, i in rv_infos) if river_path is None else 0
+    res.disk_parts = {
+        "river": river_file, "backbone": bb_bytes if backbone_type else 0,
+        "output": header + bb_bytes + (river_file if river_path is None else os.path.getsize(river_path)),
+        "reference": build.reference_rows_bytes(sum(len(t) - p for t, p in prepared), n_vocab) if presets else 0}
+    res.disk_bytes = build.disk_needed(**res.disk_parts)
+    try:
+        res.free_disk_bytes = shutil.disk_usage(os.path.dirname(os.path.abspath(out_path))).free
+    except OSError:
+        res.free_disk_bytes = None
     res.stages.append(Stage("write", f"{(bb_bytes + rv_bytes) / GIB:.2f} GiB, once",
                             IO_SECONDS_PER_GIB * (bb_bytes + rv_bytes + F) / GIB + FIXED_SECONDS,
                             bb_bytes + rv_bytes + BASE_BYTES))

@@ -106,21 +106,29 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_temp_files(folder, name: str | None = None) -> list:
-    """Temp files in ``folder`` (of the final file ``name``, or of any) whose writers are gone."""
+def temp_files(folder, name: str | None = None) -> list:
+    """(path, writer pids) of the temp files in ``folder`` of the final file ``name`` (or of any
+    final file), whether their writers are alive or not; temps of temps count as their final
+    file's."""
     try:
         entries = os.listdir(folder)
     except OSError:
         return []
     out = []
-    for entry in entries:
+    for entry in sorted(entries):
         owner = _temp_owner(entry)
-        if owner is None or (name is not None and owner[0] != name):
-            continue
-        path = os.path.join(folder, entry)
+        if owner is not None and (name is None or owner[0] == name):
+            out.append((os.path.join(folder, entry), owner[1]))
+    return out
+
+
+def stale_temp_files(folder, name: str | None = None) -> list:
+    """Temp files in ``folder`` (of the final file ``name``, or of any) whose writers are gone."""
+    out = []
+    for path, pids in temp_files(folder, name):
         if os.name == "posix":
             # os.kill(pid, 0) is a liveness query only on POSIX (on Windows it would kill).
-            stale = not any(_pid_alive(p) for p in owner[1])
+            stale = not any(_pid_alive(p) for p in pids)
         else:
             try:
                 stale = time.time() - os.path.getmtime(path) > _STALE_AGE_S
@@ -129,6 +137,22 @@ def stale_temp_files(folder, name: str | None = None) -> list:
         if stale and os.path.isfile(path):
             out.append(path)
     return sorted(out)
+
+
+def remove_own_temp_files(folder, name: str) -> list:
+    """Remove the temp files in ``folder`` of the final file ``name`` that this process wrote
+    (temps of temps included); return the paths removed. A writer's own cleanup of a temp file can
+    itself be cut short by Ctrl-C (the KeyboardInterrupt raised between the check and the removal);
+    a caller that wraps all its writers of ``name`` sweeps with this once it unwinds."""
+    removed = []
+    for path, pids in temp_files(folder, name):
+        if os.getpid() in pids:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def remove_stale_temp_files(folder, name: str | None = None) -> list:
@@ -188,13 +212,18 @@ def check_output_path(dst_path: str | os.PathLike, inputs: Iterable[str | os.Pat
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"output folder does not exist: {folder}")
     probe = temp_name(dst, ".probe.tmp")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as e:
-        cls = PermissionError if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else OSError
-        raise cls(f"cannot write to the output folder {folder} ({e.strerror})") from None
-    os.close(fd)
-    os.unlink(probe)
+    # Ctrl-C is held while the probe exists: a KeyboardInterrupt between its creation and its
+    # removal would leave it behind.
+    with deferred_interrupts():
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            cls = PermissionError if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else OSError
+            raise cls(f"cannot write to the output folder {folder} ({e.strerror})") from None
+        try:
+            os.close(fd)
+        finally:
+            os.unlink(probe)
     return dst
 
 
@@ -468,8 +497,9 @@ def planned_types(src_path: str | os.PathLike, ftype: str, n_threads: int = 2, a
     importance: as with an importance matrix (llama.cpp's mix changes with one), given here as
     unit vectors, which the type choice does not read."""
     src_path = os.fspath(src_path)
-    params = quantize_params(src_path, os.path.join(os.path.dirname(os.path.abspath(src_path)), ".dry-run"), ftype,
-                             n_threads)
+    # No output path is checked or probed: a dry run writes nothing, and the input's folder may
+    # be read-only (llama.cpp's dry run never opens the output name it is given).
+    params = _default_params(src_path, ftype, n_threads)
     params.dry_run = True
     params.allow_requantize = bool(allow_requantize)
     if head_type is not None:
@@ -497,13 +527,18 @@ def planned_types(src_path: str | os.PathLike, ftype: str, n_threads: int = 2, a
 def quantize_params(src_path, dst_path, ftype: str, n_threads: int):
     """llama.cpp's default quantize parameters for ``ftype``, after checking the inputs and the
     output path (before any work starts)."""
+    params = _default_params(src_path, ftype, n_threads)
+    check_output_path(dst_path, inputs=[src_path])
+    return params
+
+
+def _default_params(src_path, ftype: str, n_threads: int):
+    """llama.cpp's default quantize parameters for ``ftype``, after checking the input."""
     key = ftype.lower()
     if key not in FTYPES:
         raise ValueError(f"unknown ftype {ftype!r}; valid: {', '.join(sorted(FTYPES))}")
     if not os.path.isfile(os.fspath(src_path)):
         raise FileNotFoundError(f"model file not found: {os.fspath(src_path)}")
-    check_output_path(dst_path, inputs=[src_path])
-
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, FTYPES[key])
     params.nthread = n_threads

@@ -8,7 +8,11 @@ numpy, greedy argmax. Prefill is the best of the repeats (it is short, so the mi
 the least noisy estimate); decode is the median. Repeats alternate the engine order so
 that drifting machine load hits both sides alike.
 
-"Segmented" is river_gguf's exit-capable decode path (engine.eval(trace=True)): the backbone
+river_gguf's side runs the package's token loop (a Model's Session: greedy's argmax for the
+plain path), whose counters time each evaluation alone, as llama_decode is timed alone on the
+other side.
+
+"Segmented" is river_gguf's exit-capable decode path (Session.decode(trace=True)): the backbone
 graph with an exit-decision node after every layer, each recording its layer's score; its cost
 over the plain backbone graph is the price of deciding exits at all.
 """
@@ -16,9 +20,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import numpy as np
+
+from river_gguf.greedy import greedy
 
 N_CTX = 1024
 PROMPT_TOKENS = 200
@@ -30,6 +35,30 @@ PARAGRAPH = (
 )
 
 
+def argmax(row, seen):
+    """Greedy, never stopping: every run decodes the same count of steps."""
+    return int(np.argmax(row))
+
+
+def river_prefill(model, toks):
+    """(seconds, first token) of a prompt batch from an empty cache, the evaluation alone."""
+    with model.session() as session:  # a new session starts from an empty cache
+        session.prefill(toks)
+        return session.counters.prefill_s, argmax(session.row(len(toks) - 1), len(toks))
+
+
+def river_decode(model, toks, n, trace=False):
+    """(seconds, tokens) of n greedy decode steps after `toks`: the decode steps' evaluations
+    alone, and the token each step's row chose."""
+    if not trace:
+        res = greedy(model, toks, n + 1, stop_at_eog=False)  # the first token comes from the prefill
+        return res.decode_seconds, res.tokens[1:]
+    with model.session() as session:
+        session.prefill(toks)
+        out = [step.token for step in session.decode(argmax, limit=n + 1, trace=True)][1:]
+        return session.counters.decode_s, out
+
+
 class RiverSide:
     name = "river_gguf"
 
@@ -37,27 +66,12 @@ class RiverSide:
         from river_gguf import Model
 
         self.m = Model(path, n_ctx=N_CTX, n_threads=threads, mode="backbone")
-        self.e = self.m.engine
-        self.prompt_args = self.m.exit_options.engine_args(prompt=True)
-        self.step_args = self.m.exit_options.engine_args(prompt=False)
 
     def prefill(self, toks):
-        self.e.truncate(0)
-        t0 = time.perf_counter()
-        logits, _, _ = self.e.eval(toks, **self.prompt_args)
-        dt = time.perf_counter() - t0
-        return dt, int(np.argmax(logits[-1]))
+        return river_prefill(self.m, toks)
 
     def decode(self, toks, n, trace=False):
-        _, tok = self.prefill(toks)
-        out, secs = [], 0.0
-        for _ in range(n):
-            t0 = time.perf_counter()  # the engine's eval alone, as llama_decode alone below
-            logits, _, _ = self.e.eval([tok], trace=trace, **self.step_args)
-            secs += time.perf_counter() - t0
-            tok = int(np.argmax(logits[-1]))
-            out.append(tok)
-        return secs, out
+        return river_decode(self.m, toks, n, trace)
 
 
 class LlamaSide:

@@ -10,7 +10,8 @@ or FILE; its stored presets are timed, and each --setting (exit options as JSON)
 --static lists the ladder kinds llama.cpp runs (model_zoo.derived; default f16,q8_0,q4_k_m,q4_0), and
 --static-file LABEL=FILE adds any other GGUF.
 Each configuration decodes `--tokens` greedy tokens after the same prompt, never stopping at EOS;
-only river_gguf's engine eval and llama.cpp's `llama_decode` are timed (no Python-side sampling or
+river_gguf runs the package's token loop (a Model's Session), and only its evaluations (the
+session's counters) and llama.cpp's `llama_decode` are timed (no Python-side sampling or
 batch filling on either side), flash attention on both sides, configurations interleaved, median of
 `--repeats`; "x REF" is the geometric mean over rounds of the ratio to llama.cpp's REF in the same
 round, with a 95% bootstrap interval over rounds. "Predicted" is a line t = a + b * bytes through llama.cpp's own (F16 bytes, F16 time)
@@ -22,7 +23,7 @@ import json
 import os
 import statistics
 import sys
-import time
+import threading
 
 import numpy as np
 
@@ -32,6 +33,8 @@ except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from river_gguf import Model, presets  # noqa: E402
+from river_gguf._loader import native  # noqa: E402
+from river_gguf.session import Session  # noqa: E402
 from river_gguf.calibrate import cost_model  # noqa: E402
 
 from river_gguf.eval import report as evaluate
@@ -51,30 +54,40 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived an old fi
 N_CTX = 1024
 
 
+def argmax(row, seen):
+    """Greedy, never stopping at EOS: every configuration decodes the same count of steps."""
+    return int(np.argmax(row))
+
+
 class RiverRun:
     def __init__(self, path, threads, join_weights=True, ngl=0):
         self.m = Model(path, n_ctx=N_CTX, n_threads=threads, n_gpu_layers=ngl)
-        self.engine = self.m.engine
-        if not join_weights:  # the engine as before joined Q/K/V and gate/up weights, for comparison
-            from river_gguf._loader import native
-
-            self.engine = native.Engine(path, "", n_ctx=N_CTX, n_threads=threads, n_batch=512, fuse=False)
+        self.unjoined = None
+        if not join_weights:
+            # The engine as before joined Q/K/V and gate/up weights, for comparison: repacked but
+            # not joined, which a Model does not offer (its repack=False turns off both).
+            self.unjoined = native.Engine(path, "", n_ctx=N_CTX, n_threads=threads, n_batch=512, fuse=False)
         self.toks = self.m.tokenize(PROMPT)
+
+    def session(self, options):
+        if self.unjoined is None:
+            return self.m.session(options)
+        # The package's token loop on the unjoined engine, its cache its own (as Model.backbone_trace's).
+        return Session(self.m, self.unjoined, threading.RLock(), options, own_cache=True,
+                       verify_kernels=self.m.verify_kernels)
 
     def decode(self, n, preset):
         o = self.m.options(**presets.complete(preset)) if isinstance(preset, dict) else self.m.options(preset=preset)
-        e = self.engine
-        e.truncate(0)
-        logits, _, _ = e.eval(self.toks, **o.engine_args(prompt=True))
-        step = o.engine_args(prompt=False)
-        exits, secs = [], 0.0
-        for _ in range(n):
-            tok = int(np.argmax(logits[-1]))
-            t0 = time.perf_counter()  # the engine's eval alone, as llama_decode alone below
-            logits, exit_layer, _ = e.eval([tok], **step)
-            secs += time.perf_counter() - t0
-            exits.append(exit_layer if o.mode != "river-only" else -1)
-        return n / secs, exits
+        # The package's token loop: a prefill, then n + 1 tokens, the first from the prefill's row
+        # and n from decode steps (or lossless rounds, for a lossless setting); the session's
+        # counters time each evaluation alone, as llama_decode alone below.
+        with self.session(o) as session:
+            session.prefill(self.toks)
+            exits = [step.exit_layer for step in session.decode(argmax, limit=n + 1)][1:]
+            c = session.counters
+        if o.mode == "river-only":
+            exits = [-1] * len(exits)
+        return c.decode_tokens / c.decode_s, exits
 
 
 def paired_ratio(a, b, draws: int = 2000, seed: int = 20261201):
@@ -123,7 +136,7 @@ def main(argv=None) -> int:
     path = a.river or evaluate.default_river_gguf(a.model, n_threads=a.threads, progress=False)
     river = RiverRun(path, a.threads, ngl=a.ngl)
     if a.gpu_check and not a.static_file:  # llama.cpp's files of the model: its backbone's type and Q4_0
-        backbone_type = evaluate.river_types(river.m.engine.metadata)[1].lower()
+        backbone_type = evaluate.river_types(river.m.metadata)[1].lower()
         a.static = ",".join(dict.fromkeys([backbone_type, "q4_0"]))
     if a.gpu_check:
         a.setting = [f"{label}={json.dumps(o)}" for label, o in GPU_CHECK_SETTINGS] + a.setting

@@ -18,9 +18,10 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
+
+from river_gguf.greedy import greedy
 
 N_CTX = 1024
 PROMPT = (
@@ -63,20 +64,10 @@ class RiverRun:
         self.toks = self.m.tokenize(PROMPT)
 
     def decode(self, n, **opts):
-        # The engine loop itself (greedy, never stopping at EOS), as in llama.cpp's loop below.
-        o = self.m.options(**opts)
-        e = self.m.engine
-        e.truncate(0)
-        logits, exit_layer, _ = e.eval(self.toks, **o.engine_args(prompt=True))
-        step = o.engine_args(prompt=False)
-        exits, secs = [], 0.0
-        for _ in range(n - 1):
-            tok = int(np.argmax(logits[-1]))
-            t0 = time.perf_counter()  # the engine's eval alone, as llama_decode alone below
-            logits, exit_layer, _ = e.eval([tok], **step)
-            secs += time.perf_counter() - t0
-            exits.append(exit_layer)
-        return (n - 1) / secs, exits
+        # The package's token loop, greedy and never stopping at EOS, as in llama.cpp's loop below;
+        # the session's counters time each decode step's evaluation alone, as llama_decode alone.
+        res = greedy(self.m, self.toks, n, stop_at_eog=False, **opts)
+        return res.decode_steps / res.decode_seconds, res.decode_exit_layers
 
 
 class LlamaRun:

@@ -21,10 +21,9 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_speed import N_CTX, PROMPT_TOKENS, prompt_tokens  # noqa: E402  (decode_speed.py's prompt and context)
+# decode_speed.py's prompt, context and river_gguf side (the package's token loop, each evaluation timed alone)
+from decode_speed import N_CTX, PROMPT_TOKENS, prompt_tokens, river_decode, river_prefill  # noqa: E402
 
 
 def model_path(name):
@@ -78,29 +77,15 @@ class Side:
         t0 = time.perf_counter()
         self.m = Model(self.path, n_ctx=N_CTX, n_threads=self.threads, mode="backbone", **self.rpc)
         self.load_s = time.perf_counter() - t0
-        self.e = self.m.engine
-        self.prompt_args = self.m.exit_options.engine_args(prompt=True)
-        self.step_args = self.m.exit_options.engine_args(prompt=False)
 
     def unload(self):
-        self.m = self.e = None  # closes the server connection now
+        self.m = None  # closes the server connection now
 
     def prefill(self, toks):
-        self.e.truncate(0)
-        t0 = time.perf_counter()
-        logits, _, _ = self.e.eval(toks, **self.prompt_args)
-        return time.perf_counter() - t0, int(np.argmax(logits[-1]))
+        return river_prefill(self.m, toks)
 
     def decode(self, toks, n):
-        _, tok = self.prefill(toks)
-        out, secs = [], 0.0
-        for _ in range(n):
-            t0 = time.perf_counter()
-            logits, _, _ = self.e.eval([tok], **self.step_args)
-            secs += time.perf_counter() - t0
-            tok = int(np.argmax(logits[-1]))
-            out.append(tok)
-        return secs, out
+        return river_decode(self.m, toks, n)
 
 
 def bench_model(label, path, server, args):

@@ -1,7 +1,8 @@
 """Lossless mode: the river drafts, the backbone verifies the drafts in one batch, and the text is
 the backbone's, token for token (RIVER.md invariants 6 and 7).
 
-The reference is the same file in mode="backbone" (one token a step) at the same seed and sampler
+The reference is the same file in mode="backbone" decoding in the verify batch's kernels
+(verify_kernels: each step's token with a throwaway in one batch) at the same seed and sampler
 settings; the verify batch's logits are checked against stock llama.cpp evaluating the same
 tokens in one batch after the same prefix."""
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import llama_cpp
 from river_gguf import Model
 from river_gguf.llama import Llama
+from river_gguf.session import STOP
 
 from support import LOGIT_TOL, PROSE, THREADS
 
@@ -279,23 +281,33 @@ def test_rejected_rows_leave_the_cache(river_gguf_path, keep):
 
 
 def test_a_round_is_the_draft_then_one_backbone_batch(river_gguf_path):
-    """Model.lossless_round, the round Llama's loop and Model.score share: the river's drafts after
-    the token, then the backbone's rows for the token and its drafts, bit for bit what one backbone
-    batch of those tokens gives; the cache holds the whole batch."""
+    """A Session's lossless round, the one Llama, greedy and Model.score run: the river's drafts
+    after the token, then the backbone's rows for the token and its drafts, bit for bit what one
+    backbone batch of those tokens gives; the acceptance rule keeps the drafts the policy chooses,
+    and a rejected draft leaves the cache with every draft after it."""
     m = Model(river_gguf_path, n_ctx=256, n_threads=THREADS)
     toks = m.tokenize(PROSE)[:24]
-    opts = m.options(mode="lossless", draft_max=4)
+    backbone = m.options(mode="backbone")
+    with m.session(m.options(mode="lossless", draft_max=4)) as s:
+        s.prefill(toks[:-1])
+        drafts = s.draft(toks[-1])
+        assert len(drafts) == 4 and s.n_past == len(toks) - 1
+        wanted = iter([toks[-1]] + drafts + [STOP])
+        steps = [(st.token, np.array(st.row)) for st in s.decode(lambda row, seen: next(wanted))]
+        assert [t for t, _ in steps] == [toks[-1]] + drafts
+        assert (s.counters.rounds, s.counters.drafted, s.counters.accepted) == (1, 4, 4)
+        assert s.tokens == toks + drafts  # STOP at the last row: the whole batch stays
+        rows = np.stack([r for _, r in steps[1:]])
+
+        other = next(t for t in range(m.n_vocab) if t != drafts[1])
+        s.prefill(toks[:-1])  # the round's tokens leave; the prompt's last row is evaluated again
+        wanted = iter([toks[-1], drafts[0], other, STOP])
+        assert [st.token for st in s.decode(lambda row, seen: next(wanted))] == [toks[-1], drafts[0], other]
+        assert s.tokens == toks + drafts[:1] + [other]  # the drafts after the rejected one left
     m.begin()
-    m.eval(toks[:-1], m.options(mode="backbone"))
-    drafts, _ = m.draft(toks[-1], opts)
-    r = m.lossless_round(toks[-1], opts)
-    assert r.tokens == [toks[-1]] + drafts and len(drafts) == 4
-    assert m.engine.n_past == len(toks) - 1 + len(r.tokens)
-    m.engine.truncate(len(toks) - 1)
-    batch = m.eval(r.tokens, m.options(mode="backbone"), all_logits=True)
-    assert np.array_equal(r.logits, batch.logits) and r.exit_layer == m.n_layer - 1
-    m.engine.truncate(len(toks) - 1)
-    assert m.lossless_round(toks[-1], opts, max_drafts=2).tokens == r.tokens[:3]
+    m.eval(toks[:-1], backbone)
+    batch = m.eval([toks[-1]] + drafts, backbone, all_logits=True).logits
+    assert np.array_equal(rows, batch[:4])
 
 
 def test_lossless_scoring_is_the_backbone(river_gguf_path):

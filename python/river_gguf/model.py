@@ -6,7 +6,6 @@ Threads: every call that runs the engine holds the Model's lock (see the Model d
 import functools
 import os
 import threading
-import time
 import warnings
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import replace
@@ -37,15 +36,6 @@ class Step(NamedTuple):
     logits: np.ndarray          # float32 [1, n_vocab], or [len(tokens), n_vocab] with all_logits
     exit_layer: int             # backbone layer after which the last token left (n_layer - 1: never)
     similarities: List[float]   # with trace: the exit rule's score (cosine: cos(h_in, h_out)) per backbone layer run
-
-
-class Round(NamedTuple):
-    """What one lossless round (Model.lossless_round) returns."""
-    tokens: List[int]           # the round's token, then its drafts: the batch the backbone verified
-    logits: np.ndarray          # float32 [len(tokens), n_vocab]: row j predicts the token after tokens[j]
-    exit_layer: int
-    draft_seconds: float
-    verify_seconds: float
 
 
 def default_threads() -> int:
@@ -537,25 +527,6 @@ class Model:
         tokens, probs = self._engine.draft(tok, **opts.draft_args(), with_probs=_bool_arg("with_probs", with_probs),
                                            pick=pick)
         return list(tokens), list(probs)
-
-    @_locked
-    def lossless_round(self, token: int, options: Optional[ExitOptions] = None, pick=None,
-                       max_drafts: Optional[int] = None) -> Round:
-        """One round of lossless decoding, llama.cpp's draft and verify: the river drafts after
-        `token` (Model.draft, greedy or by `pick`), then the backbone evaluates the token and its
-        drafts in one batch with a row of logits each. The cache then holds the whole batch; the
-        caller keeps the rows up to the first draft it does not accept and truncates the cache
-        after them (Llama's token loop samples the rows; Model.score compares them with its
-        text). max_drafts: at most this many drafts (where the caller's text ends)."""
-        opts = self.exit_options if options is None else options
-        t0 = time.perf_counter()
-        drafts, _ = self.draft(token, opts, with_probs=False, pick=pick)
-        if max_drafts is not None:
-            drafts = drafts[:max(int(max_drafts), 0)]
-        t1 = time.perf_counter()
-        batch = [int(token)] + drafts
-        logits, exit_layer, _ = self._eval(batch, opts, prompt=True, all_logits=True)
-        return Round(batch, logits, int(exit_layer), t1 - t0, time.perf_counter() - t1)
 
     @_locked
     def collect_activations(self, tokens: Sequence[int], stats) -> None:

@@ -306,7 +306,7 @@ def test_tool_end_to_end(tmp_path):
     p = _run_tool(bb, "-o", out, "--river-type", "q8_0", "--threshold", "0.93", "--min-exit-layer", "1",
                   "--no-river-head", "--prefill", "river", "--imatrix", "none", "--no-presets", "-q")
     assert p.returncode == 0, p.stderr
-    assert "q8_0" in p.stdout and "0.9300 (user)" in p.stdout and "MiB" in p.stdout
+    assert "q8_0" in p.stdout and "0.9300 (cosine, user)" in p.stdout and "MiB" in p.stdout
     o = Model(str(out), n_ctx=64, n_threads=1).exit_options
     assert (o.threshold, o.min_exit_layer, o.river_head, o.prefill) == (pytest.approx(0.93), 1, False, "river")
 

@@ -465,7 +465,7 @@ class _CalibrationPass:
     that sets tau. Each part only when asked for."""
 
     def __init__(self, path: str, folder: str, n_threads: int, progress: bool, say, *, imatrix: bool, threshold: bool,
-                 presets: bool, calibration_tokens: int, reference: str, exit_rule: str):
+                 presets: bool, calibration_tokens: int, reference: str, exit_rule: str = EXIT_RULES[0]):
         self.exit_rule = exit_rule
         self.imatrix = None
         self.profile = None

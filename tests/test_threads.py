@@ -174,12 +174,12 @@ def test_the_lock_is_per_model(tiny_path):
     with a.lock:  # as if a long call on `a` were running in another thread
         tb = threading.Thread(target=lambda: done.setdefault("b", greedy(b, [1, 2, 3], 4)))
         ta = threading.Thread(target=lambda: done.setdefault("a", greedy(a, [1, 2, 3], 4)))
-        epoch = a.epoch
+        n_past = a.n_past
         tb.start(), ta.start()
         tb.join(60)
         assert not tb.is_alive() and "b" in done  # b does not wait for a
         time.sleep(0.2)
-        assert "a" not in done and a.epoch == epoch  # a's second call waits for the lock
+        assert "a" not in done and a.n_past == n_past  # a's second call waits for the lock
     ta.join(60)
     assert done["a"].tokens == done["b"].tokens
 

@@ -114,7 +114,7 @@ from .options import EXIT_FIELDS
 from .options import NAMES as RIVER_NAMES
 from .options import RiverOptions, is_int
 from .results import exit_stats, lossless_stats
-from .session import Session
+from .session import Session, common_prefix
 
 __all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList",
            "ModelPathError"]
@@ -179,15 +179,6 @@ def _load_vocab(model_path: str, verbose: bool):
 class ModelPathError(FileNotFoundError, ValueError):
     """The model file does not exist. A FileNotFoundError (river_gguf's promise) that is also the
     ValueError llama_cpp.Llama raises, so code written for either catches it."""
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _stop_list(stop) -> List[str]:
@@ -630,7 +621,7 @@ class Llama:
             self._scores_buf = None
         s.keep_rows = want_rows
         known = self.input_ids[: self.n_tokens].tolist()
-        keep = _lcp(s.tokens, known)
+        keep = common_prefix(s.tokens, known)
         if self._requires_eval:  # the last row must come from an evaluation, not a restored state
             keep = min(keep, max(self.n_tokens - 1, 0))
         s.truncate(keep)
@@ -644,9 +635,10 @@ class Llama:
         self._requires_eval = False
         self._state_rows = self._state_last = None
 
-    def _prefill(self, tokens: List[int], opts, want_rows: bool) -> Session:
+    def _prefill(self, tokens: List[int], opts, want_rows: bool, count_afresh: bool = False) -> Session:
         """Evaluate `tokens` after the n_tokens evaluated (reusing what the cache holds of them)
-        as a prompt batch."""
+        as a prompt batch. count_afresh: the session's counters start from this call (a
+        generation's statistics)."""
         m = self._require_engine()
         n = self.n_tokens
         if n + len(tokens) > self._n_ctx:
@@ -655,6 +647,8 @@ class Llama:
                 f"but n_ctx is {self._n_ctx}")
         with m.lock:
             s = self._sync(opts, want_rows)
+            if count_afresh:
+                s.reset_counters()
             s.prefill(self.input_ids[:n].tolist() + tokens, all_logits=want_rows)
             self._mirror()
         return s
@@ -776,11 +770,11 @@ class Llama:
         """llama_cpp's generate loop on the session: reuse the evaluated prefix, evaluate the
         prompt, then Session.decode with the sampler chain (and logits processors) choosing each
         token; tokens sent in are evaluated after the token they answer."""
-        m = self._require_engine()
+        self._require_engine()
         if reset and self.n_tokens > 0:
             # Keep the evaluated tokens the prompt starts with: the session reuses them. The
             # last prompt token is evaluated again unless the cache ends there (its row is live).
-            common = _lcp(self.input_ids[: self.n_tokens].tolist(), tokens)
+            common = common_prefix(self.input_ids[: self.n_tokens].tolist(), tokens)
             if common == len(tokens) and self.n_tokens != len(tokens):
                 common -= 1
             self.n_tokens = common
@@ -789,10 +783,7 @@ class Llama:
             self.reset()
         if not tokens and self.n_tokens == 0:
             raise ValueError("no tokens to evaluate")
-        with m.lock:
-            s = self._sync(opts, want_rows)
-            s.reset_counters()
-        s = self._prefill(tokens, opts, want_rows)
+        s = self._prefill(tokens, opts, want_rows, count_afresh=True)
         cached = s.n_past - s.counters.prefill_tokens
         # Logits processors change the rows the chain samples: drafts then stay greedy.
         pick = None if processors or chain.greedy or chain.has_grammar else functools.partial(_draft_picker, chain)

@@ -22,7 +22,7 @@ from .gguf.io import deferred_interrupts
 from .options import EXIT_DECISIONS, ExitOptions, RiverOptions, check_river_options, is_bool, is_int, parse_bytes
 from .profile import default_threshold
 from .results import ScoreResult, log_softmax_at
-from .session import STOP, NumericalError, Session
+from .session import STOP, NumericalError, Session, evaluate
 
 #: Largest accepted n_ctx and n_batch. The engine counts positions in 32-bit ints; past about a
 #: million positions the KV cache alone needs tens of GB for even a small model.
@@ -538,16 +538,7 @@ class Model:
         self._engine.truncate(0)
 
     def _eval(self, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits=False, trace=False, first_row=0):
-        engine = self._engine
-        out = engine.eval(tokens, all_logits=all_logits, trace=trace, first_row=first_row, **opts.engine_args(prompt))
-        # Only the rows a caller reads are checked: the last one per step costs ~n_vocab compares.
-        rows = out[0] if all_logits else out[0][-1:]
-        if not np.isfinite(rows).all():
-            raise NumericalError(
-                f"the model produced NaN or infinite logits (after {engine.n_past} positions, "
-                f"mode={opts.mode!r}); its weights or hyperparameters are broken, so no text or score is returned"
-            )
-        return out
+        return evaluate(self._engine, tokens, opts, prompt, all_logits, trace, first_row)
 
     @_locked
     def logits(self, tokens: Sequence[int], first_row: int = 0, **options) -> np.ndarray:

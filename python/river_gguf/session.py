@@ -60,6 +60,30 @@ class Counters:
     verify_s: float = 0.0
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def evaluate(engine, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits: bool = False,
+             trace: bool = False, first_row: int = 0):
+    """One native Engine.eval of `tokens` under `opts` (a prompt batch, or a decode step with
+    prompt=False), refusing NaN or infinite logits; returns its (logits, exit layer, scores)."""
+    out = engine.eval(tokens, all_logits=all_logits, trace=trace, first_row=first_row, **opts.engine_args(prompt))
+    # Only the rows a caller reads are checked: the last one per step costs ~n_vocab compares.
+    rows = out[0] if all_logits else out[0][-1:]
+    if not np.isfinite(rows).all():
+        raise NumericalError(
+            f"the model produced NaN or infinite logits (after {engine.n_past} positions, "
+            f"mode={opts.mode!r}); its weights or hyperparameters are broken, so no text or score is returned")
+    return out
+
+
 def accept(rows: np.ndarray, drafts: Sequence[int], choose: Choose, seen: int) -> Iterator[Tuple[int, int]]:
     """The acceptance rule (llama.cpp's speculative one): rows[j] predicts the token after the
     j-th of (token, *drafts), which is the session's token seen + j - 1. Yields (j, chosen token)
@@ -206,10 +230,7 @@ class Session:
             raise ValueError("no tokens to evaluate")
         with self._lock:
             self._claim()
-            common = 0
-            limit = min(len(tokens), len(self._tokens))
-            while common < limit and self._tokens[common] == tokens[common]:
-                common += 1
+            common = common_prefix(self._tokens, tokens)
             if all_logits:
                 common = min(common, self.rows_valid())
             if need_row and common == len(tokens) and self.row(common - 1) is None:
@@ -251,13 +272,8 @@ class Session:
         if self._engine.n_past + len(tokens) > n_ctx:
             raise native.ContextOverflowError(
                 f"{len(tokens)} tokens after {self._engine.n_past} need more than n_ctx={n_ctx} positions")
-        out = self._engine.eval(tokens, all_logits=all_logits, trace=trace, **opts.engine_args(prompt))
+        out = evaluate(self._engine, tokens, opts, prompt, all_logits, trace)
         rows = out[0] if all_logits else out[0][-1:]
-        # Only the rows a caller reads are checked: the last one per step costs ~n_vocab compares.
-        if not np.isfinite(rows).all():
-            raise NumericalError(
-                f"the model produced NaN or infinite logits (after {self._engine.n_past} positions, "
-                f"mode={opts.mode!r}); its weights or hyperparameters are broken, so no text or score is returned")
         return rows, int(out[1]), (list(out[2]) if trace else None)
 
     def _record(self, tokens: List[int], rows: np.ndarray, all_rows: bool, exit_layer: int, scores,
@@ -278,8 +294,8 @@ class Session:
     # ----- the token loop --------------------------------------------------------------------
     def decode(self, choose: Choose, limit: Optional[int] = None, *, trace: bool = False,
                exit_layers: Optional[Sequence[int]] = None, pick=None) -> Iterator[Step]:
-        """The token loop, from the last position's row: choose(row) -> token (or STOP) picks each
-        token, which is yielded and then evaluated, as a decode step, or in lossless mode as a
+        """The token loop, from the last position's row: choose(row, seen) -> token (or STOP) picks
+        each token, which is yielded and then evaluated, as a decode step, or in lossless mode as a
         round (the river drafts after it, the backbone verifies it and the drafts in one batch,
         and `accept` walks the rows). Ends at STOP, after `limit` tokens, or when the caller
         stops; the cache then holds the positions before the last token yielded.
@@ -287,8 +303,9 @@ class Session:
         each decode step in turn (a plain step each, the session's other options kept).
         pick: how the river chooses each round's drafts (default greedy): a callable returning a
         context manager that gives pick(logits, tokens) -> token (Model.draft says more), made
-        afresh each round (a sampler's clone in its current state). The lock is taken per evaluation, not across yields: a session that another
-        user of the cache displaced between two steps evaluates its tokens again."""
+        afresh each round (a sampler's clone in its current state). The lock is taken per
+        evaluation, not across yields: a session that another user of the cache displaced between
+        two steps evaluates its tokens again."""
         lossless = self.options.lossless and exit_layers is None
         forced = {}
         n = 0

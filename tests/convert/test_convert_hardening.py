@@ -269,6 +269,18 @@ def _convert_cmd(tool: bool, src, out, *extra):
     return head + [str(src), "-o", str(out), "-t", "1", "-q", "--threshold", "0.9", *extra]
 
 
+def _signal_while_quantizing(proc, folder, sig):
+    """Send `sig` to the converter once it is quantizing into `folder`; its (stdout, stderr)."""
+    try:
+        assert _wait_for(proc, lambda: _quantizing(folder)), proc.communicate()
+        proc.send_signal(sig)
+        return proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("tool,sig,code", [(False, signal.SIGINT, 130), (True, signal.SIGINT, 130),
                                            (False, signal.SIGTERM, 143)])
 def test_signal_during_quantization_stops_and_leaves_nothing(slow_tiny, tmp_path, tool, sig, code):
@@ -276,15 +288,7 @@ def test_signal_during_quantization_stops_and_leaves_nothing(slow_tiny, tmp_path
     before = _files(tmp_path)
     proc = _start(_convert_cmd(tool, slow_tiny, out, "--river-type", "q4_k_m", "--imatrix", "none",
                                "--no-presets"), tmp_path)
-    try:
-        started = _wait_for(proc, lambda: _quantizing(tmp_path))
-        assert started, proc.communicate()
-        proc.send_signal(sig)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    stdout, stderr = _signal_while_quantizing(proc, tmp_path, sig)
     assert proc.returncode == code, (stdout, stderr)
     assert "wrote" not in stdout
     if sig == signal.SIGINT:
@@ -302,14 +306,7 @@ def test_converter_started_with_sigint_ignored_keeps_it_ignored(slow_tiny, tmp_p
     for sig, code in ((signal.SIGINT, 0), (signal.SIGTERM, 143)):
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=ignore)
-        try:
-            assert _wait_for(proc, lambda: _quantizing(tmp_path)), proc.communicate()
-            proc.send_signal(sig)
-            stdout, stderr = proc.communicate(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stdout, stderr = _signal_while_quantizing(proc, tmp_path, sig)
         assert proc.returncode == code, (stdout, stderr)
         assert "Traceback" not in stderr, stderr
         if code == 0:

@@ -1,0 +1,92 @@
+"""The premise of lossless mode's exactness: a backbone row's bits do not depend on the batch it
+is evaluated in. A verify batch holds the round's token and its drafts (2 to draft_max + 1
+tokens), so the row that decides a token comes from batches of every size from 2 to 9 and at every
+position in them; the exact reference (verify_kernels) evaluates each token in a batch of 2. They
+agree bit for bit only where the row for token t, evaluated after the same cache in a batch of n
+(2 <= n <= 9) at any position, equals the row a batch of 2 gives.
+
+Where it holds: every mat-mul of a batch of 2 or more goes through one kernel whose reduction
+order per output does not depend on the batch's width (llamafile's tinyBLAS for F16 on x86), and
+flash attention reduces each query row alone below 64 rows. Where it fails is stated per type
+below, so that a change of kernels shows as a failing test either way."""
+import numpy as np
+import pytest
+
+from river_gguf import Model
+
+from support import PROSE, THREADS
+
+#: Targets: the rows for these positions are evaluated in every batch size and at every place.
+TARGETS = range(12, 20)
+SIZES = range(2, 10)
+#: The backbone types the converter writes (river-gguf convert --backbone-type): whether a row's
+#: bits are the same in every batch of 2 to 9 (the verify batch's premise), and whether a token
+#: evaluated alone (a plain decode step) gets those bits too. F16: a decode step's mat-muls take
+#: ggml_vec_dot_f16 and a batch's take tinyBLAS, which sum in another order. Q8_0 on x86: both
+#: kernels add the blocks' scaled integer dot products into the same 8 lanes in block order, so
+#: a decode step's row is the batch's too (at these contexts: below 512 cached positions, where
+#: flash attention reduces a single query row in one chunk as it does a batch's).
+BACKBONES = [
+    pytest.param("f16", True, False, id="f16"),
+    pytest.param("q8_0", True, True, id="q8_0"),
+]
+
+
+@pytest.fixture(scope="module")
+def backbones(tiny):
+    """A random qwen2 model with an F16 backbone, and the same model's Q8_0 backbone. Shapes whose
+    rows are multiples of the CPU's repacked tile widths, so a repacking kernel would apply."""
+    model = dict(n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, dtype="f16", seed=11)
+    return {"f16": tiny.model("qwen2", **model), "q8_0": tiny.river("qwen2", model, backbone_type="q8_0")}
+
+
+def _rows_in_batches(m: Model, tokens, n: int) -> dict:
+    """{(t, place): row} for each target t, evaluated at each place in a batch of n tokens after
+    the same cache (tokens before the batch, written by one prompt batch)."""
+    opts = m.options(mode="backbone")
+    m.begin()
+    m.eval(tokens[:max(TARGETS) + n], opts, prompt=True)
+    rows = {}
+    # Descending starts: a batch rewrites only positions at or after its start, which the batches
+    # after it (starting earlier) rewrite themselves before reading, so every batch reads the
+    # prompt batch's cache below its start.
+    for start in range(max(TARGETS), min(TARGETS) - n, -1):
+        m.truncate(start)
+        out = m.eval(tokens[start:start + n], opts, prompt=True, all_logits=True).logits
+        for place in range(n):
+            if start + place in TARGETS:
+                rows[start + place, place] = out[place]
+    return rows
+
+
+@pytest.mark.parametrize("backbone,invariant,alone_equal", BACKBONES)
+def test_a_rows_bits_do_not_depend_on_its_verify_batch(backbones, backbone, invariant, alone_equal):
+    m = Model(backbones[backbone], n_ctx=64, n_threads=THREADS)
+    tokens = m.tokenize(PROSE)[:40]
+    ref = {t: row for (t, place), row in _rows_in_batches(m, tokens, 2).items() if place == 0}
+    differ, checked = [], 0
+    for n in SIZES:
+        rows = _rows_in_batches(m, tokens, n)
+        assert len(rows) == len(TARGETS) * n  # every target at every place
+        checked += len(rows)
+        for (t, place), row in rows.items():
+            if not np.array_equal(row, ref[t]):
+                differ.append(f"n={n} place={place} token {t}: |diff| {np.abs(row - ref[t]).max():.3g}")
+    if invariant:
+        assert not differ, f"{len(differ)} of {checked} rows differ from a batch of 2's:\n" + "\n".join(differ[:20])
+    else:
+        # Stated so that a kernel change that makes it hold shows up: the list above then moves.
+        assert differ, f"every one of {checked} rows equals a batch of 2's: {backbone} is batch-invariant now"
+    # Why the exact reference is a batch of 2 and not a decode step: for F16, a token evaluated
+    # alone takes the single-token kernels, whose rows round otherwise.
+    opts = m.options(mode="backbone")
+    alone = []
+    m.begin()
+    m.eval(tokens[:max(TARGETS) + 2], opts, prompt=True)
+    for t in reversed(TARGETS):
+        m.truncate(t)
+        alone.append(np.array_equal(m.eval(tokens[t:t + 1], opts, prompt=False).logits[-1], ref[t]))
+    if alone_equal:
+        assert all(alone), f"{backbone}: {alone.count(False)} single-token rows differ from the batched ones"
+    else:
+        assert not all(alone), f"{backbone}: the single-token rows equal the batched ones bit for bit"

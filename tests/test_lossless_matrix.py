@@ -1,0 +1,134 @@
+"""Lossless text is the exact reference's whatever drafts it: every draft length, a river that is
+the backbone and one of other random weights, the draft vocabulary on and off, and each stage of
+the sampler (temperature, top-k, top-p, min-p, repeat penalty, a grammar, a logits processor).
+
+The exact reference is the same backbone decoded in the verify batch's kernels (verify_kernels:
+each step's token with a throwaway copy in one batch). Lossless mode must give its tokens at the
+same seed, and choose each from a row equal to the reference's bit for bit: the drafts decide only
+how many rows a batch computes, never a row's bits (test_lossless_premise) nor the chain's state.
+Tiny random models of a 512-token vocabulary keep each run a few milliseconds."""
+import hashlib
+
+import numpy as np
+import pytest
+
+from llama_cpp import LlamaGrammar
+from river_gguf.llama import Llama
+
+from lossless_models import small_vocab_model
+
+N_TOKENS = 16
+N_VOCAB = 512
+PROMPT = [7, 300, 45, 128, 9, 511, 77, 3, 260, 18]
+DRAFT_MAX = (1, 2, 4, 8)
+#: A draft vocabulary of 64 of the 512 tokens (and the context's others in rows of their own),
+#: against the whole vocabulary (0).
+DRAFT_VOCABS = (0, 64)
+RIVERS = ("backbone", "random")
+
+#: A grammar with no end (right recursion): every token is lowercase letters and spaces.
+LETTERS = r'root ::= [a-z ] root'
+
+
+def _processor(input_ids, scores):
+    """A logits processor that reads what it is given: it lowers the last token seen, and raises a
+    token picked by how many it sees (a processor shown one token too many or too few moves)."""
+    scores = scores.copy()
+    scores[input_ids[-1]] -= 2.0
+    if len(input_ids) % 3 == 0:
+        scores[(len(input_ids) * 7919) % len(scores)] += 6.0
+    return scores
+
+
+SAMPLERS = {
+    "greedy": dict(temp=0.0),
+    "greedy-repeat-penalty": dict(temp=0.0, repeat_penalty=1.5),
+    "temperature": dict(temp=1.2, top_k=0, top_p=1.0, min_p=0.0),
+    "top-k": dict(temp=0.8, top_k=4, top_p=1.0, min_p=0.0),
+    "top-p": dict(temp=0.8, top_k=0, top_p=0.3, min_p=0.0),
+    "min-p": dict(temp=0.8, top_k=0, top_p=1.0, min_p=0.3),
+    "repeat-penalty": dict(temp=0.8, top_k=40, top_p=0.95, repeat_penalty=1.3),
+    "grammar": dict(temp=0.8, top_k=40, grammar=LETTERS),
+    "logits-processor": dict(temp=0.8, top_k=40, logits_processor=[_processor]),
+    "grammar-greedy": dict(temp=0.0, grammar=LETTERS),
+}
+
+
+def _llama(path, **kw):
+    return Llama(path, n_ctx=128, n_threads=1, flash_attn=True, verbose=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def models(built):
+    """Llamas over one backbone (a random qwen2, F16): its exact reference, its plain decoding
+    (single-token steps), and lossless ones keyed by (river, draft vocabulary), with the backbone's
+    own file as the river or another random model's (whose drafts the backbone mostly rejects)."""
+    shape = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, dtype="f16")
+    backbone = small_vocab_model(built, N_VOCAB, seed=21, **shape)
+    other = small_vocab_model(built, N_VOCAB, seed=22, **shape)
+    rivers = {"backbone": backbone, "random": other}
+    lossless = {(r, v): _llama(backbone, river=rivers[r], draft_vocab=v) for r in RIVERS for v in DRAFT_VOCABS}
+    return dict(reference=_llama(backbone, verify_kernels=True), plain=_llama(backbone), lossless=lossless)
+
+
+def _run(llm, seed, sampler, **river):
+    """The first N_TOKENS tokens generate() samples after PROMPT at `seed`, and a digest of each
+    row they were chosen from (before the logits processors), recorded by a stopping criterion."""
+    kw = dict(sampler)
+    if "grammar" in kw:
+        kw["grammar"] = LlamaGrammar.from_string(kw["grammar"], verbose=False)
+    rows = []
+
+    def record(input_ids, row):
+        rows.append(hashlib.blake2b(np.ascontiguousarray(row, dtype=np.float32).tobytes(), digest_size=8).hexdigest())
+        return False
+
+    llm.set_seed(seed)
+    tokens = []
+    for t in llm.generate(PROMPT, stopping_criteria=record, **kw, **river):
+        tokens.append(t)
+        if len(tokens) == N_TOKENS:
+            break
+    return tokens, rows
+
+
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_lossless_is_the_exact_reference_for_every_drafter(models, sampler):
+    reference, lossless = models["reference"], models["lossless"]
+    seed = 1000 + list(SAMPLERS).index(sampler)
+    want = _run(reference, seed, SAMPLERS[sampler], mode="backbone")
+    assert len(want[0]) == N_TOKENS and len(want[1]) == N_TOKENS
+    parted, drafted, accepted = [], {}, {}
+    for (river, vocab), llm in lossless.items():
+        for k in DRAFT_MAX:
+            got = _run(llm, seed, SAMPLERS[sampler], mode="lossless", draft_max=k)
+            stats = llm.last_stats
+            drafted[river] = drafted.get(river, 0) + stats["drafted"]
+            accepted[river] = accepted.get(river, 0) + stats["accepted"]
+            if got != want:
+                i = next(j for j in range(N_TOKENS) if got[0][j] != want[0][j] or got[1][j] != want[1][j])
+                parted.append(f"river={river} draft_vocab={vocab} k={k}: token {i} {got[0][i]} vs {want[0][i]}, "
+                              f"rows {'equal' if got[1][i] == want[1][i] else 'differ'}")
+    assert not parted, "\n".join(parted)
+    # Both rivers drafted, and drafts were accepted and rejected: the rounds verified several
+    # tokens, kept some and threw some away.
+    assert drafted["backbone"] > 0 and drafted["random"] > 0, drafted
+    assert accepted["backbone"] > 0, accepted
+    assert accepted["random"] < drafted["random"], (accepted, drafted)
+
+
+@pytest.mark.parametrize("sampler,river", [("temperature", dict(draft_max=0)), ("greedy", dict(draft_p_min=1.0))],
+                         ids=["draft_max=0", "draft_p_min=1"])
+def test_rounds_without_drafts_stay_in_the_verify_kernels(models, sampler, river):
+    """A round whose river drafts nothing (draft_max 0, or no draft as probable as draft_p_min)
+    still verifies its token in a batch (with a throwaway copy), so its row is the reference's."""
+    llm = models["lossless"]["backbone", 0]
+    want = _run(models["reference"], 7, SAMPLERS[sampler], mode="backbone")
+    got = _run(llm, 7, SAMPLERS[sampler], mode="lossless", **river)
+    assert llm.last_stats["rounds"] >= N_TOKENS - 1 and llm.last_stats["drafted"] == 0, llm.last_stats
+    assert got == want
+    # The check can fail: a round that evaluated its token alone would give a decode step's rows,
+    # which differ from the batch's in their last bits (an F16 backbone: test_lossless_premise).
+    plain = _run(models["plain"], 7, SAMPLERS[sampler], mode="backbone")
+    assert plain[1][0] == want[1][0]  # the prompt's row: one prompt batch in both
+    assert plain[1][1:] != want[1][1:]

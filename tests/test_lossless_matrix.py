@@ -12,8 +12,10 @@ import hashlib
 import numpy as np
 import pytest
 
+import llama_cpp
 from llama_cpp import LlamaGrammar
 from river_gguf.llama import Llama
+from river_gguf.llama_sampling import SamplerChain, apply_processors
 
 from lossless_models import small_vocab_model
 
@@ -71,16 +73,21 @@ def models(built):
     return dict(reference=_llama(backbone, verify_kernels=True), plain=_llama(backbone), lossless=lossless)
 
 
-def _run(llm, seed, sampler, **river):
-    """The first N_TOKENS tokens generate() samples after PROMPT at `seed`, and a digest of each
-    row they were chosen from (before the logits processors), recorded by a stopping criterion."""
+def _digest(row) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(row, dtype=np.float32).tobytes(), digest_size=8).hexdigest()
+
+
+def _run(llm, seed, sampler, keep=_digest, **river):
+    """The first N_TOKENS tokens generate() samples after PROMPT at `seed`, and keep(row) of each
+    row they were chosen from (before the logits processors; a digest unless told), recorded by a
+    stopping criterion, which llama_cpp hands the row the token was sampled from."""
     kw = dict(sampler)
     if "grammar" in kw:
         kw["grammar"] = LlamaGrammar.from_string(kw["grammar"], verbose=False)
     rows = []
 
     def record(input_ids, row):
-        rows.append(hashlib.blake2b(np.ascontiguousarray(row, dtype=np.float32).tobytes(), digest_size=8).hexdigest())
+        rows.append(keep(row))
         return False
 
     llm.set_seed(seed)
@@ -132,3 +139,31 @@ def test_rounds_without_drafts_stay_in_the_verify_kernels(models, sampler, river
     plain = _run(models["plain"], 7, SAMPLERS[sampler], mode="backbone")
     assert plain[1][0] == want[1][0]  # the prompt's row: one prompt batch in both
     assert plain[1][1:] != want[1][1:]
+
+
+def _fresh_chain(llm, seed, sampler) -> SamplerChain:
+    """A chain as generate() builds one for `sampler` at `seed`, from the public pieces."""
+    kw = {k: v for k, v in dict(dict(top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0), **sampler).items()
+          if k != "logits_processor"}
+    vocab = llama_cpp.llama_model_get_vocab(llm.model) if "grammar" in kw else None
+    return SamplerChain(llm.n_vocab(), seed=seed, penalty_last_n=llm.last_n_tokens_size, vocab=vocab, **kw)
+
+
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_replaying_the_rows_gives_the_text(models, sampler):
+    """A fresh chain at the run's seed, with its processors and grammar, sampling the rows a
+    lossless run chose from, in order, gives the run's text: the chain's state (random draws,
+    penalties' history, grammar, what processors see) advanced exactly once per token, whatever
+    the rounds drafted and threw away."""
+    llm = models["lossless"]["random", 64]
+    seed = 2000 + list(SAMPLERS).index(sampler)
+    tokens, rows = _run(llm, seed, SAMPLERS[sampler], keep=np.array, mode="lossless", draft_max=4)
+    assert llm.last_stats["drafted"] > llm.last_stats["accepted"]  # rounds threw drafts away
+    procs = SAMPLERS[sampler].get("logits_processor", [])
+    with _fresh_chain(llm, seed, SAMPLERS[sampler]) as chain:
+        replayed = []
+        for row in rows:
+            if procs:
+                row = apply_processors(procs, np.array(PROMPT + replayed, dtype=np.intc), np.array(row, copy=True))
+            replayed.append(chain.sample(row))
+    assert replayed == tokens

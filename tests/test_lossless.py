@@ -132,48 +132,6 @@ def test_sampled_drafts_draw_with_the_chains_state(f16_path):
     assert stats["drafted"] > 0 and stats["acceptance_rate"] >= 0.9, stats
 
 
-def test_sampled_partings_are_batched_rounding(smol):
-    """At a fixed seed, sampled lossless text parts from the backbone's only where a verify
-    batch's row and the single-token row differ in their last bits and a draw falls between them.
-    Over 3 prompts x 4 seeds: most runs are the backbone's token for token; at each parting the
-    backbone's own row for that position, evaluated alone and in a batch ending there, is not
-    bit-identical (were they equal, the chain would draw the same token: a parting then is a bug).
-    The backbone also parts from itself when a repeated call reuses its cache (its prompt's last
-    token then runs alone): counted beside, for the README's statement."""
-    kw = dict(temp=0.8, top_k=40, top_p=0.95, repeat_penalty=1.1)
-    m = Model(smol.model_path, n_ctx=256, n_threads=THREADS)
-    backbone = m.options(mode="backbone")
-    runs = lossless_parts = self_parts = 0
-    for prompt in ("Once upon a time", "The three most important rivers of Europe are", "def fibonacci(n):"):
-        for seed in range(4):
-            smol.reset()
-            smol.set_seed(seed)
-            toks, ref = _completion_tokens(smol, prompt, mode="backbone", **kw)
-            smol.set_seed(seed)
-            self_parts += _completion_tokens(smol, prompt, mode="backbone", **kw)[1] != ref
-            smol.reset()
-            smol.set_seed(seed)
-            got = _completion_tokens(smol, prompt, mode="lossless", **kw)[1]
-            runs += 1
-            if got == ref:
-                continue
-            lossless_parts += 1
-            i = next(j for j, (a, b) in enumerate(zip(got, ref)) if a != b)
-            prefix = toks + ref[:i]
-            m.begin()
-            m.eval(prefix[:-1], backbone)
-            single = m.eval(prefix[-1:], backbone, prompt=False).logits[-1]
-            batched = [m.logits(prefix, mode="backbone")[-1]]
-            for n in range(2, min(6, len(prefix))):  # a verify batch of n tokens ending at the parting position
-                m.begin()
-                m.eval(prefix[:-n], backbone)
-                batched.append(m.eval(prefix[-n:], backbone, all_logits=True).logits[-1])
-            assert any(not np.array_equal(single, b) for b in batched), f"run {runs}: parted at token {i} on equal rows"
-    assert lossless_parts <= runs // 2, (lossless_parts, self_parts)
-    print(f"sampled partings from a fresh backbone run: lossless {lossless_parts}/{runs}, "
-          f"the backbone repeated with its cache reused {self_parts}/{runs}")
-
-
 def test_sampled_completion_and_draft_settings(smol):
     prompt = "List four colours:"
     ref = _exact(smol).create_completion(prompt, max_tokens=32, mode="backbone", **SAMPLED)["choices"][0]["text"]

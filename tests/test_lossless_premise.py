@@ -21,11 +21,12 @@ TARGETS = range(12, 20)
 SIZES = range(2, 10)
 #: The backbone types the converter writes (river-gguf convert --backbone-type): whether a row's
 #: bits are the same in every batch of 2 to 9 (the verify batch's premise), and whether a token
-#: evaluated alone (a plain decode step) gets those bits too. F16: a decode step's mat-muls take
-#: ggml_vec_dot_f16 and a batch's take tinyBLAS, which sum in another order. Q8_0 on x86: both
-#: kernels add the blocks' scaled integer dot products into the same 8 lanes in block order, so
-#: a decode step's row is the batch's too (at these contexts: below 512 cached positions, where
-#: flash attention reduces a single query row in one chunk as it does a batch's).
+#: evaluated alone (a plain decode step) gets those bits too, at this test's short context. F16:
+#: a decode step's mat-muls take ggml_vec_dot_f16 and a batch's take tinyBLAS, which sum in
+#: another order. Q8_0 on x86: both kernels add the blocks' scaled integer dot products into the
+#: same 8 lanes in block order, so a short context's decode step gets the batch's row; once the
+#: attended length pads to 512 or more, a decode step on several threads splits its attention
+#: over them and rounds otherwise (a batch's rows never split).
 BACKBONES = [
     pytest.param("f16", True, False, id="f16"),
     pytest.param("q8_0", True, True, id="q8_0"),

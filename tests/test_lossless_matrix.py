@@ -6,7 +6,7 @@ The exact reference is the same backbone decoded in the verify batch's kernels (
 each step's token with a throwaway copy in one batch). Lossless mode must give its tokens at the
 same seed, and choose each from a row equal to the reference's bit for bit: the drafts decide only
 how many rows a batch computes, never a row's bits (test_lossless_premise) nor the chain's state.
-Tiny random models of a 512-token vocabulary keep each run a few milliseconds."""
+Tiny random models of a 2048-token vocabulary keep each run a few milliseconds."""
 import hashlib
 
 import numpy as np
@@ -20,12 +20,12 @@ from river_gguf.llama_sampling import SamplerChain, apply_processors
 from lossless_models import small_vocab_model
 
 N_TOKENS = 16
-N_VOCAB = 512
-PROMPT = [7, 300, 45, 128, 9, 511, 77, 3, 260, 18]
+N_VOCAB = 2048
+PROMPT = [7, 1300, 45, 128, 9, 2011, 77, 3, 260, 18]
 DRAFT_MAX = (1, 2, 4, 8)
-#: A draft vocabulary of 64 of the 512 tokens (and the context's others in rows of their own),
-#: against the whole vocabulary (0).
-DRAFT_VOCABS = (0, 64)
+#: A draft vocabulary of 256 of the 2048 tokens (and up to 512 of the context's others in rows of
+#: their own), against the whole vocabulary (0).
+DRAFT_VOCABS = (0, 256)
 RIVERS = ("backbone", "random")
 
 #: A grammar with no end (right recursion): every token is lowercase letters and spaces.
@@ -70,6 +70,8 @@ def models(built):
     other = small_vocab_model(built, N_VOCAB, seed=22, **shape)
     rivers = {"backbone": backbone, "random": other}
     lossless = {(r, v): _llama(backbone, river=rivers[r], draft_vocab=v) for r in RIVERS for v in DRAFT_VOCABS}
+    for (r, v), llm in lossless.items():  # as asked (the end of text, id 0, is among the first ids)
+        assert len(llm.river_model.draft_vocab) == v
     return dict(reference=_llama(backbone, verify_kernels=True), plain=_llama(backbone), lossless=lossless)
 
 
@@ -90,6 +92,9 @@ def _run(llm, seed, sampler, keep=_digest, **river):
         rows.append(keep(row))
         return False
 
+    # From an empty cache: the prompt is one batch in every run. (A call that reuses a cached prompt
+    # evaluates its last token again, alone, in the single-token kernels.)
+    llm.reset()
     llm.set_seed(seed)
     tokens = []
     for t in llm.generate(PROMPT, stopping_criteria=record, **kw, **river):
@@ -155,7 +160,7 @@ def test_replaying_the_rows_gives_the_text(models, sampler):
     lossless run chose from, in order, gives the run's text: the chain's state (random draws,
     penalties' history, grammar, what processors see) advanced exactly once per token, whatever
     the rounds drafted and threw away."""
-    llm = models["lossless"]["random", 64]
+    llm = models["lossless"]["random", DRAFT_VOCABS[1]]
     seed = 2000 + list(SAMPLERS).index(sampler)
     tokens, rows = _run(llm, seed, SAMPLERS[sampler], keep=np.array, mode="lossless", draft_max=4)
     assert llm.last_stats["drafted"] > llm.last_stats["accepted"]  # rounds threw drafts away

@@ -39,6 +39,7 @@ def _recorded(llm, prompt, seed, sampler, mode):
         rows.append(np.array(row, copy=True))
         return False
 
+    llm.reset()  # the prompt in one batch (a reused prompt's last token is evaluated again alone)
     llm.set_seed(seed)
     tokens = []
     for t in llm.generate(llm.tokenize(prompt.encode()), stopping_criteria=record, mode=mode, **sampler):

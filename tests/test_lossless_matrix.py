@@ -18,6 +18,7 @@ from river_gguf.llama import Llama
 from river_gguf.llama_sampling import SamplerChain, apply_processors
 
 from lossless_models import small_vocab_model
+from support import THREADS
 
 N_TOKENS = 16
 N_VOCAB = 2048
@@ -57,22 +58,26 @@ SAMPLERS = {
 
 
 def _llama(path, **kw):
-    return Llama(path, n_ctx=128, n_threads=1, flash_attn=True, verbose=False, **kw)
+    return Llama(path, n_ctx=128, n_threads=THREADS, verbose=False, **kw)
 
 
-@pytest.fixture(scope="module")
-def models(built):
-    """Llamas over one backbone (a random qwen2, F16): its exact reference, its plain decoding
-    (single-token steps), and lossless ones keyed by (river, draft vocabulary), with the backbone's
-    own file as the river or another random model's (whose drafts the backbone mostly rejects)."""
+@pytest.fixture(scope="module", params=[False, True], ids=["attention", "flash-attention"])
+def models(built, request):
+    """Llamas over one backbone (a random qwen2, F16), with and without flash attention: its exact
+    reference, its plain decoding (single-token steps), and lossless ones keyed by (river, draft
+    vocabulary), with the backbone's own file as the river or another random model's (whose drafts
+    the backbone mostly rejects)."""
     shape = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, dtype="f16")
     backbone = small_vocab_model(built, N_VOCAB, seed=21, **shape)
     other = small_vocab_model(built, N_VOCAB, seed=22, **shape)
     rivers = {"backbone": backbone, "random": other}
-    lossless = {(r, v): _llama(backbone, river=rivers[r], draft_vocab=v) for r in RIVERS for v in DRAFT_VOCABS}
+    fa = request.param  # Llama's default is off (llama_cpp's), Model's and the CLI's on
+    lossless = {(r, v): _llama(backbone, river=rivers[r], draft_vocab=v, flash_attn=fa)
+                for r in RIVERS for v in DRAFT_VOCABS}
     for (r, v), llm in lossless.items():  # as asked (the end of text, id 0, is among the first ids)
         assert len(llm.river_model.draft_vocab) == v
-    return dict(reference=_llama(backbone, verify_kernels=True), plain=_llama(backbone), lossless=lossless)
+    return dict(reference=_llama(backbone, verify_kernels=True, flash_attn=fa), plain=_llama(backbone, flash_attn=fa),
+                lossless=lossless)
 
 
 def _digest(row) -> str:

@@ -1,0 +1,233 @@
+"""Several sequences in one KV cache, evaluated together in one batch (Engine.eval's seq_ids).
+
+The oracle is stock llama.cpp (llama-cpp-python's low-level API) with n_seq_max sequences in one
+unified cache, decoding the same batches: both run the same ggml kernels on batches of the same
+size, so every row agrees within support.LOGIT_TOL. Against each sequence decoded alone (a batch
+of its own tokens only), a row may differ by the rounding of a larger batch's kernels:
+SEQ_ALONE_TOL bounds it (on the CPU each output row is its own dot products, so in practice it is
+0 or the last bits; the bound leaves room for batched kernels that tile across rows)."""
+import ctypes
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from river_gguf import _native as native
+from river_gguf.eval.random_model import write_tiny_model
+
+from support import LOGIT_TOL, PROSE, THREADS
+
+SEQ_ALONE_TOL = 1e-2
+
+# Prompts of mixed lengths per sequence, and decode steps in which some sequences sit out.
+PROMPT_LENGTHS = (5, 1, 9, 3, 12, 2, 7, 4)
+
+
+def _steps(n_seq, n_steps=4):
+    """Each step's sequences: all of them, except that sequence s sits out the steps where
+    (step + s) % 3 == 2 (so batches mix 1 to n_seq tokens)."""
+    out = []
+    for step in range(n_steps):
+        seqs = [s for s in range(n_seq) if n_seq == 1 or (step + s) % 3 != 2]
+        out.append(seqs or [0])
+    return out
+
+
+class LlamaCppSequences:
+    """Stock llama.cpp with n_seq_max sequences in one unified KV cache (F16, flash attention), set
+    up like the engine; decode() takes (token, seq) pairs appended to their sequences, with a
+    logits row for each."""
+
+    def __init__(self, path, n_ctx=256, n_seq_max=8, flash_attn=True):
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+        assert self.model, f"llama.cpp could not load {path}"
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_ctx, n_ctx, n_seq_max
+        cp.kv_unified = True
+        cp.n_threads = cp.n_threads_batch = THREADS
+        cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        assert self.ctx
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.batch = llama_cpp.llama_batch_init(n_ctx, 0, n_seq_max)
+        self.length = {}
+
+    def decode(self, tokens, seqs):
+        b = self.batch
+        b.n_tokens = len(tokens)
+        for i, (t, s) in enumerate(zip(tokens, seqs)):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, self.length.get(s, 0), 1, True
+            b.seq_id[i][0] = s
+            self.length[s] = self.length.get(s, 0) + 1
+        assert llama_cpp.llama_decode(self.ctx, b) == 0
+        rows = [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).copy()
+                for i in range(len(tokens))]
+        return np.array(rows, dtype=np.float32)
+
+    def remove_tail(self, seq, n):
+        assert llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), seq, n, -1)
+        self.length[seq] = n
+
+    def close(self):
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+        llama_cpp.llama_model_free(self.model)
+
+
+@pytest.fixture
+def llama_sequences():
+    made = []
+
+    def make(path, **kw):
+        made.append(LlamaCppSequences(path, **kw))
+        return made[-1]
+
+    yield make
+    for o in made:
+        o.close()
+
+
+def _texts(n_seq, n_vocab, seed=3):
+    """Per sequence: its prompt and the tokens of its decode steps."""
+    rng = np.random.default_rng(seed)
+    steps = _steps(n_seq)
+    prompts = [list(map(int, rng.integers(0, n_vocab, PROMPT_LENGTHS[s]))) for s in range(n_seq)]
+    decoded = [list(map(int, rng.integers(0, n_vocab, sum(s in st for st in steps)))) for s in range(n_seq)]
+    return prompts, decoded, steps
+
+
+def _batches(prompts, decoded, steps):
+    """The batches (tokens, seq_ids) of one run: every prompt in one interleaved batch, then each
+    step's tokens."""
+    order = sorted(((i, s) for s in range(len(prompts)) for i in range(len(prompts[s]))))
+    out = [([prompts[s][i] for i, s in order], [s for _, s in order])]
+    nxt = [0] * len(prompts)
+    for seqs in steps:
+        toks = []
+        for s in seqs:
+            toks.append(decoded[s][nxt[s]])
+            nxt[s] += 1
+        out.append((toks, list(seqs)))
+    return out
+
+
+def _run_batched(engine, batches, **setting):
+    """Every token's logits row, per sequence, in its order; and each batch's exit layer."""
+    rows, exits = {}, []
+    for toks, seqs in batches:
+        logits, exit_layer, _ = engine.eval(toks, seq_ids=seqs, all_logits=True, **setting)
+        assert logits.shape == (len(toks), engine.hparams["n_vocab"])
+        exits.append(exit_layer)
+        for r, s in zip(logits, seqs):
+            rows.setdefault(s, []).append(r)
+    return {s: np.array(r) for s, r in rows.items()}, exits
+
+
+def _run_alone(engine, prompt, decoded, **setting):
+    """One sequence alone in the default sequence: its prompt as one batch, then a token a step."""
+    engine.truncate(0)
+    rows = [engine.eval(prompt, all_logits=True, **setting)[0]]
+    rows += [engine.eval([t], all_logits=True, **setting)[0] for t in decoded]
+    return np.concatenate(rows)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny):
+    return tiny.model("llama", n_layer=3, seed=5)
+
+
+@pytest.mark.parametrize("n_seq", [1, 2, 5, 8])
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_each_sequence_equals_itself_alone_and_llama_cpp(n_seq, flash_attn, tiny_llama, llama_sequences):
+    e = native.Engine(tiny_llama, n_ctx=256, n_threads=THREADS, flash_attn=flash_attn)
+    prompts, decoded, steps = _texts(n_seq, e.hparams["n_vocab"])
+    batches = _batches(prompts, decoded, steps)
+    ours, _ = _run_batched(e, batches)
+    assert e.sequences == list(range(n_seq))
+    assert e.cache_used == sum(len(p) + len(d) for p, d in zip(prompts, decoded))
+    oracle = llama_sequences(tiny_llama, flash_attn=flash_attn)
+    ref = {}
+    for toks, seqs in batches:
+        for r, s in zip(oracle.decode(toks, seqs), seqs):
+            ref.setdefault(s, []).append(r)
+    alone_engine = native.Engine(tiny_llama, n_ctx=256, n_threads=THREADS, flash_attn=flash_attn)
+    for s in range(n_seq):
+        assert np.isfinite(ours[s]).all()
+        assert np.abs(ours[s] - np.array(ref[s])).max() < LOGIT_TOL, f"sequence {s} against llama.cpp"
+        alone = _run_alone(alone_engine, prompts[s], decoded[s])
+        assert np.abs(ours[s] - alone).max() < SEQ_ALONE_TOL, f"sequence {s} against itself alone"
+
+
+def test_last_rows_come_back_per_sequence(tiny_llama):
+    e = native.Engine(tiny_llama, n_ctx=256, n_threads=THREADS)
+    toks, seqs = [5, 6, 7, 8, 9, 10], [3, 1, 3, 1, 1, 0]
+    every, _, _ = e.eval(toks, seq_ids=seqs, all_logits=True)
+    for s in (0, 1, 3):
+        e.truncate(0, seq=s)
+    assert e.sequences == [] and e.cache_used == 0
+    last, _, _ = e.eval(toks, seq_ids=seqs)
+    # In the order the sequences first appear: 3, 1, 0; each its last token's row.
+    assert last.shape == (3, e.hparams["n_vocab"])
+    assert np.array_equal(last, every[[2, 4, 5]])
+    assert [e.sequence_length(s) for s in (0, 1, 2, 3)] == [1, 3, 0, 2]
+
+
+def test_removing_a_tail_leaves_the_other_sequences_unchanged(tiny_llama, llama_sequences):
+    e = native.Engine(tiny_llama, n_ctx=256, n_threads=THREADS)
+    oracle = llama_sequences(tiny_llama)
+    prompts, decoded, _ = _texts(4, e.hparams["n_vocab"], seed=9)
+    first = _batches(prompts, [[]] * 4, [])[0]
+    e.eval(*first[:1], seq_ids=first[1])
+    oracle.decode(*first)
+    # Sequence 2 loses its last 2 positions and sequence 0 is cleared; then every sequence steps.
+    e.truncate(len(prompts[2]) - 2, seq=2)
+    e.truncate(0, seq=0)
+    oracle.remove_tail(2, len(prompts[2]) - 2)
+    oracle.remove_tail(0, 0)
+    assert e.sequence_rows(0) == [] and len(e.sequence_rows(2)) == len(prompts[2]) - 2
+    step = ([decoded[s][0] for s in range(4)], [0, 1, 2, 3])
+    ours, _, _ = e.eval(step[0], seq_ids=step[1], all_logits=True)
+    assert np.abs(ours - oracle.decode(*step)).max() < LOGIT_TOL
+    alone = native.Engine(tiny_llama, n_ctx=256, n_threads=THREADS)
+    kept = {0: [], 1: prompts[1], 2: prompts[2][:-2], 3: prompts[3]}
+    for s in range(4):
+        row = _run_alone(alone, kept[s] + [decoded[s][0]], [])[-1]
+        assert np.abs(ours[s] - row).max() < SEQ_ALONE_TOL, f"sequence {s}"
+
+
+def test_sliding_window_is_per_sequence(tmp_path, llama_sequences):
+    path = write_tiny_model(tmp_path / "gemma2.gguf", "gemma2", n_layer=3, tied=True, sliding_window=4, seed=2)
+    e = native.Engine(path, n_ctx=256, n_threads=THREADS)
+    prompts, decoded, steps = _texts(3, e.hparams["n_vocab"], seed=4)
+    batches = _batches(prompts, decoded, steps)
+    ours, _ = _run_batched(e, batches)
+    oracle = llama_sequences(path)
+    alone = native.Engine(path, n_ctx=256, n_threads=THREADS)
+    ref = {}
+    for toks, seqs in batches:
+        for r, s in zip(oracle.decode(toks, seqs), seqs):
+            ref.setdefault(s, []).append(r)
+    for s in range(3):
+        assert np.abs(ours[s] - np.array(ref[s])).max() < LOGIT_TOL
+        assert np.abs(ours[s] - _run_alone(alone, prompts[s], decoded[s])).max() < SEQ_ALONE_TOL
+
+
+def test_bad_sequence_input_is_refused(tiny_llama):
+    e = native.Engine(tiny_llama, n_ctx=16, n_threads=THREADS)
+    with pytest.raises(ValueError, match="one sequence id per token"):
+        e.eval([1, 2, 3], seq_ids=[0, 1])
+    with pytest.raises(ValueError, match="negative"):
+        e.eval([1, 2], seq_ids=[0, -1])
+    with pytest.raises(ValueError, match="first_row"):
+        e.eval([1, 2], seq_ids=[0, 1], all_logits=True, first_row=1)
+    e.eval([1] * 10, seq_ids=[0, 1] * 5)
+    with pytest.raises(native.ContextOverflowError):
+        e.eval([1] * 7, seq_ids=[2] * 7)
+    assert e.cache_used == 10 and e.sequence_length(2) == 0  # a refused batch leaves no rows
+    with pytest.raises(ValueError, match="out of range"):
+        e.truncate(6, seq=1)
+    with pytest.raises(ValueError, match=">= 0"):
+        e.truncate(0, seq=-1)

@@ -139,26 +139,50 @@ def tiny_llama(tiny):
     return tiny.model("llama", n_layer=3, seed=5)
 
 
-@pytest.mark.parametrize("n_seq", [1, 2, 5, 8])
-@pytest.mark.parametrize("flash_attn", [True, False])
-def test_each_sequence_equals_itself_alone_and_llama_cpp(n_seq, flash_attn, tiny_llama, llama_sequences):
-    e = native.Engine(tiny_llama, n_ctx=256, n_threads=THREADS, flash_attn=flash_attn)
+@pytest.fixture(scope="module")
+def tiny_river(tiny):
+    """The same random model in F16: a river for tiny_llama, and the river-only oracle."""
+    return tiny.model("llama", n_layer=3, seed=5, dtype="f16")
+
+
+RIVER_ONLY = dict(mode="river-only", river_head=True)
+
+
+def _check_batched(backbone, river, oracle_path, n_seq, flash_attn, make_oracle, **setting):
+    """Each sequence of a mixed run against itself alone and against llama.cpp's same batches."""
+    e = native.Engine(backbone, river, n_ctx=256, n_threads=THREADS, flash_attn=flash_attn)
     prompts, decoded, steps = _texts(n_seq, e.hparams["n_vocab"])
     batches = _batches(prompts, decoded, steps)
-    ours, _ = _run_batched(e, batches)
+    ours, _ = _run_batched(e, batches, **setting)
     assert e.sequences == list(range(n_seq))
     assert e.cache_used == sum(len(p) + len(d) for p, d in zip(prompts, decoded))
-    oracle = llama_sequences(tiny_llama, flash_attn=flash_attn)
+    oracle = make_oracle(oracle_path, flash_attn=flash_attn)
     ref = {}
     for toks, seqs in batches:
         for r, s in zip(oracle.decode(toks, seqs), seqs):
             ref.setdefault(s, []).append(r)
-    alone_engine = native.Engine(tiny_llama, n_ctx=256, n_threads=THREADS, flash_attn=flash_attn)
+    alone_engine = native.Engine(backbone, river, n_ctx=256, n_threads=THREADS, flash_attn=flash_attn)
     for s in range(n_seq):
         assert np.isfinite(ours[s]).all()
         assert np.abs(ours[s] - np.array(ref[s])).max() < LOGIT_TOL, f"sequence {s} against llama.cpp"
-        alone = _run_alone(alone_engine, prompts[s], decoded[s])
+        alone = _run_alone(alone_engine, prompts[s], decoded[s], **setting)
         assert np.abs(ours[s] - alone).max() < SEQ_ALONE_TOL, f"sequence {s} against itself alone"
+
+
+@pytest.mark.parametrize("n_seq,flash_attn", [(1, True), (3, True), (8, True), (5, False)])
+def test_each_sequence_equals_itself_alone_and_llama_cpp(n_seq, flash_attn, tiny_llama, llama_sequences):
+    _check_batched(tiny_llama, "", tiny_llama, n_seq, flash_attn, llama_sequences)
+
+
+@pytest.mark.parametrize("n_seq,flash_attn", [(4, True), (6, False)])
+def test_river_only_sequences_equal_the_river_alone_and_llama_cpp(n_seq, flash_attn, tiny_llama, tiny_river,
+                                                                   llama_sequences):
+    _check_batched(tiny_llama, tiny_river, tiny_river, n_seq, flash_attn, llama_sequences, **RIVER_ONLY)
+
+
+def test_smollm2_river_only_sequences_equal_llama_cpp(f16_path, q4_0_path, llama_sequences):
+    # A real backbone and its Q4_0 river: quantized kernels in a batch of several sequences.
+    _check_batched(f16_path, q4_0_path, q4_0_path, 3, True, llama_sequences, **RIVER_ONLY)
 
 
 def test_last_rows_come_back_per_sequence(tiny_llama):
@@ -231,3 +255,53 @@ def test_bad_sequence_input_is_refused(tiny_llama):
         e.truncate(6, seq=1)
     with pytest.raises(ValueError, match=">= 0"):
         e.truncate(0, seq=-1)
+
+
+def _rolled_back(e, seqs, lengths):
+    for s in set(seqs):
+        e.truncate(lengths[s], seq=s)
+
+
+def test_batch_leaves_only_when_every_token_passes(tiny_llama, tiny_river):
+    """River's exit for a batch of sequences: one decision per layer, at the first layer whose
+    lowest score over the batch passes tau; the logits are those of a forced exit there, and
+    every sequence's cache rows are written at every layer (RIVER.md invariant 4, per sequence).
+
+    tau comes from the engine's own scores of each batch (a never-exit trace): just under the
+    highest per-layer minimum, so each batch leaves before its last layer."""
+    e = native.Engine(tiny_llama, tiny_river, n_ctx=256, n_threads=THREADS)
+    n_layer = e.hparams["n_layer"]
+    prompts, decoded, steps = _texts(6, e.hparams["n_vocab"], seed=11)
+    batches = _batches(prompts, decoded, steps)
+    e.eval(batches[0][0], seq_ids=batches[0][1])
+    held_back = 0  # layers where some token passed tau but the batch stayed
+    for toks, seqs in batches[1:]:
+        n = len(toks)
+        lengths = {s: e.sequence_length(s) for s in seqs}
+        backbone, k_never, trace = e.eval(toks, seq_ids=seqs, all_logits=True, mode="river", threshold=2.0, trace=True)
+        assert k_never == n_layer - 1 and len(trace) == n_layer * n
+        scores = np.array(trace, dtype=np.float32).reshape(n_layer, n)[: n_layer - 1]  # the river needs a layer
+        target = int(scores.min(axis=1).argmax())
+        tau = float(np.nextafter(scores[target].min(), np.float32(-1)))
+        expected = next(l for l in range(n_layer - 1) if scores[l].min() > tau)
+        held_back += sum(scores[l].max() > tau for l in range(expected))
+        _rolled_back(e, seqs, lengths)
+        dynamic, k, lowest = e.eval(toks, seq_ids=seqs, all_logits=True, mode="river", threshold=tau)
+        assert k == expected
+        assert np.array_equal(np.array(lowest, dtype=np.float32), scores[: k + 1].min(axis=1))
+        _rolled_back(e, seqs, lengths)
+        forced, _, _ = e.eval(toks, seq_ids=seqs, all_logits=True, mode="fixed", exit_layer=k)
+        assert np.array_equal(dynamic, forced)
+        _rolled_back(e, seqs, lengths)
+        above_one, k_one, _ = e.eval(toks, seq_ids=seqs, all_logits=True, mode="river", threshold=1.01)
+        assert k_one == n_layer - 1 and np.array_equal(above_one, backbone)  # invariant 1
+        _rolled_back(e, seqs, lengths)
+        e.eval(toks, seq_ids=seqs, mode="river", threshold=tau)  # the rows the next step reads
+    assert held_back > 0, "no batch had a token that passed alone: the test shows nothing of the min rule"
+    used = sorted(r for s in e.sequences for r in e.sequence_rows(s))
+    assert used == list(range(e.cache_used))
+    for layer in range(n_layer):
+        for values in (False, True):
+            rows = e.cache_rows(layer, values, e.cache_used + 1)
+            assert np.isfinite(rows[:-1]).all(), f"hole in layer {layer} {'V' if values else 'K'}"
+            assert np.isnan(rows[-1]).all()  # the row after them still holds the poison: the check can fail

@@ -67,22 +67,30 @@ EvalResult Engine::eval(const EvalRequest& req) {
     EvalResult out;
     out.exit_layer = hp_.n_layer - 1;
     const int n = static_cast<int>(req.tokens.size());
-    const bool sequences = !req.seq_ids.empty();
-    EvalRequest each_row;
-    if (sequences && !req.all_logits) {
-        // Every token's row, cut down to each sequence's last at the end (they may sit anywhere).
-        each_row = req;
-        each_row.all_logits = true;
+    // With sequences and without all_logits, the head runs the rows of each sequence's last token
+    // (anywhere in the request): is_last marks them, row_token says which token each row is.
+    const bool last_rows = !req.seq_ids.empty() && !(req.all_logits || req.embeddings);
+    std::vector<char> is_last(last_rows ? n : 0);
+    if (last_rows) {
+        std::map<int32_t, int> last;
+        for (int i = 0; i < n; ++i) last[req.seq_ids[i]] = i;
+        for (const auto& [s, i] : last) is_last[i] = 1;
     }
-    const EvalRequest& run_req = sequences && !req.all_logits ? each_row : req;
+    std::vector<size_t> row_token;
     for (int start = 0; start < n; start += n_batch_) {
         const int len = std::min(n_batch_, n - start);
-        const int32_t* seq = sequences ? req.seq_ids.data() + start : nullptr;
+        const int32_t* seq = req.seq_ids.empty() ? nullptr : req.seq_ids.data() + start;
         // A chunk that fails leaves no rows behind: each of its sequences goes back to its length.
         std::map<int, int> before;
         for (int i = 0; i < len; ++i) before.emplace(seq ? seq[i] : 0, cells_.length(seq ? seq[i] : 0));
+        BatchCells cells = place(seq, len);
+        if (last_rows) {
+            for (int i = 0; i < len; ++i) if (is_last[start + i]) cells.out.push_back(i);
+            if (cells.out.empty()) cells.out.push_back(len - 1);  // a row the result drops
+            for (int32_t i : cells.out) row_token.push_back(size_t(start + i));
+        }
         try {
-            eval_chunk(req.tokens.data() + start, place(seq, len), run_req, out);
+            eval_chunk(req.tokens.data() + start, cells, req, out);
         } catch (const RpcError&) {
             for (const auto& [s, length] : before) cells_.remove_tail(s, length);
             throw;
@@ -94,21 +102,24 @@ EvalResult Engine::eval(const EvalRequest& req) {
     }
     // After a server failed, the step read placeholders (rpc_link.h): never return them.
     check_links();
-    if (sequences && !req.all_logits) keep_last_rows(req.seq_ids, out);
+    if (last_rows) keep_last_rows(req.seq_ids, row_token, out);
     return out;
 }
 
-void Engine::keep_last_rows(const std::vector<int32_t>& seq_ids, EvalResult& out) const {
+void Engine::keep_last_rows(const std::vector<int32_t>& seq_ids, const std::vector<size_t>& row_token,
+                            EvalResult& out) {
     std::vector<int32_t> order;  // the sequences in order of first appearance
     std::map<int32_t, size_t> last;
     for (size_t i = 0; i < seq_ids.size(); ++i) {
         if (!last.count(seq_ids[i])) order.push_back(seq_ids[i]);
         last[seq_ids[i]] = i;
     }
+    std::map<size_t, size_t> row_of;  // token -> its row
+    for (size_t r = 0; r < row_token.size(); ++r) row_of[row_token[r]] = r;
     const size_t width = size_t(out.n_cols);
     std::vector<float> rows(order.size() * width);
     for (size_t k = 0; k < order.size(); ++k) {
-        std::copy_n(out.logits.begin() + last[order[k]] * width, width, rows.begin() + k * width);
+        std::copy_n(out.logits.begin() + row_of.at(last[order[k]]) * width, width, rows.begin() + k * width);
     }
     out.logits = std::move(rows);
     out.n_rows = static_cast<int>(order.size());
@@ -202,6 +213,7 @@ void Engine::eval_chunk(const int32_t* tokens, const BatchCells& cells, const Ev
     spec.n = n;
     spec.n_kv = attended_rows(n);
     spec.all_logits = req.all_logits || req.embeddings;
+    spec.n_out = static_cast<int>(cells.out.size());
     spec.first_row = spec.all_logits ? req.first_row : 0;
     spec.backbone_attention = req.backbone_attention;
     spec.draft_vocab = req.draft_vocab;
@@ -346,6 +358,7 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, const BatchCells&
         ggml_backend_tensor_set(g.in.v_idxs, idx.data(), 0, idx.size() * sizeof(int64_t));
     }
     if (g.tok_in) ggml_backend_tensor_set(g.tok_in, tokens, 0, sizeof(int32_t) * n);
+    if (g.in.out_ids) ggml_backend_tensor_set(g.in.out_ids, cells.out.data(), 0, sizeof(int32_t) * cells.out.size());
     if (g.in.attn_temp) {
         // llama.cpp's llm_graph_input_attn_temp, in its types: a float position over an unsigned
         // floor, the logarithm in double.
@@ -418,7 +431,7 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, const BatchCells&
         const int n_rows = static_cast<int>(g.logits->ne[1]);
         out->n_cols = static_cast<int>(g.logits->ne[0]);  // n_vocab, or n_embd for embeddings
         const size_t count = size_t(n_rows) * out->n_cols;
-        if (spec.all_logits) {
+        if (spec.all_logits || spec.n_out > 0) {
             const size_t old = out->logits.size();
             out->logits.resize(old + count);
             ggml_backend_tensor_get(g.logits, out->logits.data() + old, 0, count * sizeof(float));

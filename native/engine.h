@@ -169,9 +169,10 @@ private:
         int first_row = 0;           // with all_logits: the head runs rows first_row.. only
         bool backbone_attention = false;  // river spans use river_mixed_
         bool draft_vocab = false;    // the head's draft-vocabulary rows alone
+        int n_out = 0;               // > 0: the head runs the n_out rows BatchCells::out names
         auto key() const {
             return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, rule, head, all_logits, first_row,
-                            backbone_attention, draft_vocab);
+                            backbone_attention, draft_vocab, n_out);
         }
         bool operator==(const GraphSpec& o) const;
     };
@@ -207,10 +208,13 @@ private:
     void check_request(const EvalRequest& req) const;
     // Throws RpcError (and keeps refusing work) once a server has failed; see rpc_link.h.
     void check_links();
-    // Where a batch's tokens go: each token's sequence, position and cache row (KvCells::place).
+    // Where a batch's tokens go: each token's sequence, position and cache row (KvCells::place),
+    // and, in a batch of several sequences without all_logits, the tokens whose rows the head
+    // computes (the last of a sequence in the request; empty: the usual rule).
     struct BatchCells {
         std::vector<int32_t> seq, pos;
         std::vector<int64_t> rows;
+        std::vector<int32_t> out;
     };
     // Cache rows for n tokens of the given sequences (nullptr: sequence 0), taken from cells_.
     BatchCells place(const int32_t* seq_ids, int n);
@@ -220,8 +224,10 @@ private:
     void eval_chunk(const int32_t* tokens, const BatchCells& cells, const EvalRequest& req, EvalResult& out);
     // Run `spec` on `tokens` (or on h_state_) at `cells`; false when an exit node stopped it.
     bool run(const GraphSpec& spec, const int32_t* tokens, const BatchCells& cells, EvalResult* out);
-    // Every token's rows (all_logits) of a request with sequences, reduced to each sequence's last.
-    void keep_last_rows(const std::vector<int32_t>& seq_ids, EvalResult& out) const;
+    // The rows of a request with sequences (row r from token row_token[r]), reduced to each
+    // sequence's last token's row, in the order the sequences first appear.
+    static void keep_last_rows(const std::vector<int32_t>& seq_ids, const std::vector<size_t>& row_token,
+                               EvalResult& out);
     std::unique_ptr<Graph> build(const GraphSpec& spec, bool own_sched);
     Graph& graph_for(const GraphSpec& spec);
 

@@ -199,6 +199,21 @@ def test_last_rows_come_back_per_sequence(tiny_llama):
     assert [e.sequence_length(s) for s in (0, 1, 2, 3)] == [1, 3, 0, 2]
 
 
+
+def test_last_rows_across_batches(tiny_llama):
+    # n_batch 4 splits the request: sequence 1's last token is in the first batch, none is in the
+    # second, sequences 2 and 0 end in the third.
+    toks = list(range(100, 111))
+    seqs = [0, 1, 0, 2, 0, 2, 0, 0, 2, 2, 0]
+    every = native.Engine(tiny_llama, n_ctx=64, n_threads=THREADS, n_batch=4)
+    rows, _, _ = every.eval(toks, seq_ids=seqs, all_logits=True)
+    last = native.Engine(tiny_llama, n_ctx=64, n_threads=THREADS, n_batch=4)
+    ours, _, _ = last.eval(toks, seq_ids=seqs)
+    assert ours.shape == (3, last.hparams["n_vocab"])
+    assert np.abs(ours - rows[[10, 1, 9]]).max() < SEQ_ALONE_TOL
+    assert [last.sequence_length(s) for s in (0, 1, 2)] == [6, 1, 4]
+
+
 def test_removing_a_tail_leaves_the_other_sequences_unchanged(tiny_llama, llama_sequences):
     e = native.Engine(tiny_llama, n_ctx=256, n_threads=THREADS)
     oracle = llama_sequences(tiny_llama)

@@ -320,3 +320,33 @@ def test_batch_leaves_only_when_every_token_passes(tiny_llama, tiny_river):
             rows = e.cache_rows(layer, values, e.cache_used + 1)
             assert np.isfinite(rows[:-1]).all(), f"hole in layer {layer} {'V' if values else 'K'}"
             assert np.isnan(rows[-1]).all()  # the row after them still holds the poison: the check can fail
+
+
+PROMPTS = ["Once upon a time, in a small village by the sea,", PROSE, "The history of the bridge begins",
+           "Chapter 1\n\nThe rain had not stopped for three days."]
+
+
+@pytest.mark.parametrize("options", [dict(mode="backbone"), dict(mode="river-only")])
+def test_greedy_sequences_equal_each_prompt_alone(options, f16_path, q4_0_path):
+    """Each prompt's greedy text decoded with the others equals its text alone, or parts at a
+    near-tie: the two tokens' logits there (a third evaluation, the prompt batch of the text up
+    to the parting) are within twice the batched-kernel rounding bound of each other."""
+    from river_gguf import Model
+    from river_gguf.greedy import greedy
+    from river_gguf.sequences import greedy_sequences
+
+    # threshold given: no similarity profile runs at load.
+    m = Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=THREADS, threshold=0.97)
+    prompts = [m.tokenize(p) for p in PROMPTS]
+    together = greedy_sequences(m, prompts, max_tokens=12, **options)
+    assert m.engine.cache_used == 0 and m.engine.sequences == []
+    assert [len(t.exit_layers) for t in together] == [len(t.tokens) for t in together]
+    for p, t in zip(prompts, together):
+        alone = greedy(m, p, max_tokens=12, **options)
+        if t.tokens == alone.tokens:
+            assert t.finish_reason == alone.finish_reason
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(alone.tokens, t.tokens)) if a != b)
+        row = m.logits(p + alone.tokens[:i], **options)[-1]
+        margin = abs(row[alone.tokens[i]] - row[t.tokens[i]])
+        assert margin < 2 * SEQ_ALONE_TOL, f"parted at {i} with a margin of {margin}: not a near-tie"

@@ -180,6 +180,15 @@ def test_river_only_sequences_equal_the_river_alone_and_llama_cpp(n_seq, flash_a
     _check_batched(tiny_llama, tiny_river, tiny_river, n_seq, flash_attn, llama_sequences, **RIVER_ONLY)
 
 
+def test_forced_exit_sequences_equal_alone_and_the_hybrid_in_llama_cpp(tiny_llama, tiny_river, tmp_path,
+                                                                        llama_sequences):
+    # RIVER.md invariant 2 per sequence: backbone layer 0, river layers 1.. for every token.
+    from river_gguf.convert.hybrid import write_hybrid_gguf
+
+    hybrid = write_hybrid_gguf(tiny_llama, tiny_river, str(tmp_path / "hybrid.gguf"), exit_layer=0, river_head=False)
+    _check_batched(tiny_llama, tiny_river, hybrid, 4, True, llama_sequences, mode="fixed", exit_layer=0)
+
+
 def test_smollm2_river_only_sequences_equal_llama_cpp(f16_path, q4_0_path, llama_sequences):
     # A real backbone and its Q4_0 river: quantized kernels in a batch of several sequences.
     _check_batched(f16_path, q4_0_path, q4_0_path, 3, True, llama_sequences, **RIVER_ONLY)

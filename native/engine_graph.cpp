@@ -25,7 +25,12 @@ Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
     // reused graph would be rebuilt at every exit. On a CPU-only engine a kept graph owns its
     // compute buffer; with offloaded layers, or graph exit decisions (the scheduler's eval
     // callback), it owns a scheduler, whose buffers hold one token's activations.
-    const bool keep = graph_reuse_ && spec.n == 1 && !observer_;
+    //
+    // A batch of several sequences that returns a row per sequence (n_out > 0: a decode step of
+    // several sequences, up to kKeptSequences tokens) is kept too: its dynamic steps alternate
+    // between graphs in the same way.
+    constexpr int kKeptSequences = 16;
+    const bool keep = graph_reuse_ && (spec.n == 1 || (spec.n_out > 0 && spec.n <= kKeptSequences)) && !observer_;
     if (!keep) {
         // The scheduler's allocation stays with the last graph built for it: a step of the same
         // spec sets its inputs and runs that graph again (llama.cpp's can_reuse), so decoding

@@ -359,3 +359,16 @@ def test_greedy_sequences_equal_each_prompt_alone(options, f16_path, q4_0_path):
         row = m.logits(p + alone.tokens[:i], **options)[-1]
         margin = abs(row[alone.tokens[i]] - row[t.tokens[i]])
         assert margin < 2 * SEQ_ALONE_TOL, f"parted at {i} with a margin of {margin}: not a near-tie"
+
+
+def test_dynamic_steps_of_sequences_reuse_their_graphs(tiny_llama, tiny_river):
+    # tau -1: every batch leaves after layer 0, so each step runs the backbone graph with its exit
+    # nodes, then the river graph; both are kept and run again, not rebuilt.
+    e = native.Engine(tiny_llama, tiny_river, n_ctx=256, n_threads=THREADS)
+    e.eval([1, 2, 3, 4, 5, 6], seq_ids=[0, 1, 2, 0, 1, 2])
+    built = []
+    for t in range(4):
+        _, k, _ = e.eval([7 + t] * 3, seq_ids=[0, 1, 2], mode="river", threshold=-1.0)
+        assert k == 0
+        built.append(e.graphs_built)
+    assert built[1:] == [built[0]] * 3

@@ -55,16 +55,18 @@ class LlamaCppSequences:
         self.batch = llama_cpp.llama_batch_init(n_ctx, 0, n_seq_max)
         self.length = {}
 
-    def decode(self, tokens, seqs):
+    def decode(self, tokens, seqs, outputs=None):
+        """Rows of the tokens `outputs` names (indices into tokens; default: all), in order."""
+        outputs = range(len(tokens)) if outputs is None else outputs
         b = self.batch
         b.n_tokens = len(tokens)
         for i, (t, s) in enumerate(zip(tokens, seqs)):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, self.length.get(s, 0), 1, True
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, self.length.get(s, 0), 1, i in outputs
             b.seq_id[i][0] = s
             self.length[s] = self.length.get(s, 0) + 1
         assert llama_cpp.llama_decode(self.ctx, b) == 0
         rows = [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).copy()
-                for i in range(len(tokens))]
+                for i in outputs]
         return np.array(rows, dtype=np.float32)
 
     def remove_tail(self, seq, n):
@@ -194,7 +196,7 @@ def test_smollm2_river_only_sequences_equal_llama_cpp(f16_path, q4_0_path, llama
     _check_batched(f16_path, q4_0_path, q4_0_path, 3, True, llama_sequences, **RIVER_ONLY)
 
 
-def test_last_rows_come_back_per_sequence(tiny_llama):
+def test_last_rows_come_back_per_sequence(tiny_llama, llama_sequences):
     e = native.Engine(tiny_llama, n_ctx=256, n_threads=THREADS)
     toks, seqs = [5, 6, 7, 8, 9, 10], [3, 1, 3, 1, 1, 0]
     every, _, _ = e.eval(toks, seq_ids=seqs, all_logits=True)
@@ -205,6 +207,9 @@ def test_last_rows_come_back_per_sequence(tiny_llama):
     # In the order the sequences first appear: 3, 1, 0; each its last token's row.
     assert last.shape == (3, e.hparams["n_vocab"])
     assert np.array_equal(last, every[[2, 4, 5]])
+    # llama.cpp computing only those rows (its output ids select them in the last layer).
+    oracle = llama_sequences(tiny_llama)
+    assert np.abs(last - oracle.decode(toks, seqs, outputs=[2, 4, 5])).max() < LOGIT_TOL
     assert [e.sequence_length(s) for s in (0, 1, 2, 3)] == [1, 3, 0, 2]
 
 

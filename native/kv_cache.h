@@ -1,5 +1,6 @@
 // The KV cache: one K and one V tensor per layer, shared by backbone and river layers.
-// Row p of layer l holds token p's K (or V) at layer l, whichever weights computed it.
+// Row j of layer l holds the K (or V) at layer l of the token KvCells places there, whichever
+// weights computed it; while one sequence alone fills the cache, row p holds its position p.
 //
 // Two layouts of V, as in llama.cpp's llama_kv_cache: with flash attention, V is stored like K
 // ([n_embd_v_gqa, n_ctx], one row per position); without it V is transposed (v_trans:
@@ -79,8 +80,8 @@ public:
     // The non-flash poison as float (F16 0x1E1E, bytes 0x1E): small, so that a masked row's
     // K.Q stays finite even where the CPU accumulates in F16.
     static float poison_value_no_fa();
-    // Layer il, positions [0, n) of K or V, as float32 rows of n_embd_{k,v}_gqa (whatever the
-    // V layout).
+    // Layer il, rows [0, n) of K or V (positions [0, n) while one sequence alone fills the
+    // cache), as float32 rows of n_embd_{k,v}_gqa (whatever the V layout).
     std::vector<float> read(int il, bool values, int n) const;
 
 private:

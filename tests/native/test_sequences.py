@@ -2,10 +2,15 @@
 
 The oracle is stock llama.cpp (llama-cpp-python's low-level API) with n_seq_max sequences in one
 unified cache, decoding the same batches: both run the same ggml kernels on batches of the same
-size, so every row agrees within support.LOGIT_TOL. Against each sequence decoded alone (a batch
-of its own tokens only), a row may differ by the rounding of a larger batch's kernels:
-SEQ_ALONE_TOL bounds it (on the CPU each output row is its own dot products, so in practice it is
-0 or the last bits; the bound leaves room for batched kernels that tile across rows)."""
+size, so every row agrees within support.LOGIT_TOL (on SmolLM2 they are equal to the bit).
+
+Against each sequence decoded alone (a batch of its own tokens only), a row differs by the
+rounding of a larger batch's kernels, which llama.cpp's batches share. The bounds, from measured
+deviations with room to spare: SEQ_ALONE_TOL for the tiny random models (at most 4e-4 measured,
+with and without flash attention); SMOLLM2_ALONE_TOL for SmolLM2's F16 backbone and Q4_0 river
+with flash attention (up to 0.09 on random tokens, 0.04 on text). Without flash attention the Q4_0
+river's batched rows part from its single-sequence rows by up to 0.8 (llama.cpp's batches by the
+same), so no test compares those with the run alone."""
 import ctypes
 
 import llama_cpp
@@ -18,6 +23,7 @@ from river_gguf.eval.random_model import write_tiny_model
 from support import LOGIT_TOL, PROSE, THREADS
 
 SEQ_ALONE_TOL = 1e-2
+SMOLLM2_ALONE_TOL = 0.1
 
 # Prompts of mixed lengths per sequence, and decode steps in which some sequences sit out.
 PROMPT_LENGTHS = (5, 1, 9, 3, 12, 2, 7, 4)
@@ -150,7 +156,8 @@ def tiny_river(tiny):
 RIVER_ONLY = dict(mode="river-only", river_head=True)
 
 
-def _check_batched(backbone, river, oracle_path, n_seq, flash_attn, make_oracle, **setting):
+def _check_batched(backbone, river, oracle_path, n_seq, flash_attn, make_oracle, alone_tol=SEQ_ALONE_TOL,
+                   **setting):
     """Each sequence of a mixed run against itself alone and against llama.cpp's same batches."""
     e = native.Engine(backbone, river, n_ctx=256, n_threads=THREADS, flash_attn=flash_attn)
     prompts, decoded, steps = _texts(n_seq, e.hparams["n_vocab"])
@@ -168,7 +175,7 @@ def _check_batched(backbone, river, oracle_path, n_seq, flash_attn, make_oracle,
         assert np.isfinite(ours[s]).all()
         assert np.abs(ours[s] - np.array(ref[s])).max() < LOGIT_TOL, f"sequence {s} against llama.cpp"
         alone = _run_alone(alone_engine, prompts[s], decoded[s], **setting)
-        assert np.abs(ours[s] - alone).max() < SEQ_ALONE_TOL, f"sequence {s} against itself alone"
+        assert np.abs(ours[s] - alone).max() < alone_tol, f"sequence {s} against itself alone"
 
 
 @pytest.mark.parametrize("n_seq,flash_attn", [(1, True), (3, True), (8, True), (5, False)])
@@ -191,9 +198,12 @@ def test_forced_exit_sequences_equal_alone_and_the_hybrid_in_llama_cpp(tiny_llam
     _check_batched(tiny_llama, tiny_river, hybrid, 4, True, llama_sequences, mode="fixed", exit_layer=0)
 
 
-def test_smollm2_river_only_sequences_equal_llama_cpp(f16_path, q4_0_path, llama_sequences):
-    # A real backbone and its Q4_0 river: quantized kernels in a batch of several sequences.
-    _check_batched(f16_path, q4_0_path, q4_0_path, 3, True, llama_sequences, **RIVER_ONLY)
+@pytest.mark.parametrize("river_only", [False, True])
+def test_smollm2_sequences_equal_llama_cpp(river_only, f16_path, q4_0_path, llama_sequences):
+    # A real F16 backbone and its Q4_0 river: real kernels in a batch of several sequences.
+    setting = RIVER_ONLY if river_only else {}
+    _check_batched(f16_path, q4_0_path, q4_0_path if river_only else f16_path, 3, True, llama_sequences,
+                   SMOLLM2_ALONE_TOL, **setting)
 
 
 def test_last_rows_come_back_per_sequence(tiny_llama, llama_sequences):
@@ -344,7 +354,7 @@ PROMPTS = ["Once upon a time, in a small village by the sea,", PROSE, "The histo
 def test_greedy_sequences_equal_each_prompt_alone(options, f16_path, q4_0_path):
     """Each prompt's greedy text decoded with the others equals its text alone, or parts at a
     near-tie: the two tokens' logits there (a third evaluation, the prompt batch of the text up
-    to the parting) are within twice the batched-kernel rounding bound of each other."""
+    to the parting) are within twice SmolLM2's batched-kernel rounding bound of each other."""
     from river_gguf import Model
     from river_gguf.greedy import greedy
     from river_gguf.sequences import greedy_sequences
@@ -363,7 +373,7 @@ def test_greedy_sequences_equal_each_prompt_alone(options, f16_path, q4_0_path):
         i = next(i for i, (a, b) in enumerate(zip(alone.tokens, t.tokens)) if a != b)
         row = m.logits(p + alone.tokens[:i], **options)[-1]
         margin = abs(row[alone.tokens[i]] - row[t.tokens[i]])
-        assert margin < 2 * SEQ_ALONE_TOL, f"parted at {i} with a margin of {margin}: not a near-tie"
+        assert margin < 2 * SMOLLM2_ALONE_TOL, f"parted at {i} with a margin of {margin}: not a near-tie"
 
 
 def test_dynamic_steps_of_sequences_reuse_their_graphs(tiny_llama, tiny_river):

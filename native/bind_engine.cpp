@@ -214,10 +214,11 @@ void bind_exit_setting(py::module_& m) {
 }
 
 py::tuple eval(Engine& e, std::vector<int32_t> tokens, bool all_logits, bool trace, bool embeddings, int first_row,
-               const py::kwargs& setting) {
+               std::vector<int32_t> seq_ids, const py::kwargs& setting) {
     EvalRequest req;
     read_exit_setting(setting, req);
     req.tokens = std::move(tokens);
+    req.seq_ids = std::move(seq_ids);
     req.all_logits = all_logits;
     req.first_row = first_row;
     req.trace = trace;
@@ -300,8 +301,12 @@ void bind_engine(py::module_& m) {
              "the other fields of the engine's config come by keyword (ENGINE_CONFIG: their names and defaults).")
         .def("eval", &eval, py::arg("tokens"), py::kw_only(), py::arg("all_logits") = false,
              py::arg("trace") = false, py::arg("embeddings") = false, py::arg("first_row") = 0,
+             py::arg("seq_ids") = std::vector<int32_t>{},
              "Evaluate tokens at the cache's end under the exit setting given by keyword (EXIT_SETTING's names). "
-             "Returns (logits, exit_layer, scores).")
+             "seq_ids (one per token) appends each token to that sequence of the cache, in one batch: a token "
+             "attends to its own sequence alone, and without all_logits the logits hold each sequence's last "
+             "row, in the order the sequences first appear; without seq_ids every token goes to sequence 0. "
+             "One exit decision covers the batch (the lowest score). Returns (logits, exit_layer, scores).")
         .def("draft", &draft, py::arg("token"), py::arg("n_max"), py::arg("p_min") = 0.0f, py::kw_only(),
              py::arg("with_probs") = true, py::arg("pick") = py::none(),
              "Lossless decoding's draft: up to n_max greedy tokens after `token` under this exit setting, each "
@@ -312,7 +317,16 @@ void bind_engine(py::module_& m) {
              "comes by keyword, as for eval.")
         .def("pin_draft_tokens", &Engine::pin_draft_tokens, py::arg("tokens"),
              "Keep these tokens draftable for good (the end-of-generation ones), in rows of their own.")
-        .def("truncate", &Engine::truncate)
+        .def("truncate", &Engine::truncate, py::arg("n"), py::arg("seq") = 0,
+             "Forget positions n.. of sequence `seq` (n = 0 clears it); the other sequences are untouched.")
+        .def("sequence_length", [](const Engine& e, int seq) { return e.cells().length(seq); }, py::arg("seq"),
+             "Positions sequence `seq` holds (0 for a sequence the cache does not hold).")
+        .def_property_readonly("sequences", [](const Engine& e) { return e.cells().sequences(); },
+                               "The sequences the cache holds positions of, ascending.")
+        .def("sequence_rows", [](const Engine& e, int seq) { return e.cells().rows(seq); }, py::arg("seq"),
+             "The cache row of each position of sequence `seq`, in position order (for cache_rows).")
+        .def_property_readonly("cache_used", [](const Engine& e) { return e.cells().used(); },
+                               "Cache rows in use, over every sequence.")
         .def("river_tails", &river_tails, py::arg("tokens"), py::arg("tails"), py::arg("backbone_attention") = false,
              py::arg("river_head") = true, py::arg("first_row") = 0)
         .def_property_readonly("n_past", &Engine::n_past)
@@ -378,7 +392,8 @@ void bind_engine(py::module_& m) {
                  std::memcpy(a.mutable_data(), rows.data(), rows.size() * sizeof(float));
                  return a;
              },
-             "Cache layer `layer`, rows [0, n) of K (values=False) or V, as float32 (for tests).")
+             "Cache layer `layer`, rows [0, n) of K (values=False) or V, as float32 (for tests): with one "
+             "sequence, its positions [0, n).")
         .def("cache_poison",
              [](const Engine& e, int layer) {
                  return e.cache().finite_poison(layer) ? KvCache::poison_value_no_fa() : std::nanf("");

@@ -26,9 +26,37 @@ void Engine::check_links() {
     }
 }
 
-void Engine::truncate(int n) {
-    if (n < 0 || n > n_past_) throw std::invalid_argument("truncate position out of range");
-    n_past_ = n;
+void Engine::truncate(int n, int seq) {
+    if (seq < 0) throw std::invalid_argument("sequence id must be >= 0");
+    if (n < 0 || n > cells_.length(seq)) throw std::invalid_argument("truncate position out of range");
+    cells_.remove_tail(seq, n);
+}
+
+Engine::BatchCells Engine::place(const int32_t* seq_ids, int n) {
+    BatchCells c;
+    if (seq_ids) c.seq.assign(seq_ids, seq_ids + n);
+    else c.seq.assign(n, 0);
+    c.pos.resize(n);
+    c.rows.resize(n);
+    cells_.place(c.seq.data(), n, c.pos.data(), c.rows.data());
+    return c;
+}
+
+int Engine::attended_rows(int n) const {
+    // A token, or a short batch (a lossless verify batch, a step of several sequences), attends
+    // over a padded n_kv (masked beyond each token's position and outside its sequence), as
+    // llama.cpp does (its get_n_kv), so its graph stays the same for 256 rows: a decode step's,
+    // and a verify batch's from one round to the next (graph_for keeps the last one built).
+    // Without flash attention every row spanned enters the KQ softmax and the V product, whose
+    // SIMD sums group the terms by the length: every batch gets llama.cpp's padded n_kv. With it,
+    // a longer batch attends over exactly the rows in use: ggml's CPU kernel skips masked rows one
+    // query row at a time, but its tiled kernel for batches of 64 rows and more reads whole V
+    // tiles, masked rows too, where the cache's NaN poison (KvCache::poison, which makes a hole
+    // read show) would spread. The rows are placed before this is asked (used_end counts them).
+    constexpr int kPaddedBatch = 32;
+    const int end = cells_.used_end();
+    const int padded = std::min(cache_->n_ctx(), std::max(256, (end + 255) / 256 * 256));
+    return n <= kPaddedBatch || !flash_attn_ ? padded : end;
 }
 
 EvalResult Engine::eval(const EvalRequest& req) {
@@ -39,30 +67,85 @@ EvalResult Engine::eval(const EvalRequest& req) {
     EvalResult out;
     out.exit_layer = hp_.n_layer - 1;
     const int n = static_cast<int>(req.tokens.size());
-    try {
-        for (int start = 0; start < n; start += n_batch_) {
-            const int len = std::min(n_batch_, n - start);
-            eval_chunk(req.tokens.data() + start, len, req, out);
-            n_past_ += len;
+    // With sequences and without all_logits, the head runs the rows of each sequence's last token
+    // (anywhere in the request): is_last marks them, row_token says which token each row is.
+    const bool last_rows = !req.seq_ids.empty() && !(req.all_logits || req.embeddings);
+    std::vector<char> is_last(last_rows ? n : 0);
+    if (last_rows) {
+        std::map<int32_t, int> last;
+        for (int i = 0; i < n; ++i) last[req.seq_ids[i]] = i;
+        for (const auto& [s, i] : last) is_last[i] = 1;
+    }
+    std::vector<size_t> row_token;
+    for (int start = 0; start < n; start += n_batch_) {
+        const int len = std::min(n_batch_, n - start);
+        const int32_t* seq = req.seq_ids.empty() ? nullptr : req.seq_ids.data() + start;
+        // A chunk that fails leaves no rows behind: each of its sequences goes back to its length.
+        std::map<int, int> before;
+        for (int i = 0; i < len; ++i) before.emplace(seq ? seq[i] : 0, cells_.length(seq ? seq[i] : 0));
+        BatchCells cells = place(seq, len);
+        if (last_rows) {
+            for (int i = 0; i < len; ++i) if (is_last[start + i]) cells.out.push_back(i);
+            if (cells.out.empty()) cells.out.push_back(len - 1);  // a row the result drops
+            for (int32_t i : cells.out) row_token.push_back(size_t(start + i));
         }
-    } catch (const RpcError&) {
-        throw;
-    } catch (...) {
-        check_links();  // a step that failed because a server did reports the server
-        throw;
+        try {
+            eval_chunk(req.tokens.data() + start, cells, req, out);
+        } catch (const RpcError&) {
+            for (const auto& [s, length] : before) cells_.remove_tail(s, length);
+            throw;
+        } catch (...) {
+            for (const auto& [s, length] : before) cells_.remove_tail(s, length);
+            check_links();  // a step that failed because a server did reports the server
+            throw;
+        }
     }
     // After a server failed, the step read placeholders (rpc_link.h): never return them.
     check_links();
+    if (last_rows) keep_last_rows(req.seq_ids, row_token, out);
     return out;
+}
+
+void Engine::keep_last_rows(const std::vector<int32_t>& seq_ids, const std::vector<size_t>& row_token,
+                            EvalResult& out) {
+    std::vector<int32_t> order;  // the sequences in order of first appearance
+    std::map<int32_t, size_t> last;
+    for (size_t i = 0; i < seq_ids.size(); ++i) {
+        if (!last.count(seq_ids[i])) order.push_back(seq_ids[i]);
+        last[seq_ids[i]] = i;
+    }
+    std::map<size_t, size_t> row_of;  // token -> its row
+    for (size_t r = 0; r < row_token.size(); ++r) row_of[row_token[r]] = r;
+    const size_t width = size_t(out.n_cols);
+    std::vector<float> rows(order.size() * width);
+    for (size_t k = 0; k < order.size(); ++k) {
+        std::copy_n(out.logits.begin() + row_of.at(last[order[k]]) * width, width, rows.begin() + k * width);
+    }
+    out.logits = std::move(rows);
+    out.n_rows = static_cast<int>(order.size());
 }
 
 void Engine::check_request(const EvalRequest& req) const {
     const int n = static_cast<int>(req.tokens.size());
     if (n == 0) throw std::invalid_argument("no tokens to evaluate");
-    if (n_past_ + n > cache_->n_ctx()) {
+    if (n > cells_.free_rows()) {
         throw ContextOverflowError("context overflow: " + std::to_string(n) + " new tokens after " +
-                                   std::to_string(n_past_) + " cached need " + std::to_string(n_past_ + n) +
-                                   " positions, but n_ctx is " + std::to_string(cache_->n_ctx()));
+                                   std::to_string(cells_.used()) + " cached need " +
+                                   std::to_string(cells_.used() + n) + " positions, but n_ctx is " +
+                                   std::to_string(cache_->n_ctx()));
+    }
+    if (!req.seq_ids.empty()) {
+        if (req.seq_ids.size() != req.tokens.size()) {
+            throw std::invalid_argument("seq_ids must give one sequence id per token: " +
+                                        std::to_string(req.seq_ids.size()) + " ids for " + std::to_string(n) +
+                                        " tokens");
+        }
+        for (int32_t s : req.seq_ids) {
+            if (s < 0) throw std::invalid_argument("sequence id " + std::to_string(s) + " is negative");
+        }
+        if (req.first_row != 0 || req.draft_vocab) {
+            throw std::invalid_argument("seq_ids: first_row and draft_vocab apply to the default sequence alone");
+        }
     }
     for (int32_t t : req.tokens) {
         if (t < 0 || t >= hp_.n_vocab) {
@@ -119,7 +202,8 @@ std::vector<Span> depth_spans(int k, int tail, int n_layer) {
 
 }  // namespace
 
-void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, EvalResult& out) {
+void Engine::eval_chunk(const int32_t* tokens, const BatchCells& cells, const EvalRequest& req, EvalResult& out) {
+    const int n = static_cast<int>(cells.rows.size());
     const int last = hp_.n_layer - 1;
     const int river_last = last - req.tail;  // the river's last layer; the tail follows it
     const Head exit_head = req.river_head ? Head::River : Head::Backbone;
@@ -127,19 +211,9 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
 
     GraphSpec spec;
     spec.n = n;
-    // A token, or a short batch (a lossless verify batch), attends over a padded n_kv (masked
-    // beyond each token's position), as llama.cpp does (its get_n_kv), so its graph stays the same
-    // for 256 positions: a decode step's, and a verify batch's from one round to the next
-    // (graph_for keeps the last one built). Without flash attention every row spanned enters the
-    // KQ softmax and the V product, whose SIMD sums group the terms by the length: every batch
-    // gets llama.cpp's padded n_kv. With it, a longer batch attends over exactly what it needs:
-    // ggml's CPU kernel skips masked rows one query row at a time, but its tiled kernel for
-    // batches of 64 rows and more reads whole V tiles, masked rows too, where the cache's NaN
-    // poison (KvCache::poison, which makes a hole read show) would spread.
-    constexpr int kPaddedBatch = 32;
-    const int padded = std::min(cache_->n_ctx(), std::max(256, (n_past_ + n + 255) / 256 * 256));
-    spec.n_kv = n <= kPaddedBatch || !flash_attn_ ? padded : n_past_ + n;
+    spec.n_kv = attended_rows(n);
     spec.all_logits = req.all_logits || req.embeddings;
+    spec.n_out = static_cast<int>(cells.out.size());
     spec.first_row = spec.all_logits ? req.first_row : 0;
     spec.backbone_attention = req.backbone_attention;
     spec.draft_vocab = req.draft_vocab;
@@ -158,7 +232,7 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
         spec.spans = depth_spans(fixed, req.tail, hp_.n_layer);
         spec.river_embd = fixed < 0 && uses_river && river_->tok_embd && req.river_head;
         spec.head = req.embeddings ? Head::Norm : uses_river ? exit_head : Head::Backbone;
-        run(spec, tokens, &out);
+        run(spec, tokens, cells, &out);
         note_exit(uses_river ? fixed : last);
         return;
     }
@@ -179,7 +253,7 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     spec.exits = true;
     spec.rule = req.rule;
     spec.head = Head::Backbone;
-    if (run(spec, tokens, &out)) {
+    if (run(spec, tokens, cells, &out)) {
         note_exit(last);
         return;
     }
@@ -191,7 +265,7 @@ void Engine::eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, Ev
     rest.spans = {{k + 1, river_last, true}};
     if (req.tail > 0) rest.spans.push_back({river_last + 1, last, false});
     rest.head = exit_head;
-    run(rest, nullptr, &out);
+    run(rest, nullptr, cells, &out);
     note_exit(k);
 }
 
@@ -222,11 +296,12 @@ std::vector<std::vector<float>> Engine::river_tails(const std::vector<int32_t>& 
     std::sort(order.begin(), order.end(), std::greater<int>());  // the earliest branch first
     order.erase(std::unique(order.begin(), order.end()), order.end());
     std::map<int, std::vector<float>> by_tail;
+    // The rows written are forgotten again at the end (the default sequence keeps its length).
+    const int start = n_past();
+    const BatchCells cells = place(nullptr, n);
     GraphSpec spec;
     spec.n = n;
-    constexpr int kPaddedBatch = 32;  // as eval_chunk: the same attention kernels as eval
-    const int padded = std::min(cache_->n_ctx(), std::max(256, (n_past_ + n + 255) / 256 * 256));
-    spec.n_kv = n <= kPaddedBatch || !flash_attn_ ? padded : n_past_ + n;
+    spec.n_kv = attended_rows(n);  // as eval_chunk: the same attention kernels as eval
     spec.backbone_attention = backbone_attention;
     spec.river_embd = river_->tok_embd && river_head;
     spec.first_row = first_row;
@@ -241,36 +316,37 @@ std::vector<std::vector<float>> Engine::river_tails(const std::vector<int32_t>& 
             trunk.head = t > 0 ? Head::None : head;
             trunk.all_logits = t == 0;
             trunk.from_tokens = next == 0;
-            run(trunk, tokens.data(), t > 0 ? nullptr : &out);
+            run(trunk, tokens.data(), cells, t > 0 ? nullptr : &out);
             next = branch + 1;
             if (t > 0) {
                 rest.from_tokens = false;
                 rest.spans = {{branch + 1, last, false}};
                 rest.head = head;
                 rest.all_logits = true;
-                run(rest, nullptr, &out);
+                run(rest, nullptr, cells, &out);
             }
             by_tail[t] = std::move(out.logits);
         }
     } catch (const RpcError&) {
+        cells_.remove_tail(0, start);
         throw;
     } catch (...) {
+        cells_.remove_tail(0, start);
         check_links();
         throw;
     }
+    cells_.remove_tail(0, start);
     check_links();
     std::vector<std::vector<float>> result;
     for (int t : tails) result.push_back(by_tail[t]);
     return result;
 }
 
-bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) {
+bool Engine::run(const GraphSpec& spec, const int32_t* tokens, const BatchCells& cells, EvalResult* out) {
     Graph& g = graph_for(spec);
     const int n = spec.n;
-
-    std::vector<int32_t> pos(n);
-    std::vector<int64_t> rows(n);
-    for (int i = 0; i < n; ++i) pos[i] = rows[i] = n_past_ + i;
+    const std::vector<int32_t>& pos = cells.pos;
+    const std::vector<int64_t>& rows = cells.rows;
     ggml_backend_tensor_set(g.in.positions, pos.data(), 0, sizeof(int32_t) * n);
     ggml_backend_tensor_set(g.in.kv_rows, rows.data(), 0, sizeof(int64_t) * n);
     if (g.in.v_idxs) {
@@ -282,6 +358,7 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
         ggml_backend_tensor_set(g.in.v_idxs, idx.data(), 0, idx.size() * sizeof(int64_t));
     }
     if (g.tok_in) ggml_backend_tensor_set(g.tok_in, tokens, 0, sizeof(int32_t) * n);
+    if (g.in.out_ids) ggml_backend_tensor_set(g.in.out_ids, cells.out.data(), 0, sizeof(int32_t) * cells.out.size());
     if (g.in.attn_temp) {
         // llama.cpp's llm_graph_input_attn_temp, in its types: a float position over an unsigned
         // floor, the logarithm in double.
@@ -293,28 +370,30 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
         }
         ggml_backend_tensor_set(g.in.attn_temp, temp.data(), 0, sizeof(float) * n);
     }
-    // Causal mask: token i (at position n_past+i) sees positions 0..n_past+i; padding is masked.
-    // F16 for flash attention, F32 without, as llama.cpp (0 and -inf either way).
+    // Causal mask per sequence: token i sees the rows of its own sequence at positions up to its
+    // own (this batch's earlier tokens included: they are placed already); free rows and padding
+    // are masked. F16 for flash attention, F32 without, as llama.cpp (0 and -inf either way).
     const int n_kv = spec.n_kv;
     auto set_mask = [&](ggml_tensor* t, auto visible) {
         if (!t) return;
         if (t->type == GGML_TYPE_F32) {
             std::vector<float> mask(size_t(n_kv) * n);
             for (int i = 0; i < n; ++i)
-                for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = visible(n_past_ + i, j) ? 0.0f : -INFINITY;
+                for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = visible(i, j) ? 0.0f : -INFINITY;
             ggml_backend_tensor_set(t, mask.data(), 0, mask.size() * sizeof(float));
         } else {
             const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
             std::vector<ggml_fp16_t> mask(size_t(n_kv) * n);
             for (int i = 0; i < n; ++i)
-                for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = visible(n_past_ + i, j) ? zero : neg_inf;
+                for (int j = 0; j < n_kv; ++j) mask[size_t(i) * n_kv + j] = visible(i, j) ? zero : neg_inf;
             ggml_backend_tensor_set(t, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
         }
     };
-    set_mask(g.in.kq_mask, [](int p, int j) { return j <= p; });
-    // Sliding window: token i sees only the last n_swa positions up to its own, p - j < n_swa
+    const int32_t* seq = cells.seq.data();
+    set_mask(g.in.kq_mask, [&](int i, int j) { return cells_.visible(j, seq[i], pos[i]); });
+    // Sliding window: token i sees only its sequence's last n_swa positions up to its own
     // (llama.cpp's standard window). Rows outside it stay in the cache, masked.
-    set_mask(g.in.kq_mask_swa, [this](int p, int j) { return j <= p && p - j < hp_.n_swa; });
+    set_mask(g.in.kq_mask_swa, [&](int i, int j) { return cells_.visible_swa(j, seq[i], pos[i], hp_.n_swa); });
 
     abort_ = false;
     ggml_status status;
@@ -352,7 +431,7 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out) 
         const int n_rows = static_cast<int>(g.logits->ne[1]);
         out->n_cols = static_cast<int>(g.logits->ne[0]);  // n_vocab, or n_embd for embeddings
         const size_t count = size_t(n_rows) * out->n_cols;
-        if (spec.all_logits) {
+        if (spec.all_logits || spec.n_out > 0) {
             const size_t old = out->logits.size();
             out->logits.resize(old + count);
             ggml_backend_tensor_get(g.logits, out->logits.data() + old, 0, count * sizeof(float));

@@ -28,6 +28,11 @@ namespace river {
 // One eval call: its tokens, its exit setting, and what it returns.
 struct EvalRequest : ExitSetting {
     std::vector<int32_t> tokens;
+    // The sequence each token is appended to (KvCells), one per token; empty: every token goes to
+    // sequence 0, the default sequence the rest of the engine (n_past, draft, river_tails) works on.
+    // With sequences, a token sees only its own sequence's earlier rows, and without all_logits
+    // the result holds each sequence's last row, in the order the sequences first appear.
+    std::vector<int32_t> seq_ids;
     bool all_logits = false;     // logits for every token, else for the last one only
     int first_row = 0;           // with all_logits: the head runs rows first_row.. only (one batch)
     // The final norm's output for every token (n_embd wide rows: llama.cpp's embeddings with
@@ -71,7 +76,10 @@ public:
     bool flash_attn() const { return flash_attn_; }
     bool river_has_head() const { return river_ && river_->head; }
     int n_ctx() const { return cache_->n_ctx(); }
-    int n_past() const { return n_past_; }
+    // Positions the default sequence (0) holds.
+    int n_past() const { return cells_.length(0); }
+    // Which sequence and position each cache row holds.
+    const KvCells& cells() const { return cells_; }
     bool gpu_offload() const { return placement_.gpu != nullptr; }
     bool exits_on_graph() const { return exits_on_graph_; }
     // Layers on the GPU (fewer than n_gpu_layers asked when they did not fit its free memory).
@@ -81,8 +89,9 @@ public:
     const std::vector<std::string>& layer_devices() const { return placement_.layer_device; }
     const Placement& placement() const { return placement_; }
 
-    // Forget cache rows n.. (keeps a shared prefix for the next prompt).
-    void truncate(int n);
+    // Forget positions n.. of sequence `seq` (keeps a shared prefix for the next prompt; n = 0
+    // clears the sequence). The other sequences' rows are untouched.
+    void truncate(int n, int seq = 0);
     EvalResult eval(const EvalRequest& req);
     // River-only with each of several backbone tails, from one pass of the river's shared layers
     // (a calibration's static tails): `tokens` (at most n_batch, from n_past) run river layers
@@ -160,9 +169,10 @@ private:
         int first_row = 0;           // with all_logits: the head runs rows first_row.. only
         bool backbone_attention = false;  // river spans use river_mixed_
         bool draft_vocab = false;    // the head's draft-vocabulary rows alone
+        int n_out = 0;               // > 0: the head runs the n_out rows BatchCells::out names
         auto key() const {
             return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, rule, head, all_logits, first_row,
-                            backbone_attention, draft_vocab);
+                            backbone_attention, draft_vocab, n_out);
         }
         bool operator==(const GraphSpec& o) const;
     };
@@ -198,10 +208,26 @@ private:
     void check_request(const EvalRequest& req) const;
     // Throws RpcError (and keeps refusing work) once a server has failed; see rpc_link.h.
     void check_links();
-    // One chunk of at most n_batch tokens, all at positions n_past_..
-    void eval_chunk(const int32_t* tokens, int n, const EvalRequest& req, EvalResult& out);
-    // Run `spec` on `tokens` (or on h_state_); false when an exit node stopped it.
-    bool run(const GraphSpec& spec, const int32_t* tokens, EvalResult* out);
+    // Where a batch's tokens go: each token's sequence, position and cache row (KvCells::place),
+    // and, in a batch of several sequences without all_logits, the tokens whose rows the head
+    // computes (the last of a sequence in the request; empty: the usual rule).
+    struct BatchCells {
+        std::vector<int32_t> seq, pos;
+        std::vector<int64_t> rows;
+        std::vector<int32_t> out;
+    };
+    // Cache rows for n tokens of the given sequences (nullptr: sequence 0), taken from cells_.
+    BatchCells place(const int32_t* seq_ids, int n);
+    // Attended rows for a batch of n tokens: llama.cpp's padded n_kv (see eval_chunk).
+    int attended_rows(int n) const;
+    // One chunk of at most n_batch tokens, placed at `cells`.
+    void eval_chunk(const int32_t* tokens, const BatchCells& cells, const EvalRequest& req, EvalResult& out);
+    // Run `spec` on `tokens` (or on h_state_) at `cells`; false when an exit node stopped it.
+    bool run(const GraphSpec& spec, const int32_t* tokens, const BatchCells& cells, EvalResult* out);
+    // The rows of a request with sequences (row r from token row_token[r]), reduced to each
+    // sequence's last token's row, in the order the sequences first appear.
+    static void keep_last_rows(const std::vector<int32_t>& seq_ids, const std::vector<size_t>& row_token,
+                               EvalResult& out);
     std::unique_ptr<Graph> build(const GraphSpec& spec, bool own_sched);
     Graph& graph_for(const GraphSpec& spec);
 
@@ -268,7 +294,7 @@ private:
     bool graph_reuse_;
     bool flash_attn_;
     int n_batch_;
-    int n_past_ = 0;
+    KvCells cells_{0};
 
     ggml_backend_sched_eval_callback observer_ = nullptr;
     void* observer_data_ = nullptr;

@@ -72,9 +72,9 @@ std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, fl
     if (how.all_logits || how.embeddings || how.trace) throw std::invalid_argument("a draft takes one row of logits");
     // With a draft vocabulary the head runs its rows alone, and logit i is token draft_row_token_[i].
     how.draft_vocab = draft_rows_ != nullptr;
-    const int start = n_past_;
-    // The verify batch evaluates `token` and every draft: all must fit the context.
-    n_max = std::min(n_max, cache_->n_ctx() - start - 1);
+    const int start = n_past();
+    // The verify batch evaluates `token` and every draft: all must fit the cache's free rows.
+    n_max = std::min(n_max, cells_.free_rows() - 1);
     std::vector<int32_t> drafts;
     try {
         int32_t cur = token;
@@ -114,10 +114,10 @@ std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, fl
             cur = token;
         }
     } catch (...) {
-        n_past_ = start;
+        cells_.remove_tail(0, start);
         throw;
     }
-    n_past_ = start;
+    cells_.remove_tail(0, start);
     return drafts;
 }
 

@@ -25,7 +25,12 @@ Engine::Graph& Engine::graph_for(const GraphSpec& spec) {
     // reused graph would be rebuilt at every exit. On a CPU-only engine a kept graph owns its
     // compute buffer; with offloaded layers, or graph exit decisions (the scheduler's eval
     // callback), it owns a scheduler, whose buffers hold one token's activations.
-    const bool keep = graph_reuse_ && spec.n == 1 && !observer_;
+    //
+    // A batch of several sequences that returns a row per sequence (n_out > 0: a decode step of
+    // several sequences, up to kKeptSequences tokens) is kept too: its dynamic steps alternate
+    // between graphs in the same way.
+    constexpr int kKeptSequences = 16;
+    const bool keep = graph_reuse_ && (spec.n == 1 || (spec.n_out > 0 && spec.n <= kKeptSequences)) && !observer_;
     if (!keep) {
         // The scheduler's allocation stays with the last graph built for it: a step of the same
         // spec sets its inputs and runs that graph again (llama.cpp's can_reuse), so decoding
@@ -73,7 +78,11 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
     ggml_set_input(in.kv_rows);
     in.flash_attn = flash_attn_;
-    in.last_row_only = spec.head != Head::None && !spec.all_logits && n > 1;
+    in.last_row_only = spec.head != Head::None && !spec.all_logits && n > 1 && spec.n_out == 0;
+    if (spec.head != Head::None && spec.n_out > 0) {
+        in.out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, spec.n_out);
+        ggml_set_input(in.out_ids);
+    }
     if (!flash_attn_ && !spec.spans.empty()) {
         in.v_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, hp_.n_embd_v_gqa() * n);
         ggml_set_input(in.v_idxs);
@@ -117,7 +126,10 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
             h = build_decoder_layer(ctx, gf, hp_, w, rope_factors_, *cache_, il, in, h);
             // The last layer may keep only the last row (BatchInputs::last_row_only): its test
             // compares that row.
-            if (h->ne[1] < h_in->ne[1]) h_in = ggml_view_2d(ctx, h_in, hp_.n_embd, h->ne[1], h_in->nb[1], h_in->nb[1] * (n - h->ne[1]));
+            if (h->ne[1] < h_in->ne[1]) {
+                h_in = in.out_ids ? ggml_get_rows(ctx, h_in, in.out_ids)
+                                  : ggml_view_2d(ctx, h_in, hp_.n_embd, h->ne[1], h_in->nb[1], h_in->nb[1] * (n - h->ne[1]));
+            }
             if (spec.exits && exits_on_graph_) {
                 // The rule's score per token, on the layer's device.
                 ggml_tensor* s = exit_rule(spec.rule).graph_score(ctx, h_in, h);
@@ -144,8 +156,10 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
         ggml_build_forward_expand(gf, h);
     }
     if (spec.head != Head::None) {
-        // The last layer kept its last row alone (last_row_only); a graph without it keeps every row.
-        if (!spec.all_logits && h->ne[1] > 1) h = ggml_view_2d(ctx, h, hp_.n_embd, 1, h->nb[1], h->nb[1] * (h->ne[1] - 1));
+        // The last layer kept its last row alone (last_row_only), or the rows out_ids names; a
+        // graph without either keeps every row.
+        if (in.out_ids && h->ne[1] != spec.n_out) h = ggml_get_rows(ctx, h, in.out_ids);
+        if (!spec.all_logits && !in.out_ids && h->ne[1] > 1) h = ggml_view_2d(ctx, h, hp_.n_embd, 1, h->nb[1], h->nb[1] * (h->ne[1] - 1));
         if (spec.all_logits && spec.first_row > 0) {
             h = ggml_view_2d(ctx, h, hp_.n_embd, h->ne[1] - spec.first_row, h->nb[1], h->nb[1] * spec.first_row);
         }

@@ -68,6 +68,7 @@ void Engine::load(const EngineConfig& cfg) {
                       (cfg.exit_decision == ExitDecision::Auto && !placement_.local());
     cache_ = std::make_unique<KvCache>(hp_, cfg.n_ctx, GGML_TYPE_F16, placement_.layer_backend,
                                        /*v_trans=*/!cfg.flash_attn);
+    cells_ = KvCells(cfg.n_ctx);
     check_links();
     fail_point("cache");
     make_state();

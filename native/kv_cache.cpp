@@ -73,6 +73,52 @@ void KvCache::poison() {
     }
 }
 
+int KvCells::length(int seq) const {
+    const auto it = rows_.find(seq);
+    return it == rows_.end() ? 0 : static_cast<int>(it->second.size());
+}
+
+std::vector<int> KvCells::sequences() const {
+    std::vector<int> out;
+    for (const auto& [seq, rows] : rows_) out.push_back(seq);
+    return out;
+}
+
+const std::vector<int64_t>& KvCells::rows(int seq) const {
+    static const std::vector<int64_t> none;
+    const auto it = rows_.find(seq);
+    return it == rows_.end() ? none : it->second;
+}
+
+void KvCells::place(const int32_t* seq, int n, int32_t* pos, int64_t* row) {
+    for (int i = 0; i < n; ++i) {
+        while (seq_[lowest_free_] >= 0) ++lowest_free_;  // a free row exists: the caller checked
+        const int j = lowest_free_++;
+        std::vector<int64_t>& rows = rows_[seq[i]];
+        pos[i] = pos_[j] = static_cast<int32_t>(rows.size());
+        seq_[j] = seq[i];
+        rows.push_back(j);
+        row[i] = j;
+        used_end_ = std::max(used_end_, j + 1);
+    }
+    used_ += n;
+}
+
+void KvCells::remove_tail(int seq, int n) {
+    const auto it = rows_.find(seq);
+    if (it == rows_.end()) return;
+    std::vector<int64_t>& rows = it->second;
+    while (static_cast<int>(rows.size()) > std::max(n, 0)) {
+        const int j = static_cast<int>(rows.back());
+        rows.pop_back();
+        seq_[j] = pos_[j] = -1;
+        lowest_free_ = std::min(lowest_free_, j);
+        --used_;
+    }
+    if (rows.empty()) rows_.erase(it);
+    while (used_end_ > 0 && seq_[used_end_ - 1] < 0) --used_end_;
+}
+
 float KvCache::poison_value_no_fa() {
     ggml_fp16_t h;
     std::memset(&h, kPoisonNoFaByte, sizeof(h));

@@ -16,6 +16,10 @@ struct BatchInputs {
     // The head reads only the batch's last row: the model's last layer keeps that row alone from
     // its attention output on (llama.cpp's inp_out_ids), so its residual and FFN run on one row.
     bool last_row_only = false;
+    // I32 [n_out]: the rows the head reads, where they are not the last alone nor all of them
+    // (each sequence's last row in a batch of several); the model's last layer keeps those rows
+    // from its attention output on, as with last_row_only. nullptr otherwise.
+    ggml_tensor* out_ids = nullptr;
     ggml_tensor* positions = nullptr;  // I32 [n_tokens]
     ggml_tensor* kv_rows = nullptr;    // I64 [n_tokens]: the cache row each token's K/V goes to
     // Flash attention (ggml_flash_attn_ext, V stored like K), else llama.cpp's non-flash path

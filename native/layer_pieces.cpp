@@ -118,7 +118,9 @@ ggml_tensor* gated_ffn(const LayerGraph& L, ggml_tensor* x, Gate gate) {
 }
 
 ggml_tensor* output_rows(const LayerGraph& L, ggml_tensor* t) {
-    if (!L.in.last_row_only || L.il != L.hp.n_layer - 1 || t->ne[1] == 1) return t;
+    if (L.il != L.hp.n_layer - 1) return t;
+    if (L.in.out_ids) return ggml_get_rows(L.ctx, t, L.in.out_ids);
+    if (!L.in.last_row_only || t->ne[1] == 1) return t;
     return ggml_view_2d(L.ctx, t, t->ne[0], 1, t->nb[1], t->nb[1] * (t->ne[1] - 1));
 }
 

@@ -44,7 +44,8 @@ ggml_tensor* rope(const LayerGraph& L, ggml_tensor* x);
 ggml_tensor* attention(const LayerGraph& L, ggml_tensor* q, ggml_tensor* k, ggml_tensor* v, float kq_scale);
 
 // The rows that go on past the attention: in the model's last layer of a graph whose head reads
-// only the last row (BatchInputs::last_row_only), that row alone; elsewhere all of `t`. Each
+// only the last row (BatchInputs::last_row_only), that row alone, or the rows out_ids selects
+// (several sequences' last rows); elsewhere all of `t`. Each
 // family applies it to both operands of the attention's residual add, where llama.cpp selects
 // its output rows, so the last FFN is the same one-row product (a mat-vec on a GPU) as there.
 ggml_tensor* output_rows(const LayerGraph& L, ggml_tensor* t);

@@ -1,0 +1,86 @@
+"""Several sequences decoded together over one Model's KV cache: each step evaluates the next
+token of every unfinished sequence in one batch (native Engine.eval with seq_ids), so the weights
+are read once for the batch. River's exit is decided for the batch: it leaves the backbone after a
+layer only when every token's score passes tau (RIVER.md), and the river writes the K/V each
+sequence's skipped layers owe.
+
+`greedy_sequences` is the argmax policy over such batches. It holds the Model's lock for the
+whole call, starts from an empty cache (a session holding it is displaced) and leaves it empty."""
+from dataclasses import dataclass, field
+from typing import List, Sequence
+
+import numpy as np
+
+from .model import Model
+from .session import NumericalError
+from .options import is_int
+
+
+@dataclass
+class SequenceText:
+    """One sequence's greedy continuation: its tokens, why it stopped ("stop": an
+    end-of-generation token, not included; "length": max_tokens or the context), and the exit
+    layer of each batch that decoded one of its tokens (the batch's, shared by its sequences)."""
+    tokens: List[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    exit_layers: List[int] = field(default_factory=list)
+
+
+def _checked(rows: np.ndarray, what: str) -> np.ndarray:
+    if not np.isfinite(rows).all():
+        raise NumericalError(f"the model produced NaN or infinite logits ({what}); its weights or hyperparameters "
+                             "are broken, so no text is returned")
+    return rows
+
+
+def greedy_sequences(model: Model, prompts: Sequence[Sequence[int]], max_tokens: int, stop_at_eog: bool = True,
+                     **options) -> List[SequenceText]:
+    """The greedy continuation of each prompt (token lists), decoded together: one prompt batch
+    holding every prompt, then one batch per step holding each unfinished sequence's last token,
+    under the exit options of model.options(**options) (lossless mode is not batched). Each
+    sequence sees only its own tokens, so its text is what it would be alone, up to the rounding
+    of a larger batch's kernels (a near-tie may part). All prompts and replies must fit n_ctx
+    together."""
+    if not is_int(max_tokens) or max_tokens < 0:
+        raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+    prompts = [list(p) for p in prompts]
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("give at least one prompt, and no empty one")
+    opts = model.options(**options)
+    if opts.lossless:
+        raise ValueError("lossless mode decodes one sequence at a time: use greedy() per prompt")
+    opts.validate(model.n_layer, model.has_river)
+    out = [SequenceText() for _ in prompts]
+    if max_tokens == 0:
+        return out
+    engine = model.engine
+    with model.lock:
+        model.begin()
+        for s in engine.sequences:
+            engine.truncate(0, seq=s)
+        try:
+            seqs = [s for s, p in enumerate(prompts) for _ in p]
+            toks = [t for p in prompts for t in p]
+            rows, exit_layer, _ = engine.eval(toks, seq_ids=seqs, **opts.engine_args(True))
+            active = list(range(len(prompts)))
+            while active:
+                _checked(rows, f"sequences {active}")
+                step = []
+                for s, row in zip(active, rows):
+                    tok = int(np.argmax(row))
+                    if stop_at_eog and model.is_eog(tok):
+                        out[s].finish_reason = "stop"
+                        continue
+                    out[s].tokens.append(tok)
+                    out[s].exit_layers.append(exit_layer)
+                    # The next step needs a cache row for each of its tokens.
+                    if len(out[s].tokens) < max_tokens and engine.cache_used + len(step) < model.n_ctx:
+                        step.append(s)
+                active = step
+                if active:
+                    rows, exit_layer, _ = engine.eval([out[s].tokens[-1] for s in active], seq_ids=active,
+                                                      **opts.engine_args(False))
+        finally:
+            for s in engine.sequences:
+                engine.truncate(0, seq=s)
+    return out

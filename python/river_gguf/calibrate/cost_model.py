@@ -161,9 +161,10 @@ def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bou
     (known from types and shapes before anything runs). Per setting, "" (measure it), SEARCHED
     (a tail the search decides: search_next) or why not.
 
-    - The backbone and the cheapest setting are always measured: the backbone is what a tier
-      within its cost compares the river's settings with, the cheapest what a tier no setting
-      fits takes.
+    - The backbone, the cheapest setting and plain river-only are always measured: the backbone
+      is what a tier within its cost compares the river's settings with, the cheapest what a
+      tier no setting fits takes, river-only the step `tune` times every cost against and the
+      acceptance that prices lossless mode.
     - The static river-only tails of a family (tail_families) within any tier's bound are left to
       the search, which measures a family from its deepest tail in a tier's bound towards cheaper
       ones until one is separated from the tier's best.
@@ -191,12 +192,14 @@ def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bou
         else:
             open_bounds.append(bound)
     cheapest = min(range(len(settings)), key=lambda i: costs[i]) if settings else None
+    base = next((i for i, o in enumerate(settings) if o.get("mode") == "river-only" and not o.get("tail")
+                 and o.get("river_attention", "river") == "river"), None)
     top = max(open_bounds, default=float("-inf"))
     top_any = max((float(b) for b in bounds.values()), default=float("-inf"))
     searched = {i for family in tail_families(settings) for i in family}
     why = []
     for i, c in enumerate(costs):
-        if i == cheapest or i == backbone:
+        if i in (cheapest, backbone, base):
             why.append("")
         elif i in searched and c <= top_any + 1e-12:
             why.append(SEARCHED)

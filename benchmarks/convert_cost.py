@@ -15,6 +15,12 @@ backbone's Q8_0; the draft vocabulary; the presets; writing). llama.cpp's side r
 joined into one file (chunks of 512, the output head's statistics too) and llama-quantize. Every
 process runs under /usr/bin/time for its peak resident memory (RSS), which the conversion must
 keep at or under the F16's size plus 2 GiB. Run it alone on the machine.
+
+    .venv/bin/python benchmarks/convert_cost.py --margin MODEL.river.gguf [--profile-of F16.gguf] [--json OUT.json]
+
+measures instead what cost_model.PREDICTION_MARGIN rests on: each dynamic setting's decode cost as
+the converter's plan predicts it from the backbone's profile, against its cost measured (its mean
+exit layer through decode on the calibration split); the margin has to cover the largest ratio.
 """
 import argparse
 import json
@@ -113,6 +119,55 @@ def llama_side(f16: str, out_dir: str, threads: int, river_type: str) -> dict:
             "commands": [" ".join(c1), " ".join(c2)]}
 
 
+def prediction_margin(path: str, threads: int, min_tokens: int, profile_path=None) -> dict:
+    """The dynamic settings of a River GGUF's grid, each one's decode cost as cost_model.plan
+    predicts it (its mean exit layer from the backbone's similarity profile: the profile of
+    profile_path, the F16 the converter profiles, or of the file's own backbone) and as measured
+    (its mean exit layer through decode on the calibration split). plan measures a setting when
+    predicted / PREDICTION_MARGIN is within a tier's bound, so the margin has to cover the
+    largest predicted / measured ratio."""
+    from river_gguf.calibrate import open_model
+    from river_gguf.calibrate.cost_model import PREDICTION_MARGIN, grid, setting_cost, step_bytes, weight_bytes
+    from river_gguf.calibrate.preset_grid import calibrate_presets
+    from river_gguf.options import never_exit
+    from river_gguf.profile import predicted_mean_exit, similarity_profile
+
+    m = open_model(path, n_ctx=1024, n_threads=threads, threshold=never_exit("cosine"))
+    if profile_path is None:
+        profile = similarity_profile(m, own_engine=False)
+    else:
+        f16 = open_model(profile_path, n_ctx=1024, n_threads=threads, mode="backbone", repack=False)
+        profile = similarity_profile(f16, own_engine=False)
+        del f16
+    settings = [o for o in grid(m.n_layer) if o["mode"] == "river"]
+    res = calibrate_presets(m, settings=settings, profile=profile, min_tokens=min_tokens)
+    layers, head = weight_bytes(m, "cost")
+    river_only = step_bytes(layers, head, m.n_layer, -1, 0, True)
+    rows = []
+    for r in res["rows"]:
+        o = r["options"]
+        guess = predicted_mean_exit(profile, o["threshold"], o.get("min_exit_layer", 0), o.get("tail", 0))
+        predicted = setting_cost(o, layers, head, m.n_layer, guess) / river_only
+        rows.append({"options": o, "predicted_mean_exit": guess, "mean_exit": r["mean_exit_layer"],
+                     "predicted_cost": predicted, "cost": r["relative_cost"], "ratio": predicted / r["relative_cost"],
+                     "items": len(r["items"])})
+    return {"file": os.path.basename(path), "profile": os.path.basename(profile_path or path), "rows": rows,
+            "largest_ratio": max(x["ratio"] for x in rows), "PREDICTION_MARGIN": PREDICTION_MARGIN}
+
+
+def print_margin(res: dict) -> None:
+    print(f"{res['file']}, profile of {res['profile']}: predicted / measured decode cost of each dynamic setting")
+    print("| setting | predicted mean exit | measured | predicted cost | measured cost | ratio | items |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in res["rows"]:
+        o = r["options"]
+        what = f"tau {o['threshold']} tail {o.get('tail', 0)}" + (" bb-att" if o.get("river_attention") == "backbone" else "")
+        print(f"| {what} | {r['predicted_mean_exit']:.1f} | {r['mean_exit']:.1f} | {r['predicted_cost']:.3f} | "
+              f"{r['cost']:.3f} | {r['ratio']:.3f} | {r['items']} |")
+    print(f"largest ratio {res['largest_ratio']:.3f}: PREDICTION_MARGIN ({res['PREDICTION_MARGIN']}) "
+          + ("covers it" if res["largest_ratio"] <= res["PREDICTION_MARGIN"] else "does NOT cover it"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,qwen2.5-coder-0.5b,qwen2.5-1.5b,llama-3.1-8b")
@@ -120,7 +175,19 @@ def main(argv=None) -> int:
     ap.add_argument("--river-type", default="q4_k_m", help="the converter's --river-type, and llama-quantize's type")
     ap.add_argument("--no-llama", action="store_true", help="leave out llama.cpp's tools")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--margin", metavar="MODEL.river.gguf",
+                    help="instead: how far cost_model.plan's predicted cost of each dynamic setting lies from its "
+                         "measured cost on this file (what PREDICTION_MARGIN has to cover)")
+    ap.add_argument("--profile-of", metavar="F16.gguf", help="--margin: profile this file, as the converter does")
+    ap.add_argument("--tokens", type=int, default=1024, help="--margin: calibration tokens (default 1024)")
     a = ap.parse_args(argv)
+    if a.margin:
+        res = prediction_margin(a.margin, a.threads, a.tokens, a.profile_of)
+        print_margin(res)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     if not a.no_llama and not os.path.exists(os.path.join(TOOLS, "llama-quantize")):
         ap.error("llama-imatrix / llama-quantize are missing: run ./scripts/build_llama_tools.sh")
     results = []

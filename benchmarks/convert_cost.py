@@ -18,6 +18,10 @@ keep at or under the F16's size plus 2 GiB. Run it alone on the machine.
 
     .venv/bin/python benchmarks/convert_cost.py --margin MODEL.river.gguf [--profile-of F16.gguf] [--json OUT.json]
 
+Each model's run also writes a row (the dry run's plan of it on this machine, with the work each
+of its constants multiplies, and the converter's stage times) to reports/convert_cost/; `--fit`
+refits convert/dry_run.py's constants from those rows and prints them beside the stored ones.
+`--margin MODEL.river.gguf`
 measures instead what cost_model.PREDICTION_MARGIN rests on: each dynamic setting's decode cost as
 the converter's plan predicts it from the backbone's profile, against its cost measured (its mean
 exit layer through decode on the calibration split); the margin has to cover the largest ratio.
@@ -48,6 +52,8 @@ STAGES = ("read", "imatrix", "reference", "threshold", "river", "backbone", "dra
 
 
 def f16_of(name: str, threads: int) -> str:
+    if os.path.isfile(name):  # an F16 file given by its path (a tiny one checks the script)
+        return os.path.abspath(name)
     if name in RANDOM_SHAPES:
         from random_models import make
 
@@ -119,6 +125,76 @@ def llama_side(f16: str, out_dir: str, threads: int, river_type: str) -> dict:
             "commands": [" ".join(c1), " ".join(c2)]}
 
 
+ROWS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reports", "convert_cost")
+#: The converter's step lines (STAGES) that make up each stage of the dry run's plan.
+PLAN_STAGES = {"one pass over the input": ("read", "imatrix", "reference", "threshold"), "river": ("river",),
+               "backbone": ("backbone",), "presets": ("presets",), "write": ("draft vocabulary", "write", "finish")}
+#: The dry run's constants --fit refits: linear ones solved together by least squares over every
+#: row's stages but the presets'; presets_factor per row (the dry run interpolates it in the F16's size).
+LINEAR = ("PASS_FACTOR", "QUANT_FACTOR", "IO_SECONDS_PER_GIB", "FIXED_SECONDS")
+
+
+def plan_side(f16: str, out_dir: str, threads: int, river_type: str) -> dict:
+    """The dry run's plan of the same conversion on this machine (its probe included): per stage
+    its predicted seconds, the work each constant multiplies (Stage.units) and what it measured
+    outright, for --fit."""
+    from river_gguf.convert.dry_run import plan_conversion
+
+    plan = plan_conversion(f16, os.path.join(out_dir, "model.river.gguf"), river_type=river_type, n_threads=threads)
+    return {s.name: {"predicted": s.seconds, "units": s.units, "measured_seconds": s.measured_seconds}
+            for s in plan.stages}
+
+
+def fit(rows_dir: str) -> dict:
+    """The dry run's constants refitted from the rows in rows_dir (each one a model's run: its
+    plan's units and the converter's stage times)."""
+    import numpy as np
+
+    from river_gguf.convert import dry_run
+
+    rows = []
+    for name in sorted(os.listdir(rows_dir)):
+        if name.endswith(".json"):
+            with open(os.path.join(rows_dir, name)) as f:
+                rows.append(json.load(f))
+    if not rows:
+        raise SystemExit(f"no rows in {rows_dir}: run the benchmark first (it writes one per model)")
+    a, b, what = [], [], []
+    for r in rows:
+        for stage, plan in r["plan"].items():
+            if stage == "presets":
+                continue
+            measured = sum(r["river"]["stages"].get(k, 0.0) for k in PLAN_STAGES[stage]) - plan["measured_seconds"]
+            a.append([plan["units"].get(k, 0.0) for k in LINEAR])
+            b.append(measured)
+            what.append((r["model"], stage))
+    solved, *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
+    fitted = dict(zip(LINEAR, (float(x) for x in solved)))
+    presets = []
+    for r in rows:
+        plan = r["plan"].get("presets")
+        if plan:
+            measured = r["river"]["stages"].get("presets", 0.0) - fitted["FIXED_SECONDS"]
+            presets.append({"model": r["model"], "river_type": r["river_type"], "f16_bytes": r["f16_bytes"],
+                            "presets_factor": measured / plan["units"]["presets_factor"],
+                            "stored": dry_run.presets_factor(r["f16_bytes"])})
+    return {"rows": len(rows), "equations": len(b), "fitted": fitted,
+            "stored": {k: getattr(dry_run, k) for k in LINEAR}, "presets_factor": presets,
+            "underdetermined": len(rows) < 3 or len(b) < len(LINEAR),
+            "not_fitted": "DECODE_FACTOR (inside presets_factor: the rows do not separate decode from batched work)"}
+
+
+def print_fit(res: dict) -> None:
+    print(f"the dry run's constants from {res['rows']} rows ({res['equations']} stage times)"
+          + (": too few to determine the constants (at least three models' rows)" if res["underdetermined"] else ""))
+    for k, v in res["fitted"].items():
+        print(f"  {k}: fitted {v:.3f}, stored {res['stored'][k]}")
+    for p in res["presets_factor"]:
+        print(f"  presets_factor at {p['f16_bytes'] / GIB:.2f} GiB ({p['model']}, {p['river_type']}): fitted "
+              f"{p['presets_factor']:.2f}, stored {p['stored']:.2f}")
+    print(f"  not fitted: {res['not_fitted']}")
+
+
 def prediction_margin(path: str, threads: int, min_tokens: int, profile_path=None) -> dict:
     """The dynamic settings of a River GGUF's grid, each one's decode cost as cost_model.plan
     predicts it (its mean exit layer from the backbone's similarity profile: the profile of
@@ -180,7 +256,17 @@ def main(argv=None) -> int:
                          "measured cost on this file (what PREDICTION_MARGIN has to cover)")
     ap.add_argument("--profile-of", metavar="F16.gguf", help="--margin: profile this file, as the converter does")
     ap.add_argument("--tokens", type=int, default=1024, help="--margin: calibration tokens (default 1024)")
+    ap.add_argument("--rows", default=ROWS, help="where each model's row is written, and --fit reads them "
+                                                 "(default reports/convert_cost)")
+    ap.add_argument("--fit", action="store_true", help="instead: refit the dry run's constants from the rows")
     a = ap.parse_args(argv)
+    if a.fit:
+        res = fit(a.rows)
+        print_fit(res)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     if a.margin:
         res = prediction_margin(a.margin, a.threads, a.tokens, a.profile_of)
         print_margin(res)
@@ -195,13 +281,17 @@ def main(argv=None) -> int:
         f16 = f16_of(name, a.threads)
         size = os.path.getsize(f16)
         with tempfile.TemporaryDirectory(prefix="convert-cost-", dir=os.path.dirname(f16)) as tmp:
-            r = {"model": name, "river_type": a.river_type, "f16_bytes": size,
+            r = {"model": os.path.basename(name), "river_type": a.river_type, "f16_bytes": size,
+                 "plan": plan_side(f16, tmp, a.threads, a.river_type),
                  "river": river_side(f16, tmp, a.threads, a.river_type)}
             if not a.no_llama:
                 r["llama"] = llama_side(f16, tmp, a.threads, a.river_type)
                 r["ratio"] = r["river"]["seconds"] / r["llama"]["seconds"]
         r["rss_within"] = r["river"]["peak_rss"] <= size + 2 * GIB
         results.append(r)
+        os.makedirs(a.rows, exist_ok=True)
+        with open(os.path.join(a.rows, f"{r['model']}-{a.river_type}.json"), "w") as f:
+            json.dump(dict(r, threads=a.threads), f, indent=1)
         st = r["river"]["stages"]
         print(f"{name}: F16 {size / GIB:.2f} GiB; river_gguf {r['river']['seconds']:.0f} s "
               f"({', '.join(f'{k} {v:.0f}' for k, v in st.items())}), peak RSS {r['river']['peak_rss'] / GIB:.2f} GiB"

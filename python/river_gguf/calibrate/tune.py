@@ -106,10 +106,12 @@ SCORE_TOKENS = 64
 
 
 def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write: bool = True,
-         progress: bool = True, measure: bool = False, reference: Optional[str] = None) -> dict:
+         progress: bool = True, measure: bool = False, reference: Optional[str] = None,
+         calibration_tokens: int = 1024) -> dict:
     """Time the grid and the anchors on this machine and choose the presets again: the stored
     grid's measured settings, or with measure=True (or a reference) the whole grid measured
-    first (measure_grid; `reference`: the F16 to measure against, default the file's backbone).
+    first (measure_grid; `reference`: the F16 to measure against, default the file's backbone;
+    calibration_tokens: its scored tokens per setting).
     Returns {"presets", "rows", "anchors", "seconds_per_step", "lossless", "reference"}; with
     write=True the presets, anchors and the timings are stored in the file (and a grid measured
     here replaces the stored one)."""
@@ -117,7 +119,8 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     if not isinstance(tokens, int) or tokens < 8:
         raise ValueError(f"tokens must be an int >= 8, got {tokens!r}")
-    measured = measure_grid(path, reference, n_threads, progress) if (measure or reference is not None) else None
+    measured = (measure_grid(path, reference, n_threads, progress, calibration_tokens)
+                if (measure or reference is not None) else None)
     m = Model(path, n_ctx=1024, n_threads=n_threads)
     raw = m.metadata.get(presets_mod.GRID_KEY)
     if not m.has_river or (raw is None and measured is None):

@@ -21,7 +21,9 @@ keep at or under the F16's size plus 2 GiB. Run it alone on the machine.
 Each model's run also writes a row (the dry run's plan of it on this machine, with the work each
 of its constants multiplies, and the converter's stage times) to reports/convert_cost/; `--fit`
 refits convert/dry_run.py's constants from those rows and prints them beside the stored ones.
-`--margin MODEL.river.gguf`
+`--search-check MODEL.river.gguf [--profile-of F16.gguf]` compares the presets the converter's
+pruned search chooses with the full sweep's on that file (the grid measured whole, the search
+replayed on its rows). `--margin MODEL.river.gguf`
 measures instead what cost_model.PREDICTION_MARGIN rests on: each dynamic setting's decode cost as
 the converter's plan predicts it from the backbone's profile, against its cost measured (its mean
 exit layer through decode on the calibration split); the margin has to cover the largest ratio.
@@ -231,6 +233,37 @@ def prediction_margin(path: str, threads: int, min_tokens: int, profile_path=Non
             "largest_ratio": max(x["ratio"] for x in rows), "PREDICTION_MARGIN": PREDICTION_MARGIN}
 
 
+def search_check(path: str, threads: int, min_tokens: int, profile_path=None) -> dict:
+    """The presets the converter's pruned search chooses against the full, unpruned sweep's, on
+    one River GGUF: the grid measured whole against its backbone (preset_grid.calibrate_presets),
+    then the plan and the search replayed on those rows (what they ask for is a function of the
+    rows), as tests/calibrate/test_presets.py does on SmolLM2 at a small size."""
+    from river_gguf.calibrate import open_model, preset_grid
+    from river_gguf.calibrate.cost_model import choose
+    from river_gguf.options import never_exit
+    from river_gguf.profile import similarity_profile
+
+    m = open_model(path, n_ctx=1024, n_threads=threads, threshold=never_exit("cosine"))
+    src = m if profile_path is None else open_model(profile_path, n_ctx=1024, n_threads=threads, mode="backbone",
+                                                    repack=False)
+    profile = similarity_profile(src, own_engine=False)
+    del src
+    full = preset_grid.calibrate_presets(m, profile=profile, min_tokens=min_tokens)
+    asked = set()
+
+    def measure(indices):
+        asked.update(indices)
+        return {i: full["rows"][i] for i in asked}
+
+    skip, search = preset_grid.plan_and_search(m, [r["options"] for r in full["rows"]], measure, profile)
+    searched = choose([full["rows"][i] for i in sorted(asked)], full["anchors"]["bounds"])
+    pick = lambda chosen: {n: p["options"] for n, p in chosen.items()}  # noqa: E731
+    return {"file": os.path.basename(path), "full": pick(full["presets"]), "searched": pick(searched),
+            "same": pick(full["presets"]) == pick(searched), "measured": len(asked), "grid": len(full["rows"]),
+            "rounds": search["rounds"], "fallback": search["fallback"], "not_measured": [
+                {"options": full["rows"][i]["options"], "why": w} for i, w in enumerate(skip) if w]}
+
+
 def print_margin(res: dict) -> None:
     print(f"{res['file']}, profile of {res['profile']}: predicted / measured decode cost of each dynamic setting")
     print("| setting | predicted mean exit | measured | predicted cost | measured cost | ratio | items |")
@@ -254,12 +287,25 @@ def main(argv=None) -> int:
     ap.add_argument("--margin", metavar="MODEL.river.gguf",
                     help="instead: how far cost_model.plan's predicted cost of each dynamic setting lies from its "
                          "measured cost on this file (what PREDICTION_MARGIN has to cover)")
-    ap.add_argument("--profile-of", metavar="F16.gguf", help="--margin: profile this file, as the converter does")
-    ap.add_argument("--tokens", type=int, default=1024, help="--margin: calibration tokens (default 1024)")
+    ap.add_argument("--profile-of", metavar="F16.gguf",
+                    help="--margin, --search-check: profile this file, as the converter does")
+    ap.add_argument("--tokens", type=int, default=1024,
+                    help="--margin, --search-check: calibration tokens (default 1024)")
     ap.add_argument("--rows", default=ROWS, help="where each model's row is written, and --fit reads them "
                                                  "(default reports/convert_cost)")
     ap.add_argument("--fit", action="store_true", help="instead: refit the dry run's constants from the rows")
+    ap.add_argument("--search-check", metavar="MODEL.river.gguf",
+                    help="instead: the presets of the converter's pruned search against the full sweep's on this file")
     a = ap.parse_args(argv)
+    if a.search_check:
+        res = search_check(a.search_check, a.threads, a.tokens, a.profile_of)
+        print(json.dumps({k: v for k, v in res.items() if k != "not_measured"}, indent=1))
+        print(("the same presets" if res["same"] else "DIFFERENT presets") + f": the search measured {res['measured']} "
+              f"of {res['grid']} settings in {res['rounds']} rounds")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0 if res["same"] else 1
     if a.fit:
         res = fit(a.rows)
         print_fit(res)

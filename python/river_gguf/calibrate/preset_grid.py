@@ -179,16 +179,17 @@ class _SettingCosts:
 
 class _Scorer:
     """Scores settings against the reference on the prepared items, in as many rounds as asked
-    (measure): each item's reference rows are computed once (the file's own backbone: kept in a
-    ReferenceRows temp file) and each setting's per-item divergence kept by item. Static
+    (measure), each setting's per-item divergence kept by item. The file's own backbone as the
+    reference (reference None) is computed again in each round that visits an item (a pruned
+    calibration's later rounds; nothing is kept on disk or in memory between them). Static
     settings run batched on every item (river-only tails of one family in one pass of their
     common river layers, Model.river_tails), dynamic ones by decode on every 1/DYNAMIC_SHARE-th."""
 
     def __init__(self, model, prepared, reference, batched: bool, progress: bool):
         self.model, self.prepared, self.batched = model, prepared, batched
-        self.own = None if reference is not None else divergence.ReferenceRows("backbone")
-        self.reference = reference if reference is not None else self.own
-        self.label = self.reference.label
+        self.own = reference is None
+        self.reference = reference
+        self.label = "backbone" if reference is None else reference.label
         self.stride = round(1 / DYNAMIC_SHARE) if batched else 1
         self._ref_only: Dict[int, divergence.ItemDivergence] = {}
         self._results: Dict[int, Dict[int, tuple]] = {}
@@ -200,8 +201,6 @@ class _Scorer:
 
     def __exit__(self, *exc) -> None:
         self._bar.close()
-        if self.own is not None:
-            self.own.close()
 
     def batched_setting(self, i: int) -> bool:
         return i in self._static
@@ -228,9 +227,8 @@ class _Scorer:
         return r
 
     def _reference(self, k: int, toks, prefix: int):
-        if self.own is not None and k >= len(self.own):  # items come in order, each once in the first round
-            self.own.add(divergence.reference_logits(self.model, toks, prefix, batched=self.batched, mode="backbone"))
-        ref = self.reference[k]
+        ref = (divergence.reference_logits(self.model, toks, prefix, batched=self.batched, mode="backbone")
+               if self.own else self.reference[k])
         if k not in self._ref_only:
             self._ref_only[k] = divergence.compare(ref, ref, toks[prefix:])
         return ref
@@ -245,7 +243,7 @@ class _Scorer:
         self._bar.total += sum(n_scored(k) for k in range(len(self.prepared)) for i in configs if k % every[i] == 0)
         for k, (toks, prefix) in enumerate(self.prepared):
             want = [i for i in configs if k % every[i] == 0]
-            if not want and (self.own is None or k < len(self.own)):
+            if not want and k in self._ref_only:
                 continue
             ref = self._reference(k, toks, prefix)
             for i, (logits, exits, secs) in self._logits(configs, want, static, toks, prefix, ref).items():
@@ -269,7 +267,7 @@ class _Scorer:
                 continue
             o = configs[i]
             t0 = time.perf_counter()
-            if self.own is not None and i in static and o.get("mode") == "backbone":
+            if self.own and i in static and o.get("mode") == "backbone":
                 logits, exits = ref, [self.model.n_layer - 1] * n  # the reference itself: KLD 0
             else:
                 logits, exits = divergence.config_logits(self.model, toks, prefix, batched=i in static, **o)

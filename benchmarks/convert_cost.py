@@ -15,6 +15,18 @@ backbone's Q8_0; the draft vocabulary; the presets; writing). llama.cpp's side r
 joined into one file (chunks of 512, the output head's statistics too) and llama-quantize. Every
 process runs under /usr/bin/time for its peak resident memory (RSS), which the conversion must
 keep at or under the F16's size plus 2 GiB. Run it alone on the machine.
+
+    .venv/bin/python benchmarks/convert_cost.py --margin MODEL.river.gguf [--profile-of F16.gguf] [--json OUT.json]
+
+Each model's run also writes a row (the dry run's plan of it on this machine, with the work each
+of its constants multiplies, and the converter's stage times) to reports/convert_cost/; `--fit`
+refits convert/dry_run.py's constants from those rows and prints them beside the stored ones.
+`--search-check MODEL.river.gguf [--profile-of F16.gguf]` compares the presets the converter's
+pruned search chooses with the full sweep's on that file (the grid measured whole, the search
+replayed on its rows). `--margin MODEL.river.gguf`
+measures instead what cost_model.PREDICTION_MARGIN rests on: each dynamic setting's decode cost as
+the converter's plan predicts it from the backbone's profile, against its cost measured (its mean
+exit layer through decode on the calibration split); the margin has to cover the largest ratio.
 """
 import argparse
 import json
@@ -42,6 +54,8 @@ STAGES = ("read", "imatrix", "reference", "threshold", "river", "backbone", "dra
 
 
 def f16_of(name: str, threads: int) -> str:
+    if os.path.isfile(name):  # an F16 file given by its path (a tiny one checks the script)
+        return os.path.abspath(name)
     if name in RANDOM_SHAPES:
         from random_models import make
 
@@ -113,6 +127,156 @@ def llama_side(f16: str, out_dir: str, threads: int, river_type: str) -> dict:
             "commands": [" ".join(c1), " ".join(c2)]}
 
 
+ROWS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reports", "convert_cost")
+#: The converter's step lines (STAGES) that make up each stage of the dry run's plan.
+PLAN_STAGES = {"one pass over the input": ("read", "imatrix", "reference", "threshold"), "river": ("river",),
+               "backbone": ("backbone",), "presets": ("presets",), "write": ("draft vocabulary", "write", "finish")}
+#: The dry run's constants --fit refits: linear ones solved together by least squares over every
+#: row's stages but the presets'; presets_factor per row (the dry run interpolates it in the F16's size).
+LINEAR = ("PASS_FACTOR", "QUANT_FACTOR", "IO_SECONDS_PER_GIB", "FIXED_SECONDS")
+
+
+def plan_side(f16: str, out_dir: str, threads: int, river_type: str) -> dict:
+    """The dry run's plan of the same conversion on this machine (its probe included): per stage
+    its predicted seconds, the work each constant multiplies (Stage.units) and what it measured
+    outright, for --fit."""
+    from river_gguf.convert.dry_run import plan_conversion
+
+    plan = plan_conversion(f16, os.path.join(out_dir, "model.river.gguf"), river_type=river_type, n_threads=threads)
+    return {s.name: {"predicted": s.seconds, "units": s.units, "measured_seconds": s.measured_seconds}
+            for s in plan.stages}
+
+
+def fit(rows_dir: str) -> dict:
+    """The dry run's constants refitted from the rows in rows_dir (each one a model's run: its
+    plan's units and the converter's stage times)."""
+    import numpy as np
+
+    from river_gguf.convert import dry_run
+
+    rows = []
+    for name in sorted(os.listdir(rows_dir)):
+        if name.endswith(".json"):
+            with open(os.path.join(rows_dir, name)) as f:
+                rows.append(json.load(f))
+    if not rows:
+        raise SystemExit(f"no rows in {rows_dir}: run the benchmark first (it writes one per model)")
+    a, b, what = [], [], []
+    for r in rows:
+        for stage, plan in r["plan"].items():
+            if stage == "presets":
+                continue
+            measured = sum(r["river"]["stages"].get(k, 0.0) for k in PLAN_STAGES[stage]) - plan["measured_seconds"]
+            a.append([plan["units"].get(k, 0.0) for k in LINEAR])
+            b.append(measured)
+            what.append((r["model"], stage))
+    solved, *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
+    fitted = dict(zip(LINEAR, (float(x) for x in solved)))
+    presets = []
+    for r in rows:
+        plan = r["plan"].get("presets")
+        if plan:
+            measured = r["river"]["stages"].get("presets", 0.0) - fitted["FIXED_SECONDS"]
+            presets.append({"model": r["model"], "river_type": r["river_type"], "f16_bytes": r["f16_bytes"],
+                            "presets_factor": measured / plan["units"]["presets_factor"],
+                            "stored": dry_run.presets_factor(r["f16_bytes"])})
+    return {"rows": len(rows), "equations": len(b), "fitted": fitted,
+            "stored": {k: getattr(dry_run, k) for k in LINEAR}, "presets_factor": presets,
+            "underdetermined": len(rows) < 3 or len(b) < len(LINEAR),
+            "not_fitted": "DECODE_FACTOR (inside presets_factor: the rows do not separate decode from batched work)"}
+
+
+def print_fit(res: dict) -> None:
+    print(f"the dry run's constants from {res['rows']} rows ({res['equations']} stage times)"
+          + (": too few to determine the constants (at least three models' rows)" if res["underdetermined"] else ""))
+    for k, v in res["fitted"].items():
+        print(f"  {k}: fitted {v:.3f}, stored {res['stored'][k]}")
+    for p in res["presets_factor"]:
+        print(f"  presets_factor at {p['f16_bytes'] / GIB:.2f} GiB ({p['model']}, {p['river_type']}): fitted "
+              f"{p['presets_factor']:.2f}, stored {p['stored']:.2f}")
+    print(f"  not fitted: {res['not_fitted']}")
+
+
+def prediction_margin(path: str, threads: int, min_tokens: int, profile_path=None) -> dict:
+    """The dynamic settings of a River GGUF's grid, each one's decode cost as cost_model.plan
+    predicts it (its mean exit layer from the backbone's similarity profile: the profile of
+    profile_path, the F16 the converter profiles, or of the file's own backbone) and as measured
+    (its mean exit layer through decode on the calibration split). plan measures a setting when
+    predicted / PREDICTION_MARGIN is within a tier's bound, so the margin has to cover the
+    largest predicted / measured ratio."""
+    from river_gguf.calibrate import open_model
+    from river_gguf.calibrate.cost_model import PREDICTION_MARGIN, grid, setting_cost, step_bytes, weight_bytes
+    from river_gguf.calibrate.preset_grid import calibrate_presets
+    from river_gguf.options import never_exit
+    from river_gguf.profile import predicted_mean_exit, similarity_profile
+
+    m = open_model(path, n_ctx=1024, n_threads=threads, threshold=never_exit("cosine"))
+    if profile_path is None:
+        profile = similarity_profile(m, own_engine=False)
+    else:
+        f16 = open_model(profile_path, n_ctx=1024, n_threads=threads, mode="backbone", repack=False)
+        profile = similarity_profile(f16, own_engine=False)
+        del f16
+    settings = [o for o in grid(m.n_layer) if o["mode"] == "river"]
+    res = calibrate_presets(m, settings=settings, profile=profile, min_tokens=min_tokens)
+    layers, head = weight_bytes(m, "cost")
+    river_only = step_bytes(layers, head, m.n_layer, -1, 0, True)
+    rows = []
+    for r in res["rows"]:
+        o = r["options"]
+        guess = predicted_mean_exit(profile, o["threshold"], o.get("min_exit_layer", 0), o.get("tail", 0))
+        predicted = setting_cost(o, layers, head, m.n_layer, guess) / river_only
+        rows.append({"options": o, "predicted_mean_exit": guess, "mean_exit": r["mean_exit_layer"],
+                     "predicted_cost": predicted, "cost": r["relative_cost"], "ratio": predicted / r["relative_cost"],
+                     "items": len(r["items"])})
+    return {"file": os.path.basename(path), "profile": os.path.basename(profile_path or path), "rows": rows,
+            "largest_ratio": max(x["ratio"] for x in rows), "PREDICTION_MARGIN": PREDICTION_MARGIN}
+
+
+def search_check(path: str, threads: int, min_tokens: int, profile_path=None) -> dict:
+    """The presets the converter's pruned search chooses against the full, unpruned sweep's, on
+    one River GGUF: the grid measured whole against its backbone (preset_grid.calibrate_presets),
+    then the plan and the search replayed on those rows (what they ask for is a function of the
+    rows), as tests/calibrate/test_presets.py does on SmolLM2 at a small size."""
+    from river_gguf.calibrate import open_model, preset_grid
+    from river_gguf.calibrate.cost_model import choose
+    from river_gguf.options import never_exit
+    from river_gguf.profile import similarity_profile
+
+    m = open_model(path, n_ctx=1024, n_threads=threads, threshold=never_exit("cosine"))
+    src = m if profile_path is None else open_model(profile_path, n_ctx=1024, n_threads=threads, mode="backbone",
+                                                    repack=False)
+    profile = similarity_profile(src, own_engine=False)
+    del src
+    full = preset_grid.calibrate_presets(m, profile=profile, min_tokens=min_tokens)
+    asked = set()
+
+    def measure(indices):
+        asked.update(indices)
+        return {i: full["rows"][i] for i in asked}
+
+    skip, search = preset_grid.plan_and_search(m, [r["options"] for r in full["rows"]], measure, profile)
+    searched = choose([full["rows"][i] for i in sorted(asked)], full["anchors"]["bounds"])
+    pick = lambda chosen: {n: p["options"] for n, p in chosen.items()}  # noqa: E731
+    return {"file": os.path.basename(path), "full": pick(full["presets"]), "searched": pick(searched),
+            "same": pick(full["presets"]) == pick(searched), "measured": len(asked), "grid": len(full["rows"]),
+            "rounds": search["rounds"], "fallback": search["fallback"], "not_measured": [
+                {"options": full["rows"][i]["options"], "why": w} for i, w in enumerate(skip) if w]}
+
+
+def print_margin(res: dict) -> None:
+    print(f"{res['file']}, profile of {res['profile']}: predicted / measured decode cost of each dynamic setting")
+    print("| setting | predicted mean exit | measured | predicted cost | measured cost | ratio | items |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in res["rows"]:
+        o = r["options"]
+        what = f"tau {o['threshold']} tail {o.get('tail', 0)}" + (" bb-att" if o.get("river_attention") == "backbone" else "")
+        print(f"| {what} | {r['predicted_mean_exit']:.1f} | {r['mean_exit']:.1f} | {r['predicted_cost']:.3f} | "
+              f"{r['cost']:.3f} | {r['ratio']:.3f} | {r['items']} |")
+    print(f"largest ratio {res['largest_ratio']:.3f}: PREDICTION_MARGIN ({res['PREDICTION_MARGIN']}) "
+          + ("covers it" if res["largest_ratio"] <= res["PREDICTION_MARGIN"] else "does NOT cover it"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,qwen2.5-coder-0.5b,qwen2.5-1.5b,llama-3.1-8b")
@@ -120,7 +284,42 @@ def main(argv=None) -> int:
     ap.add_argument("--river-type", default="q4_k_m", help="the converter's --river-type, and llama-quantize's type")
     ap.add_argument("--no-llama", action="store_true", help="leave out llama.cpp's tools")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--margin", metavar="MODEL.river.gguf",
+                    help="instead: how far cost_model.plan's predicted cost of each dynamic setting lies from its "
+                         "measured cost on this file (what PREDICTION_MARGIN has to cover)")
+    ap.add_argument("--profile-of", metavar="F16.gguf",
+                    help="--margin, --search-check: profile this file, as the converter does")
+    ap.add_argument("--tokens", type=int, default=1024,
+                    help="--margin, --search-check: calibration tokens (default 1024)")
+    ap.add_argument("--rows", default=ROWS, help="where each model's row is written, and --fit reads them "
+                                                 "(default reports/convert_cost)")
+    ap.add_argument("--fit", action="store_true", help="instead: refit the dry run's constants from the rows")
+    ap.add_argument("--search-check", metavar="MODEL.river.gguf",
+                    help="instead: the presets of the converter's pruned search against the full sweep's on this file")
     a = ap.parse_args(argv)
+    if a.search_check:
+        res = search_check(a.search_check, a.threads, a.tokens, a.profile_of)
+        print(json.dumps({k: v for k, v in res.items() if k != "not_measured"}, indent=1))
+        print(("the same presets" if res["same"] else "DIFFERENT presets") + f": the search measured {res['measured']} "
+              f"of {res['grid']} settings in {res['rounds']} rounds")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0 if res["same"] else 1
+    if a.fit:
+        res = fit(a.rows)
+        print_fit(res)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
+    if a.margin:
+        res = prediction_margin(a.margin, a.threads, a.tokens, a.profile_of)
+        print_margin(res)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     if not a.no_llama and not os.path.exists(os.path.join(TOOLS, "llama-quantize")):
         ap.error("llama-imatrix / llama-quantize are missing: run ./scripts/build_llama_tools.sh")
     results = []
@@ -128,13 +327,17 @@ def main(argv=None) -> int:
         f16 = f16_of(name, a.threads)
         size = os.path.getsize(f16)
         with tempfile.TemporaryDirectory(prefix="convert-cost-", dir=os.path.dirname(f16)) as tmp:
-            r = {"model": name, "river_type": a.river_type, "f16_bytes": size,
+            r = {"model": os.path.basename(name), "river_type": a.river_type, "f16_bytes": size,
+                 "plan": plan_side(f16, tmp, a.threads, a.river_type),
                  "river": river_side(f16, tmp, a.threads, a.river_type)}
             if not a.no_llama:
                 r["llama"] = llama_side(f16, tmp, a.threads, a.river_type)
                 r["ratio"] = r["river"]["seconds"] / r["llama"]["seconds"]
         r["rss_within"] = r["river"]["peak_rss"] <= size + 2 * GIB
         results.append(r)
+        os.makedirs(a.rows, exist_ok=True)
+        with open(os.path.join(a.rows, f"{r['model']}-{a.river_type}.json"), "w") as f:
+            json.dump(dict(r, threads=a.threads), f, indent=1)
         st = r["river"]["stages"]
         print(f"{name}: F16 {size / GIB:.2f} GiB; river_gguf {r['river']['seconds']:.0f} s "
               f"({', '.join(f'{k} {v:.0f}' for k, v in st.items())}), peak RSS {r['river']['peak_rss'] / GIB:.2f} GiB"

@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+./scripts/build_llama_quantize.sh >/dev/null  # llama.cpp's llama-quantize, which a test compares with
 . .venv/bin/activate
 WORKERS=${TEST_WORKERS:-$(python -c "import os; print(min(os.cpu_count() or 1, 4))")}
 # Run from the checkout but import the installed package, not ./python.

@@ -218,11 +218,18 @@ def test_plan_measures_only_what_can_win_a_tier():
     bounds = {"fast": 0.9, "balanced": (tails[1] + tails[2]) / 2, "quality": bb + 0.01}
     why = cost_model.plan(settings, layers, head, L, bounds)
     measured = [o for o, w in zip(settings, why) if not w]
-    # quality admits the backbone, whose layers are all costlier than the river's: it takes it.
-    # balanced's candidates are river-only tails 0 and 1; fast fits nothing: the cheapest.
-    assert measured == [settings[0], {"mode": "river-only", "tail": 0, "river_head": True},
-                        {"mode": "river-only", "tail": 1, "river_head": True}]
-    assert all(w for o, w in zip(settings, why) if o not in measured)
+    # The backbone and the cheapest setting are measured; fast fits nothing (the cheapest).
+    assert measured == [settings[0], {"mode": "river-only", "tail": 0, "river_head": True}]
+    # Every river-only tail within some tier's bound (quality's, which the backbone also fits) is
+    # left to the search, whose walk compares it with the tier's best; the dynamic settings
+    # within quality's bound only are the backbone's (the river's layers cost less).
+    searched = [o for o, w in zip(settings, why) if w == cost_model.SEARCHED]
+    in_quality = [o for o in settings[1:] if o["mode"] == "river-only"
+                  and cost_model.setting_cost(o, layers, head, L) / ro <= bounds["quality"]]
+    assert searched == [o for o in in_quality if o != measured[1]] and len(searched) > 3
+    assert all(w for o, w in zip(settings, why) if o not in measured and o not in searched)
+    assert all("backbone takes" in w for o, w in zip(settings, why) if o["mode"] == "river"
+               and cost_model.setting_cost(o, layers, head, L) / ro <= bounds["quality"])
     # A dynamic setting whose least possible cost fits is measured, unless a prediction of its
     # exits (with the margin) puts it out.
     wide = dict(bounds, balanced=1.3)  # below the backbone (1.36x), above every dynamic least cost
@@ -232,7 +239,59 @@ def test_plan_measures_only_what_can_win_a_tier():
     assert all(late[i] for i in dyn) and any("predicted" in late[i] for i in dyn)
     # With a river as costly as the backbone nothing is decided by structure: every tier is open.
     same = _costs(L, river=10.0)
-    assert not any(cost_model.plan(settings, *same, L, {"fast": 0.5, "balanced": 0.6, "quality": 5.0}))
+    assert set(cost_model.plan(settings, *same, L, {"fast": 0.5, "balanced": 0.6, "quality": 5.0})) <= \
+        {"", cost_model.SEARCHED}
+
+
+def _family_rows(klds, costs, noise=0.0, n_items=16):
+    """Rows of one family of tails: per item 64 tokens, KLD sums around klds[t] with item noise
+    (alternating signs, the same pattern for every tail, so paired differences are clean)."""
+    out = {}
+    for i, (k, c) in enumerate(zip(klds, costs)):
+        per = [[64, 64 * k * (1 + (0.3 if j % 2 else -0.3) * (j % 5) / 4) + noise * ((j * (i + 3)) % 7 - 3)]
+               for j in range(n_items)]
+        out[i] = {"options": {"mode": "river-only", "tail": i}, "relative_cost": c, "items": list(range(n_items)),
+                  "item_kld": per, "kld": sum(x for _, x in per) / sum(n for n, _ in per)}
+    return out
+
+
+def _searched(table, bounds):
+    family = sorted(table)
+    costs = [table[i]["relative_cost"] for i in family]
+    asked = []
+
+    def measure(idx):
+        asked.extend(idx)
+        return {i: table[i] for i in set(asked)}
+
+    res = cost_model.search([family], costs, bounds, measure)
+    return res, sorted(set(asked))
+
+
+def test_the_tail_search_measures_what_can_be_picked_and_picks_as_the_sweep():
+    """The search walks each tier's tails from the deepest within its bound towards cheaper ones
+    and stops at the first separated from the tier's best: the presets it picks are the full
+    sweep's, with fewer tails measured; where the measured KLDs do not fall as the tail deepens,
+    the whole family is measured (and the pick is the sweep's again)."""
+    bounds = {"fast": 1.01, "balanced": 1.5, "quality": 2.0}
+    costs = [1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.45, 1.9]
+    for noise, balanced, walked in ((0.2, 6, [5, 6]), (0.4, 5, [4, 5, 6]), (0.8, 4, [3, 4, 5, 6])):
+        falling = _family_rows([0.30, 0.25, 0.21, 0.16, 0.10, 0.06, 0.055, 0.01], costs, noise)
+        res, asked = _searched(falling, bounds)
+        full = cost_model.choose(list(falling.values()), bounds)
+        part = cost_model.choose([falling[i] for i in asked], bounds)
+        assert {n: p["options"] for n, p in part.items()} == {n: p["options"] for n, p in full.items()}
+        assert full["balanced"]["options"]["tail"] == balanced and not res["fallback"]
+        # fast: the one tail in its bound; quality: tail 7, and tail 6 is separated from it;
+        # balanced: from tail 6 down to the first separated from the tier's best. More item
+        # noise ties more tails, so the walk goes further and the pick is cheaper.
+        assert asked == [0] + walked + [7], noise
+    # A family whose KLD rises somewhere below the stop: the walk cannot see it, but the check
+    # on the measured tails can when one of them breaks the order; then all are measured.
+    bumpy = _family_rows([0.30, 0.25, 0.21, 0.16, 0.10, 0.06, 0.055, 0.01], costs)
+    bumpy[0] = _family_rows([0.05] * 8, costs)[0]  # the cheapest tail (always measured) is close
+    res, asked = _searched(bumpy, bounds)
+    assert res["fallback"] == [0] and asked == sorted(bumpy)
 
 
 def test_static_settings_scored_in_one_pass_match_decode(tiny_river):
@@ -329,3 +388,38 @@ def test_a_tier_takes_a_closer_setting_only_where_the_difference_separates():
     # Without the noise, a separates from c and the quality tier takes it.
     rc2 = row([[64, x * 1.3] for _, x in a], 1.01, 3)
     assert choose([ra, rb, rc2], bounds)["quality"]["options"] == ra["options"]
+
+
+def test_the_search_chooses_the_presets_of_the_full_sweep_on_smollm2(river_gguf_path):
+    """The presets chosen with the cost model's pruning and the tail search are those of the
+    full, unpruned sweep of the grid on the same items, on SmolLM2 (F16 backbone, Q4_0 river:
+    many tails fit a tier, so the search has tails to leave out), with the dynamic settings'
+    exits predicted from the backbone's profile as the converter predicts them. The search is
+    replayed on the sweep's own rows (its decisions are a function of the rows it asks for)."""
+    from river_gguf.calibrate import preset_grid
+    from river_gguf.measure.scoring import calibration_prepared
+    from river_gguf.options import never_exit
+    from river_gguf.profile import similarity_profile
+    from support import THREADS
+
+    m = Model(river_gguf_path, n_ctx=1024, n_threads=THREADS, threshold=never_exit("cosine"))
+    # Ten items (enough for intervals) of 8 scored tokens after 8 of their prompt: the choice
+    # depends on the rows, not on how long the prompts are, and short ones keep this cheap.
+    prepared = [(toks[prefix - 8:], 8) for toks, prefix in calibration_prepared(m, 80, 8)]
+    profile = similarity_profile(m, own_engine=False)
+    full = preset_grid.calibrate_presets(m, prepared=prepared, score_tokens=8, progress=False, profile=profile)
+    settings = [r["options"] for r in full["rows"]]
+    asked = set()
+
+    def measure(indices):
+        asked.update(indices)
+        return {i: full["rows"][i] for i in asked}
+
+    skip, search = preset_grid.plan_and_search(m, settings, measure, profile)
+    assert sorted(asked) == [i for i, why in enumerate(skip) if not why]
+    searched = cost_model.choose([full["rows"][i] for i in sorted(asked)], full["anchors"]["bounds"])
+    assert {n: p["options"] for n, p in searched.items()} == {n: p["options"] for n, p in full["presets"].items()}
+    assert len(asked) < len(settings) and search["rounds"] >= 1  # it left settings out, after searching
+    assert len({json.dumps(p["options"], sort_keys=True) for p in full["presets"].values()}) > 1  # a real choice
+    backbone = next(r for r in full["rows"] if r["options"]["mode"] == "backbone")
+    assert backbone["items"] == list(range(len(prepared))) and backbone["kld_ci"] is not None  # every item

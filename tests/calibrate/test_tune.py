@@ -101,3 +101,26 @@ def test_tune_cli_dry_run_writes_nothing(tuned_pair, tmp_path, capsys):
     assert "llama.cpp Q8_0" in out and "preset balanced" in out and "not written" in out
     assert copy.read_bytes() == before
     assert cli.main(["tune", str(tmp_path / "missing.gguf"), "-q"]) == 2
+
+
+def test_tune_all_measures_the_whole_grid_against_its_reference(tuned_pair, tmp_path):
+    """tune --all measures every setting of the grid, the ones the conversion left out included,
+    and times them all; given the F16 (--reference) every row is measured against it and says so,
+    and the grid stored afterwards is that one (the file's tensors untouched)."""
+    path, meta = tuned_pair
+    f16 = str(pathlib.Path(path).with_name(meta["river.backbone_file"]))
+    copy = tmp_path / "t.river.gguf"
+    copy.write_bytes(pathlib.Path(path).read_bytes())
+    before = _tensor_digest(str(copy))
+    stored = json.loads(Model(str(copy), n_ctx=64, n_threads=1).metadata[presets.GRID_KEY])
+    assert any("kld" not in r for r in stored)  # the conversion left settings out
+    res = tune_mod.tune(str(copy), n_threads=1, tokens=8, rounds=1, progress=False, reference=f16,
+                        calibration_tokens=32)
+    timed = [r for r in res["rows"] if r["options"].get("mode") != "lossless"]
+    assert len(timed) == len(stored) and all(r["reference"] == "F16" and "seconds_per_step" in r for r in timed)
+    m = Model(str(copy), n_ctx=64, n_threads=1)
+    grid = json.loads(m.metadata[presets.GRID_KEY])
+    assert all("kld" in r and r["reference"] == "F16" for r in grid) and res["reference"] == "F16"
+    assert _tensor_digest(str(copy)) == before
+    with pytest.raises(FileNotFoundError):
+        tune_mod.tune(str(copy), n_threads=1, tokens=8, rounds=1, progress=False, reference=str(tmp_path / "no.gguf"))

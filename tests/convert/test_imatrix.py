@@ -1,6 +1,8 @@
 """Activation-aware (importance-matrix) river: statistics, llama.cpp's imatrix GGUF, weighted
 quantization, and the resulting river against stock llama.cpp."""
 import contextlib
+import pathlib
+import subprocess
 
 import gguf
 import numpy as np
@@ -300,25 +302,46 @@ def test_read_imatrix_gguf_errors(tiny, tmp_path):
         Imatrix(sums={"a.weight": np.ones(4)}, counts={})
 
 
+#: llama.cpp's own llama-quantize: scripts/build_llama_quantize.sh builds it against .venv's libllama
+#: (scripts/test.sh and CI run that first); scripts/build_llama_tools.sh's full build also has one.
+LLAMA_QUANTIZE = [pathlib.Path(__file__).resolve().parents[2] / ".cache" / "llama-tools" / p / "llama-quantize"
+                  for p in ("quantize", "build/bin")]
+
+
+def _llama_quantize_binary() -> str:
+    found = [str(p) for p in LLAMA_QUANTIZE if p.is_file()]
+    assert found, ("llama.cpp's llama-quantize is not built: run ./scripts/build_llama_quantize.sh "
+                   "(about 15 s of CPU); looked for " + ", ".join(map(str, LLAMA_QUANTIZE)))
+    return found[0]
+
+
 def test_converted_river_is_llama_quantize_with_the_imatrix(tmp_path):
-    """The river a conversion stores is llama.cpp's quantizer of the input with the importance
-    matrix (what llama-quantize --imatrix FILE writes, run in process): the same types and bytes."""
+    """The river a default conversion stores (importance matrix collected on the calibration
+    split) is, byte for byte, what llama.cpp's llama-quantize --imatrix FILE writes, run as a
+    process on the same F16 with the converter's matrix written out (imatrix_out); and the
+    matrix changed the rounding: llama-quantize without it writes other bytes."""
     from river_gguf.convert.build import build_river_gguf
     from river_gguf.gguf.river_index import river_tensors
 
+    tool = _llama_quantize_binary()
     src = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=4, dtype="f16", seed=21)
-    imx = collect_imatrix(src, TEXTS, n_threads=THREADS, progress=False)
-    path = write_imatrix_gguf(imx, tmp_path / "imx.gguf")
-    out = tmp_path / "out.gguf"
-    build_river_gguf(src, out, river_type="q4_k_m", imatrix=path, backbone_type=None, presets=False, threshold=0.9,
-                     progress=False, n_threads=THREADS)
-    ref = _tensors(llama_quantize(src, tmp_path / "ref.gguf", "q4_k_m", read_imatrix_gguf(path), n_threads=THREADS))
+    out, imx = tmp_path / "out.gguf", tmp_path / "converter.imatrix.gguf"
+    meta = build_river_gguf(src, out, river_type="q4_k_m", backbone_type=None, presets=False, threshold=0.9,
+                            progress=False, n_threads=THREADS, calibration_tokens=64, imatrix_out=imx)
+    assert meta["river.imatrix"].startswith("collected") and imx.is_file()
+
+    def quantize(dst, *extra):
+        r = subprocess.run([tool, *extra, str(src), str(dst), "Q4_K_M", str(THREADS)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return _tensors(dst)
+
+    ref = quantize(tmp_path / "ref.gguf", "--imatrix", str(imx))
     river = {t.name[len("river."):]: t for t in river_tensors(GGUFReader(out))}
     assert river and set(river) <= set(ref)
     for name, t in river.items():
         assert t.tensor_type == ref[name].tensor_type, name
         assert np.array_equal(np.asarray(t.data).view(np.uint8), np.asarray(ref[name].data).view(np.uint8)), name
-    # and the importance changed the rounding: a plain quantization differs
-    plain = _tensors(llama_quantize(src, tmp_path / "plain.gguf", "q4_k_m", None, n_threads=THREADS))
+    plain = quantize(tmp_path / "plain.gguf")
     assert any(not np.array_equal(np.asarray(river[n].data), np.asarray(plain[n].data)) for n in river
                if river[n].tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16))
+

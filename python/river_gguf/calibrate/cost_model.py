@@ -147,23 +147,33 @@ def setting_cost(options: dict, layers: List[dict], head: dict, n_layer: int,
 
 #: How far above a tier's bound a dynamic setting's predicted cost may be and still be measured: its
 #: mean exit layer is predicted from backbone decode (profile.predicted_mean_exit), not measured.
+#: benchmarks/convert_cost.py --margin measures how far the measured cost of each dynamic setting
+#: lies above its prediction on a model (the largest ratio is what this has to cover).
 PREDICTION_MARGIN = 1.03
+#: plan's mark of a setting the search decides (search_next): a tail of a family whose KLD falls
+#: as its tail deepens, measured only where it could be the tier's pick.
+SEARCHED = "searched"
 
 
 def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bounds: Dict[str, float],
          mean_exit: Optional[Callable[[dict], float]] = None) -> List[str]:
     """Which settings a calibration has to measure for choose to pick the tiers, from costs alone
-    (known from types and shapes before anything runs). Per setting, "" (measure it) or why not.
+    (known from types and shapes before anything runs). Per setting, "" (measure it), SEARCHED
+    (a tail the search decides: search_next) or why not.
 
+    - The backbone, the cheapest setting and plain river-only are always measured: the backbone
+      is what a tier within its cost compares the river's settings with, the cheapest what a
+      tier no setting fits takes, river-only the step `tune` times every cost against and the
+      acceptance that prices lossless mode.
+    - The static river-only tails of a family (tail_families) within any tier's bound are left to
+      the search, which measures a family from its deepest tail in a tier's bound towards cheaper
+      ones until one is separated from the tier's best.
     - A tier whose bound admits the backbone takes the backbone, without a measurement to decide
       it, when every river layer costs less than the backbone's and the river head no more (the
-      river is the lower-precision copy): every other setting replaces backbone layers by river layers, so
-      it is further from the backbone's precision. The backbone is still measured (for its KLD).
-    - Any other tier's candidates are the settings whose cost is within its bound; all are
-      measured. A dynamic setting's cost is predicted from mean_exit(options) (its mean exit
-      layer, e.g. from the backbone's similarity profile), with PREDICTION_MARGIN to spare; without
-      a prediction, its least possible cost is used.
-    - The cheapest setting is always measured: it is what a tier no setting fits takes.
+      river is the lower-precision copy), as far as the dynamic settings go: they are measured
+      only within the other tiers' bounds, their cost predicted from mean_exit(options) (their
+      mean exit layer, e.g. from the backbone's similarity profile), with PREDICTION_MARGIN to
+      spare; without a prediction, their least possible cost is used.
     Everything else fits no tier it could win and is left out."""
     river_only = step_bytes(layers, head, n_layer, -1, 0, True)
     def predicted(o: dict) -> float:
@@ -182,21 +192,98 @@ def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bou
         else:
             open_bounds.append(bound)
     cheapest = min(range(len(settings)), key=lambda i: costs[i]) if settings else None
+    base = next((i for i, o in enumerate(settings) if o.get("mode") == "river-only" and not o.get("tail")
+                 and o.get("river_attention", "river") == "river"), None)
     top = max(open_bounds, default=float("-inf"))
+    top_any = max((float(b) for b in bounds.values()), default=float("-inf"))
+    searched = {i for family in tail_families(settings) for i in family}
     why = []
     for i, c in enumerate(costs):
-        if i == cheapest or i == backbone or c <= top + 1e-12:
+        if i in (cheapest, backbone, base):
             why.append("")
-        elif decided and c <= max(float(bounds[n]) for n in decided) + 1e-12:
+        elif i in searched and c <= top_any + 1e-12:
+            why.append(SEARCHED)
+        elif i not in searched and c <= top + 1e-12:
+            why.append("")
+        elif i not in searched and decided and c <= max(float(bounds[n]) for n in decided) + 1e-12:
             why.append(f"within {'/'.join(decided)}'s cost, which the backbone takes: every other setting runs layers "
                        "in the lower-precision river")
         else:
             dynamic = settings[i].get("mode") == "river"
             what = (f"is predicted to cost {c * PREDICTION_MARGIN:.3f}x" if dynamic and mean_exit is not None
                     else f"costs at least {c:.3f}x" if dynamic else f"costs {c:.3f}x")
+            limit = top_any if i in searched else top
             why.append(f"{what} river-only's step, more than any tier it could win allows"
-                       + (f" ({top:.3f}x)" if open_bounds else ""))
+                       + (f" ({limit:.3f}x)" if limit > float("-inf") else ""))
     return why
+
+
+def tail_families(settings: List[dict]) -> List[List[int]]:
+    """The static river-only settings grouped by family (the same attention and head), each
+    family's indices in order of tail, shallowest first: a deeper tail runs more of the last
+    layers in the backbone, so it costs more and is expected to come closer to the backbone."""
+    families: Dict[tuple, List[int]] = {}
+    for i, o in enumerate(settings):
+        if o.get("mode") == "river-only" and o.get("exit_layer") is None:
+            key = (o.get("river_attention", "river"), bool(o.get("river_head", True)))
+            families.setdefault(key, []).append(i)
+    return [sorted(idx, key=lambda i: settings[i].get("tail", 0)) for idx in families.values()]
+
+
+def search_next(family: List[int], costs: List[float], rows: Dict[int, dict], bounds: Dict[str, float]) -> List[int]:
+    """The tails of one family (tail_families) to measure next. Per tier, the search walks the
+    family from its deepest tail within the tier's bound towards cheaper ones: a measured tail
+    not separated from the tier's best (not_closer with the lowest-KLD measured row within the
+    bound) could be the tier's pick, or a cheaper one could, so the walk goes on; the first tail
+    separated from the best ends it, and the cheaper tails, further from the backbone still
+    where the family's KLD falls as its tail deepens (monotone_family, which the caller checks),
+    cannot be picked. The first unmeasured tail on a walk is measured next.
+    costs: every setting's relative cost (by index); rows: measured rows by setting index
+    ("kld", "relative_cost" and, for the paired test, "items" / "item_kld")."""
+    want: List[int] = []
+    for name, _ in TIERS:
+        bound = float(bounds[name]) + 1e-12
+        inside = [r for r in rows.values() if r["relative_cost"] <= bound]
+        best = min(inside, key=lambda r: r["kld"]) if inside else None
+        for i in reversed([i for i in family if costs[i] <= bound]):
+            if i not in rows:
+                if i not in want:
+                    want.append(i)
+                break
+            if best is not None and rows[i] is not best and not not_closer(best, rows[i]):
+                break
+    return sorted(want)
+
+
+def monotone_family(family: List[int], rows: Dict[int, dict]) -> bool:
+    """Whether the family's measured tails come closer to the backbone as the tail deepens (each
+    measured tail's KLD no higher than every shallower one's): what the search assumes of the
+    tails it leaves unmeasured, checked on those it measured."""
+    klds = [rows[i]["kld"] for i in family if i in rows]
+    return all(b <= a for a, b in zip(klds, klds[1:]))
+
+
+def search(families: List[List[int]], costs: List[float], bounds: Dict[str, float],
+           measure: Callable[[List[int]], Dict[int, dict]]) -> dict:
+    """Measure the tails of `families` that could be a tier's pick, in rounds: each round
+    measures, per family, the next tail of every tier's walk (search_next); once no walk wants
+    more, a family whose measured KLDs do not fall as its tail deepens (monotone_family) is
+    measured whole. measure(indices) measures those settings and returns every measured row so
+    far, by setting index (what choose compares: "kld", "relative_cost", "items", "item_kld"),
+    measure([]) included. Returns {"rounds", "fallback": the families (their first index)
+    measured whole}."""
+    rows = measure([])
+    rounds, fallback = 0, []
+    while True:
+        want = sorted({i for f in families for i in search_next(f, costs, rows, bounds)})
+        if not want:
+            grown = [f for f in families if not monotone_family(f, rows) and any(i not in rows for i in f)]
+            if not grown:
+                return {"rounds": rounds, "fallback": fallback}
+            fallback += [f[0] for f in grown]
+            want = [i for f in grown for i in f if i not in rows]
+        rows = measure(want)
+        rounds += 1
 
 
 #: The paired bootstrap of not_closer: its draws, seed and level.

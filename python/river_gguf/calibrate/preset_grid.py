@@ -6,7 +6,7 @@ the cost model in calibrate.cost_model."""
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 from tqdm import tqdm
 
@@ -17,13 +17,13 @@ from ..options import EXIT_RULES, never_exit
 from ..profile import predicted_mean_exit, similarity_profile
 from ..presets import ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, GRID_KEY, PRESET_KEY, complete, dump
 from . import open_model
-from .cost_model import (DYNAMIC_TAUS, backbone_layers_per_step, choose, grid, plan, setting_cost, setting_step, step_bytes,
-                         tier_bounds, weight_bytes)
+from .cost_model import (DYNAMIC_TAUS, SEARCHED, backbone_layers_per_step, choose, grid, plan, search,
+                         setting_cost, setting_step, step_bytes, tail_families, tier_bounds, weight_bytes)
 
 
 #: The share of the calibration items the dynamic settings are scored on, through decode (the
-#: static ones are scored on all of them, batched): decode is what a calibration spends its time on.
-#: A backbone the cost model already chose (cost_model.plan) is measured on the same share.
+#: static ones, the backbone included, are scored on all of them, batched): decode is what a
+#: calibration spends its time on.
 DYNAMIC_SHARE = 0.25
 #: Items a KLD needs for its item-bootstrap interval: with fewer, the resamples are too few for a
 #: "95%" to mean anything, and a row gets no interval.
@@ -46,11 +46,16 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     The dynamic settings run through decode with exits live, on every fourth item
     (DYNAMIC_SHARE). batched=False scores everything through decode, on every item.
 
-    prune=True measures only what cost_model.plan says can win a tier; the other settings stay in
-    the rows with their cost and why they were not measured, and no KLD. profile: the backbone's
-    similarity profile (profile.similarity_profile), from which plan predicts where a dynamic
-    setting's tokens exit. exit_rule: the dynamic settings' rule (default: the model's), and the
-    rule of `profile`; the default grid's taus are the rule's (cost_model.dynamic_taus).
+    prune=True measures only what can be a tier's pick: cost_model.plan leaves out what fits no
+    tier it could win, and the river-only tails in play are searched (cost_model.search_next:
+    each family walked from its deepest tail within a tier's bound towards cheaper ones until one
+    is separated from the tier's best, in rounds over the items; where the measured tails'
+    KLD does not fall as the tail deepens, the whole family within the bounds is measured). The
+    settings left out stay in the rows with their cost and why they were not measured, and no
+    KLD. profile: the backbone's similarity profile (profile.similarity_profile), from which plan
+    predicts where a dynamic setting's tokens exit. exit_rule: the dynamic settings' rule
+    (default: the model's), and the rule of `profile`; the default grid's taus are the rule's
+    (cost_model.dynamic_taus).
 
     Each measured row keeps its KLD with an item-bootstrap interval (none on fewer than
     MIN_INTERVAL_ITEMS items), how it was scored and on how many tokens, and its per-item KLD
@@ -59,7 +64,7 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     weight_bytes(measure="cost")), against the tier bounds of tier_bounds; each row also records
     the bytes the step reads. items: {domain: [Item]}, or None for calibration items until
     min_tokens scored tokens; prepared: the (tokens, prefix) items themselves (reference's order).
-    Returns {"presets", "rows", "anchors", "reference", ...}."""
+    Returns {"presets", "rows", "anchors", "reference", "search", ...}."""
 
     if prepared is None:
         prepared = (calibration_prepared(model, min_tokens, score_tokens) if items is None
@@ -71,87 +76,203 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
         if profile is None and rule not in DYNAMIC_TAUS:  # its taus come from its profile
             profile = similarity_profile(model, exit_rule=rule)
         settings = grid(model.n_layer, exit_rule=rule, profile=profile)
-    layers, head = weight_bytes(model, "cost")
-    layers_b, head_b = weight_bytes(model, "bytes")
-    L = model.n_layer
-    anchors = tier_bounds(model, layers, head)
-    exit_guess = None if profile is None else (lambda o: predicted_mean_exit(
-        profile, o["threshold"], o.get("min_exit_layer", 0), o.get("tail", 0)))
-    skip = plan(settings, layers, head, L, anchors["bounds"], exit_guess) if prune else [""] * len(settings)
-    configs = {i: dict(exit_layer=None, **complete(opts)) for i, opts in enumerate(settings) if not skip[i]}
-    static = {i for i, o in configs.items() if batched and divergence.is_static(o)}
-    stride = round(1 / DYNAMIC_SHARE) if batched else 1
-    # A backbone plan already chose is measured for its KLD only: on the dynamic settings' share.
-    informative = {i for i in configs if prune and configs[i].get("mode") == "backbone"}
-    every = {i: (1 if i in static and i not in informative else stride) for i in configs}
-    own_backbone = reference is None
-    label = reference.label if reference is not None else "backbone"
-    runs = {i: divergence.DivergenceRun() for i in configs}
-    ref_only = []  # per item, the reference scored against itself: its perplexity on any subset
-    n_scored = lambda k: len(prepared[k][0]) - prepared[k][1]  # noqa: E731
-    total = sum(n_scored(k) for k in range(len(prepared)) for i in configs if k % every[i] == 0)
-    with tqdm(total=total, desc="presets", unit="tok", disable=not progress) as bar:
-        for k, (toks, prefix) in enumerate(prepared):
-            targets = toks[prefix:]
-            ref = (reference[k] if not own_backbone
-                   else divergence.reference_logits(model, toks, prefix, batched=batched, mode="backbone"))
-            ref_only.append(divergence.DivergenceRun())
-            ref_only[-1].add(divergence.compare(ref, ref, targets))
-            want = [i for i in configs if k % every[i] == 0]
-            shared = {}  # river-only tails of one family: one pass of their common river layers
-            for idx in _river_only_families(configs, [i for i in want if i in static]):
-                o = configs[idx[0]]
-                rows = model.river_tails(toks[:len(toks) - 1], [configs[j]["tail"] for j in idx],
-                                         river_attention=o["river_attention"], river_head=o.get("river_head", True),
-                                         first_row=prefix - 1)
-                shared.update(zip(idx, rows))
-            for i in want:
-                o = configs[i]
-                t0 = time.perf_counter()
-                if own_backbone and divergence.is_static(o) and o.get("mode") == "backbone":
-                    logits, exits = ref, [L - 1] * (len(targets) - 1)  # the reference itself: KLD 0
-                elif i in shared:
-                    logits, exits = shared.pop(i), [-1] * (len(targets) - 1)
-                else:
-                    logits, exits = divergence.config_logits(model, toks, prefix, batched=i in static, **o)
-                runs[i].add(divergence.compare(ref, logits, targets), exits)
-                runs[i].seconds += time.perf_counter() - t0
-                bar.update(len(targets))
-    river_only_cost = step_bytes(layers, head, L, -1, 0, True)
-    rows = []
-    for i, opts in enumerate(settings):
-        if skip[i]:
-            guess = float("nan") if exit_guess is None or opts.get("mode") != "river" else exit_guess(opts)
-            cost = setting_cost(opts, layers, head, L, guess)
-            rows.append({"options": dict(opts), "cost": cost, "relative_cost": cost / river_only_cost,
-                         "scored": "not measured", "why": skip[i]})
-            continue
-        r = runs[i]
+    costs = _SettingCosts(model, settings, profile)
+    with _Scorer(model, prepared, reference, batched, progress) as scorer:
+        def measure(indices: List[int]) -> Dict[int, dict]:
+            scorer.measure({i: settings[i] for i in indices})
+            return {i: costs.comparable(i, settings[i], scorer) for i in scorer.measured()}
+
+        if prune:
+            skip, search_res = _plan_and_search(settings, costs, measure)
+        else:
+            measure(list(range(len(settings))))
+            skip, search_res = [""] * len(settings), {"rounds": 0, "fallback": []}
+        rows = [costs.row(i, opts, scorer, skip[i]) for i, opts in enumerate(settings)]
+        reference_ppl = scorer.reference_run().perplexity
+    chosen = choose(rows, costs.bounds)
+    measured = [r for r in rows if "kld" in r]
+    return {"presets": chosen, "rows": rows, "anchors": costs.anchors, "reference": scorer.label,
+            "reference_ppl": reference_ppl, "river_only_cost": costs.river_only, "search": search_res,
+            "backbone_cost": step_bytes(costs.layers, costs.head, costs.n_layer, costs.n_layer - 1, 0, False),
+            "n_tokens": min((r["n_tokens"] for r in measured if r["items"] == list(range(len(prepared)))),
+                            default=min(r["n_tokens"] for r in measured))}
+
+
+def plan_and_search(model, settings: List[dict], measure: Callable[[List[int]], Dict[int, dict]],
+                    profile=None) -> tuple:
+    """What calibrate_presets(prune=True) measures of `settings` on `model`, with `measure` doing
+    the measuring: cost_model.plan's settings, then cost_model.search's rounds over the
+    river-only tails. measure(indices) measures those settings and returns every row measured so
+    far by setting index (choose's "kld", "relative_cost", "items", "item_kld"). profile: the
+    backbone's similarity profile, which predicts the dynamic settings' exits. Returns (per
+    setting "" or why it was not measured, {"rounds", "fallback"})."""
+    return _plan_and_search(settings, _SettingCosts(model, settings, profile), measure)
+
+
+def _plan_and_search(settings: List[dict], costs: "_SettingCosts", measure) -> tuple:
+    skip = plan(settings, costs.layers, costs.head, costs.n_layer, costs.bounds, costs.exit_guess)
+    measure([i for i, why in enumerate(skip) if not why])
+    families = [[i for i in f if skip[i] in ("", SEARCHED)] for f in tail_families(settings)]
+    families = [f for f in families if any(skip[i] == SEARCHED for i in f)]
+    res = search(families, [costs.static_relative(o) for o in settings], costs.bounds, measure)
+    why = ("the search of its family stopped above it, at a tail separated from the tier's best (95% paired "
+           "item bootstrap), and the family's measured KLDs fall as its tail deepens")
+    measured = set(measure([]))
+    skip = [why if w == SEARCHED and i not in measured else "" if w == SEARCHED else w for i, w in enumerate(skip)]
+    return skip, {"rounds": res["rounds"], "fallback": [_family_name(settings[i]) for i in res["fallback"]]}
+
+
+def _family_name(options: dict) -> str:
+    return f"river-only ({options.get('river_attention', 'river')} attention)"
+
+
+class _SettingCosts:
+    """The cost model's view of a model's settings: each one's cost, the tier bounds, and the
+    rows calibrate_presets stores."""
+
+    def __init__(self, model, settings: List[dict], profile):
+        self.layers, self.head = weight_bytes(model, "cost")
+        self.layers_b, self.head_b = weight_bytes(model, "bytes")
+        self.n_layer = L = model.n_layer
+        self.anchors = tier_bounds(model, self.layers, self.head)
+        self.bounds = self.anchors["bounds"]
+        self.river_only = step_bytes(self.layers, self.head, L, -1, 0, True)
+        self.exit_guess = None if profile is None else (lambda o: predicted_mean_exit(
+            profile, o["threshold"], o.get("min_exit_layer", 0), o.get("tail", 0)))
+
+    def static_relative(self, opts: dict) -> float:
+        """A setting's relative cost known before it runs (a dynamic one's least possible)."""
+        return setting_cost(opts, self.layers, self.head, self.n_layer) / self.river_only
+
+    def comparable(self, i: int, opts: dict, scorer: "_Scorer") -> dict:
+        """What choose and the search compare of a measured setting."""
+        run = scorer.run(i)
+        cost = setting_cost(opts, self.layers, self.head, self.n_layer, run.mean_exit_layer)
+        return {"kld": divergence.summarize(run)["kld"], "relative_cost": cost / self.river_only,
+                "items": scorer.items(i), "item_kld": divergence.item_klds(run)}
+
+    def row(self, i: int, opts: dict, scorer: "_Scorer", why: str) -> dict:
+        L = self.n_layer
+        if i not in scorer.measured():
+            guess = float("nan") if self.exit_guess is None or opts.get("mode") != "river" else self.exit_guess(opts)
+            cost = setting_cost(opts, self.layers, self.head, L, guess)
+            return {"options": dict(opts), "cost": cost, "relative_cost": cost / self.river_only,
+                    "scored": "not measured", "why": why}
+        r = scorer.run(i)
         step = setting_step(opts, L, r.mean_exit_layer)
         mean_exit = float(step[0])
-        cost = setting_cost(opts, layers, head, L, mean_exit)
+        cost = setting_cost(opts, self.layers, self.head, L, mean_exit)
         s = divergence.summarize(r)
         n_items = len(r.items)
         interval = n_items >= MIN_INTERVAL_ITEMS
-        rows.append({"options": dict(opts), "kld": s["kld"], "kld_ci": s["kld_ci"] if interval else None,
-                     "interval": (f"{divergence.CONFIDENCE:.0%} item bootstrap over {n_items} items"
-                                  if interval else f"none: {n_items} items"),
-                     "same_top": s["same_top"], "ppl": r.perplexity, "mean_exit_layer": mean_exit, "cost": cost,
-                     "bytes": step_bytes(layers_b, head_b, L, *step),
-                     "relative_cost": cost / river_only_cost,
-                     "backbone_layers": backbone_layers_per_step(L, mean_exit, opts.get("tail", 0)),
-                     "reference": label, "reference_ppl": divergence.merge(
-                         [ref_only[k] for k in range(0, len(prepared), every[i])]).perplexity,
-                     "scored": ("batched, own prefill" if i in static else "decode"),
-                     "n_tokens": r.n_tokens, "items": list(range(0, len(prepared), every[i])),
-                     "item_kld": divergence.item_klds(r)})
-    chosen = choose(rows, anchors["bounds"])
-    measured = [r for r in rows if "kld" in r]
-    return {"presets": chosen, "rows": rows, "anchors": anchors, "reference": label,
-            "reference_ppl": divergence.merge(ref_only).perplexity, "river_only_cost": river_only_cost,
-            "backbone_cost": step_bytes(layers, head, L, L - 1, 0, False),
-            "n_tokens": min((r["n_tokens"] for r in measured if r["items"] == list(range(len(prepared)))),
-                            default=min(r["n_tokens"] for r in measured))}
+        return {"options": dict(opts), "kld": s["kld"], "kld_ci": s["kld_ci"] if interval else None,
+                "interval": (f"{divergence.CONFIDENCE:.0%} item bootstrap over {n_items} items"
+                             if interval else f"none: {n_items} items, too few for an interval"),
+                "same_top": s["same_top"], "ppl": r.perplexity, "mean_exit_layer": mean_exit, "cost": cost,
+                "bytes": step_bytes(self.layers_b, self.head_b, L, *step),
+                "relative_cost": cost / self.river_only,
+                "backbone_layers": backbone_layers_per_step(L, mean_exit, opts.get("tail", 0)),
+                "reference": scorer.label, "reference_ppl": scorer.reference_run(scorer.items(i)).perplexity,
+                "scored": ("batched, own prefill" if scorer.batched_setting(i) else "decode"),
+                "n_tokens": r.n_tokens, "items": scorer.items(i), "item_kld": divergence.item_klds(r)}
+
+
+class _Scorer:
+    """Scores settings against the reference on the prepared items, in as many rounds as asked
+    (measure), each setting's per-item divergence kept by item. The file's own backbone as the
+    reference (reference None) is computed again in each round that visits an item (a pruned
+    calibration's later rounds; nothing is kept on disk or in memory between them). Static
+    settings run batched on every item (river-only tails of one family in one pass of their
+    common river layers, Model.river_tails), dynamic ones by decode on every 1/DYNAMIC_SHARE-th."""
+
+    def __init__(self, model, prepared, reference, batched: bool, progress: bool):
+        self.model, self.prepared, self.batched = model, prepared, batched
+        self.own = reference is None
+        self.reference = reference
+        self.label = "backbone" if reference is None else reference.label
+        self.stride = round(1 / DYNAMIC_SHARE) if batched else 1
+        self._ref_only: Dict[int, divergence.ItemDivergence] = {}
+        self._results: Dict[int, Dict[int, tuple]] = {}
+        self._static: set = set()
+        self._bar = tqdm(total=0, desc="presets", unit="tok", disable=not progress)
+
+    def __enter__(self) -> "_Scorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.close()
+
+    def batched_setting(self, i: int) -> bool:
+        return i in self._static
+
+    def measured(self) -> List[int]:
+        return sorted(self._results)
+
+    def items(self, i: int) -> List[int]:
+        return sorted(self._results[i])
+
+    def run(self, i: int) -> divergence.DivergenceRun:
+        r = divergence.DivergenceRun()
+        for k in self.items(i):
+            d, exits, secs = self._results[i][k]
+            r.add(d, exits)
+            r.seconds += secs
+        return r
+
+    def reference_run(self, items=None) -> divergence.DivergenceRun:
+        """The reference scored against itself (its perplexity) on `items` (default: all)."""
+        r = divergence.DivergenceRun()
+        for k in (sorted(self._ref_only) if items is None else items):
+            r.add(self._ref_only[k])
+        return r
+
+    def _reference(self, k: int, toks, prefix: int):
+        ref = (divergence.reference_logits(self.model, toks, prefix, batched=self.batched, mode="backbone")
+               if self.own else self.reference[k])
+        if k not in self._ref_only:
+            self._ref_only[k] = divergence.compare(ref, ref, toks[prefix:])
+        return ref
+
+    def measure(self, settings: Dict[int, dict]) -> None:
+        """Score `settings` ({index: options}) on their items."""
+        configs = {i: dict(exit_layer=None, **complete(o)) for i, o in settings.items()}
+        static = {i for i, o in configs.items() if self.batched and divergence.is_static(o)}
+        self._static |= static
+        every = {i: (1 if i in static else self.stride) for i in configs}
+        n_scored = lambda k: len(self.prepared[k][0]) - self.prepared[k][1]  # noqa: E731
+        self._bar.total += sum(n_scored(k) for k in range(len(self.prepared)) for i in configs if k % every[i] == 0)
+        for k, (toks, prefix) in enumerate(self.prepared):
+            want = [i for i in configs if k % every[i] == 0]
+            if not want and k in self._ref_only:
+                continue
+            ref = self._reference(k, toks, prefix)
+            for i, (logits, exits, secs) in self._logits(configs, want, static, toks, prefix, ref).items():
+                self._results.setdefault(i, {})[k] = (divergence.compare(ref, logits, toks[prefix:]), exits, secs)
+                self._bar.update(len(toks) - prefix)
+
+    def _logits(self, configs: dict, want: List[int], static: set, toks, prefix: int, ref) -> dict:
+        """Each wanted setting's logits on one item: (logits, exit layers, seconds)."""
+        out = {}
+        n = len(toks) - prefix - 1
+        for idx in _river_only_families(configs, [i for i in want if i in static]):
+            o = configs[idx[0]]
+            t0 = time.perf_counter()
+            rows = self.model.river_tails(toks[:len(toks) - 1], [configs[j]["tail"] for j in idx],
+                                          river_attention=o["river_attention"], river_head=o.get("river_head", True),
+                                          first_row=prefix - 1)
+            secs = (time.perf_counter() - t0) / len(idx)
+            out.update({j: (r, [-1] * n, secs) for j, r in zip(idx, rows)})
+        for i in want:
+            if i in out:
+                continue
+            o = configs[i]
+            t0 = time.perf_counter()
+            if self.own and i in static and o.get("mode") == "backbone":
+                logits, exits = ref, [self.model.n_layer - 1] * n  # the reference itself: KLD 0
+            else:
+                logits, exits = divergence.config_logits(self.model, toks, prefix, batched=i in static, **o)
+            out[i] = (logits, exits, time.perf_counter() - t0)
+        return out
 
 
 #: What the presets' KLDs are measured from ("F16": the converter's input; "backbone": the file's own).
@@ -159,6 +280,18 @@ REFERENCE_KEY = "river.presets_reference"
 #: What river.presets_grid keeps of each row.
 GRID_FIELDS = ("options", "kld", "kld_ci", "interval", "same_top", "ppl", "cost", "bytes", "relative_cost",
                "mean_exit_layer", "reference", "scored", "why", "n_tokens", "items", "item_kld")
+
+
+#: Weight types of an unquantized input (a reference named by its type, "F16").
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def reference_label(tensors) -> str:
+    """What a reference is, by its weight matrices' most common type: "F16" (or F32, BF16), or
+    "input (Q4_K)" for a quantized one. tensors: a GGUF reader's tensors (river.* ones aside)."""
+    types = [t.tensor_type.name for t in tensors if len(t.shape) >= 2 and not t.name.startswith("river.")]
+    common = max(set(types), key=types.count) if types else "F16"
+    return common if common in FLOAT_TYPES else f"input ({common})"
 
 
 def _river_only_families(configs: dict, static: List[int]) -> List[List[int]]:

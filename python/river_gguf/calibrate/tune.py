@@ -18,21 +18,36 @@ speed against the backbone alone and the best draft_max. Where lossless beats th
 joins the rows as a setting at the backbone's KL divergence (zero) and its predicted cost per
 token, so a tier (quality, usually) stores it only where it is cheaper than every setting as
 close; where it does not pay, the result says so with the numbers.
+
+The conversion measures only the settings that can win a tier by its cost model (the rest are in
+the grid with why not, and no KLD); tune times those. ``measure=True`` (``--all``) first measures
+the whole grid, unpruned, on the calibration split (measure_grid): against the file's own
+backbone, or, given the F16 the file was converted from (``reference``, ``--reference``), against
+that, as the conversion does; every row is labelled with its reference, and the presets are
+chosen from rows of one reference only.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import tempfile
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
 from .. import presets as presets_mod
+from .._loader import native
+from ..measure import divergence
+from ..measure.scoring import calibration_prepared
+from ..options import EXIT_RULES, never_exit
+from . import open_model
 from .cost_model import TIERS, choose
+from .preset_grid import REFERENCE_KEY, calibrate_presets, preset_metadata, reference_label
 from ..gguf.io import quantize
 from ..gguf.meta import set_river_metadata
+from ..gguf.reader import GGUFReader
 from ..greedy import greedy
 from ..measure.llama_decode import LlamaDecoder
 from ..model import Model
@@ -57,22 +72,64 @@ def _anchor_files(path: str, folder: str, n_threads: int, progress) -> Dict[str,
 MAX_DRAFT = 8
 
 
+def measure_grid(path: str, reference: Optional[str] = None, n_threads: int = 2, progress: bool = True,
+                 min_tokens: int = 1024) -> dict:
+    """Every setting of the grid (cost_model.grid), unpruned, measured on the calibration split
+    (preset_grid.calibrate_presets): against `reference`'s logits (a GGUF of the same model, e.g.
+    the F16 the file was converted from, checked as the engine checks a separate river) or, when
+    None, the file's own backbone. Returns calibrate_presets's result; each row names its
+    reference."""
+    if reference is not None:
+        reference = os.fspath(reference)
+        if not os.path.isfile(reference):
+            raise FileNotFoundError(f"reference file not found: {reference}")
+        diffs = list(native.model_differences(reference, path))
+        if diffs:
+            raise native.RiverMismatchError(f"the reference {reference} is not the model of {path}: {diffs[0]}")
+    m = open_model(path, n_ctx=1024, n_threads=n_threads, threshold=max(never_exit(r) for r in EXIT_RULES))
+    prepared = calibration_prepared(m, min_tokens, SCORE_TOKENS)
+    with contextlib.ExitStack() as stack:
+        rows = None
+        if reference is not None:
+            rows = stack.enter_context(divergence.ReferenceRows(reference_label(GGUFReader(reference).tensors)))
+            ref = open_model(reference, n_ctx=1024, n_threads=n_threads, mode="backbone", repack=False)
+            try:
+                for toks, prefix in tqdm(prepared, desc="reference", unit="item", disable=not progress):
+                    rows.add(divergence.config_logits(ref, toks, prefix, batched=True, mode="backbone")[0])
+            finally:
+                del ref
+        return calibrate_presets(m, score_tokens=SCORE_TOKENS, progress=progress, prepared=prepared, reference=rows)
+
+
+#: Scored tokens per calibration item when tune measures the grid (the converter's default).
+SCORE_TOKENS = 64
+
+
 def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write: bool = True,
-         progress: bool = True) -> dict:
-    """Time the stored grid and the anchors on this machine and choose the presets again.
-    Returns {"presets", "rows", "anchors", "seconds_per_step", "lossless"}; with write=True the
-    presets, anchors and the timings are stored in the file."""
+         progress: bool = True, measure: bool = False, reference: Optional[str] = None,
+         calibration_tokens: int = 1024) -> dict:
+    """Time the grid and the anchors on this machine and choose the presets again: the stored
+    grid's measured settings, or with measure=True (or a reference) the whole grid measured
+    first (measure_grid; `reference`: the F16 to measure against, default the file's backbone;
+    calibration_tokens: its scored tokens per setting).
+    Returns {"presets", "rows", "anchors", "seconds_per_step", "lossless", "reference"}; with
+    write=True the presets, anchors and the timings are stored in the file (and a grid measured
+    here replaces the stored one)."""
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     if not isinstance(tokens, int) or tokens < 8:
         raise ValueError(f"tokens must be an int >= 8, got {tokens!r}")
+    measured = (measure_grid(path, reference, n_threads, progress, calibration_tokens)
+                if (measure or reference is not None) else None)
     m = Model(path, n_ctx=1024, n_threads=n_threads)
     raw = m.metadata.get(presets_mod.GRID_KEY)
-    if not m.has_river or raw is None:
+    if not m.has_river or (raw is None and measured is None):
         raise ValueError(f"{path} has no measured preset grid ({presets_mod.GRID_KEY}); convert it with presets "
-                         "(river-gguf convert without --no-presets) first")
-    # Settings the conversion's cost model left unmeasured have no KLD to choose by: not timed.
-    grid: List[dict] = [r for r in json.loads(raw) if r.get("kld") is not None]
+                         "(river-gguf convert without --no-presets) or tune it with --all")
+    stored = json.loads(raw) if measured is None else measured["rows"]
+    label = measured["reference"] if measured is not None else m.metadata.get(REFERENCE_KEY, "backbone")
+    # Settings left unmeasured have no KLD to choose by: not timed.
+    grid: List[dict] = [dict(r, reference=r.get("reference", label)) for r in stored if r.get("kld") is not None]
     river_only = next((i for i, r in enumerate(grid) if r["options"].get("mode") == "river-only"
                        and not r["options"].get("tail") and r["options"].get("river_attention", "river") == "river"),
                       None)
@@ -113,17 +170,21 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
     anchors_meta = {"measure": "timed", "seconds_per_step": {k: step[k] for _, k in TIERS},
                     "river_only": base, "bounds": bounds}
     res = {"presets": chosen, "rows": rows, "anchors": anchors_meta, "seconds_per_step": step,
-           "lossless": lossless_res}
+           "lossless": lossless_res, "reference": label}
     del m  # release the mapping before the file is rewritten
     if write:
-        default = presets_mod.DEFAULT_PRESET
-        set_river_metadata(path, {
+        keys = {
             presets_mod.PRESET_KEY: presets_mod.dump(chosen),
             presets_mod.ANCHORS_KEY: presets_mod.dump(anchors_meta),
             TUNED_KEY: presets_mod.dump({"threads": n_threads, "tokens": tokens, "rounds": rounds,
-                                         "seconds_per_step": step, "lossless": lossless_res}),
-            presets_mod.DEFAULT_KEY: default,
-        })
+                                         "seconds_per_step": step, "lossless": lossless_res,
+                                         "measured": measured is not None, "reference": label}),
+            presets_mod.DEFAULT_KEY: presets_mod.DEFAULT_PRESET,
+        }
+        if measured is not None:  # the grid measured here, whole, replaces the conversion's
+            keys.update({presets_mod.GRID_KEY: preset_metadata(measured)[presets_mod.GRID_KEY],
+                         REFERENCE_KEY: label})
+        set_river_metadata(path, keys)
     return res
 
 

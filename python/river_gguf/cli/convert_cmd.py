@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="importance matrix for the river's quantization: 'auto' (default) collects it from the "
                         "backbone's activations on the calibration split; FILE is llama.cpp's imatrix GGUF; "
                         "'none' rounds plainly as llama.cpp does without one")
+    p.add_argument("--imatrix-out", metavar="FILE",
+                   help="also write the importance matrix the conversion collects (llama.cpp's imatrix GGUF: "
+                        "llama-quantize --imatrix FILE of the input makes the river's bytes)")
     p.add_argument("--backbone-type", default=DEFAULT_BACKBONE_TYPE, type=str.lower, choices=BACKBONE_TYPES,
                    help="store the backbone as given (f16) or quantized to Q8_0 (the river is still made from the "
                         "precise input); auto (default): Q8_0 when the input's weights are floats, which is "
@@ -172,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
             backbone_type=args.backbone_type, presets=args.presets, river_head_type=args.river_head_type,
             finalize=finalize if args.calibrate else None, calibration_tokens=args.calibration_tokens,
             report=None if args.quiet else (lambda line: print(f"convert: {line}", file=sys.stderr, flush=True)),
-            verbose=args.verbose,
+            verbose=args.verbose, imatrix_out=args.imatrix_out,
         )
     except (ValueError, OSError, RuntimeError, native.GGUFFormatError) as e:
         print(f"error: {'calibration failed: ' if stage['calibrating'] else ''}{e}", file=sys.stderr)

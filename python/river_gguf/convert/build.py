@@ -200,6 +200,7 @@ def build_river_gguf(
     calibration_tokens: Optional[int] = None,
     report: Optional[Callable[[str], None]] = None,
     verbose: bool = False,
+    imatrix_out=None,
 ) -> dict:
     """Write ``out_path``: the backbone GGUF plus a river; return the river.* metadata written.
 
@@ -231,6 +232,9 @@ def build_river_gguf(
     report: called with one line per step (the river's quantization and its fallback types, the
         importance matrix, the threshold), for a caller to print; llama.cpp's own log is kept
         (gguf.io.captured_llama_log) and printed to stderr only with verbose=True.
+    imatrix_out: a path to write the importance matrix the conversion collects to (llama.cpp's
+        imatrix GGUF: ``llama-quantize --imatrix`` of the input with it makes the river's bytes);
+        nothing is written when no matrix is collected.
     finalize: called with the path of the complete staged file (presets stored) before it is
         renamed to ``out_path``, e.g. to calibrate it; it may rewrite that file atomically
         (gguf.meta.set_river_metadata) and return metadata to add to the result.
@@ -245,45 +249,11 @@ def build_river_gguf(
     included), and ones a killed conversion left behind are removed by the next one.
     """
 
-    backbone_path = os.fspath(backbone_path)
-    out_path = os.fspath(out_path)
-    river_path = os.fspath(river_path) if river_path is not None else None
-    if not os.path.exists(backbone_path):
-        raise FileNotFoundError(f"model file not found: {backbone_path}")
-    # The output first: a folder, an input, or a folder we cannot write to fails here, before
-    # minutes of work (llama.cpp's quantizer would only say "failed with code 1").
-    imatrix_file = None if imatrix in (None, IMATRIX_AUTO) else os.fspath(imatrix)
-    check_output_path(out_path, inputs=[backbone_path, river_path, imatrix_file])
-    remove_stale_temp_files(os.path.dirname(os.path.abspath(out_path)), os.path.basename(out_path))
-    if river_path is None:
-        river_type = str(river_type).lower()
-        if river_type not in FTYPES:
-            raise ValueError(f"unknown river type {river_type!r}; valid: {', '.join(sorted(FTYPES))}")
-        if river_type in ("q4_1", "q5_1"):
-            # Q5_1's grid holds Q4_1's (same min, half the step), so with an importance-weighted
-            # search it too rebuilds a dequantized Q4_1 nearly exactly (measured: SmolLM2 river-only
-            # ppl 3.969 vs the F16's 3.962).
-            warnings.warn(
-                f"river type {river_type}: if the backbone is a dequantized Q4_1 model (like the default SmolLM2 "
-                f"F16), a {river_type.upper()} river reproduces it almost exactly; use q4_0 or q5_0",
-                stacklevel=2,
-            )
-    if not isinstance(n_threads, int) or n_threads < 1:
-        raise ValueError(f"n_threads must be an int >= 1, got {n_threads!r}")
-    if calibration_tokens is not None and (isinstance(calibration_tokens, bool) or not isinstance(
-            calibration_tokens, int) or calibration_tokens < MIN_CALIBRATION_TOKENS):
-        raise ValueError(f"calibration_tokens must be an int >= {MIN_CALIBRATION_TOKENS}, got {calibration_tokens!r}")
-    if calibration_tokens is None:
-        calibration_tokens = calibration_token_budget(os.path.getsize(backbone_path))
-    if backbone_type is not None:
-        backbone_type = str(backbone_type).lower()
-        if backbone_type not in BACKBONE_TYPES:
-            raise ValueError(f"backbone_type must be one of {', '.join(BACKBONE_TYPES)}, got {backbone_type!r}")
-        if backbone_type == "f16":
-            backbone_type = None
-    if imatrix_file is not None and not os.path.isfile(imatrix_file):
-        raise FileNotFoundError(f"imatrix file not found: {imatrix}")
-
+    backbone_path, out_path, river_path, river_type, imatrix_file, calibration_tokens, backbone_type = _checked_options(
+        backbone_path, out_path, river_path, river_type, imatrix, n_threads, calibration_tokens, backbone_type)
+    if imatrix_out is not None:  # written mid-way: a path that cannot be written fails now
+        imatrix_out = os.fspath(imatrix_out)
+        check_output_path(imatrix_out, inputs=[backbone_path, river_path, imatrix_file, out_path])
     # Engine checks first: a truncated or foreign file is refused before the gguf package reads it.
     n_layer = int(check_loadable(backbone_path)["n_layer"])
     _validate_options(threshold, min_exit_layer, prefill, river_head, n_layer)
@@ -294,14 +264,13 @@ def build_river_gguf(
     if river_path is not None:
         check_loadable(river_path)
     bb = open_reader(backbone_path)
-    bb_has_river = is_river_gguf(bb)
     if report is not None:
         report(f"read {os.path.basename(backbone_path)}: {len(bb.tensors)} tensors, "
                f"{os.path.getsize(backbone_path) / 2**20:.0f} MiB")
     if backbone_type == "auto":
         floats = all(type_name(t) in FLOAT_TYPE_NAMES for t in plain_tensors(bb) if len(t.shape) >= 2)
         backbone_type = "q8_0" if floats else None
-    if bb_has_river and not replace_river:
+    if is_river_gguf(bb) and not replace_river:
         raise ValueError(
             f"{backbone_path} already is a River GGUF; pass replace_river=True (--replace-river) "
             "to replace its river, or start from the plain backbone"
@@ -325,10 +294,13 @@ def build_river_gguf(
             with contextlib.ExitStack() as stack:
                 plain = _plain_source(bb, backbone_path, out_path, stack)
                 calib = stack.enter_context(_CalibrationPass(
-                    plain(), os.path.dirname(os.path.abspath(out_path)), n_threads, progress, say,
+                    plain(), folder, n_threads, progress, say,
                     imatrix=imatrix == IMATRIX_AUTO and river_path is None, threshold=threshold is None,
-                    presets=presets, calibration_tokens=calibration_tokens, reference=_reference_label(bb),
+                    presets=presets, calibration_tokens=calibration_tokens, reference=preset_grid.reference_label(plain_tensors(bb)),
                     exit_rule=exit_rule))
+                if imatrix_out is not None and calib.imatrix is not None:
+                    imx.write_imatrix_gguf(calib.imatrix, imatrix_out)
+                    say(f"imatrix: written to {imatrix_out}")
                 if given_river is not None:
                     river_src, type_label, imatrix_meta = given_river
                 else:
@@ -337,53 +309,22 @@ def build_river_gguf(
                         log, say)
                 rv = open_reader(river_src)
                 compare_models(bb, rv)
-                stored_path = plain()
-                if backbone_type is not None:
-                    # The stored backbone is a quantization of the input; the river came from the input.
-                    stored_path = stack.enter_context(temp_path(out_path, ".backbone-q.tmp"))
-                    mark = log.mark()
-                    _quantize(plain(), stored_path, backbone_type, n_threads, _is_quantized(bb))
-                    say(f"backbone: {backbone_type}: {log.quantize_summary(mark)}")
-                    bb = open_reader(stored_path)
-                if threshold is None:
-                    meta_threshold, source, prof = float(calib.profile["threshold"]), \
-                        f"profile-q{calib.profile['quantile']:.2f}", calib.profile
-                else:
-                    meta_threshold, source, prof = float(threshold), "user", None
-                entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
-                                         exit_rule, min_exit_layer, prefill, river_head, tail, backbone_type,
-                                         imatrix_meta, prof)
-                ranking = calib.ranking if calib.ranking is not None else draft_token_ranking(backbone_path)
-                say(f"draft vocabulary: {len(ranking)} tokens of the calibration text ranked")
-                entries.append((native.DRAFT_TOKENS_KEY, ranking, gguf.GGUFValueType.ARRAY))
-                meta: Dict[str, Any] = {k: v for k, v, _ in entries}
-                # float32 as stored, so callers compare against what Model(out).metadata reads
-                meta["river.threshold"] = float(np.float32(meta_threshold))
-                if prof is not None:
-                    meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
+                stored_path = _stored_backbone(plain, bb, backbone_type, out_path, stack, n_threads, log, say)
+                entries, meta = _file_entries(backbone_path, river_path, river_src, type_label, threshold, calib,
+                                              dict(exit_rule=exit_rule, min_exit_layer=min_exit_layer, prefill=prefill,
+                                                   river_head=river_head, tail=tail), backbone_type, imatrix_meta, say)
                 if presets:
                     # Measured on the two parts before they are joined: the output is written once.
                     found = _measure_presets(stored_path, river_src, calib, n_threads, progress, calibration_tokens)
                     entries += [(k, v, value_type(v)) for k, v in found.items()]
                     meta.update(found)
-                    grid = json.loads(found[GRID_KEY])
-                    measured = [r for r in grid if "kld" in r]
-                    tokens = found["river.presets_calibration_tokens"]
-                    say(f"presets: {', '.join(presets_mod.parse(found))} chosen; {len(measured)} of {len(grid)} settings "
-                        f"measured (the cost model rules out the rest), at least {tokens} tokens each, against the "
-                        f"{found[preset_grid.REFERENCE_KEY]}")
+                    _say_presets(found, say)
                 calib.close()  # the reference rows' temp file goes now, before the output is written
-                rv_by_name = {t.name: t for t in rv.tensors}
-                tensor_plan = [(t.name, t) for t in plain_tensors(bb)]
-                river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
-                river_plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
-                if "output.weight" in rv_by_name:
-                    river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
-                write_river_file(staged, bb, entries, tensor_plan, river_plan, progress, f"river {os.path.basename(out_path)}")
-                say(f"wrote {len(tensor_plan) + len(river_plan)} tensors, {os.path.getsize(staged) / 2**20:.0f} MiB")
+                stored = open_reader(stored_path) if backbone_type is not None else bb
+                _write_staged(staged, stored, rv, entries, progress, out_path, say)
                 # The readers map files the stack is about to delete: drop them first, so no deleted
                 # file's pages stay mapped (and its disk space held) while finalize runs.
-                del bb, rv, rv_by_name, tensor_plan, river_plan
+                del bb, rv, stored
             if finalize is not None:
                 meta.update(finalize(staged) or {})
             os.replace(staged, out_path)
@@ -393,6 +334,111 @@ def build_river_gguf(
         # process left of the output's temp files while the interrupt unwinds (a no-op otherwise).
         remove_own_temp_files(folder, name)
     return meta
+
+
+def _checked_options(backbone_path, out_path, river_path, river_type, imatrix, n_threads, calibration_tokens,
+                     backbone_type) -> tuple:
+    """build_river_gguf's paths and options checked before anything is read (the output path
+    first: a folder, an input, or a folder we cannot write to fails here, before minutes of work;
+    llama.cpp's quantizer would only say "failed with code 1"), and stale temp files of the output
+    removed. Returns (backbone_path, out_path, river_path, river_type, imatrix_file,
+    calibration_tokens, backbone_type), normalized: backbone_type None means as given."""
+    backbone_path = os.fspath(backbone_path)
+    out_path = os.fspath(out_path)
+    river_path = os.fspath(river_path) if river_path is not None else None
+    if not os.path.exists(backbone_path):
+        raise FileNotFoundError(f"model file not found: {backbone_path}")
+    imatrix_file = None if imatrix in (None, IMATRIX_AUTO) else os.fspath(imatrix)
+    check_output_path(out_path, inputs=[backbone_path, river_path, imatrix_file])
+    remove_stale_temp_files(os.path.dirname(os.path.abspath(out_path)), os.path.basename(out_path))
+    if river_path is None:
+        river_type = str(river_type).lower()
+        if river_type not in FTYPES:
+            raise ValueError(f"unknown river type {river_type!r}; valid: {', '.join(sorted(FTYPES))}")
+        if river_type in ("q4_1", "q5_1"):
+            # Q5_1's grid holds Q4_1's (same min, half the step), so with an importance-weighted
+            # search it too rebuilds a dequantized Q4_1 nearly exactly (measured: SmolLM2 river-only
+            # ppl 3.969 vs the F16's 3.962).
+            warnings.warn(
+                f"river type {river_type}: if the backbone is a dequantized Q4_1 model (like the default SmolLM2 "
+                f"F16), a {river_type.upper()} river reproduces it almost exactly; use q4_0 or q5_0",
+                stacklevel=3,
+            )
+    if not isinstance(n_threads, int) or n_threads < 1:
+        raise ValueError(f"n_threads must be an int >= 1, got {n_threads!r}")
+    if calibration_tokens is not None and (isinstance(calibration_tokens, bool) or not isinstance(
+            calibration_tokens, int) or calibration_tokens < MIN_CALIBRATION_TOKENS):
+        raise ValueError(f"calibration_tokens must be an int >= {MIN_CALIBRATION_TOKENS}, got {calibration_tokens!r}")
+    if calibration_tokens is None:
+        calibration_tokens = calibration_token_budget(os.path.getsize(backbone_path))
+    if backbone_type is not None:
+        backbone_type = str(backbone_type).lower()
+        if backbone_type not in BACKBONE_TYPES:
+            raise ValueError(f"backbone_type must be one of {', '.join(BACKBONE_TYPES)}, got {backbone_type!r}")
+        if backbone_type == "f16":
+            backbone_type = None
+    if imatrix_file is not None and not os.path.isfile(imatrix_file):
+        raise FileNotFoundError(f"imatrix file not found: {imatrix}")
+    return backbone_path, out_path, river_path, river_type, imatrix_file, calibration_tokens, backbone_type
+
+
+def _stored_backbone(plain, bb, backbone_type: Optional[str], out_path: str, stack, n_threads: int, log: LlamaLog,
+                     say) -> str:
+    """The file the output's backbone is copied from: the plain input, or (backbone_type) its
+    quantization, a temp file that lives as long as `stack`. The river came from the input."""
+    if backbone_type is None:
+        return plain()
+    stored_path = stack.enter_context(temp_path(out_path, ".backbone-q.tmp"))
+    mark = log.mark()
+    _quantize(plain(), stored_path, backbone_type, n_threads, _is_quantized(bb))
+    say(f"backbone: {backbone_type}: {log.quantize_summary(mark)}")
+    return stored_path
+
+
+def _file_entries(backbone_path, river_path, river_src, type_label, threshold, calib, exit_setting: dict,
+                  backbone_type, imatrix_meta, say) -> tuple:
+    """(the river.* entries of the output but its presets, the metadata they hold as read back):
+    the exit defaults (the threshold given, or the calibration pass's profile), where the river
+    came from, and the draft vocabulary's ranking."""
+    if threshold is None:
+        meta_threshold, source, prof = float(calib.profile["threshold"]), \
+            f"profile-q{calib.profile['quantile']:.2f}", calib.profile
+    else:
+        meta_threshold, source, prof = float(threshold), "user", None
+    entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
+                             exit_setting["exit_rule"], exit_setting["min_exit_layer"], exit_setting["prefill"],
+                             exit_setting["river_head"], exit_setting["tail"], backbone_type, imatrix_meta, prof)
+    ranking = calib.ranking if calib.ranking is not None else draft_token_ranking(backbone_path)
+    say(f"draft vocabulary: {len(ranking)} tokens of the calibration text ranked")
+    entries.append((native.DRAFT_TOKENS_KEY, ranking, gguf.GGUFValueType.ARRAY))
+    meta: Dict[str, Any] = {k: v for k, v, _ in entries}
+    # float32 as stored, so callers compare against what Model(out).metadata reads
+    meta["river.threshold"] = float(np.float32(meta_threshold))
+    if prof is not None:
+        meta["river.profile_predicted_mean_exit_layer"] = float(np.float32(prof["predicted_mean_exit_layer"]))
+    return entries, meta
+
+
+def _say_presets(found: dict, say) -> None:
+    grid = json.loads(found[GRID_KEY])
+    measured = [r for r in grid if "kld" in r]
+    tokens = found["river.presets_calibration_tokens"]
+    say(f"presets: {', '.join(presets_mod.parse(found))} chosen; {len(measured)} of {len(grid)} settings "
+        f"measured (the cost model and the search of the tails rule out the rest), at least {tokens} "
+        f"tokens each, against the {found[preset_grid.REFERENCE_KEY]}")
+
+
+def _write_staged(staged: str, bb, rv, entries: list, progress: bool, out_path: str, say) -> None:
+    """The output: the stored backbone's tensors, then the river's (its layers, embedding and
+    head), with `entries` as river.* metadata."""
+    rv_by_name = {t.name: t for t in rv.tensors}
+    tensor_plan = [(t.name, t) for t in plain_tensors(bb)]
+    river_plan = [(RIVER_PREFIX + t.name, t) for t in rv.tensors if t.name.startswith("blk.")]
+    river_plan.append((RIVER_PREFIX + "token_embd.weight", rv_by_name["token_embd.weight"]))
+    if "output.weight" in rv_by_name:
+        river_plan.append((RIVER_PREFIX + "output.weight", rv_by_name["output.weight"]))
+    write_river_file(staged, bb, entries, tensor_plan, river_plan, progress, f"river {os.path.basename(out_path)}")
+    say(f"wrote {len(tensor_plan) + len(river_plan)} tensors, {os.path.getsize(staged) / 2**20:.0f} MiB")
 
 
 def disk_needed(river: int, backbone: int, output: int, reference: int) -> int:
@@ -539,14 +585,6 @@ def _measure_presets(backbone: str, river: str, calib: _CalibrationPass, n_threa
     finally:
         del model
     return preset_grid.preset_metadata(res)
-
-
-def _reference_label(bb) -> str:
-    """What the presets' reference is: the input's weight type ("F16"), or "input (Q4_K)" for a
-    quantized input."""
-    types = [type_name(t) for t in plain_tensors(bb) if len(t.shape) >= 2]
-    common = max(set(types), key=types.count) if types else "F16"
-    return common if common in FLOAT_TYPE_NAMES else f"input ({common})"
 
 
 def draft_token_ranking(vocab_path: Optional[str], texts: Optional[List[str]] = None,

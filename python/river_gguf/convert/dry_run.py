@@ -28,7 +28,7 @@ from llama_cpp._utils import suppress_stdout_stderr
 
 from .._loader import native
 from ..calibrate import open_model
-from ..calibrate.cost_model import TensorInfo, grid, plan, setting_cost, step_bytes, tensor_costs, tier_bounds_of
+from ..calibrate.cost_model import SEARCHED, TensorInfo, grid, plan, setting_cost, step_bytes, tensor_costs, tier_bounds_of
 from ..gguf.copy import check_loadable, is_river_gguf, open_reader, plain_tensors, type_name
 from ..gguf.io import QUANT_BUFFER_BYTES, LlamaLog, captured_llama_log, deferred_interrupts, planned_types
 from ..measure.scoring import calibration_selection
@@ -51,6 +51,21 @@ IO_SECONDS_PER_GIB = 1.5
 BASE_BYTES = 0.35 * GIB   # Python, numpy, the vocabulary and the engines' own buffers
 
 
+#: What the dry run cannot measure on this machine: every constant above, fitted on one machine.
+UNMEASURED = ("PASS_FACTOR (the F16 pass's token against the probe's), DECODE_FACTOR (a decode step against a "
+              "batched token), QUANT_FACTOR, FIXED_SECONDS, IO_SECONDS_PER_GIB (this disk's speed) and presets_factor "
+              "(a quantized setting's token against the F16's, interpolated between three sizes) are fitted on the "
+              "2-core VM of BENCHMARKS.md (benchmarks/convert_cost.py --fit), not measured here; where the search of "
+              "the tails stops is not known before their KLDs are")
+
+
+def _priced(units: Dict[str, float], f16_bytes: int = 0) -> float:
+    """Seconds of a stage's units at the fitted constants."""
+    value = {"PASS_FACTOR": PASS_FACTOR, "QUANT_FACTOR": QUANT_FACTOR, "FIXED_SECONDS": FIXED_SECONDS,
+             "IO_SECONDS_PER_GIB": IO_SECONDS_PER_GIB, "presets_factor": presets_factor(f16_bytes)}
+    return sum(value[k] * u for k, u in units.items())
+
+
 def presets_factor(f16_bytes: int) -> float:
     """A quantized setting's batched token over the F16's (the probe's): about 1 on small models,
     where graph and head overheads dominate, falling to about 0.6 from 1.5B on, where the quantized
@@ -66,6 +81,11 @@ class Stage:
     what: str
     seconds: float
     peak_bytes: float
+    # The work each fitted constant multiplies in `seconds` (its name -> units: the probe's
+    # seconds of work, GiB read, 1 for a fixed cost), and the seconds measured outright (the
+    # probe's cold read): what benchmarks/convert_cost.py --fit refits the constants from.
+    units: Dict[str, float] = field(default_factory=dict)
+    measured_seconds: float = 0.0
 
 
 @dataclass
@@ -107,9 +127,10 @@ class ConversionPlan:
         for i, s in enumerate(self.stages, 1):
             out.append(f"  {i}. {s.name}: {s.what}  [~{s.seconds:.0f} s, {s.peak_bytes / GIB:.2f} GiB]")
         if self.settings:
-            play = [r for r in self.settings if not r["why"]]
+            play = [r for r in self.settings if r["why"] in ("", SEARCHED)]
             out.append(f"  presets: {len(play)} of {len(self.settings)} settings in play:")
-            out += [f"     {_describe(r['options'])} ({r['relative_cost']:.3f}x river-only's cost)" for r in play]
+            out += [f"     {_describe(r['options'])} ({r['relative_cost']:.3f}x river-only's cost"
+                    + (", searched: measured only if the search reaches it)" if r["why"] else ")") for r in play]
         out += [f"  note: {n}" for n in self.notes]
         ref = f", the presets' reference rows {self.reference_bytes / GIB:.2f} GiB of it" if self.reference_bytes else ""
         free_disk = (f" (free: {self.free_disk_bytes / GIB:.1f} GiB)" if self.free_disk_bytes is not None else "")
@@ -219,7 +240,7 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
         backbone_type = None if quantized else "q8_0"
     river_type = str(river_type).lower()
     collect = imatrix == build.IMATRIX_AUTO and river_path is None
-    res = ConversionPlan(backbone_path, out_path, available_bytes=available_memory())
+    res = ConversionPlan(backbone_path, out_path, available_bytes=available_memory(), notes=[UNMEASURED])
 
     # Types: llama.cpp's dry runs, so nothing is guessed about its mix.
     rv_types = (planned_types(backbone_path, river_type, n_threads, quantized, river_head_type,
@@ -259,56 +280,29 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
             parts.append(f"the presets' reference on {len(prepared)} held-out items ({ref_tokens} tokens)")
         if profile:
             parts.append(f"tau's profile ({profile} tokens)")
-        secs = load + PASS_FACTOR * per_token * (imx_tokens + ref_tokens + profile) + FIXED_SECONDS
-        res.stages.append(Stage("one pass over the input", "; ".join(parts), secs,
-                                F + kv + logits_bytes + BASE_BYTES))
+        units = {"PASS_FACTOR": per_token * (imx_tokens + ref_tokens + profile), "FIXED_SECONDS": 1.0}
+        res.stages.append(Stage("one pass over the input", "; ".join(parts), load + _priced(units),
+                                F + kv + logits_bytes + BASE_BYTES, units, load))
 
-    def quant_seconds(types: Dict[str, str]) -> float:
+    def quant_units(types: Dict[str, str]) -> Dict[str, float]:
         total = 0.0
         for name, t in types.items():
             if name in shapes and t in q_rate and in_types.get(name) != t:
                 total += q_rate[t] * int(np.prod(shapes[name]))
-        return QUANT_FACTOR * total + IO_SECONDS_PER_GIB * F / GIB
+        return {"QUANT_FACTOR": total, "IO_SECONDS_PER_GIB": F / GIB}
 
     slab = min(QUANT_BUFFER_BYTES, 4 * largest) * 2 + 2 * largest  # f32 rows, their quants, the source pages
     if river_path is None:
         res.stages.append(Stage("river", f"{river_type}{'+imatrix' if imatrix is not None else ''} by llama.cpp's "
-                                f"quantizer, {rv_bytes / GIB:.2f} GiB", quant_seconds(rv_types), slab + BASE_BYTES))
+                                f"quantizer, {rv_bytes / GIB:.2f} GiB", _priced(quant_units(rv_types)), slab + BASE_BYTES,
+                                quant_units(rv_types)))
     if backbone_type:
         res.stages.append(Stage("backbone", f"{backbone_type} by llama.cpp's quantizer, {bb_bytes / GIB:.2f} GiB",
-                                quant_seconds(bb_types), slab + BASE_BYTES))
+                                _priced(quant_units(bb_types)), slab + BASE_BYTES, quant_units(bb_types)))
     if presets:
-        layers, head = tensor_costs(bb_infos, rv_infos, n_layer, "cost")
-        bounds = tier_bounds_of(shapes, n_layer, layers, head)["bounds"]
-        settings = grid(n_layer)
-        guess = None if sims is None else (lambda o: predicted_mean_exit(
-            sims, o["threshold"], o.get("min_exit_layer", 0), o.get("tail", 0)))
-        why = plan(settings, layers, head, n_layer, bounds, guess)
-        river_only = step_bytes(layers, head, n_layer, -1, 0, True)
-        res.settings = [{"options": o, "relative_cost": setting_cost(o, layers, head, n_layer) / river_only, "why": w}
-                        for o, w in zip(settings, why)]
-        work = 0.0
-        families: Dict[tuple, List[int]] = {}
-        for o, w in zip(settings, why):
-            if w:
-                continue
-            if o["mode"] == "river-only":
-                families.setdefault((o.get("river_attention", "river"), o.get("river_head", True)), []).append(
-                    o.get("tail", 0))
-            elif o["mode"] == "backbone":
-                work += ref_tokens / 4  # measured for its KLD on a quarter of the items
-            else:
-                work += DECODE_FACTOR * ref_tokens / 4  # decode, a quarter of the items
-        # A family's tails share one river pass; each tail then runs its backbone layers over the
-        # item and the head over its scored rows (the head's share of a token-pass: its weights
-        # over all the weights).
-        head_share = shapes["token_embd.weight"][0] * n_vocab / sum(int(np.prod(v)) for v in shapes.values())
-        scored = sum(len(t) - p for t, p in prepared)
-        for tails in families.values():
-            work += ref_tokens * (1 + sum(t for t in tails if t) / n_layer) + scored * head_share * (len(tails) - 1)
-        res.stages.append(Stage("presets", f"{sum(1 for w in why if not w)} of {len(settings)} settings measured",
-                                presets_factor(F) * per_token * work + FIXED_SECONDS,
-                                bb_bytes + rv_bytes + kv + logits_bytes + BASE_BYTES))
+        stage, res.settings = _presets_stage(shapes, n_layer, bb_infos, rv_infos, sims, prepared, per_token, F)
+        stage.peak_bytes = bb_bytes + rv_bytes + kv + logits_bytes + BASE_BYTES
+        res.stages.append(stage)
     # Disk beside the output: the converter's own accounting (build.disk_needed), with the
     # reference rows as the held-out items give them.
     header = F - sum(int(t.n_bytes) for t in tensors)
@@ -322,7 +316,53 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
         res.free_disk_bytes = shutil.disk_usage(os.path.dirname(os.path.abspath(out_path))).free
     except OSError:
         res.free_disk_bytes = None
-    res.stages.append(Stage("write", f"{(bb_bytes + rv_bytes) / GIB:.2f} GiB, once",
-                            IO_SECONDS_PER_GIB * (bb_bytes + rv_bytes + F) / GIB + FIXED_SECONDS,
-                            bb_bytes + rv_bytes + BASE_BYTES))
+    units = {"IO_SECONDS_PER_GIB": (bb_bytes + rv_bytes + F) / GIB, "FIXED_SECONDS": 1.0}
+    res.stages.append(Stage("write", f"{(bb_bytes + rv_bytes) / GIB:.2f} GiB, once", _priced(units),
+                            bb_bytes + rv_bytes + BASE_BYTES, units))
     return res
+
+
+def _presets_stage(shapes: Dict[str, tuple], n_layer: int, bb_infos, rv_infos, sims, prepared, per_token: float,
+                   F: int) -> tuple:
+    """(the presets' stage, its memory left to the caller (0); the grid's rows: {"options",
+    "relative_cost", "why"}): the settings cost_model.plan leaves in play, each a token-pass of
+    the held-out items (river-only tails of a family sharing their river pass, dynamic ones by
+    decode on a quarter of the items), the searched tails counted as if the search reached
+    them all."""
+    ref_tokens = sum(len(t) for t, _ in prepared)
+    n_vocab = shapes["token_embd.weight"][1]
+    layers, head = tensor_costs(bb_infos, rv_infos, n_layer, "cost")
+    bounds = tier_bounds_of(shapes, n_layer, layers, head)["bounds"]
+    settings = grid(n_layer)
+    guess = None if sims is None else (lambda o: predicted_mean_exit(
+        sims, o["threshold"], o.get("min_exit_layer", 0), o.get("tail", 0)))
+    why = plan(settings, layers, head, n_layer, bounds, guess)
+    river_only = step_bytes(layers, head, n_layer, -1, 0, True)
+    rows = [{"options": o, "relative_cost": setting_cost(o, layers, head, n_layer) / river_only, "why": w}
+            for o, w in zip(settings, why)]
+    work = 0.0
+    families: Dict[tuple, List[int]] = {}
+    for o, w in zip(settings, why):
+        if w and w != SEARCHED:
+            continue
+        if o["mode"] == "river-only":
+            # A searched tail is counted as measured: where the search stops depends on the
+            # KLDs, which a dry run does not know, so this is the search's most.
+            families.setdefault((o.get("river_attention", "river"), o.get("river_head", True)), []).append(
+                o.get("tail", 0))
+        elif o["mode"] == "backbone":
+            work += ref_tokens  # measured on every item, batched
+        else:
+            work += DECODE_FACTOR * ref_tokens / 4  # decode, a quarter of the items
+    # A family's tails share one river pass; each tail then runs its backbone layers over the
+    # item and the head over its scored rows (the head's share of a token-pass: its weights
+    # over all the weights).
+    head_share = shapes["token_embd.weight"][0] * n_vocab / sum(int(np.prod(v)) for v in shapes.values())
+    scored = sum(len(t) - p for t, p in prepared)
+    for tails in families.values():
+        work += ref_tokens * (1 + sum(t for t in tails if t) / n_layer) + scored * head_share * (len(tails) - 1)
+    n_searched = sum(1 for w in why if w == SEARCHED)
+    units = {"presets_factor": per_token * work, "FIXED_SECONDS": 1.0}
+    return Stage("presets", f"{sum(1 for w in why if not w)} of {len(settings)} settings measured, and of "
+                 f"{n_searched} river-only tails searched those the search reaches (timed here as if it reached "
+                 "all of them)", _priced(units, F), 0.0, units), rows

@@ -13,12 +13,10 @@ from river_gguf.options import ExitOptions, RiverOptions
 
 from support import THREADS
 
-N_TOKENS = 40
+N_TOKENS = 24
 SAMPLED = dict(temp=0.8, top_k=40, top_p=0.9, repeat_penalty=1.1)
 #: A prompt whose continuation repeats it: the n-gram drafter has long matches to propose.
-REPEATING = ("def area(width, height):\n    return width * height\n\n"
-             "def area(width, height):\n    return width * height\n\n"
-             "def area(width, height):\n")
+REPEATING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"
 
 
 # --- the n-gram drafter ---------------------------------------------------------------------------

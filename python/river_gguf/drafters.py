@@ -103,8 +103,8 @@ class NgramDrafter:
         for end in reversed(ends[max(0, len(ends) - 1 - self.occurrences):]):
             if end >= n:
                 continue
-            match = self.key
-            while match < self.max_match and end - match > 0 and self._tokens[end - match - 1] == self._tokens[n - match - 1]:
+            match, tokens = self.key, self._tokens
+            while match < self.max_match and end - match > 0 and tokens[end - match - 1] == tokens[n - match - 1]:
                 match += 1
             if match > best_match:
                 best, best_match = end, match

@@ -3,7 +3,8 @@
 A Session is what a llama.cpp server slot is: it knows which tokens the cache holds, the exit
 options they ran under (resolved and validated once, when the session starts) and the logits rows
 that came with them. Its loop, `decode`, runs plain decode steps or lossless rounds (the river
-drafts, the backbone verifies the drafts in one batch) and applies one acceptance rule
+drafts, or an n-gram of the context does, as river_gguf.drafters chooses; the backbone verifies
+the drafts in one batch) and applies one acceptance rule
 (`accept`): the rows are walked in order, a policy's `choose(row)` picks each token, and a draft
 is kept while it equals the token chosen at its position. Every caller is such a policy: the
 drop-in Llama's sampler chain, greedy's argmax, teacher-forced scoring's "the text's next token".
@@ -306,8 +307,8 @@ class Session:
                exit_layers: Optional[Sequence[int]] = None, pick=None) -> Iterator[Step]:
         """The token loop, from the last position's row: choose(row, seen) -> token (or STOP) picks
         each token, which is yielded and then evaluated, as a decode step, or in lossless mode as a
-        round (the river drafts after it, the backbone verifies it and the drafts in one batch,
-        and `accept` walks the rows). Ends at STOP, after `limit` tokens, or when the caller
+        round (drafts after it from the river or the n-gram drafter, as the session's DraftPlanner
+        chooses; the backbone verifies it and the drafts in one batch, and `accept` walks the rows). Ends at STOP, after `limit` tokens, or when the caller
         stops; the cache then holds the positions before the last token yielded.
         trace: each step's exit-rule scores (Step.scores). exit_layers: the forced exit layer of
         each decode step in turn (a plain step each, the session's other options kept).

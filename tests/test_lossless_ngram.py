@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from river_gguf.drafters import (DraftPlanner, NgramDrafter, Plan, RoundCosts, tokens_per_round)
+from river_gguf.drafters import DraftPlanner, NgramDrafter, Plan, ProbabilityBins, RoundCosts, tokens_per_round
 from river_gguf.llama import Llama
 from river_gguf.options import ExitOptions, RiverOptions
 
@@ -127,11 +127,39 @@ def test_a_round_that_does_not_pay_drafts_nothing():
     assert fixed.plan(room=2).k == 2 and fixed.plan(room=0).source == "none"
 
 
-def test_early_stop_rises_with_cost():
-    cheap = _planner(0.8, _costs(0.1, CHEAP_VERIFY), ngram=False).plan(room=100)
-    dear = _planner(0.8, _costs(0.6, CHEAP_VERIFY), ngram=False).plan(room=100)
-    assert 0.0 < cheap.p_min < dear.p_min <= 0.9
-    assert _planner(0.8, _costs(0.1, CHEAP_VERIFY), ngram=False, p_min=0.95).plan(room=100).p_min == 0.95
+def _bins(acceptance_by_bin):
+    """ProbabilityBins whose bin i has (about) acceptance_by_bin[i] on much evidence."""
+    bins = ProbabilityBins()
+    for b, a in zip(bins.bins, acceptance_by_bin):
+        b.accepted, b.rejected = 1000 * a, 1000 * (1 - a)
+    return bins
+
+
+def test_early_stop_where_the_drafts_probability_stops_paying():
+    # Drafts below p 0.3 are accepted 20% of the time, below 0.6 60%, above 95%.
+    by_bin = [0.2] * 3 + [0.6] * 3 + [0.95] * 4
+    cheap = _planner(0.8, _costs(0.1, CHEAP_VERIFY), ngram=False)
+    dear = _planner(0.8, _costs(0.6, CHEAP_VERIFY), ngram=False)
+    cheap.by_probability = dear.by_probability = _bins(by_bin)
+    # Cheap drafts pay at 30% acceptance: stop below 0.3; dear ones need ~70%: stop below 0.6.
+    assert cheap.plan(room=100).p_min == pytest.approx(0.3)
+    assert dear.plan(room=100).p_min == pytest.approx(0.6)
+    # The user's draft_p_min is a floor.
+    floor = _planner(0.8, _costs(0.1, CHEAP_VERIFY), ngram=False, p_min=0.95)
+    assert floor.plan(room=100).p_min == 0.95
+    # Before evidence no bin is below the prior: no stop, however flat the river's rows are.
+    assert ProbabilityBins().p_min(0.7) == 0.0
+
+
+def test_probability_bins_count_only_compared_drafts():
+    bins = ProbabilityBins()
+    bins.observe([0.95, 0.55, 0.15, 0.05], accepted=1, rejected=True)
+    assert (bins.bin(0.95).accepted, bins.bin(0.95).rejected) == (1, 0)
+    assert (bins.bin(0.55).accepted, bins.bin(0.55).rejected) == (0, 1)
+    assert all(b.accepted == b.rejected == 0 for b in (bins.bin(0.15), bins.bin(0.05)))
+    # A walk the caller ended after the first draft says nothing about the second.
+    bins.observe([0.35, 0.25], accepted=1, rejected=False)
+    assert bins.bin(0.35).accepted == 1 and bins.bin(0.25).rejected == 0
 
 
 def test_ngram_draft_chosen_where_it_pays():

@@ -217,6 +217,39 @@ class Plan:
 
 #: The adaptive early stop never asks a draft for more probability than this.
 MAX_P_MIN = 0.9
+#: River drafts' acceptance is kept per probability bin of this width: a draft's probability under
+#: the river says how likely the backbone is to take it only as far as the text so far shows (a
+#: random-weight river's flat rows still agree with its backbone's argmax).
+P_BIN = 0.1
+#: A bin's acceptance before evidence: high, so the early stop waits for rejections to show.
+BIN_PRIOR = 0.8
+
+
+class ProbabilityBins:
+    """River drafts' acceptance by their probability under the river (bins of P_BIN), and the
+    early stop that follows from it: below the highest bin whose acceptance does not pay."""
+
+    def __init__(self):
+        self.bins = [Acceptance(prior=BIN_PRIOR) for _ in range(round(1 / P_BIN))]
+
+    def bin(self, p: float) -> Acceptance:
+        return self.bins[min(max(int(p / P_BIN), 0), len(self.bins) - 1)]
+
+    def observe(self, probs: Sequence[float], accepted: int, rejected: bool) -> None:
+        """A round's drafts in order: the first `accepted` were kept, the next rejected (when
+        `rejected`); any after it were never compared."""
+        for j, p in enumerate(probs[:accepted + bool(rejected)]):
+            self.bin(p).observe(int(j < accepted), j >= accepted)
+
+    def fade(self) -> None:
+        for b in self.bins:
+            b.fade()
+
+    def p_min(self, pays: float) -> float:
+        """The probability below which a draft's bin (or a higher one) is accepted less often
+        than `pays`: drafting stops there."""
+        low = [i for i, b in enumerate(self.bins) if b.value < pays]
+        return min((max(low) + 1) * P_BIN, MAX_P_MIN) if low else 0.0
 
 
 class DraftPlanner:
@@ -237,6 +270,7 @@ class DraftPlanner:
         self.costs = RoundCosts()
         self.river = Acceptance(prior=0.7)
         self.by_match = [Acceptance(prior=p) for p in (0.3, 0.6, 0.85)]
+        self.by_probability = ProbabilityBins()
         self.last: Optional[Plan] = None
 
     def ngram_acceptance(self, match: int) -> Acceptance:
@@ -273,9 +307,9 @@ class DraftPlanner:
         k = max(range(1, k_max + 1), key=lambda n: self.rate(a, n, d))
         rate = self.rate(a, k, d)
         # A draft pays when its chance of acceptance buys a token at least at the round's rate:
-        # p * 1 token >= rate * (its draft step + its share of the verify batch).
+        # acceptance * 1 token >= rate * (its draft step + its share of the verify batch).
         marginal = d + (self.costs.verify_cost(k + 1) - self.costs.verify_cost(1)) / k
-        return Plan("river", k=k, p_min=max(self.p_min, min(MAX_P_MIN, rate * marginal)), rate=rate)
+        return Plan("river", k=k, p_min=max(self.p_min, self.by_probability.p_min(rate * marginal)), rate=rate)
 
     def observe(self, plan: Plan, drafted: int, draft_s: float, verify_s: float) -> None:
         """A round's costs: its river draft time (for `drafted` drafts of plan.k asked: one step
@@ -284,14 +318,18 @@ class DraftPlanner:
             self.costs.observe_draft(drafted + (drafted < plan.k), draft_s)
         self.costs.observe_verify(drafted + 1, verify_s)
 
-    def settle(self, accepted: int, rejected: bool) -> None:
+    def settle(self, accepted: int, rejected: bool, probs: Optional[Sequence[float]] = None) -> None:
         """The last plan's outcome: `accepted` drafts kept, and whether one was rejected (a walk
-        that the caller ended first says nothing about the rest). Every drafter's evidence ages
+        that the caller ended first says nothing about the rest); probs: the river drafts'
+        probabilities under the river, when the draft gave them. Every drafter's evidence ages
         one round."""
         plan, self.last = self.last, None
         for acc in (self.river, *self.by_match):
             acc.fade()
+        self.by_probability.fade()
         if plan is None or plan.source == "none":
             return
+        if plan.source == "river" and probs:
+            self.by_probability.observe(probs, accepted, rejected)
         target = self.river if plan.source == "river" else self.ngram_acceptance(plan.match)
         target.observe(accepted, rejected)

@@ -139,6 +139,7 @@ class Session:
         # many leading positions its n-gram context still shares with the cache's tokens.
         self._planner: Optional[DraftPlanner] = None
         self._planned_valid = 0
+        self._draft_probs: List[float] = []  # the last round's river drafts' probabilities, when drawn greedily
         self._closed = False
 
     # ----- what the cache holds ------------------------------------------------------------
@@ -403,6 +404,11 @@ class Session:
         """The river's drafts after `token` (which goes at position n_past; the cache keeps n_past
         positions, the rows the drafts wrote beyond are the verify batch's to overwrite).
         max_drafts: fewer than the options' draft_max; p_min: this draft's draft_p_min."""
+        return self._draft(token, max_drafts, pick, p_min, with_probs=False)[0]
+
+    def _draft(self, token: int, max_drafts: Optional[int], pick, p_min: Optional[float],
+               with_probs: bool) -> Tuple[List[int], List[float]]:
+        """draft(), and with_probs (greedy drafts only) each draft's probability under the river."""
         with self._lock:
             self._claim()
             self._check_room()
@@ -412,11 +418,11 @@ class Session:
             if p_min is not None:
                 args["p_min"] = float(p_min)
             if args["n_max"] == 0:
-                return []
+                return [], []
             # Drafts beyond the context's end have no room to be verified.
             args["n_max"] = min(args["n_max"], self._engine.n_ctx - self._engine.n_past - 1)
-            tokens, _ = self._engine.draft(int(token), **args, with_probs=False, pick=pick)
-            return list(tokens)
+            tokens, probs = self._engine.draft(int(token), **args, with_probs=with_probs, pick=pick)
+            return list(tokens), list(probs)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
         """The backbone's rows for a round's batch (its token and drafts), evaluated in one batch
@@ -446,8 +452,10 @@ class Session:
         n-gram's, or none), and the verify batch's rows."""
         t0 = time.perf_counter()
         plan = self._plan(token, room)
+        self._draft_probs = []
         if plan.source == "river" and pick is None:
-            drafts = self.draft(token, plan.k, p_min=plan.p_min)
+            # The probabilities teach the planner where the early stop pays (adaptive_draft).
+            drafts, self._draft_probs = self._draft(token, plan.k, None, plan.p_min, self.options.adaptive_draft)
         elif plan.source == "river":
             with pick() as picker:
                 drafts = self.draft(token, plan.k, picker)
@@ -492,7 +500,7 @@ class Session:
         """Tell the planner how the round's drafts fared (and count an n-gram round's)."""
         if self._planner.last.source == "ngram":
             self.counters.ngram_accepted += kept
-        self._planner.settle(kept, rejected)
+        self._planner.settle(kept, rejected, self._draft_probs)
 
     # ----- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:

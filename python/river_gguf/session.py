@@ -139,7 +139,7 @@ class Session:
         # many leading positions its n-gram context still shares with the cache's tokens.
         self._planner: Optional[DraftPlanner] = None
         self._planned_valid = 0
-        self._draft_probs: List[float] = []  # the last round's river drafts' probabilities, when drawn greedily
+        self._draft_probs: List[float] = []  # the last round's greedy river drafts' probabilities
         self._closed = False
 
     # ----- what the cache holds ------------------------------------------------------------
@@ -309,8 +309,9 @@ class Session:
         """The token loop, from the last position's row: choose(row, seen) -> token (or STOP) picks
         each token, which is yielded and then evaluated, as a decode step, or in lossless mode as a
         round (drafts after it from the river or the n-gram drafter, as the session's DraftPlanner
-        chooses; the backbone verifies it and the drafts in one batch, and `accept` walks the rows). Ends at STOP, after `limit` tokens, or when the caller
-        stops; the cache then holds the positions before the last token yielded.
+        chooses; the backbone verifies it and the drafts in one batch, and `accept` walks the
+        rows). Ends at STOP, after `limit` tokens, or when the caller stops; the cache then holds
+        the positions before the last token yielded.
         trace: each step's exit-rule scores (Step.scores). exit_layers: the forced exit layer of
         each decode step in turn (a plain step each, the session's other options kept).
         pick: how the river chooses each round's drafts (default greedy): a callable returning a

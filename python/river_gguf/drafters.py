@@ -280,15 +280,15 @@ class DraftPlanner:
         """Expected tokens per second of a round of k drafts made at `draft_step` seconds each."""
         return tokens_per_round(acceptance, k) / (k * draft_step + self.costs.verify_cost(k + 1))
 
-    def plan(self, room: int, river: bool = True) -> Plan:
-        """This round's drafts, at most `room` of them; river=False: the river cannot draft (no
-        room for it, or the caller forbids it). With the n-gram drafter, its context must be the
-        session's tokens and the round's token (the caller keeps it so)."""
+    def plan(self, room: int) -> Plan:
+        """This round's drafts, at most `room` of them. With the n-gram drafter, its context must
+        be the session's tokens and the round's token (the caller keeps it so)."""
         room = max(0, int(room))
         best = Plan("none", rate=self.rate(0.0, 0, 0.0))
-        if river and room and self.river_max:
-            best = max(best, self._river_plan(min(room, self.river_max)), key=lambda p: p.rate) \
-                if self.adaptive else self._river_plan(min(room, self.river_max))
+        if room and self.river_max:
+            offer = self._river_plan(min(room, self.river_max))
+            if not self.adaptive or offer.rate > best.rate:
+                best = offer
         if self.ngram is not None and room:
             drafts, match = self.ngram.propose(min(room, self.ngram_max))
             if drafts:

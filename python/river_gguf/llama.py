@@ -762,7 +762,8 @@ class Llama:
         stats.update(exit_stats(c.exit_layers, self.river_model.n_layer, opts.tail))
         if opts.lossless:
             stats.update(lossless_stats(c.rounds, c.drafted, c.accepted, c.draft_s, c.verify_s),
-                         draft_max=opts.draft_max, draft_p_min=opts.draft_p_min, draft_mode=opts.draft_mode)
+                         draft_max=opts.draft_max, draft_p_min=opts.draft_p_min, draft_mode=opts.draft_mode,
+                         ngram_rounds=c.ngram_rounds, ngram_drafted=c.ngram_drafted, ngram_accepted=c.ngram_accepted)
         self.last_stats = stats
 
     def _run(self, tokens: List[int], reset: bool, chain: SamplerChain, processors, stopping_criteria, opts,

@@ -136,6 +136,10 @@ class ExitOptions:
     draft_max: int = 4
     draft_p_min: float = 0.0
     draft_mode: str = "river-only"
+    # Lossless mode: n-gram drafts from the context where they pay (river_gguf.drafters), and a
+    # draft length (and early stop) that follows the running acceptance and the measured costs.
+    ngram_draft: bool = True
+    adaptive_draft: bool = True
 
     def validate(self, n_layer: int, has_river: bool) -> "ExitOptions":
         if not isinstance(self.mode, str) or self.mode not in MODES:
@@ -162,6 +166,9 @@ class ExitOptions:
             raise ValueError(f"draft_p_min must be a number in [0, 1], got {self.draft_p_min!r}")
         if not isinstance(self.draft_mode, str) or self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
+        for name in ("ngram_draft", "adaptive_draft"):
+            if not is_bool(getattr(self, name)):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         uses_river = self.mode != "backbone" or (self.exit_layer is not None and self.exit_layer < n_layer - 1)
         if uses_river and not has_river:
             raise ValueError(
@@ -290,6 +297,15 @@ class RiverOptions:
                                       help="lossless: draft with every layer from the river (river-only, the "
                                            "default) or with River's exit rule (river: backbone layers until "
                                            "the rule's score passes TAU)")
+    ngram_draft: Optional[bool] = _exit("--ngram-draft", bool_flag=True,
+                                        help="lossless: draft the continuation of an earlier occurrence of the "
+                                             "text's last tokens (prompt and output) where that pays more than "
+                                             "the river's drafts (default on)")
+    adaptive_draft: Optional[bool] = _exit("--adaptive-draft", bool_flag=True,
+                                           help="lossless: choose each round's draft length (up to --draft-max, "
+                                                "none where no draft pays) and stop river drafts early, from the "
+                                                "running acceptance and the measured costs (default on; off: "
+                                                "always --draft-max river drafts)")
     draft_vocab: Optional[int] = _place(
         None, "--draft-vocab", type=int, metavar="N",
         help="lossless: the tokens a draft may propose, the N the file ranks first (its calibration text's, then "

@@ -3,7 +3,8 @@
 A Session is what a llama.cpp server slot is: it knows which tokens the cache holds, the exit
 options they ran under (resolved and validated once, when the session starts) and the logits rows
 that came with them. Its loop, `decode`, runs plain decode steps or lossless rounds (the river
-drafts, the backbone verifies the drafts in one batch) and applies one acceptance rule
+drafts, or an n-gram of the context does, as river_gguf.drafters chooses; the backbone verifies
+the drafts in one batch) and applies one acceptance rule
 (`accept`): the rows are walked in order, a policy's `choose(row)` picks each token, and a draft
 is kept while it equals the token chosen at its position. Every caller is such a policy: the
 drop-in Llama's sampler chain, greedy's argmax, teacher-forced scoring's "the text's next token".
@@ -19,6 +20,7 @@ from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tup
 import numpy as np
 
 from ._loader import native
+from .drafters import DraftPlanner
 from .options import ExitOptions
 
 #: What `choose` returns to end the loop.
@@ -58,6 +60,9 @@ class Counters:
     accepted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    ngram_rounds: int = 0       # rounds whose drafts came from the n-gram drafter
+    ngram_drafted: int = 0
+    ngram_accepted: int = 0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -130,6 +135,11 @@ class Session:
         self._unchanged = 0      # positions unchanged since the last changes() call
         self._from_decode = False  # whether the last evaluation was a decode step or round
         self.counters = Counters()
+        # Lossless rounds' choice of drafter and draft length (made at the first round), and how
+        # many leading positions its n-gram context still shares with the cache's tokens.
+        self._planner: Optional[DraftPlanner] = None
+        self._planned_valid = 0
+        self._draft_probs: List[float] = []  # the last round's greedy river drafts' probabilities
         self._closed = False
 
     # ----- what the cache holds ------------------------------------------------------------
@@ -203,6 +213,7 @@ class Session:
             self._model.give_cache(self)
             self._tokens.clear()
             self._rows, self._exit_layer, self._kept_valid, self._unchanged = None, -1, 0, 0
+            self._planned_valid = 0
 
     def _holds_cache(self) -> bool:
         return self._own_cache or self._model.holds_cache(self)
@@ -215,6 +226,7 @@ class Session:
             self._engine.truncate(n)
             del self._tokens[n:]
             self._unchanged = min(self._unchanged, n)
+            self._planned_valid = min(self._planned_valid, n)
             self._kept_valid = min(self._kept_valid, n)
             if self._rows is not None:
                 keep = n - self._rows_from
@@ -296,9 +308,10 @@ class Session:
                exit_layers: Optional[Sequence[int]] = None, pick=None) -> Iterator[Step]:
         """The token loop, from the last position's row: choose(row, seen) -> token (or STOP) picks
         each token, which is yielded and then evaluated, as a decode step, or in lossless mode as a
-        round (the river drafts after it, the backbone verifies it and the drafts in one batch,
-        and `accept` walks the rows). Ends at STOP, after `limit` tokens, or when the caller
-        stops; the cache then holds the positions before the last token yielded.
+        round (drafts after it from the river or the n-gram drafter, as the session's DraftPlanner
+        chooses; the backbone verifies it and the drafts in one batch, and `accept` walks the
+        rows). Ends at STOP, after `limit` tokens, or when the caller stops; the cache then holds
+        the positions before the last token yielded.
         trace: each step's exit-rule scores (Step.scores). exit_layers: the forced exit layer of
         each decode step in turn (a plain step each, the session's other options kept).
         pick: how the river chooses each round's drafts (default greedy): a callable returning a
@@ -320,6 +333,7 @@ class Session:
         from_decode = self._from_decode
         while True:
             j, token = 0, STOP
+            kept, rejected = 0, False  # this round's accepted drafts, and whether one was rejected
             try:
                 for j, token in accept(rows, drafts, choose, base + 1):
                     if token is STOP:
@@ -327,12 +341,17 @@ class Session:
                     c = self.counters
                     c.exit_layers.append(self._exit_layer)
                     c.decode_tokens += from_decode
-                    c.accepted += j < len(drafts) and token == drafts[j]
+                    hit = j < len(drafts) and token == drafts[j]
+                    c.accepted += hit
+                    kept += hit
+                    rejected = j < len(drafts) and not hit
                     yield Step(int(token), rows[j], base + j + 1, self._exit_layer, self._scores)
                     n += 1
                     if limit is not None and n >= limit:
                         return
             finally:
+                if lossless and self._planner is not None and self._planner.last is not None:
+                    self._settle(kept, rejected)
                 # Rows up to the last one a token was chosen from stay; the drafts after it leave.
                 with self._lock:
                     self._resume()
@@ -381,23 +400,30 @@ class Session:
         self._record([int(token)], rows, True, exit_layer, None, True)
         return rows
 
-    def draft(self, token: int, max_drafts: Optional[int] = None, pick=None) -> List[int]:
+    def draft(self, token: int, max_drafts: Optional[int] = None, pick=None,
+              p_min: Optional[float] = None) -> List[int]:
         """The river's drafts after `token` (which goes at position n_past; the cache keeps n_past
-        positions, the rows the drafts wrote beyond are the verify batch's to overwrite)."""
+        positions, the rows the drafts wrote beyond are the verify batch's to overwrite).
+        max_drafts: fewer than the options' draft_max; p_min: this draft's draft_p_min."""
+        return self._draft(token, max_drafts, pick, p_min, with_probs=False)[0]
+
+    def _draft(self, token: int, max_drafts: Optional[int], pick, p_min: Optional[float],
+               with_probs: bool) -> Tuple[List[int], List[float]]:
+        """draft(), and with_probs (greedy drafts only) each draft's probability under the river."""
         with self._lock:
             self._claim()
-            if self._engine.n_past + 1 > self._engine.n_ctx:
-                raise native.ContextOverflowError(
-                    f"no room after {self._engine.n_past} positions in n_ctx={self._engine.n_ctx}")
+            self._check_room()
             args = self.options.draft_args()
             if max_drafts is not None:
                 args["n_max"] = max(0, min(args["n_max"], int(max_drafts)))
+            if p_min is not None:
+                args["p_min"] = float(p_min)
             if args["n_max"] == 0:
-                return []
+                return [], []
             # Drafts beyond the context's end have no room to be verified.
             args["n_max"] = min(args["n_max"], self._engine.n_ctx - self._engine.n_past - 1)
-            tokens, _ = self._engine.draft(int(token), **args, with_probs=False, pick=pick)
-            return list(tokens)
+            tokens, probs = self._engine.draft(int(token), **args, with_probs=with_probs, pick=pick)
+            return list(tokens), list(probs)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
         """The backbone's rows for a round's batch (its token and drafts), evaluated in one batch
@@ -417,26 +443,65 @@ class Session:
         self._engine.truncate(self._engine.n_past - 1)
         return rows[:1], exit_layer
 
+    def _check_room(self) -> None:
+        if self._engine.n_past + 1 > self._engine.n_ctx:
+            raise native.ContextOverflowError(
+                f"no room after {self._engine.n_past} positions in n_ctx={self._engine.n_ctx}")
+
     def _round(self, token: int, room: Optional[int], pick) -> Tuple[np.ndarray, List[int]]:
-        """One lossless round after `token`: its drafts and the verify batch's rows."""
+        """One lossless round after `token`: the drafts the planner chooses (the river's, an
+        n-gram's, or none), and the verify batch's rows."""
         t0 = time.perf_counter()
-        if pick is None:
-            drafts = self.draft(token, room)
-        else:
+        plan = self._plan(token, room)
+        self._draft_probs = []
+        if plan.source == "river" and pick is None:
+            # The probabilities teach the planner where the early stop pays (adaptive_draft).
+            drafts, self._draft_probs = self._draft(token, plan.k, None, plan.p_min, self.options.adaptive_draft)
+        elif plan.source == "river":
             with pick() as picker:
-                drafts = self.draft(token, room, picker)
+                drafts = self.draft(token, plan.k, picker)
+        else:
+            drafts = list(plan.tokens)
         t1 = time.perf_counter()
         rows, exit_layer = self._eval_batched([int(token)] + drafts, self.options, prompt=True)
         t2 = time.perf_counter()
         self._record([int(token)] + drafts, rows, True, exit_layer, None, True)
+        self._planner.observe(plan, len(drafts), t1 - t0, t2 - t1)
         c = self.counters
         c.rounds += 1
         c.decode_steps += 1
         c.drafted += len(drafts)
+        if plan.source == "ngram":
+            c.ngram_rounds += 1
+            c.ngram_drafted += len(drafts)
         c.draft_s += t1 - t0
         c.verify_s += t2 - t1
         c.decode_s += t2 - t0
         return rows, drafts
+
+    def _plan(self, token: int, room: Optional[int]):
+        """This round's drafts (drafters.Plan), at most `room` and what the context has room for;
+        the n-gram drafter's context first catches up with the cache's tokens and `token`."""
+        self._claim()
+        self._check_room()
+        if self._planner is None:
+            o = self.options
+            self._planner = DraftPlanner(o.draft_max, ngram=o.ngram_draft, adaptive=o.adaptive_draft,
+                                         p_min=o.draft_p_min)
+        ngram = self._planner.ngram
+        if ngram is not None:
+            ngram.truncate(min(self._planned_valid, len(ngram)))
+            ngram.extend(self._tokens[len(ngram):])
+            ngram.extend([int(token)])
+            self._planned_valid = len(self._tokens)
+        space = self._engine.n_ctx - self._engine.n_past - 1
+        return self._planner.plan(space if room is None else min(space, room))
+
+    def _settle(self, kept: int, rejected: bool) -> None:
+        """Tell the planner how the round's drafts fared (and count an n-gram round's)."""
+        if self._planner.last.source == "ngram":
+            self.counters.ngram_accepted += kept
+        self._planner.settle(kept, rejected, self._draft_probs)
 
     # ----- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -97,7 +97,7 @@ def _recorded_rows(m):
             for prefix in itertools.product(range(N_VOCAB), repeat=n):
                 backbone[prefix] = _row_after(s, prefix)
     river = {}
-    opts = m.options(mode="lossless", draft_max=DRAFT_MAX)
+    opts = m.options(mode="lossless", draft_max=DRAFT_MAX, ngram_draft=False, adaptive_draft=False)
     for verified in range(N_NEXT - 1):
         for prefix in itertools.product(range(N_VOCAB), repeat=verified + 1):
             for path in itertools.product(range(N_VOCAB), repeat=DRAFT_MAX - 1):
@@ -176,7 +176,7 @@ def _lossless(session, seeds, sampler):
 
 def _sessions(m, recorded):
     """A lossless Session on the engine and one on the replayed engine, each holding the prompt."""
-    opts = m.options(mode="lossless", draft_max=DRAFT_MAX)
+    opts = m.options(mode="lossless", draft_max=DRAFT_MAX, ngram_draft=False, adaptive_draft=False)
     real = m.session(opts, keep_rows=True)
     replay = Session(_Shape(m), ReplayedEngine(*recorded, m.n_ctx), threading.RLock(), opts, keep_rows=True,
                      own_cache=True)

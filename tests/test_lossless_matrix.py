@@ -89,6 +89,9 @@ def _run(llm, seed, sampler, keep=_digest, **river):
     row they were chosen from (before the logits processors; a digest unless told), recorded by a
     stopping criterion, which llama_cpp hands the row the token was sampled from."""
     kw = dict(sampler)
+    if river.get("mode") == "lossless":
+        # River drafts of draft_max each round unless told: the default planner follows the clock.
+        river = dict(dict(ngram_draft=False, adaptive_draft=False), **river)
     if "grammar" in kw:
         kw["grammar"] = LlamaGrammar.from_string(kw["grammar"], verbose=False)
     rows = []
@@ -117,15 +120,20 @@ def test_lossless_is_the_exact_reference_for_every_drafter(models, sampler):
     assert len(want[0]) == N_TOKENS and len(want[1]) == N_TOKENS
     parted, drafted, accepted = [], {}, {}
     for (river, vocab), llm in lossless.items():
-        for k in DRAFT_MAX:
-            got = _run(llm, seed, SAMPLERS[sampler], mode="lossless", draft_max=k)
+        # River drafts of k each round (the counts below assume it), then the n-gram drafter beside
+        # the river; neither planner reads the clock (adaptive_draft=False), so a run drafts alike on
+        # any machine.
+        for k, ngram in [(k, False) for k in DRAFT_MAX] + [(max(DRAFT_MAX), True)]:
+            got = _run(llm, seed, SAMPLERS[sampler], mode="lossless", draft_max=k, ngram_draft=ngram,
+                       adaptive_draft=False)
             stats = llm.last_stats
-            drafted[river] = drafted.get(river, 0) + stats["drafted"]
-            accepted[river] = accepted.get(river, 0) + stats["accepted"]
+            if not ngram:
+                drafted[river] = drafted.get(river, 0) + stats["drafted"]
+                accepted[river] = accepted.get(river, 0) + stats["accepted"]
             if got != want:
                 i = next(j for j in range(N_TOKENS) if got[0][j] != want[0][j] or got[1][j] != want[1][j])
-                parted.append(f"river={river} draft_vocab={vocab} k={k}: token {i} {got[0][i]} vs {want[0][i]}, "
-                              f"rows {'equal' if got[1][i] == want[1][i] else 'differ'}")
+                parted.append(f"river={river} draft_vocab={vocab} k={k} ngram={ngram}: token {i} {got[0][i]} "
+                              f"vs {want[0][i]}, rows {'equal' if got[1][i] == want[1][i] else 'differ'}")
     assert not parted, "\n".join(parted)
     # Both rivers drafted, and drafts were accepted and rejected: the rounds verified several
     # tokens, kept some and threw some away.

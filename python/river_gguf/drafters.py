@@ -257,7 +257,9 @@ class DraftPlanner:
     acceptance of each and the session's measured costs. river_max: the most river drafts a
     round (draft_max); ngram: whether the n-gram drafter is used; adaptive: whether k and the
     early stop follow acceptance and costs (otherwise the river always drafts river_max, stopping
-    at p_min alone, as a round did before either existed)."""
+    at p_min alone, as a round did before either existed, and the choice between the drafters
+    uses the prior costs, never the clock: the same text then drafts the same way on any machine
+    and under any load)."""
 
     def __init__(self, river_max: int, ngram: bool = True, adaptive: bool = True, p_min: float = 0.0,
                  ngram_max: int = NGRAM_MAX):
@@ -313,7 +315,10 @@ class DraftPlanner:
 
     def observe(self, plan: Plan, drafted: int, draft_s: float, verify_s: float) -> None:
         """A round's costs: its river draft time (for `drafted` drafts of plan.k asked: one step
-        more when the draft stopped early) and its verify batch of drafted + 1 tokens."""
+        more when the draft stopped early) and its verify batch of drafted + 1 tokens. Only an
+        adaptive planner learns from the clock."""
+        if not self.adaptive:
+            return
         if plan.source == "river":
             self.costs.observe_draft(drafted + (drafted < plan.k), draft_s)
         self.costs.observe_verify(drafted + 1, verify_s)

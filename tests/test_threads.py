@@ -55,8 +55,8 @@ def run(job):
     if kind == "logits":
         return m.logits(p, mode=mode).tobytes().hex()
     if kind == "score":
-        return m.score(p + [5, 6, 7], prefix=2, mode=mode).logprobs.tobytes().hex()
-    return m.similarity_trace(p, mode=mode)
+        return score(m, p + [5, 6, 7], prefix=2, mode=mode).logprobs.tobytes().hex()
+    return similarity_trace(m, p, mode=mode)
 
 reference = [run(j) for j in jobs]
 assert any(r != reference[0] for r in reference[1:])  # the jobs differ, so equality means something
@@ -140,6 +140,8 @@ TWO_MODELS = r"""
 import json, sys, threading
 from river_gguf import Model
 from river_gguf.greedy import greedy
+from river_gguf.measure.teacher import score
+from river_gguf.measure.traces import similarity_trace
 
 path_a, path_b = sys.argv[1], sys.argv[2]
 models = [Model(path_a, n_ctx=96, n_threads=1), Model(path_b, river=path_b, n_ctx=96, n_threads=1, threshold=0.5)]

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tup
 import numpy as np
 
 from ._loader import native
-from .options import ExitOptions
+from .options import ExitOptions, is_int
 
 #: What `choose` returns to end the loop.
 STOP = None
@@ -209,6 +209,8 @@ class Session:
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions."""
+        if not is_int(n) or not 0 <= n <= len(self._tokens):
+            raise ValueError(f"n must be an int in [0, {len(self._tokens)}], got {n!r}")
         with self._lock:
             self._claim()
             n = max(0, min(int(n), len(self._tokens)))
@@ -225,7 +227,7 @@ class Session:
         the rest as a prompt batch. The last position's row is live afterwards (a token is
         evaluated again when its row was not kept), unless need_row=False; with all_logits, every
         position's row is kept too. Returns how many positions were reused."""
-        tokens = list(tokens)
+        tokens = self._model.check_tokens(tokens)
         if not tokens:
             raise ValueError("no tokens to evaluate")
         with self._lock:
@@ -246,7 +248,9 @@ class Session:
         applies), or with decode=True one decode step (exits live). Returns the last row, or every
         row with all_logits. options: this evaluation's setting (a forced exit layer for one
         step); default the session's."""
-        tokens = list(tokens)
+        tokens = self._model.check_tokens(tokens)
+        if decode and len(tokens) > 1:
+            raise ValueError(f"a decode step takes one token, got {len(tokens)}")
         if not tokens:
             raise ValueError("no tokens to evaluate")
         opts = self.options if options is None else options
@@ -381,9 +385,14 @@ class Session:
         self._record([int(token)], rows, True, exit_layer, None, True)
         return rows
 
-    def draft(self, token: int, max_drafts: Optional[int] = None, pick=None) -> List[int]:
+    def draft(self, token: int, max_drafts: Optional[int] = None, pick=None, with_probs: bool = False):
         """The river's drafts after `token` (which goes at position n_past; the cache keeps n_past
-        positions, the rows the drafts wrote beyond are the verify batch's to overwrite)."""
+        positions, the rows the drafts wrote beyond are the verify batch's to overwrite).
+        with_probs: return (drafts, each one's probability under the draft) instead, at the cost
+        of a softmax over the vocabulary per draft."""
+        token = self._model.check_token(token)
+        if not self._model.has_river:
+            raise ValueError(f"{self._model.model_path} has no river to draft with")
         with self._lock:
             self._claim()
             if self._engine.n_past + 1 > self._engine.n_ctx:
@@ -393,11 +402,12 @@ class Session:
             if max_drafts is not None:
                 args["n_max"] = max(0, min(args["n_max"], int(max_drafts)))
             if args["n_max"] == 0:
-                return []
+                return ([], []) if with_probs else []
             # Drafts beyond the context's end have no room to be verified.
             args["n_max"] = min(args["n_max"], self._engine.n_ctx - self._engine.n_past - 1)
-            tokens, _ = self._engine.draft(int(token), **args, with_probs=False, pick=pick)
-            return list(tokens)
+            tokens, probs = self._engine.draft(token, **args, with_probs=bool(with_probs),
+                                               pick=pick)
+            return (list(tokens), list(probs)) if with_probs else list(tokens)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
         """The backbone's rows for a round's batch (its token and drafts), evaluated in one batch

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ..gguf.meta import set_river_metadata
 from ..measure import divergence
 from ..measure.scoring import calibration_prepared, prepare
+from ..measure.tails import river_tails
 from ..options import EXIT_RULES, never_exit
 from ..profile import predicted_mean_exit, similarity_profile
 from ..presets import ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, GRID_KEY, PRESET_KEY, complete, dump
@@ -101,7 +102,7 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
             shared = {}  # river-only tails of one family: one pass of their common river layers
             for idx in _river_only_families(configs, [i for i in want if i in static]):
                 o = configs[idx[0]]
-                rows = model.river_tails(toks[:len(toks) - 1], [configs[j]["tail"] for j in idx],
+                rows = river_tails(model, toks[:len(toks) - 1], [configs[j]["tail"] for j in idx],
                                          river_attention=o["river_attention"], river_head=o.get("river_head", True),
                                          first_row=prefix - 1)
                 shared.update(zip(idx, rows))
@@ -163,7 +164,7 @@ GRID_FIELDS = ("options", "kld", "kld_ci", "interval", "same_top", "ppl", "cost"
 
 def _river_only_families(configs: dict, static: List[int]) -> List[List[int]]:
     """The static river-only settings among `static` grouped by family (the same head and
-    attention), families of two or more: their tails share one pass of the river (Model.river_tails)."""
+    attention), families of two or more: their tails share one pass of the river (measure.tails.river_tails)."""
     families: dict = {}
     for i in static:
         o = configs[i]

@@ -306,7 +306,7 @@ class Session:
         trace: each step's exit-rule scores (Step.scores). exit_layers: the forced exit layer of
         each decode step in turn (a plain step each, the session's other options kept).
         pick: how the river chooses each round's drafts (default greedy): a callable returning a
-        context manager that gives pick(logits, tokens) -> token (Model.draft says more), made
+        context manager that gives pick(logits, tokens) -> token (Session.draft says more), made
         afresh each round (a sampler's clone in its current state). The lock is taken per
         evaluation, not across yields: a session that another user of the cache displaced between
         two steps evaluates its tokens again."""
@@ -389,7 +389,10 @@ class Session:
         """The river's drafts after `token` (which goes at position n_past; the cache keeps n_past
         positions, the rows the drafts wrote beyond are the verify batch's to overwrite).
         with_probs: return (drafts, each one's probability under the draft) instead, at the cost
-        of a softmax over the vocabulary per draft."""
+        of a softmax over the vocabulary per draft. pick(logits, tokens) -> token, when given,
+        chooses each draft instead of the greedy rule (-1: stop), from the draft's logits and the
+        token of each (None: the whole vocabulary in order; read-only arrays valid during the
+        call); draft_p_min and the probabilities then do not apply."""
         token = self._model.check_token(token)
         if not self._model.has_river:
             raise ValueError(f"{self._model.model_path} has no river to draft with")

@@ -202,8 +202,12 @@ def test_river_prefill_uses_the_min_rule(river_model, prose_tokens):
     with river_model.session(ExitOptions(mode="river", threshold=0.9, prefill="river")) as s:
         s.extend(prose_tokens, trace=True)
         exit_layer, sims = s.exit_layer, s.scores
-    # The batch exits at the first layer whose *minimum* over prompt tokens passes.
-    passed = [i for i, s in enumerate(sims) if s > 0.9]
+    # The trace holds every prompt token's score of each layer run; the batch exits at the first
+    # layer whose *minimum* over the prompt's tokens passes.
+    layers_run = len(sims) // len(prose_tokens)
+    assert layers_run * len(prose_tokens) == len(sims) and layers_run > exit_layer
+    minima = np.asarray(sims).reshape(layers_run, len(prose_tokens)).min(axis=1)
+    passed = [i for i, x in enumerate(minima) if x > 0.9]
     assert exit_layer == (passed[0] if passed else river_model.n_layer - 1)
     m = river_model
     a = greedy(m, prose_tokens[:20], max_tokens=4, mode="river", threshold=-1.0, prefill="river")

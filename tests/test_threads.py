@@ -38,6 +38,8 @@ import json, random, sys, threading, time
 import numpy as np
 from river_gguf import Model
 from river_gguf.greedy import greedy
+from river_gguf.measure.teacher import score
+from river_gguf.measure.traces import similarity_trace
 
 path, n_threads, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 m = Model(path, river=path, n_ctx=96, n_threads=1, threshold=0.5)
@@ -140,8 +142,6 @@ TWO_MODELS = r"""
 import json, sys, threading
 from river_gguf import Model
 from river_gguf.greedy import greedy
-from river_gguf.measure.teacher import score
-from river_gguf.measure.traces import similarity_trace
 
 path_a, path_b = sys.argv[1], sys.argv[2]
 models = [Model(path_a, n_ctx=96, n_threads=1), Model(path_b, river=path_b, n_ctx=96, n_threads=1, threshold=0.5)]

@@ -4,7 +4,7 @@
         [--items 20] [--tokens 128] [--draft-max 4]
 
 Each evaluation item (GSM8K and HumanEval, the report's split) is teacher-forced through
-Model.score: in lossless mode each round drafts with the river, verifies the token and its drafts
+measure.teacher.score: in lossless mode each round drafts with the river, verifies the token and its drafts
 in one backbone batch, and keeps the rows up to the first draft that differs from the text, so
 every scored row comes from a verify batch over a cache the river drafted into. The reference is
 the backbone file (the F16 or Q8_0 the River GGUF's backbone is) in mode="backbone", one token a

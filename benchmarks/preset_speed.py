@@ -72,7 +72,7 @@ class RiverRun:
     def session(self, options):
         if self.unjoined is None:
             return self.m.session(options)
-        # The package's token loop on the unjoined engine, its cache its own (as Model.backbone_trace's).
+        # The package's token loop on the unjoined engine, its cache its own (as Model.backbone_session's).
         return Session(self.m, self.unjoined, threading.RLock(), options, own_cache=True,
                        verify_kernels=self.m.verify_kernels)
 

@@ -8,6 +8,8 @@ import river_gguf
 from river_gguf import Llama, Model, NumericalError
 from river_gguf.greedy import greedy
 from river_gguf.gguf.reader import GGUFReader
+from river_gguf.measure.teacher import score
+from river_gguf.measure.traces import similarity_trace
 
 PROMPT_A = [1, 310, 2048, 77, 901]
 PROMPT_B = [1, 52, 4000, 13, 615, 9]
@@ -37,7 +39,7 @@ def llm(tiny_path):
     llm.close()
 
 
-@pytest.mark.parametrize("other", ["logits", "score", "similarity_trace", "begin", "greedy", "truncate"])
+@pytest.mark.parametrize("other", ["logits", "score", "similarity_trace", "session", "greedy", "truncate"])
 def test_a_stream_survives_other_calls_on_its_model(llm, other):
     """Another call on the Llama's Model (river_model) between two chunks takes the KV cache; the
     stream's session finds itself displaced, evaluates its tokens again, and its text is the text
@@ -49,11 +51,11 @@ def test_a_stream_survives_other_calls_on_its_model(llm, other):
     assert m.holds_cache(llm.session)
     calls = {
         "logits": lambda: m.logits(PROMPT_B),
-        "score": lambda: m.score(PROMPT_B, prefix=2),
-        "similarity_trace": lambda: m.similarity_trace(PROMPT_B),
-        "begin": m.begin,
+        "score": lambda: score(m, PROMPT_B, prefix=2),
+        "similarity_trace": lambda: similarity_trace(m, PROMPT_B),
+        "session": lambda: m.session().extend(PROMPT_B),
         "greedy": lambda: greedy(m, PROMPT_B, 2),
-        "truncate": lambda: m.truncate(1),
+        "truncate": lambda: m.session().truncate(0),
     }
     calls[other]()
     assert not m.holds_cache(llm.session)  # the cache no longer holds the stream's tokens
@@ -93,11 +95,11 @@ def test_non_finite_logits_raise(tiny_path, tmp_path, value):
     with pytest.raises(NumericalError):
         m.logits(bad)
     with pytest.raises(NumericalError):
-        m.score(bad, prefix=1)  # the poisoned token is fed on the decode path; was: NaN scores
+        score(m, bad, prefix=1)  # the poisoned token is fed on the decode path; was: NaN scores
     with pytest.raises(NumericalError):
-        m.begin(), m.eval(bad)
+        m.session().extend(bad)
     with pytest.raises(NumericalError):
-        m.similarity_trace(bad)
+        similarity_trace(m, bad)
     with Llama(m.model_path, n_ctx=64, n_threads=1, verbose=False) as llm:
         with pytest.raises(NumericalError):
             llm.create_completion(bad, max_tokens=4)
@@ -121,14 +123,14 @@ def test_profile_leaves_the_models_cache_alone(tiny_path):
 
     m = Model(tiny_path, river=tiny_path, n_ctx=32, n_threads=1, threshold=0.5)
     alone = greedy(m, PROMPT_A, 6)
-    m.begin()
-    m.eval(PROMPT_A)
+    s = m.session()
+    s.extend(PROMPT_A)
     n_past = m.n_past
     sims = similarity_profile(m)
     assert sims.shape[0] > m.n_ctx and sims.shape[1] == m.n_layer  # longer than this Model's context
-    assert m.n_past == n_past  # the cache is still the caller's
-    step = m.eval([alone.tokens[0]], prompt=False)
-    assert int(step.logits[-1].argmax()) == alone.tokens[1]
+    assert m.n_past == n_past and m.holds_cache(s)  # the cache is still the caller's
+    row = s.extend([alone.tokens[0]], decode=True)
+    assert int(row.argmax()) == alone.tokens[1]
 
 
 # ----- argument types and ranges ------------------------------------------------------------
@@ -193,8 +195,8 @@ ENTRY_POINTS = {
     "options": lambda m, **kw: m.options(**kw),
     "greedy": lambda m, **kw: greedy(m, PROMPT_A, 2, **kw),
     "logits": lambda m, **kw: m.logits(PROMPT_A, **kw),
-    "score": lambda m, **kw: m.score(PROMPT_A, prefix=2, **kw),
-    "similarity_trace": lambda m, **kw: m.similarity_trace(PROMPT_A, **kw),
+    "score": lambda m, **kw: score(m, PROMPT_A, prefix=2, **kw),
+    "similarity_trace": lambda m, **kw: similarity_trace(m, PROMPT_A, **kw),
 }
 
 
@@ -232,24 +234,26 @@ def test_river_options_on_a_plain_model(plain, entry, kwargs):
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda m: m.eval([1, 1.7]), "token ids must be ints"),  # was: used as 1
-        (lambda m: m.eval([1, True]), "token ids must be ints"),
-        (lambda m: m.eval([]), "no tokens"),
-        (lambda m: m.eval([1, 2], prompt=False), "a decode step takes one token"),
-        (lambda m: m.eval([1], prompt="no"), "prompt must be a bool"),
-        (lambda m: m.eval([1], {"mode": "backbone"}), "options must be ExitOptions"),
-        (lambda m: m.eval([1] * 200), "n_ctx"),
-        (lambda m: m.truncate(10**6), "n_past must be an int"),
-        (lambda m: m.truncate(True), "n_past must be an int"),
+        (lambda m: m.session().extend([1, 1.7]), "token ids must be ints"),  # was: used as 1
+        (lambda m: m.session().extend([1, True]), "token ids must be ints"),
+        (lambda m: m.session().extend([1, m.n_vocab]), "outside the vocabulary"),
+        (lambda m: m.session().extend([]), "no tokens"),
+        (lambda m: m.session().prefill([1, -1]), "outside the vocabulary"),
+        (lambda m: m.session().extend([1, 2], decode=True), "a decode step takes one token"),
+        (lambda m: m.session({"mode": "backbone"}), "options must be ExitOptions"),
+        (lambda m: m.session().extend([1] * 200), "n_ctx"),
+        (lambda m: m.session().draft(m.n_vocab), "outside the vocabulary"),
+        (lambda m: m.session().truncate(10**6), "n must be an int"),
+        (lambda m: m.session().truncate(True), "n must be an int"),
         (lambda m: m.logits([1.0, 2.0]), "token ids must be ints"),
         (lambda m: m.logits(np.array([1.5, 2.0])), "1-D array of ints"),
         (lambda m: m.logits(np.array([[1, 2]])), "1-D array of ints"),
         (lambda m: m.logits({1, 2}), "tokens must be a list"),
         (lambda m: m.logits(7), "tokens must be a list"),
-        (lambda m: m.score([1, 2, 3], prefix=True), "prefix must be an int"),
-        (lambda m: m.score([1, 2, 3], prefix=1.0), "prefix must be an int"),
-        (lambda m: m.score([1, 2.5, 3]), "token ids must be ints"),
-        (lambda m: m.similarity_trace([]), "no tokens"),
+        (lambda m: score(m, [1, 2, 3], prefix=True), "prefix must be an int"),
+        (lambda m: score(m, [1, 2, 3], prefix=1.0), "prefix must be an int"),
+        (lambda m: score(m, [1, 2.5, 3]), "token ids must be ints"),
+        (lambda m: similarity_trace(m, []), "no tokens"),
         (lambda m: m.detokenize([1.7]), "token ids must be ints"),
         (lambda m: m.detokenize("abc"), "tokens must be a list"),
         (lambda m: m.detokenize([1], special="yes"), "special must be a bool"),

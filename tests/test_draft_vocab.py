@@ -71,9 +71,10 @@ def test_context_tokens_join_the_draft_vocabulary(big_vocab_river):
     vocab = set(m.draft_vocab)
     rotating = CONTEXT_ROWS - (len(vocab) - 64)  # less the pinned end-of-generation tokens' rows
     outside = [t for t in range(1000, BIG_VOCAB) if t not in vocab][:rotating + 40]
-    m.eval(outside[:10] + outside[:3], m.options(mode="backbone"))
+    s = m.session(mode="backbone")
+    s.extend(outside[:10] + outside[:3])
     assert m.draft_context == outside[:10]
-    m.eval(outside[10:], m.options(mode="backbone"))
+    s.extend(outside[10:])
     assert m.draft_context == outside[-rotating:]
     assert set(m.draft_vocab) == vocab  # pinned tokens never give way
 
@@ -99,20 +100,20 @@ def test_a_draft_is_the_rivers_best_token_of_its_vocabulary(river_gguf_path, siz
     full = Model(river_gguf_path, n_ctx=256, n_threads=THREADS, draft_vocab=0)
     opts = restricted.options(mode="lossless", draft_max=6)
     prompt = restricted.tokenize(PROSE)[:40]
-    restricted.begin()
-    restricted.eval(prompt[:-1], restricted.options(mode="backbone"))
-    drafts, probs = restricted.draft(prompt[-1], opts)
+    with restricted.session(opts) as s:  # lossless: the prompt runs the backbone
+        s.extend(prompt[:-1])
+        drafts, probs = s.draft(prompt[-1], with_probs=True)
     assert len(drafts) == 6 and len(probs) == 6
     allowed = set(restricted.draft_vocab) | set(restricted.draft_context)
     assert _has_draft_vocab(restricted, size) and prompt[-1] in allowed
     # The draft's steps, by hand: river-only, the river's head, one token at a time.
     step = full.options(mode="river-only", river_head=opts.river_head)
-    full.begin()
-    full.eval(prompt[:-1], full.options(mode="backbone"))
+    by_hand = full.session(mode="backbone")
+    by_hand.extend(prompt[:-1])
     cur = prompt[-1]
     for d in drafts:
         assert d in allowed
-        logits = full.eval([cur], step, prompt=False).logits[-1]
+        logits = by_hand.extend([cur], decode=True, options=step)
         assert logits[d] >= _allowed_best(logits, allowed) - 1e-3
         cur = d
 

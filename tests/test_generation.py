@@ -12,6 +12,7 @@ import pytest
 from river_gguf import Model
 from river_gguf.chat import format_chat
 from river_gguf.greedy import greedy
+from river_gguf.measure.teacher import score
 
 from support import Oracle, THREADS, oracle_pick
 
@@ -110,5 +111,5 @@ def test_greedy_exits_are_the_decode_steps(river_gguf_path):
     m = Model(river_gguf_path, n_ctx=256, n_threads=THREADS)
     g = greedy(m, PROMPT, 12, mode="river", threshold=0.95, tail=0)
     prompt = _toks(m, PROMPT)
-    r = m.score(prompt + g.tokens, prefix=len(prompt), mode="river", threshold=0.95, tail=0)
+    r = score(m, prompt + g.tokens, prefix=len(prompt), mode="river", threshold=0.95, tail=0)
     assert [int(e) for e in r.exit_layers] == g.exit_layers

@@ -272,7 +272,7 @@ def test_stopping_criteria(llm, ref):
 
 def test_suffix_without_fim_tokens_is_appended(llm):
     """SmolLM2 has no FIM tokens: the suffix is appended to the text (llama_cpp 0.3.36 would
-    build an infill prompt around token 0 instead; see the module docstring of river_gguf.llama)."""
+    build an infill prompt around token 0 instead; see docs/usage.md, "The drop-in Llama")."""
     plain = llm(COLORS, max_tokens=4, temperature=0.0)
     r = llm(COLORS, max_tokens=4, temperature=0.0, suffix=" [end]")
     assert r["choices"][0]["text"] == plain["choices"][0]["text"] + " [end]"

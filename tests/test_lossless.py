@@ -12,6 +12,7 @@ import llama_cpp
 from river_gguf import Model
 from river_gguf.llama import Llama
 from river_gguf.session import STOP
+from river_gguf.measure.teacher import score
 
 from support import LOGIT_TOL, PROSE, THREADS
 
@@ -68,9 +69,9 @@ def _why_they_differ(llm, prompt_toks, a, b) -> str:
     m = Model(llm.model_path, n_ctx=256, n_threads=THREADS)
     prefix = prompt_toks + a[:i]
     batched = m.logits(prefix, mode="backbone")[-1]
-    m.begin()
-    m.eval(prefix[:-1], m.options(mode="backbone"), prompt=True)
-    single = m.eval(prefix[-1:], m.options(mode="backbone"), prompt=False).logits[-1]
+    with m.session(mode="backbone") as s:
+        s.extend(prefix[:-1])
+        single = s.extend(prefix[-1:], decode=True)
     top2 = np.sort(single)[-2:]
     return (f"token {i}: lossless {a[i]} vs backbone {b[i]}; backbone argmax single {int(single.argmax())} "
             f"batched {int(batched.argmax())}; top-2 margin {top2[1] - top2[0]:.3g}, "
@@ -164,24 +165,24 @@ def test_streaming_lossless_gives_the_same_text(smol):
 # --- the verify batch and the cache (invariant 7) ---------------------------------------------------
 
 def _drafted(path, n_prompt: int, draft_max: int):
-    """A model whose cache holds a prompt of n_prompt - 1 tokens of PROSE, and the river's drafts
-    after its last token: (model, options, prefix, that token, drafts, their probabilities)."""
+    """A model and a lossless session whose cache holds a prompt of n_prompt - 1 tokens of PROSE,
+    and the river's drafts after its last token: (model, session, prefix, that token, drafts,
+    their probabilities)."""
     m = Model(path, n_ctx=256, n_threads=THREADS)
-    opts = m.options(mode="lossless", draft_max=draft_max)
+    s = m.session(mode="lossless", draft_max=draft_max)
     toks = m.tokenize(PROSE)[:n_prompt]
     prefix, nxt = toks[:-1], toks[-1]
-    m.begin()
-    m.eval(prefix, opts, prompt=True)
-    drafts, probs = m.draft(nxt, opts)
-    return m, opts, prefix, nxt, drafts, probs
+    s.extend(prefix)
+    drafts, probs = s.draft(nxt, with_probs=True)
+    return m, s, prefix, nxt, drafts, probs
 
 
 def test_verify_batch_equals_llama_cpp_batch(river_gguf_path, f16_path):
-    m, opts, prefix, nxt, drafts, probs = _drafted(river_gguf_path, 40, 5)
+    m, s, prefix, nxt, drafts, probs = _drafted(river_gguf_path, 40, 5)
     assert len(drafts) == 5 and len(probs) == 5 and all(0 < p <= 1 for p in probs)
-    assert m.n_past == len(prefix)  # drafting leaves the cache's length alone
+    assert m.n_past == s.n_past == len(prefix)  # drafting leaves the cache's length alone
     batch = [nxt] + drafts
-    ours = m.eval(batch, opts, prompt=True, all_logits=True).logits
+    ours = s.verify(batch)
     # llama.cpp: the same prefix, then the same tokens in one batch (the F16 file is the backbone).
     ref = llama_cpp.Llama(f16_path, n_ctx=256, n_threads=THREADS, n_threads_batch=THREADS, logits_all=True,
                           flash_attn=True, verbose=False)
@@ -206,19 +207,18 @@ def _after_rejection(path, keep, drafted=True, rejected=None, truncate=True):
     token other than the rejected draft: (its logits, the model, the kept tokens). drafted=False
     verifies the same tokens without the river's draft rows written first; `rejected` replaces the
     rejected drafts in the verify batch."""
-    m, opts, prefix, nxt, drafts, _ = _drafted(path, 30, 4)
+    m, s, prefix, nxt, drafts, _ = _drafted(path, 30, 4)
     assert len(drafts) == 4
     if not drafted:
-        m.truncate(len(prefix))
-        m.begin()
-        m.eval(prefix, opts, prompt=True)
+        s.truncate(0)
+        s.extend(prefix)
     batch = [nxt] + drafts[:keep] + (drafts[keep:] if rejected is None else [rejected] * (4 - keep))
-    m.eval(batch, opts, prompt=True, all_logits=True)
+    s.verify(batch)
     if truncate:
-        m.truncate(len(prefix) + 1 + keep)
+        s.truncate(len(prefix) + 1 + keep)
     follow = 42 if 42 != drafts[keep] else 43
     kept = prefix + [nxt] + drafts[:keep] + [follow]
-    return m.eval([follow], opts, prompt=False).logits[-1], m, kept
+    return s.extend([follow], decode=True), m, kept
 
 
 @pytest.mark.parametrize("keep", [0, 2])
@@ -235,8 +235,8 @@ def test_rejected_rows_leave_the_cache(river_gguf_path, keep):
     assert np.abs(step - ref).max() < ROUNDING_TOL and step.argmax() == ref.argmax()
     for layer in range(m.n_layer):
         for values in (False, True):
-            a = m.engine.cache_rows(layer, values, len(kept))
-            b = fresh.engine.cache_rows(layer, values, len(kept))
+            a = m.cache_rows(layer, values, len(kept))
+            b = fresh.cache_rows(layer, values, len(kept))
             assert np.abs(a - b).max() < ROUNDING_TOL, (layer, values)
     # The check can fail: left in the cache, the rejected rows change the next step.
     stale, _, _ = _after_rejection(river_gguf_path, keep, truncate=False)
@@ -244,7 +244,7 @@ def test_rejected_rows_leave_the_cache(river_gguf_path, keep):
 
 
 def test_a_round_is_the_draft_then_one_backbone_batch(river_gguf_path):
-    """A Session's lossless round, the one Llama, greedy and Model.score run: the river's drafts
+    """A Session's lossless round, the one Llama, greedy and teacher-forced scoring run: the river's drafts
     after the token, then the backbone's rows for the token and its drafts, bit for bit what one
     backbone batch of those tokens gives; the acceptance rule keeps the drafts the policy chooses,
     and a rejected draft leaves the cache with every draft after it."""
@@ -267,9 +267,9 @@ def test_a_round_is_the_draft_then_one_backbone_batch(river_gguf_path):
         wanted = iter([toks[-1], drafts[0], other, STOP])
         assert [st.token for st in s.decode(lambda row, seen: next(wanted))] == [toks[-1], drafts[0], other]
         assert s.tokens == toks + drafts[:1] + [other]  # the drafts after the rejected one left
-    m.begin()
-    m.eval(toks[:-1], backbone)
-    batch = m.eval([toks[-1]] + drafts, backbone, all_logits=True).logits
+    with m.session(backbone) as b:
+        b.extend(toks[:-1])
+        batch = b.verify([toks[-1]] + drafts)
     assert np.array_equal(rows, batch[:4])
 
 
@@ -277,8 +277,8 @@ def test_lossless_scoring_is_the_backbone(river_gguf_path):
     # Teacher-forced through the decode path: drafts, verify batches and rejections on the text.
     m = Model(river_gguf_path, n_ctx=256, n_threads=THREADS)
     toks = m.tokenize(PROSE)[:64]
-    lossless = m.score(toks, prefix=8, keep_logits=True, mode="lossless", draft_max=4)
-    backbone = m.score(toks, prefix=8, keep_logits=True, mode="backbone")
+    lossless = score(m, toks, prefix=8, keep_logits=True, mode="lossless", draft_max=4)
+    backbone = score(m, toks, prefix=8, keep_logits=True, mode="backbone")
     assert lossless.logits.shape == backbone.logits.shape
     assert np.abs(lossless.logits - backbone.logits).max() < ROUNDING_TOL
     assert (lossless.exit_layers == m.n_layer - 1).all()
@@ -295,9 +295,9 @@ def test_options_are_checked(river_gguf_path, q4_0_path):
     with pytest.raises(ValueError, match="river option"):
         Model(q4_0_path, n_ctx=64, draft_max=3)
     # The draft never runs past the context: the verify batch must fit.
-    m.begin()
-    m.eval(list(range(1, 61)), m.options(mode="backbone"), prompt=True)
-    drafts, _ = m.draft(5, m.options(mode="lossless", draft_max=16))
+    with m.session(mode="lossless", draft_max=16) as s:
+        s.extend(list(range(1, 61)))
+        drafts = s.draft(5)
     assert len(drafts) <= 64 - 60 - 1
 
 
@@ -341,17 +341,17 @@ def test_a_verify_graph_serves_every_round(river_gguf_path):
     # when the batch has the same size: after the first round, rounds build no graph.
     m = Model(river_gguf_path, n_ctx=256, n_threads=THREADS)
     opts = m.options(mode="lossless", draft_max=4)
-    m.begin()
-    tok = int(m.eval(m.tokenize(PROSE)[:20], opts, prompt=True).logits[-1].argmax())
+    s = m.session(opts)
+    tok = int(s.extend(m.tokenize(PROSE)[:20]).argmax())
     built = []
     for _ in range(6):
-        start = m.engine.n_past
-        drafts, _ = m.draft(tok, opts, with_probs=False)
+        start = m.n_past
+        drafts = s.draft(tok)
         assert len(drafts) == 4
-        rows = m.eval([tok] + drafts, opts, prompt=True, all_logits=True).logits
-        m.truncate(start + 1)  # every draft rejected: the next batch has the same size
+        rows = s.verify([tok] + drafts)
+        s.truncate(start + 1)  # every draft rejected: the next batch has the same size
         tok = int(rows[0].argmax())
-        built.append(m.engine.graphs_built)
+        built.append(m.graph_counts["built"])
     assert built[0] > 0 and built[-1] == built[0], built
 
 
@@ -364,4 +364,4 @@ def test_costs_are_timed_where_generation_runs(river_gguf_path, n_ctx, context):
     costs = cost_model.measure_costs(m, m.options(mode="lossless", draft_max=4), 5, rounds=1, steps=2)
     assert costs.context == context == min(cost_model.CONTEXT, context)
     assert costs.step > 0 and costs.draft > 0 and set(costs.verify) == {2, 3, 4, 5}
-    assert m.engine.n_past == 0  # the cache is left empty
+    assert m.n_past == 0  # the cache is left empty

@@ -98,12 +98,14 @@ def _recorded_rows(m):
                 backbone[prefix] = _row_after(s, prefix)
     river = {}
     opts = m.options(mode="lossless", draft_max=DRAFT_MAX, ngram_draft=False, adaptive_draft=False)
-    for verified in range(N_NEXT - 1):
-        for prefix in itertools.product(range(N_VOCAB), repeat=verified + 1):
-            for path in itertools.product(range(N_VOCAB), repeat=DRAFT_MAX - 1):
-                m.begin()
-                m.eval(PROMPT + list(prefix[:-1]), m.options(mode="backbone"), prompt=True)
-                m.draft(prefix[-1], opts, with_probs=False, pick=_recorder(river, verified, prefix, path))
+    with m.session(opts) as s:
+        for verified in range(N_NEXT - 1):
+            for prefix in itertools.product(range(N_VOCAB), repeat=verified + 1):
+                for path in itertools.product(range(N_VOCAB), repeat=DRAFT_MAX - 1):
+                    # From an empty cache, the prefix in one backbone prompt batch, as each run had it.
+                    s.truncate(0)
+                    s.extend(PROMPT + list(prefix[:-1]), options=m.options(mode="backbone"))
+                    s.draft(prefix[-1], pick=_recorder(river, verified, prefix, path))
     return backbone, river
 
 
@@ -158,7 +160,8 @@ class _Shape:
     """What a Session asks of its model."""
 
     def __init__(self, m):
-        self.n_layer, self.has_river, self.n_vocab = m.n_layer, m.has_river, m.n_vocab
+        self.n_layer, self.has_river, self.n_vocab, self.model_path = m.n_layer, m.has_river, m.n_vocab, m.model_path
+        self.check_token, self.check_tokens = m.check_token, m.check_tokens
 
 
 def _lossless(session, seeds, sampler):

@@ -44,19 +44,18 @@ def backbones(tiny):
 def _rows_in_batches(m: Model, tokens, n: int) -> dict:
     """{(t, place): row} for each target t, evaluated at each place in a batch of n tokens after
     the same cache (tokens before the batch, written by one prompt batch)."""
-    opts = m.options(mode="backbone")
-    m.begin()
-    m.eval(tokens[:max(TARGETS) + n], opts, prompt=True)
     rows = {}
-    # Descending starts: a batch rewrites only positions at or after its start, which the batches
-    # after it (starting earlier) rewrite themselves before reading, so every batch reads the
-    # prompt batch's cache below its start.
-    for start in range(max(TARGETS), min(TARGETS) - n, -1):
-        m.truncate(start)
-        out = m.eval(tokens[start:start + n], opts, prompt=True, all_logits=True).logits
-        for place in range(n):
-            if start + place in TARGETS:
-                rows[start + place, place] = out[place]
+    with m.session(mode="backbone") as s:
+        s.extend(tokens[:max(TARGETS) + n])
+        # Descending starts: a batch rewrites only positions at or after its start, which the batches
+        # after it (starting earlier) rewrite themselves before reading, so every batch reads the
+        # prompt batch's cache below its start.
+        for start in range(max(TARGETS), min(TARGETS) - n, -1):
+            s.truncate(start)
+            out = s.extend(tokens[start:start + n], all_logits=True)
+            for place in range(n):
+                if start + place in TARGETS:
+                    rows[start + place, place] = np.array(out[place])
     return rows
 
 
@@ -80,13 +79,12 @@ def test_a_rows_bits_do_not_depend_on_its_verify_batch(backbones, backbone, inva
         assert differ, f"every one of {checked} rows equals a batch of 2's: {backbone} is batch-invariant now"
     # Why the exact reference is a batch of 2 and not a decode step: for F16, a token evaluated
     # alone takes the single-token kernels, whose rows round otherwise.
-    opts = m.options(mode="backbone")
     alone = []
-    m.begin()
-    m.eval(tokens[:max(TARGETS) + 2], opts, prompt=True)
-    for t in reversed(TARGETS):
-        m.truncate(t)
-        alone.append(np.array_equal(m.eval(tokens[t:t + 1], opts, prompt=False).logits[-1], ref[t]))
+    with m.session(mode="backbone") as s:
+        s.extend(tokens[:max(TARGETS) + 2])
+        for t in reversed(TARGETS):
+            s.truncate(t)
+            alone.append(np.array_equal(s.extend(tokens[t:t + 1], decode=True).reshape(-1)[-m.n_vocab:], ref[t]))
     if alone_equal:
         assert all(alone), f"{backbone}: {alone.count(False)} single-token rows differ from the batched ones"
     else:

@@ -21,6 +21,7 @@ from river_gguf import Model
 from river_gguf.greedy import greedy
 from river_gguf._loader import HAS_RPC, native
 from river_gguf.eval.random_model import write_tiny_model
+from river_gguf.measure.teacher import score
 
 from support import LOGIT_TOL, PROSE
 
@@ -218,7 +219,7 @@ def test_smollm2_split_matches_local_and_llama_cpp_rpc(server, q4_1_path, tmp_pa
 
 
 def _river_decode(path, toks, prefix, opts, **engine_kw):
-    """What Model.score runs, on a bare engine: a backbone prefill, then River decoding token by
+    """What measure.teacher.score runs, on a bare engine: a backbone prefill, then River decoding token by
     token; the exit layer and logits of every step."""
     e = native.Engine(path, "", n_ctx=512, n_threads=1, n_batch=512, **engine_kw)
     e.eval(toks[:prefix], **opts.engine_args(prompt=True))
@@ -244,7 +245,7 @@ def test_river_with_remote_layers_matches_local_river(server, river_gguf_path):
     toks = m.tokenize(PROSE)[:32]
     for tau in (0.97, 0.965, 0.975, 0.96, 0.95):
         settings = dict(mode="river", threshold=tau, min_exit_layer=0, river_head=True, prefill="backbone", tail=0)
-        ref_score = m.score(toks, prefix=8, **settings)
+        ref_score = score(m, toks, prefix=8, **settings)
         if len(set(ref_score.exit_layers.tolist())) > 2:
             break
     else:
@@ -260,17 +261,17 @@ def test_river_with_remote_layers_matches_local_river(server, river_gguf_path):
         assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, ref)), weights
     # Through Model (repacking the local layers): the same exits, which the F16 backbone decides.
     m = Model(river_gguf_path, n_ctx=512, n_threads=1, rpc_servers=[server.endpoint], rpc_layers=15, **settings)
-    score = m.score(toks, prefix=8)
+    remote = score(m, toks, prefix=8)
     del m
-    assert score.exit_layers.tolist() == ref_score.exit_layers.tolist()
-    assert np.abs(score.logprobs - ref_score.logprobs).max() < 0.5
+    assert remote.exit_layers.tolist() == ref_score.exit_layers.tolist()
+    assert np.abs(remote.logprobs - ref_score.logprobs).max() < 0.5
 
 
 def test_tiny_river_fixed_and_dynamic_exits(server, tiny_river):
     backbone, river = tiny_river
     local = Model(backbone, river=river, n_ctx=256, n_threads=1, threshold=0.5)
     toks = local.tokenize(PROSE)[:24]
-    ref = [local.score(toks, prefix=4, mode="river", threshold=t) for t in (0.0, 0.5, 2.0)]
+    ref = [score(local, toks, prefix=4, mode="river", threshold=t) for t in (0.0, 0.5, 2.0)]
     ref_fixed = local.logits(toks, exit_layer=1)
     del local
     # Offloaded layers decide exits on the graph by default (ggml ops on the server, one float
@@ -278,9 +279,9 @@ def test_tiny_river_fixed_and_dynamic_exits(server, tiny_river):
     for decision, on_graph in (("auto", True), ("cpu", False)):
         m = Model(backbone, river=river, n_ctx=256, n_threads=1, threshold=0.5, rpc_servers=[server.endpoint],
                   rpc_layers=[1, 3], rpc_weights="river", exit_decision=decision)
-        assert m.engine.exits_on_graph == on_graph
+        assert m.exits_on_graph == on_graph
         for t, r in zip((0.0, 0.5, 2.0), ref):
-            s = m.score(toks, prefix=4, mode="river", threshold=t)
+            s = score(m, toks, prefix=4, mode="river", threshold=t)
             assert s.exit_layers.tolist() == r.exit_layers.tolist() and np.array_equal(s.logprobs, r.logprobs)
         assert np.array_equal(m.logits(toks, exit_layer=1), ref_fixed)
         del m
@@ -332,16 +333,17 @@ def test_server_killed_mid_generation_then_reload(make_server, tiny):
     del local
     srv = make_server()
     m = Model(tiny, n_ctx=256, n_threads=1, rpc_servers=[srv.endpoint], rpc_layers=2, rpc_timeout=5)
-    m.begin()
-    step = m.eval(toks)
+    s = m.session()
+    row = s.extend(toks)
     for _ in range(2):  # two decode steps through the server
-        step = m.eval([int(step.logits[-1].argmax())], prompt=False)
+        row = s.extend([int(row.argmax())], decode=True)
     srv.kill()
     t0 = time.monotonic()
     with pytest.raises(ConnectionError, match=f"RPC server '{srv.endpoint}'"):
         for _ in range(64):
-            step = m.eval([int(step.logits[-1].argmax())], prompt=False)
+            row = s.extend([int(row.argmax())], decode=True)
     assert time.monotonic() - t0 < 5 + 2
+    del s  # the session holds the engine too
     # The Model refuses further work with the same error, and closes without hanging.
     with pytest.raises(ConnectionError, match="load it again"):
         m.logits(toks)

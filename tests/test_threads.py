@@ -38,6 +38,8 @@ import json, random, sys, threading, time
 import numpy as np
 from river_gguf import Model
 from river_gguf.greedy import greedy
+from river_gguf.measure.teacher import score
+from river_gguf.measure.traces import similarity_trace
 
 path, n_threads, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 m = Model(path, river=path, n_ctx=96, n_threads=1, threshold=0.5)
@@ -55,8 +57,8 @@ def run(job):
     if kind == "logits":
         return m.logits(p, mode=mode).tobytes().hex()
     if kind == "score":
-        return m.score(p + [5, 6, 7], prefix=2, mode=mode).logprobs.tobytes().hex()
-    return m.similarity_trace(p, mode=mode)
+        return score(m, p + [5, 6, 7], prefix=2, mode=mode).logprobs.tobytes().hex()
+    return similarity_trace(m, p, mode=mode)
 
 reference = [run(j) for j in jobs]
 assert any(r != reference[0] for r in reference[1:])  # the jobs differ, so equality means something

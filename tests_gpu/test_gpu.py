@@ -17,6 +17,9 @@ from river_gguf.devices import list_devices, offload_gpus
 from river_gguf.greedy import greedy
 from river_gguf.eval.random_model import write_tiny_model
 from river_gguf.convert.hybrid import attention_from
+from river_gguf.measure.teacher import score
+from river_gguf.measure.traces import similarity_trace
+from river_gguf.options import ExitOptions
 
 from conftest import PROSE
 
@@ -62,7 +65,7 @@ def test_the_gpu_holds_every_layer(river_model):
     gpus = offload_gpus()
     types = {d["name"]: d["type"] for d in list_devices()}
     assert gpus and all(types[g] in ("GPU", "IGPU") for g in gpus)
-    assert river_model.engine.gpu_offload and river_model.engine.exits_on_graph
+    assert river_model.gpu_offload and river_model.exits_on_graph
     assert set(river_model.layer_devices) == {"GPU"}
 
 
@@ -93,8 +96,8 @@ def test_backbone_equals_llama_cpp_offload(name, f16_path, q4_0_path, tmp_path, 
 
 
 def test_invariant1_threshold_above_one_is_the_backbone(river_model, prose_tokens):
-    river = river_model.score(prose_tokens, prefix=8, mode="river", threshold=1.01)
-    backbone = river_model.score(prose_tokens, prefix=8, mode="backbone")
+    river = score(river_model, prose_tokens, prefix=8, mode="river", threshold=1.01)
+    backbone = score(river_model, prose_tokens, prefix=8, mode="backbone")
     assert np.array_equal(river.logprobs, backbone.logprobs)
     assert (river.exit_layers == river_model.n_layer - 1).all()
 
@@ -136,18 +139,18 @@ def test_invariant4_no_cache_holes_after_mixed_exits(f16_path, q4_0_path, prose_
     # there is finite (POISON_NO_FLASH), and a slot no layer wrote is a whole row of it.
     for tau in (0.965, 0.97, 0.96, 0.95, 0.98):
         m = Model(f16_path, river=q4_0_path, n_ctx=256, n_threads=2, threshold=tau, n_gpu_layers=-1)
-        poison = m.engine.cache_poison(0)
+        poison = m.cache_poison(0)
         assert poison == _native.Engine.POISON_NO_FLASH
-        assert _unwritten(m.engine.cache_rows(0, False, 4), poison).all()
+        assert _unwritten(m.cache_rows(0, False, 4), poison).all()
         g = greedy(m, prose_tokens[:16], max_tokens=40, mode="river", threshold=tau)
         if _mixed(g.stats["exit_layers"], m.n_layer):
             break
     else:
         pytest.fail("no threshold gives a mix of exits on this device")
-    n = m.engine.n_past
+    n = m.n_past
     for layer in range(m.n_layer):
         for values in (False, True):
-            rows = m.engine.cache_rows(layer, values, n + 1)
+            rows = m.cache_rows(layer, values, n + 1)
             assert np.isfinite(rows).all()
             assert not _unwritten(rows[:n], poison).any(), f"hole in layer {layer} {'V' if values else 'K'}"
             assert _unwritten(rows[n:], poison).all()  # past the last position: still poison, so the check can fail
@@ -156,21 +159,22 @@ def test_invariant4_no_cache_holes_after_mixed_exits(f16_path, q4_0_path, prose_
 def test_dynamic_exits_follow_the_rule_on_the_device(river_model, prose_tokens):
     # Each step leaves at the first tested layer whose similarity (computed on the device, one
     # float read back) passes tau, and equals the forced exit at that layer.
-    e = river_model.engine
     L = river_model.n_layer
-    e.truncate(0)
-    e.eval(prose_tokens[:10])
+    s = river_model.session(ExitOptions(mode="river", threshold=0.96))
+    s.extend(prose_tokens[:10])
     exits = []
     for t in prose_tokens[10:]:
-        pos = e.n_past
-        dyn, k, sims = e.eval([t], mode=1, threshold=0.96)
-        passed = [i for i, s in enumerate(sims) if s > 0.96]
+        pos = s.n_past
+        dyn = s.extend([t], decode=True, trace=True)
+        k, sims = s.exit_layer, s.scores
+        passed = [i for i, x in enumerate(sims) if x > 0.96]
         assert passed == ([k] if k < L - 1 else [])
         if k < L - 1:
-            e.truncate(pos)
-            fixed, _, _ = e.eval([t], mode=3, exit_layer=k)
+            s.truncate(pos)
+            fixed = s.extend([t], decode=True, options=ExitOptions(exit_layer=k))
             assert np.array_equal(dyn, fixed)
         exits.append(k)
+    s.close()
     assert any(k < L - 1 for k in exits), "no token left early at tau 0.96"
 
 
@@ -178,19 +182,19 @@ def test_exits_agree_with_the_cpu_engine(f16_path, q4_0_path, prose_tokens, rive
     cpu = Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=2, threshold=0.97)
     toks = prose_tokens
     # Similarities of every layer, backbone only (no exit): the same states on both sides.
-    s_gpu = river_model.similarity_trace(toks)
-    s_cpu = cpu.similarity_trace(toks)
+    s_gpu = similarity_trace(river_model, toks)
+    s_cpu = similarity_trace(cpu, toks)
     assert len(s_gpu) == len(s_cpu)
     assert max(abs(a - b) for ra, rb in zip(s_gpu, s_cpu) for a, b in zip(ra, rb)) < SIM_TOL
     # Teacher-forced with exits live, at the first threshold whose CPU run mixes exit layers
     # (which one does depends on the CPU's rounding).
     for tau in (0.97, 0.965, 0.96, 0.95, 0.98):
-        b = cpu.score(toks, prefix=8, mode="river", threshold=tau)
+        b = score(cpu, toks, prefix=8, mode="river", threshold=tau)
         if _mixed(b.exit_layers, cpu.n_layer):
             break
     else:
         pytest.fail("no threshold gives the CPU engine a mix of exits")
-    a = river_model.score(toks, prefix=8, mode="river", threshold=tau)
+    a = score(river_model, toks, prefix=8, mode="river", threshold=tau)
     assert np.mean(a.exit_layers == b.exit_layers) >= EXIT_AGREEMENT
 
 
@@ -230,7 +234,7 @@ def test_a_short_gpu_memory_budget_keeps_the_river_first(f16_path, q4_0_path, pr
     assert p["river_first"] and p["gpu_budget"] == budget and p["gpu_bytes"] <= budget
     assert p["backbone"] == ["GPU"] * keep + ["CPU"] * (n - keep)
     assert p["river"] == ["GPU"] * n and p["kv_cache"] == ["GPU"] * n and p["head"] == full["head"]
-    assert m.layer_devices == ["GPU"] * n and m.engine.gpu_layers == keep
+    assert m.layer_devices == ["GPU"] * n and m.gpu_layers == keep
     # River-only runs on the GPU alone: the same logits as the whole offload, bit for bit.
     opts = dict(mode="river-only", river_head=True)
     assert np.array_equal(m.logits(prose_tokens, **opts), river_model.logits(prose_tokens, **opts))
@@ -239,7 +243,7 @@ def test_a_short_gpu_memory_budget_keeps_the_river_first(f16_path, q4_0_path, pr
     assert np.isfinite(ours).all()
     assert np.mean(ours.argmax(-1) == ref.argmax(-1)) >= EXIT_AGREEMENT
     assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
-    s_ours, s_ref = m.similarity_trace(prose_tokens), river_model.similarity_trace(prose_tokens)
+    s_ours, s_ref = similarity_trace(m, prose_tokens), similarity_trace(river_model, prose_tokens)
     assert max(abs(a - b) for ra, rb in zip(s_ours, s_ref) for a, b in zip(ra, rb)) < SIM_TOL
     # Dynamic exits across the split: exits from the GPU layers and the CPU ones both decode.
     g = greedy(m, prose_tokens[:12], max_tokens=N_GREEDY, mode="river", threshold=0.97)

@@ -1032,6 +1032,7 @@ def allowed_exceptions() -> tuple:
 def run_case(path: str, river: Optional[str], use_mmap: bool = True) -> None:
     """Load and run one file: raises whatever the API raises."""
     from river_gguf.greedy import greedy
+    from river_gguf.measure.teacher import score
     from river_gguf.model import Model
 
     kwargs = {"threshold": 0.9} if river else {}
@@ -1042,7 +1043,7 @@ def run_case(path: str, river: Optional[str], use_mmap: bool = True) -> None:
     toks = [t % n for t in (1, 2, 3, 4, 5)]
     greedy(m, toks, 2)
     greedy(m, "Hi there", 2)
-    m.score(toks, prefix=2)
+    score(m, toks, prefix=2)
     if m.has_river:
         greedy(m, toks, 2, mode="river-only")
         greedy(m, toks, 2, mode="river", threshold=0.0)

@@ -4,11 +4,13 @@
     llm = Llama("model.river.gguf", preset="balanced")
     print(llm("Hello", max_tokens=32)["choices"][0]["text"], llm.last_stats)
 
-    from river_gguf import Model   # the River-level handle: logits, scores, exit options
+    from river_gguf import Model   # the River-level handle: the engine, vocabulary, exit options
+    with Model("model.river.gguf").session() as s:   # a decode cursor: prefill, extend, decode(choose)
 """
 from ._loader import native as _native  # checks the ggml build before anything else runs
 
-from .model import Model, NumericalError, Step
+from .model import Model, NumericalError
+from .session import Session, Step  # a decode cursor over a Model's cache, and one token of its loop
 from .results import ScoreResult
 from .llama import Llama, LlamaGrammar  # the drop-in for llama_cpp.Llama
 
@@ -22,6 +24,7 @@ __all__ = [
     "Model",
     "Llama",
     "LlamaGrammar",
+    "Session",
     "Step",
     "ScoreResult",
     "GGUFFormatError",

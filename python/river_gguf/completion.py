@@ -198,3 +198,14 @@ class Completion:
             token_lps[0] = None
             tops[0] = None
         return {"tokens": strs, "text_offset": offsets, "token_logprobs": token_lps, "top_logprobs": tops}
+
+
+def stop_list(stop) -> List[str]:
+    """A call's stop argument as a list of strings (None: none)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise ValueError(f"stop must be a str or a list of str, got {stop!r}")

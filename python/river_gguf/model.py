@@ -1,15 +1,22 @@
-"""The River-level handle: load a GGUF (optionally with a river), tokenize, evaluate and score
-with exits. Text generation is river_gguf.Llama's (llama.py), which runs on this class.
+"""The River-level handle, as llama-cpp-python's _internals are: one engine and its KV cache, the
+vocabulary, the file's default exit setting and its presets, the options of a call resolved.
+Everything that runs tokens through the cache is a policy on a Session (`Model.session`): text
+generation is river_gguf.Llama's (llama.py), greedy decoding greedy.py's, and measurement
+(teacher-forced scores, exit-rule traces, river tails) river_gguf.measure's. What stays here are
+the one-shot passes no token loop expresses: logits and embeddings of a text, and the native
+calibration passes (activations for the importance matrix, river tails, a backbone engine of
+its own for the tau profile).
 
 Threads: every call that runs the engine holds the Model's lock (see the Model docstring).
 """
+import contextlib
 import functools
 import os
 import threading
 import warnings
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import replace
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Union
 
 import llama_cpp._logger as llama_logger
 from llama_cpp._utils import suppress_stdout_stderr
@@ -21,21 +28,14 @@ from .default_model import default_model_path
 from .gguf.io import deferred_interrupts
 from .options import EXIT_DECISIONS, ExitOptions, RiverOptions, check_river_options, is_bool, is_int, parse_bytes
 from .profile import default_threshold
-from .results import ScoreResult, log_softmax_at
-from .session import STOP, NumericalError, Session, evaluate
+from .sequences import SequenceCache
+from .session import NumericalError, Session, evaluate
 
 #: Largest accepted n_ctx and n_batch. The engine counts positions in 32-bit ints; past about a
 #: million positions the KV cache alone needs tens of GB for even a small model.
 MAX_CTX = 1 << 20
 #: ggml's thread pool holds at most GGML_MAX_N_THREADS (512) workers.
 _GGML_MAX_THREADS = 512
-
-
-class Step(NamedTuple):
-    """What one Model.eval returns."""
-    logits: np.ndarray          # float32 [1, n_vocab], or [len(tokens), n_vocab] with all_logits
-    exit_layer: int             # backbone layer after which the last token left (n_layer - 1: never)
-    similarities: List[float]   # with trace: the exit rule's score (cosine: cos(h_in, h_out)) per backbone layer run
 
 
 def default_threads() -> int:
@@ -136,7 +136,7 @@ class Model:
     force unasked. `options(...)` returns the resolved ExitOptions of any call.
 
     Threads and the KV cache. A Model owns one KV cache. Every call that runs the engine
-    (logits, score, similarity_trace, eval, begin, truncate) holds the Model's lock (a
+    (logits, embed, the calibration passes, a session's evaluations) holds the Model's lock (a
     threading.RLock, `lock`), so calls from several threads are serialized. State kept in the
     cache across calls is a Session's (`session()`): the cache holds one session's tokens at a
     time, and a session that another call displaced evaluates what it needs again. Different
@@ -186,7 +186,7 @@ class Model:
         rpc_kw = rpc.engine_kwargs(ro.rpc_servers, ro.rpc_layers, ro.rpc_split, ro.rpc_weights, ro.rpc_timeout)
         self._use_mmap = _bool_arg("use_mmap", use_mmap)
         repack = _bool_arg("repack", repack)
-        self.flash_attn = _bool_arg("flash_attn", flash_attn)
+        flash_attn = _bool_arg("flash_attn", flash_attn)
         if ro.exit_decision not in EXIT_DECISIONS:
             raise ValueError(f"exit_decision must be one of {', '.join(EXIT_DECISIONS)}, got {ro.exit_decision!r}")
         self._exit_decision = ro.exit_decision
@@ -211,7 +211,7 @@ class Model:
         with deferred_interrupts():
             self._engine = native.Engine(model_path, river or "", n_ctx=n_ctx, n_threads=n_threads,
                                          n_batch=self._n_batch, n_gpu_layers=n_gpu_layers, main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
-                                         use_mmap=self._use_mmap, flash_attn=self.flash_attn,
+                                         use_mmap=self._use_mmap, flash_attn=flash_attn,
                                          repack=repack, fuse=repack, exit_decision=ro.exit_decision,
                                          draft_vocab=draft_vocab, **rpc_kw)
             # libllama's vocabulary loader warns on stderr whatever llama_cpp's log level (Qwen:
@@ -365,11 +365,11 @@ class Model:
                                          _bool_arg("parse_special", parse_special)))
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
-        return self._vocab.detokenize(self._check_tokens(tokens), _bool_arg("special", special)).decode(
+        return self._vocab.detokenize(self.check_tokens(tokens), _bool_arg("special", special)).decode(
             "utf-8", errors="replace")
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
-        return self._vocab.token_to_piece(self._check_token(token), _bool_arg("special", special))
+        return self._vocab.token_to_piece(self.check_token(token), _bool_arg("special", special))
 
     def token_bos(self) -> int:
         return self._vocab.bos
@@ -378,16 +378,19 @@ class Model:
         return self._vocab.eos
 
     def is_eog(self, token: int) -> bool:
-        return self._vocab.is_eog(self._check_token(token))
+        return self._vocab.is_eog(self.check_token(token))
 
-    def _check_token(self, t) -> int:
+    def check_token(self, t) -> int:
+        """`t` as a token id of this vocabulary, or ValueError."""
         if not is_int(t):
             raise ValueError(f"a token id must be an int (not a float or bool), got {t!r}")
         if not 0 <= t < self.n_vocab:
             raise ValueError(f"token id {t} is outside the vocabulary [0, {self.n_vocab})")
         return int(t)
 
-    def _check_tokens(self, tokens) -> List[int]:
+    def check_tokens(self, tokens) -> List[int]:
+        """`tokens` (a sequence or 1-D integer array) as a list of token ids of this vocabulary, or
+        ValueError."""
         if isinstance(tokens, np.ndarray):
             if tokens.ndim != 1 or not (np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0):
                 raise ValueError(f"tokens must be a 1-D array of ints, got shape {tokens.shape} of {tokens.dtype}")
@@ -415,12 +418,6 @@ class Model:
     def n_past(self) -> int:
         """Positions the KV cache holds."""
         return self._engine.n_past
-
-    @property
-    def engine(self):
-        """The native engine (river_gguf._native.Engine), for benchmarks and tools that drive it
-        without this class's checks. Its calls do not take the lock or displace a session."""
-        return self._engine
 
     @property
     def river_has_head(self) -> bool:
@@ -458,100 +455,51 @@ class Model:
             self._clear()
             self._holder = session
 
-    @_locked
-    def begin(self) -> None:
-        """Clear the KV cache for raw calls (eval, truncate, draft); a session holding it is
-        displaced."""
-        self._clear()
-
     def _clear(self) -> None:
         self._holder = None
         self._engine.truncate(0)
+        for s in self._engine.sequences:  # any other sequence river_gguf.sequences left
+            self._engine.truncate(0, seq=s)
 
-    @_locked
-    def truncate(self, n_past: int) -> None:
-        """Keep the first n_past positions of the KV cache (a session holding it is displaced)."""
-        if not is_int(n_past) or not 0 <= n_past <= self._engine.n_past:
-            raise ValueError(f"n_past must be an int in [0, {self._engine.n_past}], got {n_past!r}")
-        self._holder = None
-        self._engine.truncate(int(n_past))
+    @contextlib.contextmanager
+    def sequences(self):
+        """The KV cache for several sequences decoded together (river_gguf.sequences): a
+        SequenceCache, held under the lock from an empty cache (a session holding it is
+        displaced) to an empty one."""
+        with self._lock:
+            self.give_cache(None)
+            cache = SequenceCache(self._engine)
+            try:
+                yield cache
+            finally:
+                cache.clear()
 
-    @_locked
-    def eval(self, tokens: Sequence[int], options: Optional[ExitOptions] = None, *, prompt: bool = True,
-             all_logits: bool = False, trace: bool = False) -> Step:
-        """Evaluate `tokens` after the n_past the KV cache holds: a prompt batch (prompt=True:
-        the prefill policy applies) or one decode step (prompt=False: exits are live). options:
-        resolved ExitOptions (default: the Model's). Logits of the last token, or of every
-        token with all_logits."""
-        toks = self._check_tokens(tokens)
-        if not toks:
-            raise ValueError("no tokens")
-        if not prompt and len(toks) != 1:
-            raise ValueError(f"a decode step takes one token, got {len(toks)}")
-        if self._engine.n_past + len(toks) > self.n_ctx:
-            raise native.ContextOverflowError(
-                f"{len(toks)} tokens after {self._engine.n_past} need more than n_ctx={self.n_ctx} positions")
-        opts = self.exit_options if options is None else options
-        if not isinstance(opts, ExitOptions):
-            raise ValueError(f"options must be ExitOptions (from Model.options), got {type(opts).__name__}")
-        opts.validate(self.n_layer, self.has_river)
-        self._holder = None
-        return Step(*self._eval(toks, opts, _bool_arg("prompt", prompt), _bool_arg("all_logits", all_logits),
-                                _bool_arg("trace", trace)))
-
-    @_locked
-    def draft(self, token: int, options: Optional[ExitOptions] = None,
-              with_probs: bool = True, pick=None) -> Tuple[List[int], List[float]]:
-        """Lossless decoding's draft: `token` goes at position n_past, and the river proposes up to
-        options.draft_max greedy tokens after it (drafted as options.draft_mode says), each kept
-        while its probability under the draft is >= options.draft_p_min. The KV cache still holds
-        n_past positions on return; the rows the drafts wrote beyond it are the verify batch's to
-        overwrite. Returns (draft tokens, their probabilities under the draft); with_probs=False
-        returns no probabilities, and at draft_p_min 0 spares the softmax over the vocabulary that
-        each would cost. pick(logits, tokens) -> token, when given, chooses each draft instead of
-        the greedy rule (-1: stop), from the draft's logits and the token of each (None: the
-        whole vocabulary in order; read-only arrays valid during the call); draft_p_min and the
-        probabilities then do not apply."""
-        tok = self._check_token(token)
-        if self._engine.n_past + 1 > self.n_ctx:
-            raise native.ContextOverflowError(f"no room after {self._engine.n_past} positions in n_ctx={self.n_ctx}")
-        opts = self.exit_options if options is None else options
-        if not isinstance(opts, ExitOptions):
-            raise ValueError(f"options must be ExitOptions (from Model.options), got {type(opts).__name__}")
-        if not self.has_river:
-            raise ValueError(f"{self.model_path} has no river to draft with")
-        opts.validate(self.n_layer, self.has_river)
-        if pick is not None and not callable(pick):
-            raise ValueError(f"pick must be callable, got {type(pick).__name__}")
-        self._holder = None
-        tokens, probs = self._engine.draft(tok, **opts.draft_args(), with_probs=_bool_arg("with_probs", with_probs),
-                                           pick=pick)
-        return list(tokens), list(probs)
+    @property
+    def cache_used(self) -> int:
+        """Cache rows that hold a token of any sequence."""
+        return self._engine.cache_used
 
     @_locked
     def collect_activations(self, tokens: Sequence[int], stats) -> None:
         """One backbone pass over `tokens` from an empty cache, adding each mat-mul's input
         activations to `stats` (native.ActivationStats, for the importance matrix)."""
-        toks = self._check_tokens(tokens)
+        toks = self.check_tokens(tokens)
         self._clear()
         self._engine.collect_activations(toks, stats)
         self._engine.truncate(0)
-
-    def _eval(self, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits=False, trace=False, first_row=0):
-        return evaluate(self._engine, tokens, opts, prompt, all_logits, trace, first_row)
 
     @_locked
     def logits(self, tokens: Sequence[int], first_row: int = 0, **options) -> np.ndarray:
         """Logits for every position of `tokens` in one batched pass: float32 [len(tokens), n_vocab].
         first_row: only positions first_row.. (the head runs those alone; `tokens` must then fit
         one batch, n_batch)."""
-        toks = self._one_batch(tokens) if first_row else self._check_tokens(tokens)
+        toks = self.check_batch(tokens) if first_row else self.check_tokens(tokens)
         if not toks:
             raise ValueError("no tokens")
         first_row = _int_arg("first_row", first_row, 0, len(toks) - 1)
         opts = self.options(**options)
         self._clear()
-        out, _, _ = self._eval(toks, opts, prompt=True, all_logits=True, first_row=first_row)
+        out, _, _ = evaluate(self._engine, toks, opts, prompt=True, all_logits=True, first_row=first_row)
         return out
 
     @_locked
@@ -559,7 +507,7 @@ class Model:
         """The backbone's final-norm output for every position of `tokens`, in one pass from an
         empty cache: float32 [len(tokens), n_embd], llama.cpp's embeddings with pooling none
         (the rows the head reads). Embeddings are the precise model's, so no exit applies."""
-        toks = self._check_tokens(tokens)
+        toks = self.check_tokens(tokens)
         if not toks:
             raise ValueError("no tokens")
         if len(toks) > self.n_ctx:
@@ -574,88 +522,28 @@ class Model:
                                  "hyperparameters are broken, so no embedding is returned")
         return rows
 
-    @_locked
-    def score(self, tokens: Sequence[int], prefix: int = 1, keep_logits: bool = False, **options) -> ScoreResult:
-        """Teacher-forced scoring through the decode path: prefill tokens[:prefix], then decode the
-        rest with exits, the text choosing each token, and report log p of each actual next token.
-        In lossless mode the river drafts and the backbone verifies, and a draft is kept while it
-        equals the text, as lossless generation keeps it when the text is what it samples.
-        keep_logits: also return the logits that predicted each scored token (float32
-        [n_scored, n_vocab]), for divergence from a reference model."""
-        keep_logits = _bool_arg("keep_logits", keep_logits)
-        toks = self._check_tokens(tokens)
-        if not is_int(prefix) or not 1 <= prefix < len(toks):
-            raise ValueError(f"prefix must be an int in [1, {len(toks) - 1}], got {prefix!r}")
-        if len(toks) > self.n_ctx:
-            raise native.ContextOverflowError(f"{len(toks)} tokens do not fit in n_ctx={self.n_ctx}")
-        logprobs, exits, kept = [], [], []
-        text = iter(toks[prefix:])
-        with self.session(self.options(**options)) as s:
-            s.prefill(toks[:prefix])
-            for step in s.decode(lambda row, seen: next(text), limit=len(toks) - prefix):
-                logprobs.append(log_softmax_at(step.row, step.token))
-                exits.append(step.exit_layer)
-                if keep_logits:
-                    kept.append(np.array(step.row, dtype=np.float32))
-        return ScoreResult(np.array(logprobs), np.array(exits, dtype=np.int32),
-                           np.stack(kept) if keep_logits else None)
 
-    @_locked
-    def similarity_trace(self, tokens: Sequence[int], **options) -> List[List[float]]:
-        """Per decode step, the exit rule's score of every backbone layer run (cosine, the
-        default: cos(h_in, h_out)), for analysis."""
-        toks = self._check_tokens(tokens)
-        if not toks:
-            raise ValueError("no tokens")
-        if len(toks) > self.n_ctx:
-            raise native.ContextOverflowError(f"{len(toks)} tokens do not fit in n_ctx={self.n_ctx}")
-        with self.session(self.options(**options)) as s:
-            return _trace(s, toks)
-
-    def _one_batch(self, tokens: Sequence[int]) -> List[int]:
+    def check_batch(self, tokens: Sequence[int]) -> List[int]:
         """The checked tokens of a call that runs them as one batch (at most n_batch, at least one)."""
-        toks = self._check_tokens(tokens)
+        toks = self.check_tokens(tokens)
         if not toks:
             raise ValueError("no tokens")
         if len(toks) > self._n_batch:
             raise ValueError(f"{len(toks)} tokens do not fit in one batch (n_batch={self._n_batch})")
         return toks
 
+    # ----- calibration passes: native passes that no decode loop can express ----------------
     @_locked
-    def similarity_rows(self, tokens: Sequence[int], exit_rule: Optional[str] = None) -> np.ndarray:
-        """The exit rule's score of every backbone layer for every token, from one batched
-        backbone pass over `tokens` (from an empty cache): float32 [len(tokens), n_layer]. Row i
-        is what similarity_trace reports for the decode step of tokens[i], up to the batched
-        kernels' rounding (the first token has no decode step there). exit_rule: that rule's
-        scores (default: the model's rule)."""
-        toks = self._one_batch(tokens)
+    def river_tails_pass(self, tokens: List[int], tails: List[int], backbone_attention: bool, river_head: bool,
+                         first_row: int) -> List[np.ndarray]:
+        """The native Engine.river_tails over checked arguments (river_gguf.measure.tails.river_tails
+        checks them): one batched pass, from an empty cache, of the river layers the tails share,
+        each tail then running its own backbone layers and the head on rows first_row..; the
+        cache is left empty. Refuses non-finite logits."""
         self._clear()
         try:
-            opts = self.options(mode="backbone")
-            if exit_rule is not None:  # the scores of this rule (a plain model refuses it as an option)
-                opts = replace(opts, exit_rule=exit_rule).validate(self.n_layer, self.has_river)
-            _, _, sims = self._eval(toks, opts, prompt=True, all_logits=True, trace=True)
-        finally:
-            self._clear()  # the cache holds the text's rows; nothing may continue from them
-        return np.asarray(sims, dtype=np.float32).reshape(self.n_layer, len(toks)).T
-
-    @_locked
-    def river_tails(self, tokens: Sequence[int], tails: Sequence[int], river_attention: str = "river",
-                    river_head: bool = True, first_row: int = 0) -> List[np.ndarray]:
-        """logits(tokens, mode="river-only", tail=t, ...)[first_row:] for each tail t, from one
-        batched pass (from an empty cache) of the river layers the tails share: each tail runs
-        only its own backbone layers and the head, on rows first_row.. (native
-        Engine.river_tails). float32 [len(tokens) - first_row, n_vocab] per tail, in the order
-        given."""
-        toks = self._one_batch(tokens)
-        if river_attention not in ("river", "backbone"):
-            raise ValueError(f"river_attention must be 'river' or 'backbone', got {river_attention!r}")
-        tails = [_int_arg("tail", t, 0, self.n_layer - 1) for t in tails]
-        first_row = _int_arg("first_row", first_row, 0, len(toks) - 1)
-        self._clear()
-        try:
-            rows = self._engine.river_tails(toks, tails, backbone_attention=river_attention == "backbone",
-                                            river_head=_bool_arg("river_head", river_head), first_row=first_row)
+            rows = self._engine.river_tails(tokens, tails, backbone_attention=backbone_attention,
+                                            river_head=river_head, first_row=first_row)
         finally:
             self._clear()
         for r in rows:
@@ -664,32 +552,66 @@ class Model:
                                      "hyperparameters are broken, so no score is returned")
         return rows
 
-    def backbone_trace(self, tokens: Sequence[int], exit_rule: Optional[str] = None) -> List[List[float]]:
-        """similarity_trace of backbone decode in a short-lived engine of its own: the profile's
-        length does not depend on this Model's n_ctx, and its KV cache (and any stream on it)
-        is left alone. exit_rule: that rule's scores (default: the default rule)."""
-        toks = self._check_tokens(tokens)
-        if not toks:
-            raise ValueError("no tokens to profile")
-
+    def backbone_session(self, n_ctx: int, options: ExitOptions) -> Session:
+        """A Session on a short-lived backbone engine of its own (this file, no river) with room for
+        n_ctx positions: a profile's length does not depend on this Model's n_ctx, and this
+        Model's KV cache (and any session on it) is left alone. The engine's weights map and KV
+        cache go with the session's last reference."""
+        n_ctx = _int_arg("n_ctx", n_ctx, 1, MAX_CTX)
         with deferred_interrupts():
-            engine = native.Engine(self.model_path, "", n_ctx=len(toks), n_threads=self.n_threads,
-                                   n_batch=min(self._n_batch, len(toks)), n_gpu_layers=self._n_gpu_layers,
+            engine = native.Engine(self.model_path, "", n_ctx=n_ctx, n_threads=self.n_threads,
+                                   n_batch=min(self._n_batch, n_ctx), n_gpu_layers=self._n_gpu_layers,
                                    use_mmap=self._use_mmap, flash_attn=self.flash_attn,
                                    exit_decision=self._exit_decision,
                                    main_gpu=self._main_gpu, gpu_memory=self._gpu_memory)
-        try:
-            opts = ExitOptions(mode="backbone") if exit_rule is None else ExitOptions(mode="backbone", exit_rule=exit_rule)
-            # The short-lived engine's session: it counts positions against its own n_ctx.
-            session = Session(self, engine, threading.RLock(), opts, own_cache=True)
-            return _trace(session, toks)
-        finally:
-            del engine  # its weights map and KV cache go now, not at the next GC
+        # It counts positions against its own n_ctx and shares its cache with nobody.
+        return Session(self, engine, threading.RLock(), options, own_cache=True)
 
+    # ----- inspection: read-only facts of the engine, for diagnostics and tests ----------------
+    @property
+    def file_options(self) -> ExitOptions:
+        """The exit setting the file stores (its river.* keys, as the engine read them; plain
+        files: backbone), before any preset or override."""
+        return self._base_options
 
-def _trace(session: Session, toks: List[int]) -> List[List[float]]:
-    """The exit rule's scores of the decode step of each token after the first, the text choosing."""
-    session.prefill(toks[:1])
-    text = iter(toks[1:])
-    steps = [step.scores for step in session.decode(lambda row, seen: next(text, STOP), trace=True)]
-    return [list(sc) for sc in steps[1:] + [session.scores]] if len(toks) > 1 else []
+    @property
+    def gpu_offload(self) -> bool:
+        """Whether any layer or the head runs on a GPU."""
+        return self._engine.gpu_offload
+
+    @property
+    def gpu_layers(self) -> int:
+        """Layers placed on the GPU: fewer than n_gpu_layers asked when they did not fit."""
+        return self._engine.gpu_layers
+
+    @property
+    def flash_attn(self) -> bool:
+        """Whether attention runs as llama.cpp's with flash attention on (the engine's setting)."""
+        return self._engine.flash_attn
+
+    @property
+    def exits_on_graph(self) -> bool:
+        """Whether the dynamic exit's test runs as graph ops on the layer's device (exit_decision
+        "graph", or "auto" with offloaded layers) rather than as a CPU op."""
+        return self._engine.exits_on_graph
+
+    @property
+    def graph_counts(self) -> dict:
+        """How many compute graphs the engine built since it loaded ("built") and keeps for reuse
+        ("kept"): a step whose shape matches a kept graph builds none."""
+        return {"built": self._engine.graphs_built, "kept": self._engine.kept_graphs}
+
+    def cache_rows(self, layer: int, values: bool, n: int) -> np.ndarray:
+        """KV cache layer `layer`, positions [0, n) of K (values=False) or V, as float32 [n, width]:
+        a read-only look at what the cache holds (every written slot is a real vector; see
+        cache_poison for an unwritten one)."""
+        layer = _int_arg("layer", layer, 0, self.n_layer - 1)
+        n = _int_arg("n", n, 1, self.n_ctx)
+        with self._lock:
+            return self._engine.cache_rows(layer, _bool_arg("values", values), n)
+
+    def cache_poison(self, layer: int) -> float:
+        """What an unwritten entry of layer `layer`'s cache holds: NaN, or native
+        Engine.POISON_NO_FLASH where attention spans masked rows (no flash attention, or a cache
+        in device memory)."""
+        return self._engine.cache_poison(_int_arg("layer", layer, 0, self.n_layer - 1))

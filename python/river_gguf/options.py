@@ -4,12 +4,13 @@ RiverOptions is everything River adds to loading a model: the river, the default
 setting (a preset, the mode, tau, lossless drafting...), and where layers run (a GPU budget, RPC
 servers, where the exit decision runs). Model, Llama, the CLI and the server take it (or its
 fields as keyword arguments) and forward it; the CLI's flags come from its fields' metadata. The
-fields a call may override (EXIT_FIELDS) resolve per call, from the file's defaults, into
-ExitOptions: which weights run each layer of that call.
+fields a call may override (EXIT_FIELDS) are ExitOptions' own, generated from it (with their flags
+from one table, EXIT_FLAGS), and resolve per call, from the file's defaults, into ExitOptions:
+which weights run each layer of that call.
 """
 import math
 import numbers
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
@@ -58,7 +59,7 @@ _TO_NATIVE = {"rule": EXIT_RULES.index, "backbone_attention": lambda s: s == "ba
 _DEFAULTS = {py: _TO_PYTHON.get(n, lambda v: v)(_native.EXIT_SETTING[n]) for py, n in SETTING_FIELDS.items()}
 
 #: "lossless": the river drafts tokens and the backbone verifies them in one batch, so the output
-#: is the backbone's, token for token (Llama's token loop; Model.score teacher-forced).
+#: is the backbone's, token for token (Llama's token loop; measure.teacher.score teacher-forced).
 MODES = ("river", "backbone", "river-only", "lossless")
 #: How lossless decoding drafts: every layer from the river, or River's exit rule (backbone layers
 #: until the rule's score passes the threshold, the river above).
@@ -241,132 +242,169 @@ if _missing:
     raise ImportError(f"ExitOptions lacks the native exit setting's fields {sorted(_missing)} (SETTING_FIELDS)")
 
 
-def _flag(*flags: str, help: str, parse: Optional[str] = None, bool_flag: bool = False, **argparse_kw) -> dict:
+def _flag(flags: Sequence[str], help: str, parse: Optional[str] = None, bool_flag: bool = False,
+          **argparse_kw) -> dict:
     """A field's command-line flag (cli/common.py adds one per field): argparse's keywords, a
     --flag/--no-flag pair for a bool, or `parse`, how its text becomes the value ("layers", "floats")."""
-    return {"flags": flags, "help": help, "parse": parse, "bool_flag": bool_flag, "argparse": argparse_kw}
-
-
-def _exit(*flags, river_only: bool = True, **kw) -> Any:
-    """A field of the exit setting: None means the file's own default; calls may override it.
-    river_only: it means nothing without a river, so a plain model refuses it."""
-    return field(default=None, metadata={"exit": True, "river_only": river_only, **_flag(*flags, **kw)})
+    return {"flags": tuple(flags), "help": help, "parse": parse, "bool_flag": bool_flag, "argparse": argparse_kw}
 
 
 def _place(default, *flags, **kw) -> Any:
     """A field of where things run: fixed when the model loads."""
-    return field(default=default, metadata={"exit": False, "river_only": False, **_flag(*flags, **kw)})
+    if flags:
+        kw["flags"] = flags
+    return field(default=default, metadata={"exit": False, "river_only": False, **_flag(**kw)})
 
 
-@dataclass(frozen=True)
-class RiverOptions:
-    """What River adds to loading a model (see the module docstring). Every field's None (or
-    default) leaves the choice to the file and the engine."""
-    river: Optional[str] = _place(None, "--river", metavar="PATH",
-                                  help="a separate lower-precision GGUF of the same model, used as the river")
-    preset: Optional[str] = _exit("--preset", metavar="NAME",
-                                  help="one of the River GGUF's stored settings: fast, balanced, quality (default: "
-                                       "the file's default, balanced); the options below override it")
-    mode: Optional[str] = _exit("--mode", river_only=False, choices=MODES,
-                                help="exit mode (default: the file's own); lossless: the river drafts, the "
-                                     "backbone verifies, and the text is the backbone's")
-    exit_rule: Optional[str] = _exit("--exit-rule", choices=EXIT_RULES,
-                                     help=f"when a token leaves the backbone in mode river (default {EXIT_RULES[0]}); "
-                                          f"{_RULE_HELP}")
-    threshold: Optional[float] = _exit("--threshold", "--tau", type=float, metavar="TAU",
-                                       help="the exit rule's threshold")
-    min_exit_layer: Optional[int] = _exit("--min-exit-layer", type=int, metavar="N",
-                                          help="backbone layers every token runs before it may exit")
-    exit_layer: Optional[int] = _exit("--exit-layer", river_only=False, type=int, metavar="K",
-                                      help="force every decoded token out after backbone layer K")
-    river_head: Optional[bool] = _exit("--river-head", bool_flag=True,
-                                       help="exited tokens use the river's own output head")
-    prefill: Optional[str] = _exit("--prefill", choices=PREFILL_POLICIES,
-                                   help="prompts run the backbone, or River's sequence-level exit")
-    tail: Optional[int] = _exit("--tail", type=int, metavar="T",
-                                help="exited tokens rejoin the backbone for the last T layers")
-    river_attention: Optional[str] = _exit("--river-attention", choices=RIVER_ATTENTION,
-                                           help="whose attention weights river layers run: their own, or the "
-                                                "backbone's (with the river's FFN)")
-    draft_max: Optional[int] = _exit("--draft-max", type=int, metavar="N",
-                                     help="lossless: at most N drafts a round (default 4)")
-    draft_p_min: Optional[float] = _exit("--draft-p-min", type=float, metavar="P",
-                                         help="lossless: stop drafting at a draft whose probability is below P "
-                                              "(default 0)")
-    draft_mode: Optional[str] = _exit("--draft-mode", choices=DRAFT_MODES,
-                                      help="lossless: draft with every layer from the river (river-only, the "
-                                           "default) or with River's exit rule (river: backbone layers until "
-                                           "the rule's score passes TAU)")
-    ngram_draft: Optional[bool] = _exit("--ngram-draft", bool_flag=True,
-                                        help="lossless: draft the continuation of an earlier occurrence of the "
-                                             "text's last tokens (prompt and output) where that pays more than "
-                                             "the river's drafts (default on)")
-    adaptive_draft: Optional[bool] = _exit("--adaptive-draft", bool_flag=True,
-                                           help="lossless: choose each round's draft length (up to --draft-max, "
-                                                "none where no draft pays) and stop river drafts early, from the "
-                                                "running acceptance and the measured costs (default on; off: "
-                                                "always --draft-max river drafts)")
-    draft_vocab: Optional[int] = _place(
-        None, "--draft-vocab", type=int, metavar="N",
+#: The command line of the exit setting: a flag and help for `preset` (a stored setting by name)
+#: and for each ExitOptions field. RiverOptions and the CLI take their exit fields from
+#: ExitOptions itself (river_options_class), so a field this table does not name still gets one,
+#: --its-name typed as the field, that a river needs.
+EXIT_FLAGS = {
+    "preset": dict(flags=("--preset",), metavar="NAME",
+                   help="one of the River GGUF's stored settings: fast, balanced, quality (default: the file's "
+                        "default, balanced); the options below override it"),
+    "mode": dict(flags=("--mode",), river_only=False, choices=MODES,
+                 help="exit mode (default: the file's own); lossless: the river drafts, the backbone verifies, "
+                      "and the text is the backbone's"),
+    "exit_rule": dict(flags=("--exit-rule",), choices=EXIT_RULES,
+                      help=f"when a token leaves the backbone in mode river (default {EXIT_RULES[0]}); {_RULE_HELP}"),
+    "threshold": dict(flags=("--threshold", "--tau"), type=float, metavar="TAU", help="the exit rule's threshold"),
+    "min_exit_layer": dict(flags=("--min-exit-layer",), type=int, metavar="N",
+                           help="backbone layers every token runs before it may exit"),
+    "exit_layer": dict(flags=("--exit-layer",), river_only=False, type=int, metavar="K",
+                       help="force every decoded token out after backbone layer K"),
+    "river_head": dict(flags=("--river-head",), bool_flag=True, help="exited tokens use the river's own output head"),
+    "prefill": dict(flags=("--prefill",), choices=PREFILL_POLICIES,
+                    help="prompts run the backbone, or River's sequence-level exit"),
+    "tail": dict(flags=("--tail",), type=int, metavar="T", help="exited tokens rejoin the backbone for the last T layers"),
+    "river_attention": dict(flags=("--river-attention",), choices=RIVER_ATTENTION,
+                            help="whose attention weights river layers run: their own, or the backbone's (with the "
+                                 "river's FFN)"),
+    "draft_max": dict(flags=("--draft-max",), type=int, metavar="N", help="lossless: at most N drafts a round (default 4)"),
+    "draft_p_min": dict(flags=("--draft-p-min",), type=float, metavar="P",
+                        help="lossless: stop drafting at a draft whose probability is below P (default 0)"),
+    "draft_mode": dict(flags=("--draft-mode",), choices=DRAFT_MODES,
+                       help="lossless: draft with every layer from the river (river-only, the default) or with "
+                            "River's exit rule (river: backbone layers until the rule's score passes TAU)"),
+    "ngram_draft": dict(flags=("--ngram-draft",), bool_flag=True,
+                        help="lossless: draft the continuation of an earlier occurrence of the text's last tokens "
+                             "(prompt and output) where that pays more than the river's drafts (default on)"),
+    "adaptive_draft": dict(flags=("--adaptive-draft",), bool_flag=True,
+                           help="lossless: choose each round's draft length (up to --draft-max, none where no "
+                                "draft pays) and stop river drafts early, from the running acceptance and the "
+                                "measured costs (default on; off: always --draft-max river drafts, and the "
+                                "choice between drafters never reads the clock)"),
+}
+
+#: The fields of where things run, fixed when the model loads: (name, type, default, flag).
+PLACE_FIELDS = (
+    ("draft_vocab", Optional[int], None, dict(
+        flags=("--draft-vocab",), type=int, metavar="N",
         help="lossless: the tokens a draft may propose, the N the file ranks first (its calibration text's, then "
              "ascending ids) and the end-of-generation ones; the draft's head runs their rows alone, and the "
              "backbone's verification keeps the text the same (0: the whole vocabulary; default: 32768 for a "
-             "vocabulary of 65536 or more with a river head of its own)")
-    verify_kernels: bool = _place(
-        False, "--verify-kernels", bool_flag=True,
+             "vocabulary of 65536 or more with a river head of its own)")),
+    ("verify_kernels", bool, False, dict(
+        flags=("--verify-kernels",), bool_flag=True,
         help="decode steps in the verify batch's kernels: each step evaluates its token with a throwaway "
              "copy in one batch, so every mode's text equals lossless mode's bit for bit (near-ties that "
-             "single-token and batched kernels round apart then decide alike), at a step's extra cost")
-    gpu_memory: Optional[Union[int, str]] = _place(
-        None, "--gpu-memory", metavar="SIZE",
+             "single-token and batched kernels round apart then decide alike), at a step's extra cost")),
+    ("gpu_memory", Optional[Union[int, str]], None, dict(
+        flags=("--gpu-memory",), metavar="SIZE",
         help="the most the GPU placement may use, e.g. 6GiB (default: its free memory); with --ngl -1, a River "
-             "model that does not fit puts its river, head and KV cache there first")
-    exit_decision: str = _place("auto", "--exit-decision", choices=EXIT_DECISIONS,
-                                help="where the exit test runs: auto (graph with offloaded layers, else cpu), "
-                                     "cpu or graph")
-    rpc_servers: Optional[Union[str, Sequence[str]]] = _place(
-        None, "--rpc", metavar="HOST:PORT[,...]",
-        help="put layers on these RPC servers (river-gguf rpc-server; trusted networks only)")
-    rpc_layers: Optional[Union[int, Sequence[int]]] = _place(
-        None, "--rpc-layers", metavar="N|LIST", parse="layers",
-        help="layers on the RPC servers: N (the last N, -1: all; default all) or a list like 0-3,8")
-    rpc_split: Optional[Sequence[float]] = _place(
-        None, "--rpc-split", metavar="S1,S2,...", parse="floats",
-        help="each remote device's share of those layers (default: by free memory)")
-    rpc_weights: str = _place("all", "--rpc-weights", choices=RPC_WEIGHTS,
-                              help="whose weights of a remote layer go with it (default all; its KV cache "
-                                   "always does)")
-    rpc_timeout: Optional[float] = _place(RPC_TIMEOUT, "--rpc-timeout", type=float, metavar="S",
-                                          help=f"seconds an RPC server may take to answer (default {RPC_TIMEOUT:g})")
+             "model that does not fit puts its river, head and KV cache there first")),
+    ("exit_decision", str, "auto", dict(
+        flags=("--exit-decision",), choices=EXIT_DECISIONS,
+        help="where the exit test runs: auto (graph with offloaded layers, else cpu), cpu or graph")),
+    ("rpc_servers", Optional[Union[str, Sequence[str]]], None, dict(
+        flags=("--rpc",), metavar="HOST:PORT[,...]",
+        help="put layers on these RPC servers (river-gguf rpc-server; trusted networks only)")),
+    ("rpc_layers", Optional[Union[int, Sequence[int]]], None, dict(
+        flags=("--rpc-layers",), metavar="N|LIST", parse="layers",
+        help="layers on the RPC servers: N (the last N, -1: all; default all) or a list like 0-3,8")),
+    ("rpc_split", Optional[Sequence[float]], None, dict(
+        flags=("--rpc-split",), metavar="S1,S2,...", parse="floats",
+        help="each remote device's share of those layers (default: by free memory)")),
+    ("rpc_weights", str, "all", dict(
+        flags=("--rpc-weights",), choices=RPC_WEIGHTS,
+        help="whose weights of a remote layer go with it (default all; its KV cache always does)")),
+    ("rpc_timeout", Optional[float], RPC_TIMEOUT, dict(
+        flags=("--rpc-timeout",), type=float, metavar="S",
+        help=f"seconds an RPC server may take to answer (default {RPC_TIMEOUT:g})")),
+)
+
+
+def _exit_flag(f) -> dict:
+    """EXIT_FLAGS' entry for an exit field, or the flag a field it does not name gets."""
+    if f.name in EXIT_FLAGS:
+        return dict(EXIT_FLAGS[f.name])
+    flag = "--" + f.name.replace("_", "-")
+    about = f"the exit setting's {f.name} (ExitOptions; default: the file's)"
+    if f.type is bool:
+        return dict(flags=(flag,), bool_flag=True, help=about)
+    return dict(flags=(flag,), type=f.type if f.type in (int, float) else str, metavar=f.name.upper(), help=about)
+
+
+class _RiverOptionsMethods:
+    """RiverOptions' behaviour; its fields come from river_options_class."""
 
     @classmethod
-    def of(cls, river_options: Optional["RiverOptions"] = None, **kw) -> "RiverOptions":
+    def of(cls, river_options=None, **kw):
         """These options: `river_options` (default: all unset) with the keyword arguments that
         are not None on top. An unknown name raises TypeError, as a function's would."""
         base = river_options if river_options is not None else cls()
-        if not isinstance(base, RiverOptions):
+        if not isinstance(base, cls):
             raise ValueError(f"river_options must be a RiverOptions, got {type(base).__name__}")
-        unknown = sorted(set(kw) - set(NAMES))
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(kw) - set(names))
         if unknown:
-            raise TypeError(f"unexpected keyword argument {unknown[0]!r} (River options are: {', '.join(NAMES)})")
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r} (River options are: {', '.join(names)})")
         return replace(base, **{k: v for k, v in kw.items() if v is not None})
 
     def exit_overrides(self) -> Dict[str, Any]:
         """The exit setting fields that are set, as call overrides."""
-        return {k: getattr(self, k) for k in EXIT_FIELDS if getattr(self, k) is not None}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.metadata["exit"] and getattr(self, f.name) is not None}
 
     def check_river(self, has_river: bool, where: str) -> None:
         """Refuse options that only mean something with a river, on a model without one: they
         would do nothing. (`mode` and `exit_layer` are checked by what they ask.)"""
-        check_river_options(has_river, where, **{k: getattr(self, k) for k in RIVER_ONLY})
+        check_river_options(has_river, where, **{f.name: getattr(self, f.name) for f in fields(self)
+                                                 if f.metadata["river_only"]})
+
+
+def river_options_class(exit_options=None) -> type:
+    """The RiverOptions dataclass: `river`, then `preset` and every field of `exit_options`
+    (default ExitOptions) as an exit field (None: the file's default; a call may override it),
+    then PLACE_FIELDS. Each field's metadata holds its command-line flag (cli/common.py)."""
+    exit_fields = fields(ExitOptions if exit_options is None else exit_options)
+    preset = field(default=None, metadata={"exit": True, "river_only": True, **_flag(**EXIT_FLAGS["preset"])})
+    spec = [("river", Optional[str], _place(None, "--river", metavar="PATH",
+                                            help="a separate lower-precision GGUF of the same model, used as "
+                                                 "the river")),
+            ("preset", Optional[str], preset)]
+    for f in exit_fields:
+        flag = _exit_flag(f)
+        river_only = flag.pop("river_only", True)
+        spec.append((f.name, Optional[f.type],
+                     field(default=None, metadata={"exit": True, "river_only": river_only, **_flag(**flag)})))
+    for name, kind, default, flag in PLACE_FIELDS:
+        spec.append((name, kind, _place(default, **flag)))
+    cls = make_dataclass("RiverOptions", spec, bases=(_RiverOptionsMethods,), frozen=True)
+    cls.__module__ = __name__
+    cls.__doc__ = ("What River adds to loading a model (see the module docstring). Every field's None (or "
+                   "default) leaves the choice to the file and the engine.")
+    return cls
+
+
+RiverOptions = river_options_class()
 
 
 #: Every RiverOptions field, the ones a call may override, and those that need a river.
 NAMES = tuple(f.name for f in fields(RiverOptions))
 EXIT_FIELDS = tuple(f.name for f in fields(RiverOptions) if f.metadata["exit"])
 RIVER_ONLY = tuple(f.name for f in fields(RiverOptions) if f.metadata["river_only"])
-if set(EXIT_FIELDS) != {"preset"} | {f.name for f in fields(ExitOptions)}:
-    raise ImportError("RiverOptions' exit fields must be ExitOptions' fields and preset")
 
 
 def check_river_options(has_river: bool, where: str, **given) -> None:

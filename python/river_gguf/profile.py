@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from .measure.traces import backbone_trace, similarity_rows
 from .options import EXIT_RULES
 
 DEFAULT_QUANTILE = 0.70
@@ -27,16 +28,16 @@ def similarity_profile(model, text: Optional[str] = None, max_tokens: int = 256,
     """[steps, n_layer] scores of `exit_rule` (default: the default rule) in backbone-only decode
     over `text`.
 
-    It runs in a short-lived engine of its own (Model.backbone_trace), sized to the profile: a
+    It runs in a short-lived engine of its own (measure.traces.backbone_trace), sized to the profile: a
     Model with a small n_ctx can still be profiled, and the Model's own KV cache is untouched.
     own_engine=False runs it in the Model's engine instead (its cache is cleared; it must hold
-    max_tokens), in one batched pass (Model.similarity_rows): a caller that owns the Model saves a
+    max_tokens), in one batched pass (measure.traces.similarity_rows): a caller that owns the Model saves a
     second load of the weights and the decode steps."""
     rule = EXIT_RULES[0] if exit_rule is None else exit_rule
     toks = model.tokenize(text or profile_text())[:max_tokens]
     if not own_engine:
-        return model.similarity_rows(toks, exit_rule=rule)[1:]  # decode's trace has no step for the first token
-    return np.array(model.backbone_trace(toks, exit_rule=rule))
+        return similarity_rows(model, toks, exit_rule=rule)[1:]  # decode's trace has no step for the first token
+    return np.array(backbone_trace(model, toks, exit_rule=rule))
 
 
 def _mid(sims: np.ndarray) -> np.ndarray:

@@ -11,7 +11,6 @@ from typing import List, Sequence
 
 import numpy as np
 
-from .model import Model
 from .session import NumericalError
 from .options import is_int
 
@@ -33,7 +32,7 @@ def _checked(rows: np.ndarray, what: str) -> np.ndarray:
     return rows
 
 
-def greedy_sequences(model: Model, prompts: Sequence[Sequence[int]], max_tokens: int, stop_at_eog: bool = True,
+def greedy_sequences(model, prompts: Sequence[Sequence[int]], max_tokens: int, stop_at_eog: bool = True,
                      **options) -> List[SequenceText]:
     """The greedy continuation of each prompt (token lists), decoded together: one prompt batch
     holding every prompt, then one batch per step holding each unfinished sequence's last token,
@@ -53,34 +52,58 @@ def greedy_sequences(model: Model, prompts: Sequence[Sequence[int]], max_tokens:
     out = [SequenceText() for _ in prompts]
     if max_tokens == 0:
         return out
-    engine = model.engine
-    with model.lock:
-        model.begin()
-        for s in engine.sequences:
-            engine.truncate(0, seq=s)
-        try:
-            seqs = [s for s, p in enumerate(prompts) for _ in p]
-            toks = [t for p in prompts for t in p]
-            rows, exit_layer, _ = engine.eval(toks, seq_ids=seqs, **opts.engine_args(True))
-            active = list(range(len(prompts)))
-            while active:
-                _checked(rows, f"sequences {active}")
-                step = []
-                for s, row in zip(active, rows):
-                    tok = int(np.argmax(row))
-                    if stop_at_eog and model.is_eog(tok):
-                        out[s].finish_reason = "stop"
-                        continue
-                    out[s].tokens.append(tok)
-                    out[s].exit_layers.append(exit_layer)
-                    # The next step needs a cache row for each of its tokens.
-                    if len(out[s].tokens) < max_tokens and engine.cache_used + len(step) < model.n_ctx:
-                        step.append(s)
-                active = step
-                if active:
-                    rows, exit_layer, _ = engine.eval([out[s].tokens[-1] for s in active], seq_ids=active,
-                                                      **opts.engine_args(False))
-        finally:
-            for s in engine.sequences:
-                engine.truncate(0, seq=s)
+    with model.sequences() as cache:
+        seqs = [s for s, p in enumerate(prompts) for _ in p]
+        toks = [t for p in prompts for t in p]
+        rows, exit_layer = cache.eval(toks, seqs, opts, prompt=True)
+        active = list(range(len(prompts)))
+        while active:
+            _checked(rows, f"sequences {active}")
+            step = []
+            for s, row in zip(active, rows):
+                tok = int(np.argmax(row))
+                if stop_at_eog and model.is_eog(tok):
+                    out[s].finish_reason = "stop"
+                    continue
+                out[s].tokens.append(tok)
+                out[s].exit_layers.append(exit_layer)
+                # The next step needs a cache row for each of its tokens.
+                if len(out[s].tokens) < max_tokens and cache.used + len(step) < model.n_ctx:
+                    step.append(s)
+            active = step
+            if active:
+                rows, exit_layer = cache.eval([out[s].tokens[-1] for s in active], active, opts, prompt=False)
     return out
+
+
+class SequenceCache:
+    """A Model's KV cache lent to several sequences at once (Model.sequences() makes one, under
+    the Model's lock, from an empty cache to an empty cache): one batch may hold tokens of any of
+    them, and each sequence sees only its own cells."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    @property
+    def used(self) -> int:
+        """Cache rows that hold a token of some sequence."""
+        return self._engine.cache_used
+
+    @property
+    def sequences(self) -> List[int]:
+        """The ids of the sequences the cache holds tokens of."""
+        return list(self._engine.sequences)
+
+    def eval(self, tokens: Sequence[int], seq_ids: Sequence[int], options, prompt: bool):
+        """One batch: tokens[i] appended to sequence seq_ids[i]; returns (each sequence's last
+        row, in the order the sequences first appear in the batch; the batch's exit layer)."""
+        rows, exit_layer, _ = self._engine.eval(list(tokens), seq_ids=list(seq_ids), **options.engine_args(prompt))
+        return rows, exit_layer
+
+    def truncate(self, n: int, seq: int) -> None:
+        """Keep sequence `seq`'s first n tokens (0: clear it)."""
+        self._engine.truncate(n, seq=seq)
+
+    def clear(self) -> None:
+        for s in self._engine.sequences:
+            self._engine.truncate(0, seq=s)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ._loader import native
 from .drafters import DraftPlanner
-from .options import ExitOptions
+from .options import ExitOptions, is_int
 
 #: What `choose` returns to end the loop.
 STOP = None
@@ -220,6 +220,8 @@ class Session:
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions."""
+        if not is_int(n) or not 0 <= n <= len(self._tokens):
+            raise ValueError(f"n must be an int in [0, {len(self._tokens)}], got {n!r}")
         with self._lock:
             self._claim()
             n = max(0, min(int(n), len(self._tokens)))
@@ -237,7 +239,7 @@ class Session:
         the rest as a prompt batch. The last position's row is live afterwards (a token is
         evaluated again when its row was not kept), unless need_row=False; with all_logits, every
         position's row is kept too. Returns how many positions were reused."""
-        tokens = list(tokens)
+        tokens = self._model.check_tokens(tokens)
         if not tokens:
             raise ValueError("no tokens to evaluate")
         with self._lock:
@@ -258,7 +260,9 @@ class Session:
         applies), or with decode=True one decode step (exits live). Returns the last row, or every
         row with all_logits. options: this evaluation's setting (a forced exit layer for one
         step); default the session's."""
-        tokens = list(tokens)
+        tokens = self._model.check_tokens(tokens)
+        if decode and len(tokens) > 1:
+            raise ValueError(f"a decode step takes one token, got {len(tokens)}")
         if not tokens:
             raise ValueError("no tokens to evaluate")
         opts = self.options if options is None else options
@@ -315,7 +319,7 @@ class Session:
         trace: each step's exit-rule scores (Step.scores). exit_layers: the forced exit layer of
         each decode step in turn (a plain step each, the session's other options kept).
         pick: how the river chooses each round's drafts (default greedy): a callable returning a
-        context manager that gives pick(logits, tokens) -> token (Model.draft says more), made
+        context manager that gives pick(logits, tokens) -> token (Session.draft says more), made
         afresh each round (a sampler's clone in its current state). The lock is taken per
         evaluation, not across yields: a session that another user of the cache displaced between
         two steps evaluates its tokens again."""
@@ -400,16 +404,19 @@ class Session:
         self._record([int(token)], rows, True, exit_layer, None, True)
         return rows
 
-    def draft(self, token: int, max_drafts: Optional[int] = None, pick=None,
-              p_min: Optional[float] = None) -> List[int]:
+    def draft(self, token: int, max_drafts: Optional[int] = None, pick=None, p_min: Optional[float] = None,
+              with_probs: bool = False):
         """The river's drafts after `token` (which goes at position n_past; the cache keeps n_past
         positions, the rows the drafts wrote beyond are the verify batch's to overwrite).
-        max_drafts: fewer than the options' draft_max; p_min: this draft's draft_p_min."""
-        return self._draft(token, max_drafts, pick, p_min, with_probs=False)[0]
-
-    def _draft(self, token: int, max_drafts: Optional[int], pick, p_min: Optional[float],
-               with_probs: bool) -> Tuple[List[int], List[float]]:
-        """draft(), and with_probs (greedy drafts only) each draft's probability under the river."""
+        max_drafts: fewer than the options' draft_max; p_min: this draft's draft_p_min.
+        with_probs: return (drafts, each one's probability under the draft) instead, at the cost
+        of a softmax over the vocabulary per draft. pick(logits, tokens) -> token, when given,
+        chooses each draft instead of the greedy rule (-1: stop), from the draft's logits and the
+        token of each (None: the whole vocabulary in order; read-only arrays valid during the
+        call); draft_p_min and the probabilities then do not apply."""
+        token = self._model.check_token(token)
+        if not self._model.has_river:
+            raise ValueError(f"{self._model.model_path} has no river to draft with")
         with self._lock:
             self._claim()
             self._check_room()
@@ -419,11 +426,11 @@ class Session:
             if p_min is not None:
                 args["p_min"] = float(p_min)
             if args["n_max"] == 0:
-                return [], []
+                return ([], []) if with_probs else []
             # Drafts beyond the context's end have no room to be verified.
             args["n_max"] = min(args["n_max"], self._engine.n_ctx - self._engine.n_past - 1)
-            tokens, probs = self._engine.draft(int(token), **args, with_probs=with_probs, pick=pick)
-            return list(tokens), list(probs)
+            tokens, probs = self._engine.draft(token, **args, with_probs=bool(with_probs), pick=pick)
+            return (list(tokens), list(probs)) if with_probs else list(tokens)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
         """The backbone's rows for a round's batch (its token and drafts), evaluated in one batch
@@ -456,7 +463,10 @@ class Session:
         self._draft_probs = []
         if plan.source == "river" and pick is None:
             # The probabilities teach the planner where the early stop pays (adaptive_draft).
-            drafts, self._draft_probs = self._draft(token, plan.k, None, plan.p_min, self.options.adaptive_draft)
+            if self.options.adaptive_draft:
+                drafts, self._draft_probs = self.draft(token, plan.k, p_min=plan.p_min, with_probs=True)
+            else:
+                drafts = self.draft(token, plan.k, p_min=plan.p_min)
         elif plan.source == "river":
             with pick() as picker:
                 drafts = self.draft(token, plan.k, picker)

@@ -11,6 +11,7 @@ from river_gguf.convert.build import DEFAULT_BACKBONE_TYPE, build_river_gguf
 from river_gguf.gguf.meta import set_river_metadata
 from river_gguf.eval.random_model import write_tiny_model
 from river_gguf.gguf.reader import GGUFReader
+from river_gguf.measure.teacher import score
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +37,11 @@ def test_presets_read_back_and_applied(tiny_river, tmp_path):
     assert (o.mode, o.threshold, o.min_exit_layer, o.tail, o.river_head) == ("river", 0.5, 1, 2, False)
     toks = m.tokenize("a b c d e f g")
     # A per-call preset is the same as spelling out its options.
-    a = m.score(toks, prefix=2, preset="fast")
-    b = m.score(toks, prefix=2, mode="river-only", tail=1, river_head=True)
+    a = score(m, toks, prefix=2, preset="fast")
+    b = score(m, toks, prefix=2, mode="river-only", tail=1, river_head=True)
     assert np.array_equal(a.logprobs, b.logprobs)
-    c = m.score(toks, prefix=2, preset="quality")
-    d = m.score(toks, prefix=2, mode="backbone")
+    c = score(m, toks, prefix=2, preset="quality")
+    d = score(m, toks, prefix=2, mode="backbone")
     assert np.array_equal(c.logprobs, d.logprobs) and not np.array_equal(a.logprobs, c.logprobs)
     # Explicit options override the preset, and the constructor picks another preset.
     assert Model(str(path), n_ctx=64, n_threads=1, preset="balanced", tail=0).exit_options.tail == 0
@@ -333,8 +334,8 @@ def test_measured_settings_are_whole_whatever_the_default_preset(tiny_river, tmp
     assert report._resolved_options(m, {"preset": "balanced"})["tail"] == 2
     plain = Model(tiny_river, n_ctx=128, n_threads=1)  # no presets: its defaults are the plain ones
     toks = plain.tokenize("the river runs to the sea and the sea")
-    a = m.score(toks, **presets.complete(row)).logprobs
-    b = plain.score(toks, **row).logprobs
+    a = score(m, toks, **presets.complete(row)).logprobs
+    b = score(plain, toks, **row).logprobs
     assert np.array_equal(a, b)
     assert dataclasses.asdict(plain.options(**row))["river_attention"] == "river"
 

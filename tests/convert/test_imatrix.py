@@ -107,27 +107,26 @@ def test_importance_scales_with_the_input(tiny, tmp_path):
 def test_collection_errors_and_the_observer_is_removed(tiny, tmp_path):
     wide = write_tiny_model(tmp_path / "wide.gguf", "llama", n_embd=128, tied=True)
     m = Model(tiny, n_ctx=512, n_threads=THREADS)
-    e = m.engine
     toks = m.tokenize(PROSE)
     stats = _native.ActivationStats()
-    e.collect_activations(toks, stats)
+    m.collect_activations(toks, stats)
     assert len(stats) == 15
     with pytest.raises(ValueError):
-        e.collect_activations([], stats)
+        m.collect_activations([], stats)
     # The same statistics for a model of another width: refused, not mixed.
     m2 = Model(wide, n_ctx=512, n_threads=THREADS)
     with pytest.raises(RuntimeError, match="input width"):
-        m2.engine.collect_activations(toks, stats)
+        m2.collect_activations(toks, stats)
     with pytest.raises(RuntimeError, match="failed collection"):
-        e.collect_activations(toks, stats)
+        m.collect_activations(toks, stats)
     stats.clear()
     assert len(stats) == 0
     # The observer is gone after the failure: decode steps keep their graphs again (they are
     # never kept while observing), and results equal a fresh engine's.
-    m2.engine.truncate(0)
-    m2.engine.eval(toks[:4])
-    m2.engine.eval([toks[4]])
-    assert m2.engine.kept_graphs == 1
+    with m2.session(mode="backbone") as s:
+        s.extend(toks[:4])
+        s.extend([toks[4]], decode=True)
+    assert m2.graph_counts["kept"] == 1
     with pytest.raises(ValueError):
         collect_imatrix(tiny, [], progress=False)
     with pytest.raises(ValueError):

@@ -9,6 +9,7 @@ from river_gguf import Model
 from river_gguf.measure import divergence
 from river_gguf.eval import report as evaluate
 from river_gguf.measure import data as eval_data
+from river_gguf.measure.teacher import score
 
 from support import THREADS
 
@@ -117,7 +118,7 @@ def test_dynamic_settings_are_never_batched(river, prepared):
     logits, exits = divergence.config_logits(river, toks, prefix, mode="river", threshold=0.9, tail=0)
     assert logits.shape == (len(toks) - prefix, river.n_vocab) and len(exits) == len(toks) - prefix - 1
     # The decode path is what Model.score computes: the same log p of each actual token.
-    r = river.score(toks, prefix=prefix, mode="river", threshold=0.9, tail=0)
+    r = score(river, toks, prefix=prefix, mode="river", threshold=0.9, tail=0)
     lp = _log_softmax(logits)[np.arange(len(toks) - prefix), toks[prefix:]]
     np.testing.assert_allclose(lp, r.logprobs, rtol=0, atol=1e-9)
     assert list(r.exit_layers[1:]) == exits and min(exits) < river.n_layer - 1  # tau 0.9 exits

@@ -14,6 +14,8 @@ from river_gguf.greedy import greedy
 from river_gguf.convert.hybrid import write_hybrid_gguf
 from river_gguf.eval.random_model import YARN_ORIG_CTX, write_tiny_model
 from river_gguf.convert.hybrid import write_backbone_attention_oracle
+from river_gguf.measure.teacher import score
+from river_gguf.options import ExitOptions
 
 from support import LOGIT_TOL, PROSE, THREADS, write_unsupported_arch
 from river_gguf.gguf.reader import GGUFReader
@@ -110,8 +112,8 @@ def test_the_sliding_window_is_live(case, files, tmp_path):
 
 def test_invariant1_threshold_above_one_is_the_backbone(river_model, prose_tokens):
     toks = prose_tokens[:3 * WINDOW]
-    river = river_model.score(toks, prefix=8, mode="river", threshold=1.01)
-    backbone = river_model.score(toks, prefix=8, mode="backbone")
+    river = score(river_model, toks, prefix=8, mode="river", threshold=1.01)
+    backbone = score(river_model, toks, prefix=8, mode="backbone")
     assert np.array_equal(river.logprobs, backbone.logprobs)
     assert (river.exit_layers == river_model.n_layer - 1).all()
     a = greedy(river_model, prose_tokens[:10], max_tokens=16, mode="river", threshold=1.01)
@@ -144,23 +146,24 @@ def test_invariant4_no_cache_holes_after_mixed_exits(files, prose_tokens):
     # river-only included, some with a backbone tail: every row of every layer gets written,
     # the windowed layers' too.
     m = Model(files[1], n_ctx=128, n_threads=1, threshold=0.9)
-    e, L = m.engine, m.n_layer
-    assert np.isnan(e.cache_rows(0, False, 4)).all()
-    e.eval(prose_tokens[:12])
+    L = m.n_layer
+    assert np.isnan(m.cache_rows(0, False, 4)).all()
+    s = m.session(ExitOptions(mode="backbone"))
+    s.extend(prose_tokens[:12])
     for i, tok in enumerate(prose_tokens[12:40]):
         k = i % (L + 1) - 1
         if k < 0:
-            e.eval([tok], mode=2, river_head=True)
+            s.extend([tok], decode=True, options=ExitOptions(mode="river-only", river_head=True))
         else:
-            e.eval([tok], mode=3, exit_layer=k, tail=i % 2 if k < L - 2 else 0)
-    n = e.n_past
-    assert n == 40
+            s.extend([tok], decode=True, options=ExitOptions(exit_layer=k, tail=i % 2 if k < L - 2 else 0))
+    n = m.n_past
+    assert n == s.n_past == 40
     for layer in range(L):
         for values in (False, True):
-            rows = e.cache_rows(layer, values, n)
+            rows = m.cache_rows(layer, values, n)
             assert np.isfinite(rows).all(), f"hole in layer {layer} {'V' if values else 'K'}"
             assert np.abs(rows).max(axis=1).min() > 0
-    assert np.isnan(e.cache_rows(0, False, n + 1)[n]).all()
+    assert np.isnan(m.cache_rows(0, False, n + 1)[n]).all()
 
 
 def test_invariant5_forced_exit_with_tail_equals_hybrid_gguf(case, files, river_model, prose_tokens, tmp_path,
@@ -187,21 +190,24 @@ def test_invariant6_backbone_attention_equals_the_mixed_gguf(files, river_model,
 def test_dynamic_exit_follows_the_rule_and_equals_the_forced_exit(river_model, prose_tokens):
     # The similarity test picks the depth; the step then equals a forced exit there. tau sits just
     # below this token's largest similarity among the layers a token may leave after, so it exits.
-    e, L = river_model.engine, river_model.n_layer
+    L = river_model.n_layer
     exited = 0
+    s = river_model.session(ExitOptions(mode="backbone"))
     for i in range(16, 24):
         prompt, tok = prose_tokens[:i], prose_tokens[i]
-        e.truncate(0)
-        e.eval(prompt)
-        _, _, sims = e.eval([tok], trace=True)
-        tau = max(sims[:L - 1]) - 1e-4
-        e.truncate(len(prompt))
-        dyn, k, seen = e.eval([tok], mode=1, threshold=tau)
-        assert k == next(l for l, s in enumerate(seen) if s > tau)
+        s.truncate(0)
+        s.extend(prompt)
+        s.extend([tok], trace=True)
+        tau = max(s.scores[:L - 1]) - 1e-4
+        s.truncate(len(prompt))
+        dyn = s.extend([tok], decode=True, trace=True, options=ExitOptions(mode="river", threshold=tau))
+        k, seen = s.exit_layer, s.scores
+        assert k == next(l for l, x in enumerate(seen) if x > tau)
         exited += k < L - 1
-        e.truncate(len(prompt))
-        fixed, _, _ = e.eval([tok], mode=3, exit_layer=k)
+        s.truncate(len(prompt))
+        fixed = s.extend([tok], decode=True, options=ExitOptions(exit_layer=k))
         assert np.array_equal(dyn, fixed)
+    s.close()
     assert exited > 0
 
 

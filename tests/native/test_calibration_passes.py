@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from river_gguf import Model
+from river_gguf.measure.tails import river_tails
+from river_gguf.measure.traces import similarity_rows, similarity_trace
 
 from support import PROSE
 
@@ -21,7 +23,7 @@ def test_river_tails_are_each_tails_own_pass(tiny_model, attention, river_head):
     m = tiny_model
     toks = m.tokenize(PROSE)[:60]
     tails = [3, 0, 1, 5]  # any order, the deepest branch (5: river layer 0 only) included
-    rows = m.river_tails(toks, tails, river_attention=attention, river_head=river_head, first_row=7)
+    rows = river_tails(m, toks, tails, river_attention=attention, river_head=river_head, first_row=7)
     for t, r in zip(tails, rows):
         want = m.logits(toks, mode="river-only", tail=t, river_attention=attention, river_head=river_head)[7:]
         assert r.shape == want.shape
@@ -34,13 +36,13 @@ def test_river_tails_refuse_bad_input(tiny_model):
     for kw, what in ((dict(tails=[6]), "tail"), (dict(tails=[0], first_row=20), "first_row"),
                      (dict(tails=[0], river_attention="mixed"), "river_attention")):
         with pytest.raises(ValueError, match=what):
-            m.river_tails(toks, **kw)
+            river_tails(m, toks, **kw)
     with pytest.raises(ValueError, match="no tokens"):
-        m.river_tails([], [0])
+        river_tails(m, [], [0])
     with pytest.raises(ValueError, match="one batch"):
-        m.river_tails(m.tokenize(PROSE * 8)[:300], [0])  # n_batch is n_ctx here: 256
+        river_tails(m, m.tokenize(PROSE * 8)[:300], [0])  # n_batch is n_ctx here: 256
     with pytest.raises(ValueError, match="at least one tail"):
-        m._engine.river_tails(toks, [])
+        river_tails(m, toks, [])
     # The Model goes on as before.
     assert m.logits(toks, mode="river-only").shape[0] == len(toks)
 
@@ -48,8 +50,8 @@ def test_river_tails_refuse_bad_input(tiny_model):
 def test_similarity_rows_are_the_decode_trace(tiny_model):
     m = tiny_model
     toks = m.tokenize(PROSE)[:40]
-    rows = m.similarity_rows(toks)
+    rows = similarity_rows(m, toks)
     assert rows.shape == (len(toks), m.n_layer)
-    trace = np.array(m.similarity_trace(toks, mode="backbone"))  # one decode step a token, after the first
+    trace = np.array(similarity_trace(m, toks, mode="backbone"))  # one decode step a token, after the first
     np.testing.assert_allclose(rows[1:], trace, atol=2e-3)  # F16 weights: batched and single-token kernels
     assert not np.allclose(rows[1:], np.roll(trace, 1, axis=0))  # row i is token i's, not a neighbour's

@@ -8,6 +8,7 @@ import pytest
 
 from river_gguf import Model
 from river_gguf.greedy import greedy
+from river_gguf.options import ExitOptions
 from river_gguf.eval.random_model import write_tiny_model
 
 from support import LOGIT_TOL, PROSE, THREADS, oracle_pick
@@ -75,16 +76,15 @@ def test_layer_by_layer_decode_equals_fused(q4_1_path):
     # The segmented path (one graph per layer, exit-decision readback) computes the same thing.
     m = Model(q4_1_path, n_ctx=256, n_threads=THREADS)
     toks = m.tokenize(PROSE)[:24]
-    e = m.engine
-    e.truncate(0)
-    e.eval(toks[:8])
-    fused = [e.eval([t])[0] for t in toks[8:]]
-    e.truncate(0)
-    e.eval(toks[:8])
-    segmented = [e.eval([t], trace=True) for t in toks[8:]]
-    for f, (s, exit_layer, sims) in zip(fused, segmented):
+    with m.session(ExitOptions(mode="backbone")) as s:
+        s.extend(toks[:8])
+        fused = [s.extend([t], decode=True) for t in toks[8:]]
+        s.truncate(0)
+        s.extend(toks[:8])
+        segmented = [(s.extend([t], decode=True, trace=True), s.exit_layer, s.scores) for t in toks[8:]]
+    for f, (row, exit_layer, sims) in zip(fused, segmented):
         assert exit_layer == m.n_layer - 1 and len(sims) == m.n_layer
         # Real layers never leave the residual stream unchanged; a similarity of 1 would mean the
         # exit node compared a layer's output with itself.
         assert max(sims) < 0.9999 and min(sims) > -1
-        assert np.abs(f - s).max() < LOGIT_TOL
+        assert np.abs(f - row).max() < LOGIT_TOL

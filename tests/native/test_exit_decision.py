@@ -8,7 +8,8 @@ import pytest
 
 from river_gguf import Model
 from river_gguf.greedy import greedy
-from river_gguf.options import EXIT_RULES
+from river_gguf.measure.traces import similarity_trace
+from river_gguf.options import EXIT_RULES, ExitOptions
 
 PROSE = ("The river runs through the valley, past the old mill and the bridge, and on to the sea. "
          "In spring the water rises and the fields along its banks turn green again.")
@@ -27,24 +28,26 @@ def tokens(models):
 
 
 def test_which_path_runs(models, f16_path):
-    assert not models["cpu"].engine.exits_on_graph and models["graph"].engine.exits_on_graph
-    assert not Model(f16_path, n_ctx=32, n_threads=1).engine.exits_on_graph  # auto on a CPU-only engine
+    assert not models["cpu"].exits_on_graph and models["graph"].exits_on_graph
+    assert not Model(f16_path, n_ctx=32, n_threads=1).exits_on_graph  # auto on a CPU-only engine
     with pytest.raises(ValueError, match="exit_decision"):
         Model(f16_path, n_ctx=32, n_threads=1, exit_decision="gpu")
 
 
 @pytest.mark.parametrize("rule", EXIT_RULES)
 def test_similarities_agree(models, tokens, rule):
-    cpu, graph = (models[d].similarity_trace(tokens[:24], mode="backbone", exit_rule=rule) for d in ("cpu", "graph"))
+    cpu, graph = (similarity_trace(models[d], tokens[:24], mode="backbone", exit_rule=rule) for d in ("cpu", "graph"))
     assert len(cpu) == len(graph) and all(len(a) == len(b) == models["cpu"].n_layer for a, b in zip(cpu, graph))
     # The CPU op sums in double, the graph in float: the same values to float rounding.
     assert np.abs(np.array(cpu) - np.array(graph)).max() < 1e-5
     # A prompt pass with exits: the batch's minimum, per layer.
-    for m in models.values():
-        m.engine.truncate(0)
-    code = EXIT_RULES.index(rule)
-    _, k_cpu, s_cpu = models["cpu"].engine.eval(tokens, mode=1, rule=code, threshold=0.9)
-    _, k_graph, s_graph = models["graph"].engine.eval(tokens, mode=1, rule=code, threshold=0.9)
+    prompt_exits = ExitOptions(mode="river", exit_rule=rule, threshold=0.9, prefill="river")
+    passes = []
+    for d in ("cpu", "graph"):
+        with models[d].session(prompt_exits) as s:
+            s.extend(tokens, trace=True)
+            passes.append((s.exit_layer, s.scores))
+    (k_cpu, s_cpu), (k_graph, s_graph) = passes
     assert k_cpu == k_graph and np.abs(np.array(s_cpu) - np.array(s_graph)).max() < 1e-5
 
 
@@ -66,19 +69,20 @@ def test_greedy_decoding_takes_the_same_exits(models, tokens):
 
 def test_graph_decision_follows_the_rule_and_equals_the_forced_exit(models, tokens):
     m = models["graph"]
-    e = m.engine
     tau = _mixing_tau(models, tokens)
     exited = 0
+    s = m.session(ExitOptions(mode="river", threshold=tau))
     for i in range(10, len(tokens)):
-        e.truncate(0)
-        e.eval(tokens[:i])
-        dyn, exit_layer, sims = e.eval([tokens[i]], mode=1, threshold=tau)
-        passed = [j for j, s in enumerate(sims) if s > tau]
+        s.truncate(0)
+        s.extend(tokens[:i])
+        dyn = s.extend([tokens[i]], decode=True, trace=True)
+        exit_layer, sims = s.exit_layer, s.scores
+        passed = [j for j, x in enumerate(sims) if x > tau]
         if exit_layer < m.n_layer - 1:
             exited += 1
             assert passed == [exit_layer]  # the first layer that passes, and the graph stopped there
-            e.truncate(i)
-            fixed, _, _ = e.eval([tokens[i]], mode=3, exit_layer=exit_layer)
+            s.truncate(i)
+            fixed = s.extend([tokens[i]], decode=True, options=ExitOptions(exit_layer=exit_layer))
             assert np.array_equal(dyn, fixed)
         else:
             assert passed in ([], [m.n_layer - 1])
@@ -91,10 +95,10 @@ def test_no_cache_holes_after_graph_exits(f16_path, q4_0_path, models, tokens):
     m = Model(f16_path, river=q4_0_path, n_ctx=128, n_threads=1, threshold=tau, exit_decision="graph")
     g = greedy(m, tokens[:16], max_tokens=32, mode="river", threshold=tau)
     assert len(set(g.stats["exit_layers"])) > 2  # as on the CPU path, which chose tau
-    n = m.engine.n_past
+    n = m.n_past
     for layer in range(m.n_layer):
         for values in (False, True):
-            rows = m.engine.cache_rows(layer, values, n)
+            rows = m.cache_rows(layer, values, n)
             assert np.isfinite(rows).all(), f"hole in layer {layer} {'V' if values else 'K'}"
 
 
@@ -124,8 +128,7 @@ def test_exit_settings_are_checked(models, tokens):
     """The exit setting's keywords are its fields (native EXIT_SETTING); a rule code names a rule."""
     from river_gguf._loader import native
 
-    e = models["cpu"].engine
-    e.truncate(0)
+    e = native.Engine(models["cpu"].model_path, models["cpu"].river_path, n_ctx=32, n_threads=1)
     assert set(models["cpu"].options(mode="river")._setting_args()) <= set(native.EXIT_SETTING)
     with pytest.raises(TypeError, match="unexpected keyword argument 'thresold'"):
         e.eval(tokens[:2], mode=1, thresold=0.9)

@@ -38,7 +38,7 @@ def test_convert_with_exit_rule_stores_it_and_load_chooses_it(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     m = Model(str(out), n_ctx=256, n_threads=1)
     assert m.metadata["river.exit_rule"] == "update"
-    assert m.engine.file_exit_setting.rule == "update"
+    assert m.file_options.exit_rule == "update"
     opts = m.exit_options
     assert opts.mode == "river" and opts.exit_rule == "update"
     # tau is the 0.70 quantile of the update rule's mid-layer scores on the profile text (the
@@ -54,4 +54,4 @@ def test_convert_with_exit_rule_stores_it_and_load_chooses_it(tmp_path, capsys):
 def test_files_without_the_key_read_as_cosine(tiny):
     m = Model(tiny.river("llama"), n_ctx=64, n_threads=1)
     assert "river.exit_rule" not in m.metadata or m.metadata["river.exit_rule"] == "cosine"
-    assert m.exit_options.exit_rule == "cosine" and m.engine.file_exit_setting.rule == "cosine"
+    assert m.exit_options.exit_rule == "cosine" and m.file_options.exit_rule == "cosine"

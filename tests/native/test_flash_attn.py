@@ -17,6 +17,7 @@ from river_gguf import Model, _native
 from river_gguf.convert.hybrid import write_hybrid_gguf
 from river_gguf.llama import Llama
 from river_gguf.convert.hybrid import write_backbone_attention_oracle
+from river_gguf.options import ExitOptions
 
 from support import LOGIT_TOL, PROSE
 
@@ -59,9 +60,9 @@ def _ref_decode(llm, prompt, steps):
 
 
 def _decode(m, prompt, steps, **opts):
-    m.begin()
-    m.eval(prompt, m.options(**opts))
-    return np.stack([m.eval([t], m.options(**opts), prompt=False).logits[-1] for t in steps])
+    with m.session(**opts) as s:
+        s.extend(prompt)
+        return np.stack([s.extend([t], decode=True) for t in steps])
 
 
 def _close(ours, ref):
@@ -72,7 +73,7 @@ def _close(ours, ref):
 
 def _check_against_llama_cpp(path, toks, flash_attn):
     m = Model(str(path), n_ctx=N_CTX, n_threads=1, flash_attn=flash_attn)
-    assert m.engine.flash_attn is flash_attn
+    assert m.flash_attn is flash_attn
     llm = _llama_cpp(path, flash_attn)
     _close(m.logits(toks), _ref_logits(llm, toks))
     steps = toks[DECODE_FROM:DECODE_TO]
@@ -193,15 +194,19 @@ def test_backbone_attention_equals_the_mixed_gguf(river_files, river_model, rive
 
 def test_dynamic_exit_equals_the_forced_exit(river_model, river_tokens):
     # threshold -1 passes every similarity: the step leaves right after min_exit_layer.
-    e = river_model.engine
+    s = river_model.session(ExitOptions(mode="backbone"))
     for k in range(river_model.n_layer - 1):
-        e.truncate(0)
-        e.eval(river_tokens[:DECODE_FROM])
-        dyn = [e.eval([t], mode=1, threshold=-1.0, min_exit_layer=k) for t in river_tokens[DECODE_FROM:DECODE_TO]]
-        e.truncate(DECODE_FROM)
-        fixed = [e.eval([t], mode=3, exit_layer=k)[0] for t in river_tokens[DECODE_FROM:DECODE_TO]]
-        for (ld, kd, _), lf in zip(dyn, fixed):
+        s.truncate(0)
+        s.extend(river_tokens[:DECODE_FROM])
+        dynamic = ExitOptions(mode="river", threshold=-1.0, min_exit_layer=k)
+        dyn = [(s.extend([t], decode=True, options=dynamic), s.exit_layer)
+               for t in river_tokens[DECODE_FROM:DECODE_TO]]
+        s.truncate(DECODE_FROM)
+        forced = ExitOptions(exit_layer=k)
+        fixed = [s.extend([t], decode=True, options=forced) for t in river_tokens[DECODE_FROM:DECODE_TO]]
+        for (ld, kd), lf in zip(dyn, fixed):
             assert kd == k and np.array_equal(ld, lf)
+    s.close()
 
 
 def test_no_cache_holes_after_mixed_exits(river_files, river_tokens):

@@ -9,6 +9,8 @@ import pytest
 from river_gguf import Model
 from river_gguf.greedy import greedy
 from river_gguf.convert.hybrid import write_hybrid_gguf
+from river_gguf.measure.teacher import score
+from river_gguf.options import ExitOptions
 
 from support import LOGIT_TOL, PROSE, THREADS
 
@@ -57,18 +59,17 @@ def _assert_same_as_oracle(m, oracle, toks, **opts):
 
 
 def test_invariant1_threshold_above_one_is_the_backbone(river_model, prose_tokens):
-    river = river_model.score(prose_tokens, prefix=8, mode="river", threshold=1.01)
-    backbone = river_model.score(prose_tokens, prefix=8, mode="backbone")
+    river = score(river_model, prose_tokens, prefix=8, mode="river", threshold=1.01)
+    backbone = score(river_model, prose_tokens, prefix=8, mode="backbone")
     assert np.array_equal(river.logprobs, backbone.logprobs)
     assert (river.exit_layers == river_model.n_layer - 1).all()
     # The same through the layer-by-layer path (trace=True skips the fused shortcut for tau > 1).
-    e = river_model.engine
-    e.truncate(0)
-    e.eval(prose_tokens[:8])
-    for i, t in enumerate(prose_tokens[8:20]):
-        logits, exit_layer, sims = e.eval([t], mode=1, threshold=1.01, trace=True)
+    with river_model.session(ExitOptions(mode="river", threshold=1.01)) as s:
+        s.extend(prose_tokens[:8])
+        steps = [(s.extend([t], decode=True, trace=True), s.exit_layer, s.scores) for t in prose_tokens[8:20]]
+    for i, (logits, exit_layer, sims) in enumerate(steps):
         assert exit_layer == river_model.n_layer - 1 and len(sims) == river_model.n_layer
-        lp = logits[0].astype(np.float64)
+        lp = logits.astype(np.float64)
         lp = lp[prose_tokens[9 + i]] - lp.max() - np.log(np.exp(lp - lp.max()).sum())
         assert abs(lp - backbone.logprobs[1 + i]) < 1e-4
     a = greedy(river_model, prose_tokens[:10], max_tokens=24, mode="river", threshold=1.01)
@@ -104,21 +105,23 @@ def test_invariant5_forced_exit_with_tail_equals_hybrid_gguf(k, tail, river_head
 def test_dynamic_exit_with_tail_runs_the_tail_on_the_backbone(river_model, prose_tokens):
     # A dynamic step that exits at k with a tail equals the forced exit at k with that tail, and
     # exits never happen inside the tail's reach (the river needs at least one layer).
-    e = river_model.engine
     L = river_model.n_layer
     prompt = prose_tokens[:10]
     for tau in TAUS:  # until a threshold lets some token exit: the comparison needs one
         exits = []
+        s = river_model.session(ExitOptions(mode="river", threshold=tau, tail=4))
         for tok in prose_tokens[10:22]:
-            e.truncate(0)
-            e.eval(prompt)
-            dyn, k, _ = e.eval([tok], mode=1, threshold=tau, tail=4)
+            s.truncate(0)
+            s.extend(prompt)
+            dyn = s.extend([tok], decode=True)
+            k = s.exit_layer
             exits.append(k)
             assert k == L - 1 or k < L - 1 - 4
             if k < L - 1:
-                e.truncate(len(prompt))
-                fixed, _, _ = e.eval([tok], mode=3, exit_layer=k, tail=4)
+                s.truncate(len(prompt))
+                fixed = s.extend([tok], decode=True, options=ExitOptions(exit_layer=k, tail=4))
                 assert np.array_equal(dyn, fixed)
+        s.close()
         if any(k < L - 1 for k in exits):
             break
     else:
@@ -145,29 +148,29 @@ def test_invariant4_no_cache_holes_after_mixed_exits(f16_path, q4_0_path, prose_
     # A fresh model: its cache starts as NaN, so any slot no layer wrote stays NaN.
     # threshold given: no similarity profile runs at load, so no step has touched the cache yet.
     m = Model(f16_path, river=q4_0_path, n_ctx=256, n_threads=THREADS, threshold=tau)
-    assert np.isnan(m.engine.cache_rows(0, False, 4)).all()
+    assert np.isnan(m.cache_rows(0, False, 4)).all()
     g = greedy(m, prose_tokens[:16], max_tokens=48, mode="river", threshold=tau)
     assert _mixed(g), f"want a real mix of exits, got {g.stats['exit_histogram']}"
-    n = m.engine.n_past
+    n = m.n_past
     # Every token but the last was fed back (the last too when EOS, not the length, ended it).
     assert n == 16 + len(g.tokens) - (1 if g.finish_reason == "length" else 0)
     for layer in range(m.n_layer):
         for values in (False, True):
-            rows = m.engine.cache_rows(layer, values, n)
+            rows = m.cache_rows(layer, values, n)
             assert np.isfinite(rows).all(), f"hole in layer {layer} {'V' if values else 'K'}"
             assert np.abs(rows).max(axis=1).min() > 0  # every row holds a real vector
     # Past the last written position, the poison is still there: the check above can fail.
-    assert np.isnan(m.engine.cache_rows(0, False, n + 1)[n]).all()
+    assert np.isnan(m.cache_rows(0, False, n + 1)[n]).all()
 
 
 def test_exit_decision_follows_the_similarity_rule(river_model, prose_tokens):
-    e = river_model.engine
     tau = 0.97
     for min_exit in (0, 4):
-        e.truncate(0)
-        e.eval(prose_tokens[:10])
+        s = river_model.session(ExitOptions(mode="river", threshold=tau, min_exit_layer=min_exit))
+        s.extend(prose_tokens[:10])
         for t in prose_tokens[10:30]:
-            _, exit_layer, sims = e.eval([t], mode=1, threshold=tau, min_exit_layer=min_exit)
+            s.extend([t], decode=True, trace=True)
+            exit_layer, sims = s.exit_layer, s.scores
             # sims[i] belongs to backbone layer min_exit + i; the token leaves at the first that passes.
             passed = [min_exit + i for i, s in enumerate(sims) if s > tau]
             if exit_layer < river_model.n_layer - 1:
@@ -178,28 +181,33 @@ def test_exit_decision_follows_the_similarity_rule(river_model, prose_tokens):
 
 
 def test_dynamic_exit_step_equals_forced_exit_step(river_model, prose_tokens):
-    e = river_model.engine
+    s = river_model.session(ExitOptions(mode="river", threshold=0.96))
     # The first position (from 20 on) whose token exits before the last layer at tau 0.96.
     for i in range(20, len(prose_tokens)):
         prompt, tok = prose_tokens[:i], prose_tokens[i]
-        e.truncate(0)
-        e.eval(prompt)
-        dyn, exit_layer, _ = e.eval([tok], mode=1, threshold=0.96)
+        s.truncate(0)
+        s.extend(prompt)
+        dyn = s.extend([tok], decode=True)
+        exit_layer = s.exit_layer
         if exit_layer < river_model.n_layer - 1:
             break
     else:
         pytest.fail("no token of PROSE from position 20 on exits early at tau 0.96 on this CPU")
-    e.truncate(len(prompt))
-    fixed, _, _ = e.eval([tok], mode=3, exit_layer=exit_layer)
+    s.truncate(len(prompt))
+    fixed = s.extend([tok], decode=True, options=ExitOptions(exit_layer=exit_layer))
     assert np.array_equal(dyn, fixed)
 
 
 def test_river_prefill_uses_the_min_rule(river_model, prose_tokens):
-    e = river_model.engine
-    e.truncate(0)
-    _, exit_layer, sims = e.eval(prose_tokens, mode=1, threshold=0.9)
-    # The batch exits at the first layer whose *minimum* over prompt tokens passes.
-    passed = [i for i, s in enumerate(sims) if s > 0.9]
+    with river_model.session(ExitOptions(mode="river", threshold=0.9, prefill="river")) as s:
+        s.extend(prose_tokens, trace=True)
+        exit_layer, sims = s.exit_layer, s.scores
+    # The trace holds every prompt token's score of each layer run; the batch exits at the first
+    # layer whose *minimum* over the prompt's tokens passes.
+    layers_run = len(sims) // len(prose_tokens)
+    assert layers_run * len(prose_tokens) == len(sims) and layers_run > exit_layer
+    minima = np.asarray(sims).reshape(layers_run, len(prose_tokens)).min(axis=1)
+    passed = [i for i, x in enumerate(minima) if x > 0.9]
     assert exit_layer == (passed[0] if passed else river_model.n_layer - 1)
     m = river_model
     a = greedy(m, prose_tokens[:20], max_tokens=4, mode="river", threshold=-1.0, prefill="river")

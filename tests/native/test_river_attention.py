@@ -11,6 +11,7 @@ from river_gguf.convert.hybrid import write_hybrid_gguf, write_mixed_gguf
 from river_gguf.convert.hybrid import attention_from
 
 from test_river import TAUS, _first_tau
+from river_gguf.measure.teacher import score
 
 from support import LOGIT_TOL, PROSE, THREADS
 
@@ -56,16 +57,16 @@ def test_forced_exit_with_backbone_attention_equals_the_mixed_hybrid(k, tail, ri
 
 def test_dynamic_exit_with_backbone_attention(river_model, prose_tokens):
     # tau > 1: no token leaves, so it is the backbone whatever the river's attention.
-    a = river_model.score(prose_tokens, prefix=8, mode="river", threshold=1.01, river_attention="backbone")
-    b = river_model.score(prose_tokens, prefix=8, mode="backbone")
+    a = score(river_model, prose_tokens, prefix=8, mode="river", threshold=1.01, river_attention="backbone")
+    b = score(river_model, prose_tokens, prefix=8, mode="backbone")
     assert np.array_equal(a.logprobs, b.logprobs)
     # With exits (the first tau at which a token leaves before the last layer on this CPU), the
     # river's attention changes what follows.
     L = river_model.n_layer
 
     def run(tau):
-        return (river_model.score(prose_tokens, prefix=8, mode="river", threshold=tau, river_attention="backbone"),
-                river_model.score(prose_tokens, prefix=8, mode="river", threshold=tau))
+        return (score(river_model, prose_tokens, prefix=8, mode="river", threshold=tau, river_attention="backbone"),
+                score(river_model, prose_tokens, prefix=8, mode="river", threshold=tau))
 
     _, (r, plain) = _first_tau(run, lambda rs: all(min(x.exit_layers[1:]) < L - 1 for x in rs),
                                "tokens that exit before the last layer", taus=(0.9,) + tuple(TAUS))

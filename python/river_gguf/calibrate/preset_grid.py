@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ..gguf.meta import set_river_metadata
 from ..measure import divergence
 from ..measure.scoring import calibration_prepared, prepare
+from ..measure.tails import river_tails
 from ..options import EXIT_RULES, never_exit
 from ..profile import predicted_mean_exit, similarity_profile
 from ..presets import ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, GRID_KEY, PRESET_KEY, complete, dump
@@ -183,7 +184,7 @@ class _Scorer:
     reference (reference None) is computed again in each round that visits an item (a pruned
     calibration's later rounds; nothing is kept on disk or in memory between them). Static
     settings run batched on every item (river-only tails of one family in one pass of their
-    common river layers, Model.river_tails), dynamic ones by decode on every 1/DYNAMIC_SHARE-th."""
+    common river layers, measure.tails.river_tails), dynamic ones by decode on every 1/DYNAMIC_SHARE-th."""
 
     def __init__(self, model, prepared, reference, batched: bool, progress: bool):
         self.model, self.prepared, self.batched = model, prepared, batched
@@ -257,9 +258,9 @@ class _Scorer:
         for idx in _river_only_families(configs, [i for i in want if i in static]):
             o = configs[idx[0]]
             t0 = time.perf_counter()
-            rows = self.model.river_tails(toks[:len(toks) - 1], [configs[j]["tail"] for j in idx],
-                                          river_attention=o["river_attention"], river_head=o.get("river_head", True),
-                                          first_row=prefix - 1)
+            rows = river_tails(self.model, toks[:len(toks) - 1], [configs[j]["tail"] for j in idx],
+                               river_attention=o["river_attention"], river_head=o.get("river_head", True),
+                               first_row=prefix - 1)
             secs = (time.perf_counter() - t0) / len(idx)
             out.update({j: (r, [-1] * n, secs) for j, r in zip(idx, rows)})
         for i in want:
@@ -296,7 +297,7 @@ def reference_label(tensors) -> str:
 
 def _river_only_families(configs: dict, static: List[int]) -> List[List[int]]:
     """The static river-only settings among `static` grouped by family (the same head and
-    attention), families of two or more: their tails share one pass of the river (Model.river_tails)."""
+    attention), families of two or more: their tails share one pass of the river (measure.tails.river_tails)."""
     families: dict = {}
     for i in static:
         o = configs[i]

@@ -17,7 +17,7 @@ resampling **items** (not tokens: tokens of one item are correlated). ``paired_d
 interval of a difference between two configurations scored on the same items, resampling the
 same items for both, which is the interval to read before claiming one beats the other.
 
-Logits come through the decode path (``Model.score(keep_logits=True)``): the prompt prefilled,
+Logits come through the decode path (``teacher.score(keep_logits=True)``): the prompt prefilled,
 every scored token one decode step, with exits live; the reference's too, so a file scored
 against itself is exactly 0. A batched pass (``Model.logits``, each item whole, the prompt run in
 the setting as it prefills in use) is offered for static settings (backbone, or river-only with a
@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._loader import native
+from .teacher import score
 
 BOOTSTRAP_DRAWS = 1000
 BOOTSTRAP_SEED = 20261201
@@ -106,7 +107,7 @@ def config_logits(model, tokens: Sequence[int], prefix: int, batched: bool = Fal
         # backbone, -1 (before layer 0) for river-only, as the engine reports them.
         exit_layer = model.n_layer - 1 if options.get("mode") == "backbone" else -1
         return logits, [exit_layer] * (len(tokens) - prefix - 1)
-    r = model.score(tokens, prefix=prefix, keep_logits=True, **options)
+    r = score(model, tokens, prefix=prefix, keep_logits=True, **options)
     return r.logits, [int(e) for e in r.exit_layers[1:]]
 
 

@@ -15,6 +15,7 @@ from ..options import ExitOptions
 from . import data as eval_data
 from . import divergence
 from .llama_decode import LlamaDecoder
+from .teacher import score
 
 Prepared = List[Tuple[List[int], int]]  # (tokens, prefix) per item
 
@@ -57,12 +58,12 @@ class ScoreRun:
 
 
 def score_items(model, prepared: Prepared, bar=None, **opts) -> ScoreRun:
-    """Model.score over items. The first scored token of an item is predicted by the prefill
+    """score over items. The first scored token of an item is predicted by the prefill
     (backbone), the others by decode steps; `exits` holds the decode steps' exit layers."""
     lps, exits = [], []
     t0 = time.perf_counter()
     for toks, prefix in prepared:
-        r = model.score(toks, prefix=prefix, **opts)
+        r = score(model, toks, prefix=prefix, **opts)
         lps.append(r.logprobs)
         exits.append([int(e) for e in r.exit_layers[1:]])
         if bar is not None:

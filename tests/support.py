@@ -240,3 +240,15 @@ class BuildCache:
                     tmp.unlink()
         self.built.append(str(dst))
         return str(dst)
+
+
+def generated_tokens(llm, prompt: str, n: int, **kw):
+    """(the prompt's tokens, the first n tokens a Llama's generate() samples after them): every
+    token, an end-of-generation one included, which ends it."""
+    toks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+    out = []
+    for t in llm.generate(toks, **kw):
+        out.append(t)
+        if llm._is_eog(t) or len(out) >= n:
+            break
+    return toks, out

@@ -14,7 +14,7 @@ from river_gguf.llama import Llama
 from river_gguf.session import STOP
 from river_gguf.measure.teacher import score
 
-from support import LOGIT_TOL, PROSE, THREADS
+from support import LOGIT_TOL, PROSE, THREADS, generated_tokens
 
 
 N_TOKENS = 48
@@ -52,13 +52,7 @@ def _exact(llm):
 
 def _completion_tokens(llm, prompt, **kw):
     """The sampled tokens of one completion (every token, end-of-generation included)."""
-    toks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-    out = []
-    for t in llm.generate(toks, **kw):
-        out.append(t)
-        if llm._is_eog(t) or len(out) >= N_TOKENS:
-            break
-    return toks, out
+    return generated_tokens(llm, prompt, N_TOKENS, **kw)
 
 
 def _why_they_differ(llm, prompt_toks, a, b) -> str:

@@ -11,7 +11,7 @@ from river_gguf.drafters import DraftPlanner, NgramDrafter, Plan, ProbabilityBin
 from river_gguf.llama import Llama
 from river_gguf.options import ExitOptions, RiverOptions
 
-from support import THREADS
+from support import THREADS, generated_tokens
 
 N_TOKENS = 24
 SAMPLED = dict(temp=0.8, top_k=40, top_p=0.9, repeat_penalty=1.1)
@@ -207,13 +207,7 @@ def exact(river_gguf_path):
 
 
 def _tokens(llm, prompt, **kw):
-    toks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-    out = []
-    for t in llm.generate(toks, **kw):
-        out.append(t)
-        if llm._is_eog(t) or len(out) >= N_TOKENS:
-            break
-    return out
+    return generated_tokens(llm, prompt, N_TOKENS, **kw)[1]
 
 
 @pytest.fixture(scope="module")

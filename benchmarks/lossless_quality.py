@@ -78,8 +78,8 @@ def main(argv=None) -> int:
               "teacher-forced: the acceptance `river-gguf tune` predicts lossless speed from.",
               "", "Lossless mode's KLD is not exactly 0: its rows come from batches and the reference's from "
               "single-token steps, and ggml's batched and single-token kernels round differently (F16 "
-              "weights: about 1e-2 in the logits). Its generated text equals the backbone's token for token "
-              "(tests/test_lossless.py)."]
+              "weights: about 1e-2 in the logits). Its generated text equals, token for token, the backbone "
+              "decoded in the verify batch's kernels (verify_kernels; tests/test_lossless_matrix.py)."]
     with open(os.path.join(out, "lossless.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out, "lossless.json"), "w") as f:

@@ -468,11 +468,10 @@ class Model:
         displaced) to an empty one."""
         with self._lock:
             self.give_cache(None)
-            cache = SequenceCache(self._engine)
             try:
-                yield cache
+                yield SequenceCache(self._engine)
             finally:
-                cache.clear()
+                self._clear()
 
     @property
     def cache_used(self) -> int:

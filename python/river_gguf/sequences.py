@@ -11,7 +11,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from .session import NumericalError
+from .session import evaluate
 from .options import is_int
 
 
@@ -23,13 +23,6 @@ class SequenceText:
     tokens: List[int] = field(default_factory=list)
     finish_reason: str = "length"
     exit_layers: List[int] = field(default_factory=list)
-
-
-def _checked(rows: np.ndarray, what: str) -> np.ndarray:
-    if not np.isfinite(rows).all():
-        raise NumericalError(f"the model produced NaN or infinite logits ({what}); its weights or hyperparameters "
-                             "are broken, so no text is returned")
-    return rows
 
 
 def greedy_sequences(model, prompts: Sequence[Sequence[int]], max_tokens: int, stop_at_eog: bool = True,
@@ -58,7 +51,6 @@ def greedy_sequences(model, prompts: Sequence[Sequence[int]], max_tokens: int, s
         rows, exit_layer = cache.eval(toks, seqs, opts, prompt=True)
         active = list(range(len(prompts)))
         while active:
-            _checked(rows, f"sequences {active}")
             step = []
             for s, row in zip(active, rows):
                 tok = int(np.argmax(row))
@@ -97,13 +89,9 @@ class SequenceCache:
     def eval(self, tokens: Sequence[int], seq_ids: Sequence[int], options, prompt: bool):
         """One batch: tokens[i] appended to sequence seq_ids[i]; returns (each sequence's last
         row, in the order the sequences first appear in the batch; the batch's exit layer)."""
-        rows, exit_layer, _ = self._engine.eval(list(tokens), seq_ids=list(seq_ids), **options.engine_args(prompt))
+        rows, exit_layer, _ = evaluate(self._engine, list(tokens), options, prompt, seq_ids=list(seq_ids))
         return rows, exit_layer
 
     def truncate(self, n: int, seq: int) -> None:
         """Keep sequence `seq`'s first n tokens (0: clear it)."""
         self._engine.truncate(n, seq=seq)
-
-    def clear(self) -> None:
-        for s in self._engine.sequences:
-            self._engine.truncate(0, seq=s)

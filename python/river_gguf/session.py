@@ -76,12 +76,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def evaluate(engine, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits: bool = False,
-             trace: bool = False, first_row: int = 0):
+             trace: bool = False, first_row: int = 0, seq_ids: Optional[List[int]] = None):
     """One native Engine.eval of `tokens` under `opts` (a prompt batch, or a decode step with
-    prompt=False), refusing NaN or infinite logits; returns its (logits, exit layer, scores)."""
-    out = engine.eval(tokens, all_logits=all_logits, trace=trace, first_row=first_row, **opts.engine_args(prompt))
+    prompt=False), refusing NaN or infinite logits; returns its (logits, exit layer, scores).
+    seq_ids: each token's sequence, for several sequences in one batch (the rows are then each
+    sequence's last, all of them read)."""
+    several = {} if seq_ids is None else {"seq_ids": seq_ids}
+    out = engine.eval(tokens, all_logits=all_logits, trace=trace, first_row=first_row, **several,
+                      **opts.engine_args(prompt))
     # Only the rows a caller reads are checked: the last one per step costs ~n_vocab compares.
-    rows = out[0] if all_logits else out[0][-1:]
+    rows = out[0] if all_logits or seq_ids is not None else out[0][-1:]
     if not np.isfinite(rows).all():
         raise NumericalError(
             f"the model produced NaN or infinite logits (after {engine.n_past} positions, "

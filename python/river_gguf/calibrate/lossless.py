@@ -20,6 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+# The rounds' expected tokens, one model for the cost model and the drafting planner.
+from ..drafters import tokens_per_round
+
 #: How many positions the costs are timed after, where the model's n_ctx leaves room: generation
 #: runs well past position 30, and a step attends over every position before it.
 CONTEXT = 256
@@ -41,12 +44,6 @@ class Costs:
     def as_dict(self) -> dict:
         return {"step": self.step, "draft": self.draft, "verify": {str(n): s for n, s in self.verify.items()},
                 "context": self.context}
-
-
-def tokens_per_round(acceptance: float, k: int) -> float:
-    """Expected tokens a round gives with k drafts, each accepted with probability `acceptance`."""
-    a = min(max(float(acceptance), 0.0), 1.0)
-    return float(k + 1) if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 def acceptance_of(mean_accepted: float, k: int) -> float:

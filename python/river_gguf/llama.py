@@ -26,10 +26,13 @@ llama_load (the constructor's checks and libllama's vocab-only model), llama_cha
 response_format), llama_sampling and llama_draft (libllama's sampler chain, and drafts drawn by
 it), completion (stop strings, UTF-8 holdback, logprobs, OpenAI dicts), llama_state (saved
 states), llama_embed (pooling).
-One Llama owns one KV cache: use it from one thread at a time (a server queues requests).
+One Llama decodes one sequence of its Model's KV cache: use it from one thread at a time.
+`slots(n)` gives n Llama objects over one loaded model, slot i decoding sequence i, for a thread
+each: their decode steps share each step's batch (river_gguf.batching).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import random
@@ -75,6 +78,10 @@ __all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "Stoppi
 
 class Llama:
     """A drop-in for llama_cpp.Llama on river_gguf's engine (see the module docstring)."""
+
+    _seq = 0                              # the sequence of the Model's KV cache this object decodes
+    _slot_of: Optional["Llama"] = None    # for a slot (slots()), the Llama that made it
+    _slots: tuple = ()                    # the slots this Llama made, closed with it
 
     def __init__(
         self,
@@ -386,7 +393,7 @@ class Llama:
         if s is None or s.options != opts:
             if s is not None:
                 s.close()
-            s = self._session = self.river_model.session(opts)
+            s = self._session = self.river_model.session(opts, seq=self._seq)
             self._scores_buf = None
         s.keep_rows = want_rows
         known = self.input_ids[: self.n_tokens].tolist()
@@ -821,12 +828,51 @@ class Llama:
     logits_to_logprobs = staticmethod(_LlamaCpp.logits_to_logprobs)
     longest_token_prefix = staticmethod(_LlamaCpp.longest_token_prefix)
 
+    # ----- slots: several sequences of one loaded model --------------------------------------
+    def slots(self, n: int) -> List["Llama"]:
+        """n Llama objects sharing this one's loaded model (engine, KV cache, vocabulary, chat
+        handlers), slot i decoding sequence i of the KV cache, for a thread each. Each keeps a
+        Llama's one-sequence behaviour (completions, chat, streaming, stop strings, sampling,
+        prefix reuse within its own sequence); run from several threads at once, their decode
+        steps are evaluated together in one batch. Slot 0 shares sequence 0 with this object
+        (using both displaces one another, which costs re-evaluation, not correctness), and
+        lossless mode decodes sequence 0 only: another slot asked for it raises ValueError. The
+        slots are closed with this object; closing a slot frees its sequence's rows."""
+        self._require_engine()
+        if self._slot_of is not None:
+            raise ValueError("a slot makes no slots: call slots() on the Llama that loaded the model")
+        if not is_int(n) or not 1 <= n <= self._n_ctx:
+            raise ValueError(f"n must be an int in [1, n_ctx={self._n_ctx}], got {n!r}")
+        made = [self._slot(i) for i in range(int(n))]
+        self._slots = self._slots + tuple(made)
+        return made
+
+    def _slot(self, seq: int) -> "Llama":
+        """A copy of this object with a state of its own, on sequence `seq`."""
+        slot = copy.copy(self)
+        slot._seq, slot._slot_of, slot._slots = seq, self, ()
+        slot._lock = threading.RLock()  # its completions, not the Model's lock: the slots decode at once
+        slot.cache, slot.last_stats = None, {}
+        slot.n_tokens, slot.input_ids = 0, np.zeros_like(self.input_ids)
+        slot._scores_buf = slot._session = slot._state_rows = slot._state_last = None
+        slot._requires_eval = True
+        return slot
+
     # ----- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the engine and the vocabulary now (later calls raise RuntimeError)."""
+        """Free the engine and the vocabulary now (later calls raise RuntimeError); a slot frees
+        its sequence, and the Llama that made slots closes them too."""
         if getattr(self, "_closed", True) and getattr(self, "_model", None) is None:
             return
         self._closed = True
+        for slot in self._slots:
+            slot.close()
+        if self._slot_of is not None:
+            session, self._session = self._session, None
+            if session is not None:
+                session.close()
+            self.river_model = self._model = None  # the loaded model stays its maker's
+            return
         self._session = None  # it holds the engine too
         self.river_model = None  # the engine goes with its last reference
         model, self._model = getattr(self, "_model", None), None

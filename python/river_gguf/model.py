@@ -9,14 +9,13 @@ its own for the tau profile).
 
 Threads: every call that runs the engine holds the Model's lock (see the Model docstring).
 """
-import contextlib
 import functools
 import os
 import threading
 import warnings
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import replace
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import llama_cpp._logger as llama_logger
 from llama_cpp._utils import suppress_stdout_stderr
@@ -28,8 +27,8 @@ from .default_model import default_model_path
 from .gguf.io import deferred_interrupts
 from .options import EXIT_DECISIONS, ExitOptions, RiverOptions, check_river_options, is_bool, is_int, parse_bytes
 from .profile import default_threshold
-from .sequences import SequenceCache
-from .session import NumericalError, Session, evaluate
+from .batching import StepBatcher
+from .session import NumericalError, Session, evaluate, evaluate_steps
 
 #: Largest accepted n_ctx and n_batch. The engine counts positions in 32-bit ints; past about a
 #: million positions the KV cache alone needs tens of GB for even a small model.
@@ -138,10 +137,12 @@ class Model:
     Threads and the KV cache. A Model owns one KV cache. Every call that runs the engine
     (logits, embed, the calibration passes, a session's evaluations) holds the Model's lock (a
     threading.RLock, `lock`), so calls from several threads are serialized. State kept in the
-    cache across calls is a Session's (`session()`): the cache holds one session's tokens at a
-    time, and a session that another call displaced evaluates what it needs again. Different
-    Models share no lock, and the native compute releases the GIL, so Models in different
-    threads run in parallel.
+    cache across calls is a Session's (`session()`): each sequence of the cache holds one
+    session's tokens at a time, and a session that another call displaced (another session on
+    its sequence, or a one-shot call, which clears every sequence) evaluates what it needs again.
+    Sessions on different sequences decoding in different threads share each decode step's
+    batch (`step_window`). Different Models share no lock, and the native compute releases the
+    GIL, so Models in different threads run in parallel.
 
     NaN or infinite logits raise NumericalError (a RuntimeError) instead of producing text or
     scores; the Model stays usable.
@@ -203,7 +204,7 @@ class Model:
         self._n_batch = min(n_batch, n_ctx)
         self._n_gpu_layers = n_gpu_layers
         self._lock = threading.RLock()
-        self._holder: Optional[Session] = None  # the session whose tokens the cache holds
+        self._holders: Dict[int, Session] = {}  # per sequence, the session whose tokens it holds
 
         # libllama logs through llama-cpp-python's ctypes callback, which drops a KeyboardInterrupt
         # raised inside it: hold Ctrl-C until the native load returns, then deliver it.
@@ -220,6 +221,7 @@ class Model:
                 self._vocab = native.Vocab(model_path)
         # The end-of-generation tokens stay draftable, so a draft can end the text.
         self._engine.pin_draft_tokens(self._vocab.eog_tokens)
+        self._steps = StepBatcher(self._lock, functools.partial(evaluate_steps, self._engine))
         asked = min(n_gpu_layers, self._engine.hparams["n_layer"])
         placed = self._engine.placement
         budget = (f"the GPU's budget ({placed['gpu_budget'] / 2**20:.0f} MiB: its free memory"
@@ -424,54 +426,73 @@ class Model:
         return self._engine.river_has_head
 
     # ----- sessions: who the cache holds ------------------------------------------------
-    def session(self, options: Optional[ExitOptions] = None, *, keep_rows: bool = False,
+    def session(self, options: Optional[ExitOptions] = None, *, seq: int = 0, keep_rows: bool = False,
                 verify_kernels: Optional[bool] = None, **overrides) -> Session:
-        """A Session over this Model's KV cache (river_gguf.session): the one token loop. options:
-        resolved ExitOptions (from options()), or the keyword overrides options() takes.
-        keep_rows: keep every position's logits row. verify_kernels: decode steps in the verify
-        batch's kernels (each with a throwaway token), so that their text is lossless mode's bit
-        for bit (default: the Model's verify_kernels option)."""
+        """A Session over sequence `seq` of this Model's KV cache (river_gguf.session): the one
+        token loop. options: resolved ExitOptions (from options()), or the keyword overrides
+        options() takes. seq: an int in [0, n_ctx); sessions on different sequences keep their
+        tokens side by side and, decoding at once from several threads, share each decode
+        step's batch (lossless mode runs on sequence 0 only). keep_rows: keep every position's
+        logits row. verify_kernels: decode steps in the verify batch's kernels (each with a
+        throwaway token), so that their text is lossless mode's bit for bit (default: the
+        Model's verify_kernels option)."""
         if options is not None and overrides:
             raise ValueError("give options or keyword overrides, not both")
+        seq = _int_arg("seq", seq, 0, self.n_ctx - 1)
         opts = self.options(**overrides) if options is None else options
         if not isinstance(opts, ExitOptions):
             raise ValueError(f"options must be ExitOptions (from Model.options), got {type(opts).__name__}")
         return Session(self, self._engine, self._lock, opts, keep_rows=_bool_arg("keep_rows", keep_rows),
                        verify_kernels=self.verify_kernels if verify_kernels is None
-                       else _bool_arg("verify_kernels", verify_kernels))
+                       else _bool_arg("verify_kernels", verify_kernels), seq=seq, batcher=self._steps)
+
+    @property
+    def step_window(self) -> float:
+        """Seconds a decode step of a session waits for the other sessions decoding at once to
+        submit theirs, before its batch runs without them (river_gguf.batching)."""
+        return self._steps.window
+
+    @step_window.setter
+    def step_window(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 10:
+            raise ValueError(f"step_window must be a number of seconds in [0, 10], got {seconds!r}")
+        self._steps.window = float(seconds)
+
+    @property
+    def step_counts(self) -> dict:
+        """The step batcher's counts: batches evaluated, the decode steps they held, and the
+        sessions in a decode loop now (river_gguf.batching.StepBatcher.counts)."""
+        return self._steps.counts
 
     def holds_cache(self, session: Session) -> bool:
-        """Whether the cache holds `session`'s tokens (no other call used it since)."""
-        return self._holder is session
+        """Whether the cache holds `session`'s tokens (no other call used its sequence since)."""
+        return self._holders.get(session.seq) is session
 
     def give_cache(self, session: Optional[Session], only_from: Optional[Session] = None) -> None:
-        """Hand the cache to `session`, cleared (None: to one-shot calls). only_from: only when
-        that session holds it, and then without clearing (a session letting it go)."""
+        """Hand `session`'s sequence to it, cleared (None: the whole cache to one-shot calls,
+        cleared). only_from: only when that session holds its sequence, and then without clearing
+        sequence 0 (a session letting it go; another sequence's rows are freed)."""
         with self._lock:
             if only_from is not None:
-                if self._holder is only_from:
-                    self._holder = session
+                seq = only_from.seq
+                if self._holders.get(seq) is only_from:
+                    if session is None:
+                        del self._holders[seq]
+                        if seq != 0:
+                            self._engine.truncate(0, seq=seq)
+                    else:
+                        self._holders[seq] = session
                 return
-            self._clear()
-            self._holder = session
+            if session is None:
+                self._clear()
+                return
+            self._engine.truncate(0, seq=session.seq)
+            self._holders[session.seq] = session
 
     def _clear(self) -> None:
-        self._holder = None
-        self._engine.truncate(0)
-        for s in self._engine.sequences:  # any other sequence river_gguf.sequences left
+        self._holders.clear()
+        for s in [0] + list(self._engine.sequences):
             self._engine.truncate(0, seq=s)
-
-    @contextlib.contextmanager
-    def sequences(self):
-        """The KV cache for several sequences decoded together (river_gguf.sequences): a
-        SequenceCache, held under the lock from an empty cache (a session holding it is
-        displaced) to an empty one."""
-        with self._lock:
-            self.give_cache(None)
-            try:
-                yield SequenceCache(self._engine)
-            finally:
-                self._clear()
 
     @property
     def cache_used(self) -> int:

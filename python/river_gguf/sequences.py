@@ -1,25 +1,28 @@
-"""Several sequences decoded together over one Model's KV cache: each step evaluates the next
-token of every unfinished sequence in one batch (native Engine.eval with seq_ids), so the weights
-are read once for the batch. River's exit is decided for the batch: it leaves the backbone after a
-layer only when every token's score passes tau (RIVER.md), and the river writes the K/V each
-sequence's skipped layers owe.
+"""Several sequences decoded together over one Model's KV cache: a Session per sequence, each
+running the ordinary decode loop in a thread of its own, whose decode steps the Model's step
+batcher (river_gguf.batching) evaluates in one batch (native Engine.eval with seq_ids), so the
+weights are read once for the batch. River's exit is decided for the batch: it leaves the backbone
+after a layer only when every token's score passes tau (RIVER.md), and the river writes the K/V
+each sequence's skipped layers owe.
 
-`greedy_sequences` is the argmax policy over such batches. It holds the Model's lock for the
-whole call, starts from an empty cache (a session holding it is displaced) and leaves it empty."""
+`greedy_sequences` is the argmax policy on such sessions. It starts from an empty cache (any
+session holding it is displaced) and leaves it empty."""
+import threading
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .session import evaluate
+from ._loader import native
 from .options import is_int
+from .session import STOP
 
 
 @dataclass
 class SequenceText:
     """One sequence's greedy continuation: its tokens, why it stopped ("stop": an
     end-of-generation token, not included; "length": max_tokens or the context), and the exit
-    layer of each batch that decoded one of its tokens (the batch's, shared by its sequences)."""
+    layer of each evaluation that gave one of its tokens (a batch's is shared by its sequences)."""
     tokens: List[int] = field(default_factory=list)
     finish_reason: str = "length"
     exit_layers: List[int] = field(default_factory=list)
@@ -27,12 +30,14 @@ class SequenceText:
 
 def greedy_sequences(model, prompts: Sequence[Sequence[int]], max_tokens: int, stop_at_eog: bool = True,
                      **options) -> List[SequenceText]:
-    """The greedy continuation of each prompt (token lists), decoded together: one prompt batch
-    holding every prompt, then one batch per step holding each unfinished sequence's last token,
-    under the exit options of model.options(**options) (lossless mode is not batched). Each
-    sequence sees only its own tokens, so its text is what it would be alone, up to the rounding
-    of a larger batch's kernels (a near-tie may part). All prompts and replies must fit n_ctx
-    together."""
+    """The greedy continuation of each prompt (token lists), decoded together: prompt i goes to a
+    Session on sequence i, each prompt is evaluated as a prompt batch, then one thread per
+    session runs its decode loop with the argmax choosing, and the decode steps of the sessions
+    share their batches. Exit options: model.options(**options) (lossless mode decodes sequence
+    0 only, so it is refused here). Each sequence sees only its own tokens, so its text is what
+    it would be alone, up to the rounding of a larger batch's kernels (a near-tie may part). All
+    prompts must fit n_ctx together; a sequence that finds no room for its next step ends with
+    "length"."""
     if not is_int(max_tokens) or max_tokens < 0:
         raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
     prompts = [list(p) for p in prompts]
@@ -41,57 +46,48 @@ def greedy_sequences(model, prompts: Sequence[Sequence[int]], max_tokens: int, s
     opts = model.options(**options)
     if opts.lossless:
         raise ValueError("lossless mode decodes one sequence at a time: use greedy() per prompt")
-    opts.validate(model.n_layer, model.has_river)
     out = [SequenceText() for _ in prompts]
     if max_tokens == 0:
         return out
-    with model.sequences() as cache:
-        seqs = [s for s, p in enumerate(prompts) for _ in p]
-        toks = [t for p in prompts for t in p]
-        rows, exit_layer = cache.eval(toks, seqs, opts, prompt=True)
-        active = list(range(len(prompts)))
-        while active:
-            step = []
-            for s, row in zip(active, rows):
-                tok = int(np.argmax(row))
-                if stop_at_eog and model.is_eog(tok):
-                    out[s].finish_reason = "stop"
-                    continue
-                out[s].tokens.append(tok)
-                out[s].exit_layers.append(exit_layer)
-                # The next step needs a cache row for each of its tokens.
-                if len(out[s].tokens) < max_tokens and cache.used + len(step) < model.n_ctx:
-                    step.append(s)
-            active = step
-            if active:
-                rows, exit_layer = cache.eval([out[s].tokens[-1] for s in active], active, opts, prompt=False)
+    model.give_cache(None)
+    sessions = [model.session(opts, seq=s) for s in range(len(prompts))]
+    try:
+        for session, prompt in zip(sessions, prompts):
+            session.prefill(prompt)
+        errors: List[Optional[BaseException]] = [None] * len(prompts)
+        threads = [threading.Thread(target=_decode_greedy, args=(model, session, max_tokens, stop_at_eog, text,
+                                                                   errors, i), daemon=True)
+                   for i, (session, text) in enumerate(zip(sessions, out))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for e in errors:
+            if e is not None:
+                raise e
+    finally:
+        for session in sessions:
+            session.close()
+        model.give_cache(None)
     return out
 
 
-class SequenceCache:
-    """A Model's KV cache lent to several sequences at once (Model.sequences() makes one, under
-    the Model's lock, from an empty cache to an empty cache): one batch may hold tokens of any of
-    them, and each sequence sees only its own cells."""
+def _decode_greedy(model, session, max_tokens: int, stop_at_eog: bool, text: SequenceText,
+                   errors: List[Optional[BaseException]], i: int) -> None:
+    """One sequence's argmax loop (a thread of greedy_sequences): its tokens go into `text`, its
+    error into errors[i]."""
+    def argmax(row, seen):
+        tok = int(np.argmax(row))
+        if stop_at_eog and model.is_eog(tok):
+            text.finish_reason = "stop"
+            return STOP
+        return tok
 
-    def __init__(self, engine):
-        self._engine = engine
-
-    @property
-    def used(self) -> int:
-        """Cache rows that hold a token of some sequence."""
-        return self._engine.cache_used
-
-    @property
-    def sequences(self) -> List[int]:
-        """The ids of the sequences the cache holds tokens of."""
-        return list(self._engine.sequences)
-
-    def eval(self, tokens: Sequence[int], seq_ids: Sequence[int], options, prompt: bool):
-        """One batch: tokens[i] appended to sequence seq_ids[i]; returns (each sequence's last
-        row, in the order the sequences first appear in the batch; the batch's exit layer)."""
-        rows, exit_layer, _ = evaluate(self._engine, list(tokens), options, prompt, seq_ids=list(seq_ids))
-        return rows, exit_layer
-
-    def truncate(self, n: int, seq: int) -> None:
-        """Keep sequence `seq`'s first n tokens (0: clear it)."""
-        self._engine.truncate(n, seq=seq)
+    try:
+        for step in session.decode(argmax, limit=max_tokens):
+            text.tokens.append(step.token)
+            text.exit_layers.append(step.exit_layer)
+    except native.ContextOverflowError:
+        text.finish_reason = "length"  # no room for the next step: the text so far stands
+    except BaseException as e:  # raised in the caller's thread
+        errors[i] = e

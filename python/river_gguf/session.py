@@ -9,9 +9,14 @@ the drafts in one batch) and applies one acceptance rule
 is kept while it equals the token chosen at its position. Every caller is such a policy: the
 drop-in Llama's sampler chain, greedy's argmax, teacher-forced scoring's "the text's next token".
 
-Several Sessions may share one Model. The cache holds one of them at a time: a session that finds
-another (or a one-shot Model call) used the cache since, starts again from an empty cache, and
-re-evaluates what it needs through `prefill`'s prefix reuse.
+Several Sessions may share one Model. Each decodes one sequence of the KV cache (`seq`, default
+0): sessions on different sequences keep their tokens side by side, and their decode steps, when
+they decode at once from several threads, are evaluated together in one batch by the Model's step
+batcher (river_gguf.batching; `evaluate_steps` is its evaluation). A sequence holds one session at
+a time: a session that finds another session of its sequence (or a one-shot Model call, which
+clears every sequence) used the cache since, starts again from an empty sequence, and
+re-evaluates what it needs through `prefill`'s prefix reuse. Lossless rounds (the native draft)
+run on sequence 0 only.
 """
 import time
 from dataclasses import dataclass, field
@@ -34,6 +39,11 @@ Choose = Callable[[np.ndarray, int], Optional[int]]
 class NumericalError(RuntimeError):
     """The model produced NaN or infinite logits: its weights or hyperparameters are broken (or
     overflow in this precision). Raised instead of returning text or scores computed from them."""
+
+
+class _Displaced(Exception):
+    """A batched step found its session displaced from its sequence: it evaluates its tokens
+    again and submits the step anew."""
 
 
 class Step(NamedTuple):
@@ -118,12 +128,19 @@ class Session:
     rows)."""
 
     def __init__(self, model, engine, lock, options: ExitOptions, keep_rows: bool = False, own_cache: bool = False,
-                 verify_kernels: bool = False):
+                 verify_kernels: bool = False, seq: int = 0, batcher=None):
         self._model = model
         self._own_cache = own_cache  # an engine of the session's own, shared with nobody
         self._engine = engine
         self._lock = lock
         self.options = options.validate(model.n_layer, model.has_river)
+        #: The sequence of the KV cache this session decodes.
+        self.seq = int(seq)
+        if self.seq != 0 and self.options.lossless:
+            raise ValueError(f"lossless mode decodes sequence 0 only (its draft runs there); this session is on "
+                             f"sequence {self.seq}: use mode='river' or 'backbone', or sequence 0")
+        # The Model's step batcher: decode steps of sessions decoding at once share one batch.
+        self._batcher = batcher
         self._tokens: List[int] = []
         # The last evaluation's rows: _rows[i] follows position _rows_from + i.
         self._rows: Optional[np.ndarray] = None
@@ -229,7 +246,7 @@ class Session:
         with self._lock:
             self._claim()
             n = max(0, min(int(n), len(self._tokens)))
-            self._engine.truncate(n)
+            self._engine.truncate(n, seq=self.seq)
             del self._tokens[n:]
             self._unchanged = min(self._unchanged, n)
             self._planned_valid = min(self._planned_valid, n)
@@ -288,11 +305,17 @@ class Session:
 
     def _eval(self, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits: bool = False,
               trace: bool = False):
-        n_ctx = self._engine.n_ctx
-        if self._engine.n_past + len(tokens) > n_ctx:
+        n_ctx, used = self._engine.n_ctx, self._engine.cache_used
+        if used + len(tokens) > n_ctx:
             raise native.ContextOverflowError(
-                f"{len(tokens)} tokens after {self._engine.n_past} need more than n_ctx={n_ctx} positions")
-        out = evaluate(self._engine, tokens, opts, prompt, all_logits, trace)
+                f"{len(tokens)} tokens after {used} need more than n_ctx={n_ctx} positions")
+        try:
+            out = evaluate(self._engine, tokens, opts, prompt, all_logits, trace,
+                           seq_ids=None if self.seq == 0 else [self.seq] * len(tokens))
+        except Exception:
+            # The cache may hold what the failed evaluation wrote: the session holds its own tokens.
+            self._engine.truncate(len(self._tokens), seq=self.seq)
+            raise
         rows = out[0] if all_logits else out[0][-1:]
         return rows, int(out[1]), (list(out[2]) if trace else None)
 
@@ -326,10 +349,10 @@ class Session:
         context manager that gives pick(logits, tokens) -> token (Session.draft says more), made
         afresh each round (a sampler's clone in its current state). The lock is taken per
         evaluation, not across yields: a session that another user of the cache displaced between
-        two steps evaluates its tokens again."""
-        lossless = self.options.lossless and exit_layers is None
-        forced = {}
-        n = 0
+        two steps evaluates its tokens again. Plain decode steps (no trace, forced exits or
+        verify_kernels) go through the Model's step batcher: run from several threads, sessions on
+        different sequences share each step's batch. Do not hold the Model's lock across the loop
+        when other threads decode too: the batch then waits for this thread to lead it."""
         if limit is not None and limit <= 0:
             return
         with self._lock:
@@ -337,6 +360,22 @@ class Session:
             row = self.row(len(self._tokens) - 1)
         if row is None:
             raise RuntimeError("decode needs the last position's logits: prefill or extend first")
+        lossless = self.options.lossless and exit_layers is None
+        batched = (self._batcher is not None and not lossless and exit_layers is None and not trace
+                   and not self.verify_kernels)
+        if batched:
+            self._batcher.join(self)
+        try:
+            yield from self._loop(row, choose, limit, lossless, batched, trace, exit_layers, pick)
+        finally:
+            if batched:
+                self._batcher.leave(self)
+
+    def _loop(self, row: np.ndarray, choose: Choose, limit: Optional[int], lossless: bool, batched: bool, trace: bool,
+              exit_layers: Optional[Sequence[int]], pick) -> Iterator[Step]:
+        """decode's loop, from the last position's row."""
+        forced = {}
+        n = 0
         rows, drafts, base = row[None, :], [], len(self._tokens) - 1
         from_decode = self._from_decode
         while True:
@@ -360,31 +399,50 @@ class Session:
             finally:
                 if lossless and self._planner is not None and self._planner.last is not None:
                     self._settle(kept, rejected)
-                # Rows up to the last one a token was chosen from stay; the drafts after it leave.
+                # Rows up to the last one a token was chosen from stay; the drafts after it leave
+                # (a session closed meanwhile has nothing left to tidy).
+                with self._lock:
+                    if not self._closed:
+                        self._resume()
+                        if base + j + 1 < len(self._tokens):
+                            self.truncate(base + j + 1)
+            if batched:
+                rows, drafts = self._batched_step(token), []
+            else:
                 with self._lock:
                     self._resume()
-                    if base + j + 1 < len(self._tokens):
-                        self.truncate(base + j + 1)
-            with self._lock:
-                self._resume()
-                if lossless:
-                    rows, drafts = self._round(token, None if limit is None else limit - n - 1, pick)
-                else:
-                    opts = None
-                    if exit_layers is not None:
-                        k = int(exit_layers[n - 1])
-                        if k not in forced:
-                            forced[k] = self.options.with_overrides(mode="river", exit_layer=k).validate(
-                                self._model.n_layer, self._model.has_river)
-                        opts = forced[k]
-                    if self.verify_kernels and not trace:
-                        rows = self._step_batched(token, opts or self.options)
+                    if lossless:
+                        rows, drafts = self._round(token, None if limit is None else limit - n - 1, pick)
                     else:
-                        out = self.extend([token], decode=True, all_logits=self.keep_rows, trace=trace, options=opts)
-                        rows = out.reshape(-1, out.shape[-1])
-                    drafts = []
-                base = len(self._tokens) - len(rows)
-                from_decode = True
+                        opts = None
+                        if exit_layers is not None:
+                            k = int(exit_layers[n - 1])
+                            if k not in forced:
+                                forced[k] = self.options.with_overrides(mode="river", exit_layer=k).validate(
+                                    self._model.n_layer, self._model.has_river)
+                            opts = forced[k]
+                        if self.verify_kernels and not trace:
+                            rows = self._step_batched(token, opts or self.options)
+                        else:
+                            out = self.extend([token], decode=True, all_logits=self.keep_rows, trace=trace,
+                                              options=opts)
+                            rows = out.reshape(-1, out.shape[-1])
+                        drafts = []
+            base = len(self._tokens) - len(rows)
+            from_decode = True
+
+    def _batched_step(self, token: int) -> np.ndarray:
+        """A decode step through the Model's step batcher (evaluate_steps runs it, alone or with
+        other sessions' steps): the step's rows."""
+        token = self._model.check_token(token)
+        while True:
+            if self._closed or not self._holds_cache():
+                with self._lock:
+                    self._resume()
+            try:
+                return self._batcher.step(self, token, self.options)
+            except _Displaced:
+                continue  # another user of the sequence took it between the check and the batch
 
     def _resume(self) -> None:
         """When another user of the cache displaced this session, evaluate its tokens again (a
@@ -421,6 +479,8 @@ class Session:
         token = self._model.check_token(token)
         if not self._model.has_river:
             raise ValueError(f"{self._model.model_path} has no river to draft with")
+        if self.seq != 0:
+            raise ValueError(f"the river drafts on sequence 0 only; this session is on sequence {self.seq}")
         with self._lock:
             self._claim()
             self._check_room()
@@ -451,7 +511,7 @@ class Session:
             rows, exit_layer, _ = self._eval(tokens, opts, prompt=prompt, all_logits=True)
             return rows, exit_layer
         rows, exit_layer, _ = self._eval(tokens * 2, opts, prompt=prompt, all_logits=True)
-        self._engine.truncate(self._engine.n_past - 1)
+        self._engine.truncate(self._engine.sequence_length(self.seq) - 1, seq=self.seq)
         return rows[:1], exit_layer
 
     def _check_room(self) -> None:
@@ -519,9 +579,12 @@ class Session:
 
     # ----- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Let the cache go (its contents stay until another user clears them)."""
+        """Let the cache go: sequence 0's contents stay until another user clears them; another
+        sequence's rows are freed for the other sequences."""
         if not self._closed:
             self._closed = True
+            if self._batcher is not None:
+                self._batcher.leave(self, every_loop=True)
             if not self._own_cache:
                 self._model.give_cache(None, only_from=self)
 
@@ -530,3 +593,64 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def evaluate_steps(engine, requests) -> None:
+    """The step batcher's evaluation (river_gguf.batching), under the Model's lock: the decode steps
+    of sessions on different sequences, under one exit setting. One step runs as a session's own
+    decode step would; several run in one batch (Engine.eval with seq_ids), and each session
+    records its token and its row. A session displaced from its sequence since it submitted
+    evaluates its tokens again and resubmits; the steps beyond the cache's free rows, and a step
+    whose row is not finite, raise in their own sessions."""
+    live = []
+    for r in requests:
+        s = r.session
+        if s._closed:
+            r.error = RuntimeError("this session is closed")
+        elif not s._holds_cache():
+            r.error = _Displaced()
+        else:
+            live.append(r)
+    free = engine.n_ctx - engine.cache_used
+    if len(live) > 1 and len(live) > free:
+        for r in live[max(free, 1):]:
+            r.error = native.ContextOverflowError(
+                f"no room for a decode step of sequence {r.session.seq}: the cache's n_ctx={engine.n_ctx} rows "
+                f"hold {engine.cache_used} positions of {len(engine.sequences)} sequences")
+        live = live[:max(free, 1)]
+    if len(live) == 1:
+        r = live[0]
+        s = r.session
+        try:
+            out = s.extend([r.token], decode=True, all_logits=s.keep_rows)
+            r.rows = out.reshape(-1, out.shape[-1])
+        except Exception as e:  # the session's own step: its error is its session's
+            r.error = e
+    elif live:
+        _evaluate_together(engine, live)
+
+
+def _evaluate_together(engine, live) -> None:
+    """Several sessions' decode steps in one batch, one token per sequence (evaluate_steps)."""
+    opts = live[0].options
+    t0 = time.perf_counter()
+    try:
+        logits, exit_layer, _ = engine.eval([r.token for r in live], seq_ids=[r.session.seq for r in live],
+                                            all_logits=True, **opts.engine_args(False))
+    except Exception:
+        for r in live:  # whatever the failed batch wrote is no session's
+            engine.truncate(len(r.session._tokens), seq=r.session.seq)
+        raise
+    seconds = time.perf_counter() - t0
+    for i, r in enumerate(live):
+        s, row = r.session, logits[i:i + 1]
+        if not np.isfinite(row).all():
+            engine.truncate(len(s._tokens), seq=s.seq)
+            r.error = NumericalError(
+                f"the model produced NaN or infinite logits (sequence {s.seq} after {len(s._tokens)} positions, "
+                f"mode={opts.mode!r}); its weights or hyperparameters are broken, so no text or score is returned")
+            continue
+        s.counters.decode_steps += 1
+        s.counters.decode_s += seconds
+        s._record([r.token], row, s.keep_rows, int(exit_layer), None, True)
+        r.rows = row

@@ -1,0 +1,253 @@
+"""Sessions over different sequences of one Model's KV cache, and their decode steps batched
+(river_gguf.batching): each sequence decodes what it decodes alone, up to the rounding of a larger
+batch's kernels (tests/native/test_sequences.py bounds it: SEQ_ALONE_TOL on the tiny random
+models, SMOLLM2_ALONE_TOL on SmolLM2, where a greedy text may part only at a near-tie); threads
+decoding at once share batches; a session that stops, raises or fails mid-batch releases the
+others (every thread is joined with a timeout, so a hang fails instead of stalling)."""
+import threading
+
+import numpy as np
+import pytest
+
+from river_gguf import Llama, Model, NumericalError
+from river_gguf import _native as native
+from river_gguf.session import STOP
+
+from support import THREADS
+
+SEQ_ALONE_TOL = 1e-2
+SMOLLM2_ALONE_TOL = 0.1
+JOIN_S = 60  # far above what the threads need (well under a second each): only a hang reaches it
+
+PROMPTS = [[1, 17, 243, 99, 4, 51], [1, 300, 12], [1, 88, 7, 640, 23, 9, 311, 45, 2], [1, 5]]
+MODES = [dict(mode="backbone"), dict(mode="river-only"), dict(mode="river", threshold=0.3)]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny):
+    """A tiny random model with itself as its river (threshold given: no profile at load)."""
+    path = tiny.model("llama", n_layer=4, seed=3)
+    return Model(path, river=path, n_ctx=128, n_threads=THREADS, threshold=0.5)
+
+
+def _rows_alone(m, prompt, tokens, **options):
+    """The rows after the prompt and after each token, decoded alone on sequence 0."""
+    with m.session(**options) as s:
+        rows = [s.extend(prompt)]
+        rows += [s.extend([t], decode=True) for t in tokens]
+    return np.array(rows)
+
+
+def _run_threads(targets):
+    threads = [threading.Thread(target=t, daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN_S)
+    assert not any(t.is_alive() for t in threads), "a decode thread hung"
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_sessions_on_sequences_interleaved_equal_each_alone(tiny_pair, options):
+    """Sessions on sequences 0-3 take turns step by step from one thread: none displaces
+    another, and each one's rows equal its rows alone."""
+    m = tiny_pair
+    rng = np.random.default_rng(1)
+    tokens = [list(map(int, rng.integers(0, m.n_vocab, 5))) for _ in PROMPTS]
+    alone = [_rows_alone(m, p, t, **options) for p, t in zip(PROMPTS, tokens)]
+    sessions = [m.session(seq=k, **options) for k in range(len(PROMPTS))]
+    try:
+        rows = [[s.extend(p)] for s, p in zip(sessions, PROMPTS)]
+        for i in range(5):
+            for k, s in enumerate(sessions):
+                rows[k].append(s.extend([tokens[k][i]], decode=True))
+        for k, s in enumerate(sessions):
+            assert m.holds_cache(s) and s.tokens == PROMPTS[k] + tokens[k]
+            np.testing.assert_allclose(np.array(rows[k]), alone[k], atol=SEQ_ALONE_TOL, rtol=0)
+        assert m.cache_used == sum(len(p) + 5 for p in PROMPTS)
+    finally:
+        for s in sessions:
+            s.close()
+    assert m.cache_used == len(PROMPTS[0]) + 5  # closing frees sequences 1-3; sequence 0 stays
+
+
+@pytest.mark.parametrize("options", MODES[:2])
+def test_threads_decoding_at_once_share_batches(tiny_pair, options):
+    """Four threads, each a session's argmax loop: their steps share batches, and each sequence's
+    rows equal its rows alone (the greedy tokens too, or the parting is a near-tie)."""
+    m = tiny_pair
+    n = 8
+    alone = {}
+    for k, p in enumerate(PROMPTS):
+        with m.session(**options) as s:
+            s.extend(p)
+            alone[k] = [st.token for st in s.decode(lambda row, seen: int(np.argmax(row)), limit=n)]
+    got, rows = {}, {}
+    before = m.step_counts
+    m.step_window = 0.5  # long, so that a slow thread's step still joins its batch
+
+    def run(k):
+        with m.session(seq=k, **options) as s:
+            s.extend(PROMPTS[k])
+            got[k], rows[k] = [], []
+            for st in s.decode(lambda row, seen: int(np.argmax(row)), limit=n):
+                got[k].append(st.token)
+                rows[k].append(st.row.copy())
+
+    try:
+        _run_threads([lambda k=k: run(k) for k in range(len(PROMPTS))])
+    finally:
+        m.step_window = 0.005
+    after = m.step_counts
+    assert after["steps"] - before["steps"] == len(PROMPTS) * (n - 1)
+    assert after["batches"] - before["batches"] < after["steps"] - before["steps"]  # some shared a batch
+    for k, p in enumerate(PROMPTS):
+        if got[k] == alone[k]:
+            np.testing.assert_allclose(np.array(rows[k]), _rows_alone(m, p, got[k][:-1], **options),
+                                       atol=SEQ_ALONE_TOL, rtol=0)
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(alone[k], got[k])) if a != b)
+        row = m.logits(p + alone[k][:i], **options)[-1]
+        assert abs(row[alone[k][i]] - row[got[k][i]]) < 2 * SEQ_ALONE_TOL, f"sequence {k} parted at {i}"
+
+
+def test_a_session_that_stops_or_raises_releases_the_others(tiny_pair):
+    """With a long window, a step waits for every session in a decode loop: one that stops early,
+    one whose choose raises and one closed mid-loop leave it, and the others go on at once."""
+    m = tiny_pair
+    m.step_window = 5.0  # a hang of a step per token would take minutes: the join timeout fails first
+    done, errors = {}, {}
+
+    def argmax(row, seen):
+        return int(np.argmax(row))
+
+    def run(k, how):
+        try:
+            with m.session(seq=k, mode="backbone") as s:
+                s.extend(PROMPTS[k])
+                steps = s.decode(argmax, limit=None if how == "close" else 40)
+                for i, st in enumerate(steps):
+                    if how == "stop" and i == 2:
+                        break
+                    if how == "raise" and i == 2:
+                        raise KeyError("the caller's own error")
+                    if how == "close" and i == 3:
+                        steps.close()
+                        break
+                done[k] = i
+        except KeyError as e:
+            errors[k] = e
+
+    try:
+        _run_threads([lambda: run(0, "stop"), lambda: run(1, "raise"), lambda: run(2, "close"),
+                      lambda: run(3, "all")])
+    finally:
+        m.step_window = 0.005
+    assert done == {0: 2, 2: 3, 3: 39} and isinstance(errors[1], KeyError)
+    assert m.step_counts["members"] == 0
+
+
+def _poisoned_copy(src, dst, token):
+    """A copy of a tiny F32 model whose `token` embeds as NaN."""
+    from gguf import GGUFReader
+
+    dst.write_bytes(open(src, "rb").read())
+    t = next(t for t in GGUFReader(str(dst)).tensors if t.name == "token_embd.weight")
+    n_embd = int(t.shape[0])
+    with open(dst, "r+b") as f:
+        f.seek(int(t.data_offset) + token * n_embd * 4)
+        f.write(np.full(n_embd, np.nan, dtype=np.float32).tobytes())
+    return str(dst)
+
+
+def test_a_failing_step_raises_in_its_own_session(tiny, tmp_path):
+    """A step whose token gives NaN logits raises NumericalError in its session only; the session
+    batched with it decodes on, its text that of the session alone."""
+    poison = 4242
+    m = Model(_poisoned_copy(tiny.model("llama", n_layer=4, seed=3), tmp_path / "p.gguf", poison), n_ctx=128,
+              n_threads=THREADS)
+    with m.session() as s:
+        s.extend(PROMPTS[1])
+        clean = [st.token for st in s.decode(lambda row, seen: int(np.argmax(row)), limit=10)]
+    m.step_window = 0.5
+    out = {}
+
+    def run(k, poisoned):
+        try:
+            with m.session(seq=k) as s:
+                s.extend(PROMPTS[1])
+                out[k] = [st.token for st in s.decode(
+                    lambda row, seen: poison if poisoned and seen >= len(PROMPTS[1]) + 2 else int(np.argmax(row)),
+                    limit=10)]
+        except NumericalError as e:
+            out[k] = e
+
+    _run_threads([lambda: run(0, True), lambda: run(1, False)])
+    assert isinstance(out[0], NumericalError) and out[1] == clean
+    assert m.cache_used == len(PROMPTS[1]) + 2  # sequence 0's clean rows (it stays); sequence 1 freed
+
+
+def test_a_full_cache_cuts_the_steps_that_do_not_fit(tiny):
+    """A batch with more steps than free cache rows: those beyond raise ContextOverflowError in
+    their own sessions, the rest are evaluated."""
+    m = Model(tiny.model("llama", n_layer=4, seed=3), n_ctx=20, n_threads=THREADS)
+    m.step_window = 0.5
+    results = {}
+    sessions = [m.session(seq=k, mode="backbone") for k in range(2)]
+    for k, s in enumerate(sessions):
+        s.extend([1] + [5 + k] * 8)  # 9 rows each: 2 left for the decode steps of both
+
+    def run(k):
+        n = 0
+        try:
+            for _ in sessions[k].decode(lambda row, seen: int(np.argmax(row))):
+                n += 1
+        except native.ContextOverflowError:
+            results[k] = n
+
+    _run_threads([lambda: run(0), lambda: run(1)])
+    assert sorted(results) == [0, 1] and sum(results.values()) == 2 + 2  # each yields one more than it evaluates
+
+
+def test_lossless_decodes_sequence_zero_only(tiny_pair):
+    with pytest.raises(ValueError, match="lossless mode decodes sequence 0 only"):
+        tiny_pair.session(seq=1, mode="lossless")
+    with pytest.raises(ValueError, match="seq must be an int"):
+        tiny_pair.session(seq=-1)
+    with tiny_pair.session(seq=0, mode="lossless") as s:
+        assert s.seq == 0
+
+
+def test_llama_slots_complete_at_once_as_alone(f16_path, q4_0_path):
+    """Three Llama slots over one SmolLM2 (F16 backbone, Q4_0 river), each completing greedily
+    in a thread of its own: each gives the text it gives alone, or parts at a near-tie."""
+    llm = Llama(f16_path, n_ctx=512, n_threads=THREADS, verbose=False, river=q4_0_path, threshold=0.97,
+                mode="river-only", flash_attn=True)
+    prompts = ["Once upon a time, in a small village by the sea,", "The history of the bridge begins",
+               "Chapter 1\n\nThe rain had not stopped for three days."]
+    try:
+        alone = []
+        for p in prompts:
+            llm.create_completion(p, max_tokens=12, temperature=0.0)
+            alone.append(llm.input_ids[:llm.n_tokens].tolist())
+        slots = llm.slots(len(prompts))
+        llm.river_model.step_window = 0.5
+        texts, ids = {}, {}
+
+        def run(k):
+            texts[k] = slots[k].create_completion(prompts[k], max_tokens=12, temperature=0.0)["choices"][0]["text"]
+            ids[k] = slots[k].input_ids[:slots[k].n_tokens].tolist()
+
+        _run_threads([lambda k=k: run(k) for k in range(len(prompts))])
+        m = llm.river_model
+        for k, p in enumerate(prompts):
+            assert slots[k].session.seq == k
+            if ids[k] == alone[k]:
+                continue
+            i = next(i for i, (a, b) in enumerate(zip(alone[k], ids[k])) if a != b)
+            row = m.logits(alone[k][:i], mode="river-only")[-1]
+            assert abs(row[alone[k][i]] - row[ids[k][i]]) < 2 * SMOLLM2_ALONE_TOL, f"slot {k} parted at {i}"
+        assert all(texts.values())
+    finally:
+        llm.close()
+    assert all(s.session is None for s in slots)

@@ -4,6 +4,8 @@ batch's kernels (tests/native/test_sequences.py bounds it: SEQ_ALONE_TOL on the 
 models, SMOLLM2_ALONE_TOL on SmolLM2, where a greedy text may part only at a near-tie); threads
 decoding at once share batches; a session that stops, raises or fails mid-batch releases the
 others (every thread is joined with a timeout, so a hang fails instead of stalling)."""
+import os
+import pathlib
 import threading
 
 import numpy as np
@@ -13,7 +15,7 @@ from river_gguf import Llama, Model, NumericalError
 from river_gguf import _native as native
 from river_gguf.session import STOP
 
-from support import THREADS
+from support import THREADS, package_digest
 
 SEQ_ALONE_TOL = 1e-2
 SMOLLM2_ALONE_TOL = 0.1
@@ -151,7 +153,7 @@ def _poisoned_copy(src, dst, token):
     """A copy of a tiny F32 model whose `token` embeds as NaN."""
     from gguf import GGUFReader
 
-    dst.write_bytes(open(src, "rb").read())
+    dst.write_bytes(pathlib.Path(src).read_bytes())
     t = next(t for t in GGUFReader(str(dst)).tensors if t.name == "token_embd.weight")
     n_embd = int(t.shape[0])
     with open(dst, "r+b") as f:
@@ -160,12 +162,15 @@ def _poisoned_copy(src, dst, token):
     return str(dst)
 
 
-def test_a_failing_step_raises_in_its_own_session(tiny, tmp_path):
+def test_a_failing_step_raises_in_its_own_session(tiny, built):
     """A step whose token gives NaN logits raises NumericalError in its session only; the session
     batched with it decodes on, its text that of the session alone."""
     poison = 4242
-    m = Model(_poisoned_copy(tiny.model("llama", n_layer=4, seed=3), tmp_path / "p.gguf", poison), n_ctx=128,
-              n_threads=THREADS)
+    src = tiny.model("llama", n_layer=4, seed=3)
+    # Built once and kept (parsing the file to find the row takes seconds).
+    path = built.get("tiny-llama-nan-token", lambda out: _poisoned_copy(src, out, poison),
+                     [os.path.basename(src), poison], package_digest())
+    m = Model(path, n_ctx=128, n_threads=THREADS)
     with m.session() as s:
         s.extend(PROMPTS[1])
         clean = [st.token for st in s.decode(lambda row, seen: int(np.argmax(row)), limit=10)]
@@ -218,36 +223,45 @@ def test_lossless_decodes_sequence_zero_only(tiny_pair):
         assert s.seq == 0
 
 
-def test_llama_slots_complete_at_once_as_alone(f16_path, q4_0_path):
-    """Three Llama slots over one SmolLM2 (F16 backbone, Q4_0 river), each completing greedily
-    in a thread of its own: each gives the text it gives alone, or parts at a near-tie."""
-    llm = Llama(f16_path, n_ctx=512, n_threads=THREADS, verbose=False, river=q4_0_path, threshold=0.97,
-                mode="river-only", flash_attn=True)
-    prompts = ["Once upon a time, in a small village by the sea,", "The history of the bridge begins",
-               "Chapter 1\n\nThe rain had not stopped for three days."]
+@pytest.mark.parametrize("options", [dict(mode="backbone"), dict(mode="river", threshold=0.3)])
+def test_llama_slots_complete_at_once_as_alone(tiny, options):
+    """Three Llama slots over one loaded model, each completing greedily in a thread of its own
+    (one streaming): each gives the tokens and text it gives alone, or parts at a near-tie."""
+    path = tiny.model("llama", n_layer=4, seed=3)
+    llm = Llama(path, n_ctx=128, n_threads=THREADS, verbose=False, river=path, **options)
+    prompts = PROMPTS[:3]
     try:
-        alone = []
+        alone, alone_text = [], []
         for p in prompts:
-            llm.create_completion(p, max_tokens=12, temperature=0.0)
+            alone_text.append(llm.create_completion(p, max_tokens=10, temperature=0.0)["choices"][0]["text"])
             alone.append(llm.input_ids[:llm.n_tokens].tolist())
         slots = llm.slots(len(prompts))
         llm.river_model.step_window = 0.5
         texts, ids = {}, {}
 
         def run(k):
-            texts[k] = slots[k].create_completion(prompts[k], max_tokens=12, temperature=0.0)["choices"][0]["text"]
+            if k == 1:
+                chunks = slots[k].create_completion(prompts[k], max_tokens=10, temperature=0.0, stream=True)
+                texts[k] = "".join(c["choices"][0]["text"] for c in chunks)
+            else:
+                texts[k] = slots[k].create_completion(prompts[k], max_tokens=10, temperature=0.0)["choices"][0]["text"]
             ids[k] = slots[k].input_ids[:slots[k].n_tokens].tolist()
 
+        before = llm.river_model.step_counts
         _run_threads([lambda k=k: run(k) for k in range(len(prompts))])
+        after = llm.river_model.step_counts
+        assert after["batches"] - before["batches"] < after["steps"] - before["steps"]  # some shared a batch
         m = llm.river_model
         for k, p in enumerate(prompts):
             assert slots[k].session.seq == k
             if ids[k] == alone[k]:
+                assert texts[k] == alone_text[k]
                 continue
             i = next(i for i, (a, b) in enumerate(zip(alone[k], ids[k])) if a != b)
-            row = m.logits(alone[k][:i], mode="river-only")[-1]
-            assert abs(row[alone[k][i]] - row[ids[k][i]]) < 2 * SMOLLM2_ALONE_TOL, f"slot {k} parted at {i}"
-        assert all(texts.values())
+            row = m.logits(alone[k][:i], **options)[-1]
+            assert abs(row[alone[k][i]] - row[ids[k][i]]) < 2 * SEQ_ALONE_TOL, f"slot {k} parted at {i}"
+        with pytest.raises(ValueError, match="sequence 0 only"):
+            slots[1].create_completion(prompts[1], max_tokens=2, mode="lossless")
     finally:
         llm.close()
     assert all(s.session is None for s in slots)

@@ -11,8 +11,9 @@ its loop ends, so continuous batching needs nothing more.
 
 The evaluation itself (which tokens, which rows go to whom, what each session records) is the
 caller's `evaluate(requests)`, run under the Model's lock; the batcher only decides when a batch
-runs and who runs it. A thread that holds the Model's lock while it decodes (a measurement loop)
-leads its own batch, the lock being reentrant, so no thread waits on a batch that cannot run.
+runs and who runs it. A thread that holds the Model's lock across its decode loop (a measurement
+that must not be displaced) evaluates its steps alone and at once: no other thread could run a
+batch meanwhile, and no other session's step may displace it.
 """
 import threading
 import time
@@ -22,6 +23,40 @@ from typing import Callable, List, Optional
 #: another thread may hold it for a prefill (it comes back soon) or be a member waiting for its
 #: own step (it then leads the batch itself, and this thread's request goes with it).
 _LOCK_WAIT_S = 0.002
+
+
+class ModelLock:
+    """A Model's lock: reentrant, as threading.RLock, and able to tell whether the calling thread
+    holds it (`held_here`), which the batcher asks before it waits for other threads."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._owner: Optional[int] = None
+        self._depth = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._lock.acquire(blocking, timeout):
+            return False
+        self._owner = threading.get_ident()
+        self._depth += 1
+        return True
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lock.release()
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the lock."""
+        return self._owner == threading.get_ident()
+
+    def __enter__(self) -> "ModelLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class StepRequest:
@@ -45,7 +80,7 @@ class StepRequest:
 
 class StepBatcher:
     """Joins the decode steps of the sessions on one Model (see the module docstring).
-    lock: the Model's lock; evaluate(requests): runs one batch under it, setting each request's
+    lock: the Model's lock (a ModelLock); evaluate(requests): runs one batch under it, setting each request's
     rows or error; window: the longest a submitted step waits for the other members."""
 
     def __init__(self, lock, evaluate: Callable[[List[StepRequest]], None], window: float = 0.005):
@@ -87,6 +122,12 @@ class StepBatcher:
         """Evaluate `token` after `session`'s tokens, in a batch with the other members' steps;
         returns what evaluate set as its rows, or raises its error."""
         req = StepRequest(session, token, options)
+        if self._lock.held_here():
+            with self._cond:
+                self._batches += 1
+                self._steps += 1
+            self._evaluate([req])
+            return req.outcome()
         with self._cond:
             self._pending.append(req)
             self._cond.notify_all()  # a waiter may now find every member ready
@@ -113,8 +154,11 @@ class StepBatcher:
             return True
 
     def _all_ready(self) -> bool:
+        """Whether every member has a step pending (or cannot share the next batch anyway: a
+        session on a sequence that another pending step goes to)."""
         waiting = {r.session for r in self._pending}
-        return bool(waiting) and all(s in waiting for s in self._members)
+        seqs = {r.session.seq for r in self._pending}
+        return bool(waiting) and all(s in waiting or s.seq in seqs for s in self._members)
 
     def _lead(self, req: StepRequest) -> None:
         """With the Model's lock held: take a batch of the pending steps and evaluate it."""

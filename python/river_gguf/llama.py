@@ -32,7 +32,6 @@ each: their decode steps share each step's batch (river_gguf.batching).
 """
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import random
@@ -849,7 +848,9 @@ class Llama:
 
     def _slot(self, seq: int) -> "Llama":
         """A copy of this object with a state of its own, on sequence `seq`."""
-        slot = copy.copy(self)
+        # Not copy.copy: pickling (__getstate__) makes a Llama load its model again.
+        slot = object.__new__(type(self))
+        slot.__dict__.update(self.__dict__)
         slot._seq, slot._slot_of, slot._slots = seq, self, ()
         slot._lock = threading.RLock()  # its completions, not the Model's lock: the slots decode at once
         slot.cache, slot.last_stats = None, {}

@@ -27,7 +27,7 @@ from .default_model import default_model_path
 from .gguf.io import deferred_interrupts
 from .options import EXIT_DECISIONS, ExitOptions, RiverOptions, check_river_options, is_bool, is_int, parse_bytes
 from .profile import default_threshold
-from .batching import StepBatcher
+from .batching import ModelLock, StepBatcher
 from .session import NumericalError, Session, evaluate, evaluate_steps
 
 #: Largest accepted n_ctx and n_batch. The engine counts positions in 32-bit ints; past about a
@@ -136,7 +136,7 @@ class Model:
 
     Threads and the KV cache. A Model owns one KV cache. Every call that runs the engine
     (logits, embed, the calibration passes, a session's evaluations) holds the Model's lock (a
-    threading.RLock, `lock`), so calls from several threads are serialized. State kept in the
+    reentrant lock, `lock`), so calls from several threads are serialized. State kept in the
     cache across calls is a Session's (`session()`): each sequence of the cache holds one
     session's tokens at a time, and a session that another call displaced (another session on
     its sequence, or a one-shot call, which clears every sequence) evaluates what it needs again.
@@ -203,7 +203,7 @@ class Model:
         # A batch longer than the context never runs; the engine sizes a buffer by n_batch.
         self._n_batch = min(n_batch, n_ctx)
         self._n_gpu_layers = n_gpu_layers
-        self._lock = threading.RLock()
+        self._lock = ModelLock()
         self._holders: Dict[int, Session] = {}  # per sequence, the session whose tokens it holds
 
         # libllama logs through llama-cpp-python's ctypes callback, which drops a KeyboardInterrupt
@@ -412,7 +412,7 @@ class Model:
 
     # ----- the KV cache and one evaluation ----------------------------------------------
     @property
-    def lock(self) -> threading.RLock:
+    def lock(self) -> ModelLock:
         """Held by every call that runs the engine; hold it across calls that share the cache."""
         return self._lock
 

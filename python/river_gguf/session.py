@@ -41,11 +41,6 @@ class NumericalError(RuntimeError):
     overflow in this precision). Raised instead of returning text or scores computed from them."""
 
 
-class _Displaced(Exception):
-    """A batched step found its session displaced from its sequence: it evaluates its tokens
-    again and submits the step anew."""
-
-
 class Step(NamedTuple):
     """One token of a decode loop, as the policy chose it."""
     token: int
@@ -434,15 +429,7 @@ class Session:
     def _batched_step(self, token: int) -> np.ndarray:
         """A decode step through the Model's step batcher (evaluate_steps runs it, alone or with
         other sessions' steps): the step's rows."""
-        token = self._model.check_token(token)
-        while True:
-            if self._closed or not self._holds_cache():
-                with self._lock:
-                    self._resume()
-            try:
-                return self._batcher.step(self, token, self.options)
-            except _Displaced:
-                continue  # another user of the sequence took it between the check and the batch
+        return self._batcher.step(self, self._model.check_token(token), self.options)
 
     def _resume(self) -> None:
         """When another user of the cache displaced this session, evaluate its tokens again (a
@@ -599,16 +586,16 @@ def evaluate_steps(engine, requests) -> None:
     """The step batcher's evaluation (river_gguf.batching), under the Model's lock: the decode steps
     of sessions on different sequences, under one exit setting. One step runs as a session's own
     decode step would; several run in one batch (Engine.eval with seq_ids), and each session
-    records its token and its row. A session displaced from its sequence since it submitted
-    evaluates its tokens again and resubmits; the steps beyond the cache's free rows, and a step
-    whose row is not finite, raise in their own sessions."""
+    records its token and its row. A session displaced from its sequence since its last step
+    evaluates its tokens again first (here: a batch holds one step per sequence, so no other step
+    of it displaces it again before its own runs); the steps beyond the cache's free rows, and a
+    step whose row is not finite, raise in their own sessions."""
     live = []
     for r in requests:
-        s = r.session
-        if s._closed:
-            r.error = RuntimeError("this session is closed")
-        elif not s._holds_cache():
-            r.error = _Displaced()
+        try:
+            r.session._resume()
+        except Exception as e:  # closed, or its tokens no longer evaluate: that session's error
+            r.error = e
         else:
             live.append(r)
     free = engine.n_ctx - engine.cache_used

@@ -478,8 +478,8 @@ class Session:
                 args["p_min"] = float(p_min)
             if args["n_max"] == 0:
                 return ([], []) if with_probs else []
-            # Drafts beyond the context's end have no room to be verified.
-            args["n_max"] = min(args["n_max"], self._engine.n_ctx - self._engine.n_past - 1)
+            # Drafts beyond the cache's free rows (every sequence's count) have no room to be verified.
+            args["n_max"] = min(args["n_max"], self._engine.n_ctx - self._engine.cache_used - 1)
             tokens, probs = self._engine.draft(token, **args, with_probs=bool(with_probs), pick=pick)
             return (list(tokens), list(probs)) if with_probs else list(tokens)
 
@@ -502,9 +502,9 @@ class Session:
         return rows[:1], exit_layer
 
     def _check_room(self) -> None:
-        if self._engine.n_past + 1 > self._engine.n_ctx:
+        if self._engine.cache_used + 1 > self._engine.n_ctx:
             raise native.ContextOverflowError(
-                f"no room after {self._engine.n_past} positions in n_ctx={self._engine.n_ctx}")
+                f"no room after {self._engine.cache_used} positions in n_ctx={self._engine.n_ctx}")
 
     def _round(self, token: int, room: Optional[int], pick) -> Tuple[np.ndarray, List[int]]:
         """One lossless round after `token`: the drafts the planner chooses (the river's, an
@@ -555,7 +555,7 @@ class Session:
             ngram.extend(self._tokens[len(ngram):])
             ngram.extend([int(token)])
             self._planned_valid = len(self._tokens)
-        space = self._engine.n_ctx - self._engine.n_past - 1
+        space = self._engine.n_ctx - self._engine.cache_used - 1
         return self._planner.plan(space if room is None else min(space, room))
 
     def _settle(self, kept: int, rejected: bool) -> None:

@@ -133,7 +133,13 @@ class ReplayedEngine:
     def n_past(self):
         return len(self.tokens)
 
-    def truncate(self, n):
+    cache_used = n_past  # one sequence: every used row is sequence 0's
+
+    def sequence_length(self, seq):
+        return len(self.tokens) if seq == 0 else 0
+
+    def truncate(self, n, seq=0):
+        assert seq == 0, "the replay holds sequence 0 only"
         del self.tokens[n:]
 
     def eval(self, tokens, all_logits=False, trace=False, first_row=0, **engine_args):

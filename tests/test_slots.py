@@ -149,6 +149,28 @@ def test_a_session_that_stops_or_raises_releases_the_others(tiny_pair):
     assert m.step_counts["members"] == 0
 
 
+def test_sessions_on_one_sequence_take_turns(tiny_pair):
+    """Three threads decode three sessions on sequence 0 at once: each step displaces the others,
+    which evaluate their tokens again inside the batch that holds their next step, so every
+    session finishes (none is displaced forever) with its greedy tokens alone."""
+    m = tiny_pair
+    argmax = lambda row, seen: int(np.argmax(row))  # noqa: E731
+    alone = {}
+    for k in range(3):
+        with m.session(mode="backbone") as s:
+            s.extend(PROMPTS[k])
+            alone[k] = [st.token for st in s.decode(argmax, limit=6)]
+    got = {}
+
+    def run(k):
+        with m.session(mode="backbone") as s:
+            s.extend(PROMPTS[k])
+            got[k] = [st.token for st in s.decode(argmax, limit=6)]
+
+    _run_threads([lambda k=k: run(k) for k in range(3)])
+    assert got == alone
+
+
 def _poisoned_copy(src, dst, token):
     """A copy of a tiny F32 model whose `token` embeds as NaN."""
     from gguf import GGUFReader

@@ -346,8 +346,9 @@ class Session:
         evaluation, not across yields: a session that another user of the cache displaced between
         two steps evaluates its tokens again. Plain decode steps (no trace, forced exits or
         verify_kernels) go through the Model's step batcher: run from several threads, sessions on
-        different sequences share each step's batch. Do not hold the Model's lock across the loop
-        when other threads decode too: the batch then waits for this thread to lead it."""
+        different sequences share each step's batch. A thread that holds the Model's lock across
+        the loop evaluates its steps alone (nothing displaces its session meanwhile), and other
+        threads' steps wait for the lock."""
         if limit is not None and limit <= 0:
             return
         with self._lock:

@@ -173,7 +173,7 @@ def test_sessions_on_one_sequence_take_turns(tiny_pair):
 
 def _poisoned_copy(src, dst, token):
     """A copy of a tiny F32 model whose `token` embeds as NaN."""
-    from gguf import GGUFReader
+    from river_gguf.gguf.reader import GGUFReader
 
     dst.write_bytes(pathlib.Path(src).read_bytes())
     t = next(t for t in GGUFReader(str(dst)).tensors if t.name == "token_embd.weight")
@@ -189,7 +189,7 @@ def test_a_failing_step_raises_in_its_own_session(tiny, built):
     batched with it decodes on, its text that of the session alone."""
     poison = 4242
     src = tiny.model("llama", n_layer=4, seed=3)
-    # Built once and kept (parsing the file to find the row takes seconds).
+    # Built once and kept.
     path = built.get("tiny-llama-nan-token", lambda out: _poisoned_copy(src, out, poison),
                      [os.path.basename(src), poison], package_digest())
     m = Model(path, n_ctx=128, n_threads=THREADS)

@@ -132,15 +132,22 @@ class StepBatcher:
             self._pending.append(req)
             self._cond.notify_all()  # a waiter may now find every member ready
         deadline = time.monotonic() + self.window
-        while True:
-            if self._wait_turn(req, deadline):
-                return req.outcome()
-            if not self._lock.acquire(timeout=_LOCK_WAIT_S):
-                continue
-            try:
-                self._lead(req)
-            finally:
-                self._lock.release()
+        try:
+            while True:
+                if self._wait_turn(req, deadline):
+                    return req.outcome()
+                if not self._lock.acquire(timeout=_LOCK_WAIT_S):
+                    continue
+                try:
+                    self._lead(req)
+                finally:
+                    self._lock.release()
+        except BaseException:
+            # Interrupted while waiting: no later batch evaluates a step nobody waits for.
+            with self._cond:
+                if req in self._pending:
+                    self._pending.remove(req)
+            raise
 
     def _wait_turn(self, req: StepRequest, deadline: float) -> bool:
         """Wait until `req` is done (True) or this thread may lead a batch (False): no batch is

@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections import deque
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -79,8 +80,8 @@ class Llama:
     """A drop-in for llama_cpp.Llama on river_gguf's engine (see the module docstring)."""
 
     _seq = 0                              # the sequence of the Model's KV cache this object decodes
-    _slot_of: Optional["Llama"] = None    # for a slot (slots()), the Llama that made it
-    _slots: tuple = ()                    # the slots this Llama made, closed with it
+    _slot_of: Optional["Llama"] = None    # for a slot (slots()), the Llama that made it (kept alive)
+    _slots: tuple = ()                    # weak references to the slots this Llama made, closed with it
 
     def __init__(
         self,
@@ -843,7 +844,7 @@ class Llama:
         if not is_int(n) or not 1 <= n <= self._n_ctx:
             raise ValueError(f"n must be an int in [1, n_ctx={self._n_ctx}], got {n!r}")
         made = [self._slot(i) for i in range(int(n))]
-        self._slots = self._slots + tuple(made)
+        self._slots = self._slots + tuple(weakref.ref(s) for s in made)  # no cycle: a slot keeps its maker
         return made
 
     def _slot(self, seq: int) -> "Llama":
@@ -866,8 +867,10 @@ class Llama:
         if getattr(self, "_closed", True) and getattr(self, "_model", None) is None:
             return
         self._closed = True
-        for slot in self._slots:
-            slot.close()
+        for ref in self._slots:
+            slot = ref()
+            if slot is not None:
+                slot.close()
         if self._slot_of is not None:
             session, self._session = self._session, None
             if session is not None:

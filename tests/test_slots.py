@@ -284,6 +284,9 @@ def test_llama_slots_complete_at_once_as_alone(tiny, options):
             assert abs(row[alone[k][i]] - row[ids[k][i]]) < 2 * SEQ_ALONE_TOL, f"slot {k} parted at {i}"
         with pytest.raises(ValueError, match="sequence 0 only"):
             slots[1].create_completion(prompts[1], max_tokens=2, mode="lossless")
+        chat = slots[2].create_chat_completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                               temperature=0.0)
+        assert chat["choices"][0]["message"]["role"] == "assistant" and slots[2].session.seq == 2
     finally:
         llm.close()
     assert all(s.session is None for s in slots)

@@ -418,7 +418,7 @@ class Model:
 
     @property
     def n_past(self) -> int:
-        """Positions the KV cache holds."""
+        """Positions sequence 0 of the KV cache holds (cache_used: every sequence's)."""
         return self._engine.n_past
 
     @property

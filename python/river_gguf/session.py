@@ -485,7 +485,7 @@ class Session:
         c.rounds += 1
         c.decode_steps += 1
         c.drafted += len(drafts)
-        if plan.source == "ngram":
+        if plan.source in ("ngram", "guess"):
             c.ngram_rounds += 1
             c.ngram_drafted += len(drafts)
         c.draft_s += t1 - t0
@@ -513,7 +513,7 @@ class Session:
 
     def _settle(self, kept: int, rejected: bool) -> None:
         """Tell the planner how the round's drafts fared (and count an n-gram round's)."""
-        if self._planner.last.source == "ngram":
+        if self._planner.last.source in ("ngram", "guess"):
             self.counters.ngram_accepted += kept
         self._planner.settle(kept, rejected, self._draft_probs)
 

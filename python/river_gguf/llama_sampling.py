@@ -157,6 +157,8 @@ class SamplerChain:
         penalised = not (max(penalty_last_n, 0) == 0 or (np.single(repeat_penalty) == 1 and np.single(
             frequency_penalty) == 0 and np.single(presence_penalty) == 0))
         self._penalty = (np.single(repeat_penalty), np.single(frequency_penalty), np.single(presence_penalty))
+        if penalised and (self._penalty[0] < 1 or self._penalty[1] < 0 or self._penalty[2] < 0):
+            self._keeps = 0  # a penalty that raises a logit can lift any token into the top
         # The tokens libllama's penalties sampler counts: the last penalty_last_n accepted.
         self._recent = collections.deque(maxlen=penalty_last_n) if penalised else None
         # One candidate buffer per chain, refilled for every token (as libllama's chain keeps `cur`).
@@ -209,19 +211,23 @@ class SamplerChain:
         keeps, n = self._keeps, len(ids)
         if keeps <= 0 or np.isnan(logits).any():
             return None
-        recent = np.fromiter(set(self._recent), dtype=np.intc) if self._recent else np.zeros(0, np.intc)
-        if self._recent is not None and (self._penalty[0] < 1 or self._penalty[1] < 0 or self._penalty[2] < 0):
-            return None
-        want = keeps + 1 + len(recent)
+        tokens, counts = self._window()
+        want = keeps + 1 + len(tokens)
         if want > SHORTLIST_MAX_SHARE * n:
             return None
-        top = self._highest(logits, want)
-        if top is None:
+        threshold = self._threshold(logits, want)
+        chosen = logits >= threshold
+        if len(tokens):
+            if ids is self._ids:
+                chosen[tokens[tokens < n]] = True
+            else:
+                flag = np.zeros(self.n_vocab, dtype=bool)
+                flag[tokens] = True
+                chosen |= flag[ids]
+        top = np.flatnonzero(chosen)
+        if len(top) > SHORTLIST_MAX_SHARE * n:
             return None
-        if len(recent):
-            where = recent if ids is self._ids else np.flatnonzero(np.isin(ids, recent))
-            top = np.union1d(top, where[where < n])
-        values = self._penalised(ids[top], logits[top])
+        values = self._penalised(ids[top], logits[top], tokens, counts)
         best = -np.sort(-values)[:keeps + 1]
         if np.isnan(best).any() or not np.isfinite(best[:keeps]).all():
             return None
@@ -230,33 +236,38 @@ class SamplerChain:
             return None
         return top
 
+    def _window(self):
+        """The tokens the penalties sampler counts (sorted, distinct) and their counts; none when
+        the chain has no penalties."""
+        if not self._recent:
+            return np.zeros(0, np.intc), np.zeros(0, np.single)
+        tokens, counts = np.unique(np.fromiter(self._recent, dtype=np.intc, count=len(self._recent)),
+                                   return_counts=True)
+        return tokens, counts.astype(np.single)
+
     @staticmethod
-    def _highest(logits: np.ndarray, want: int):
-        """Positions of at least `want` of the highest logits, every logit at or above the lowest
-        of them included (a threshold estimated from a strided sample, then checked)."""
+    def _threshold(logits: np.ndarray, want: int) -> float:
+        """A logit that at least `want` logits reach and not many more (estimated from a strided
+        sample, checked, else the want-th highest itself)."""
         n = len(logits)
         sample = logits[::SHORTLIST_STRIDE]
         q = min(len(sample) - 1, 2 * (want // SHORTLIST_STRIDE) + 2)
         threshold = np.partition(sample, len(sample) - 1 - q)[len(sample) - 1 - q]
-        top = np.flatnonzero(logits >= threshold)
-        if want <= len(top) <= 8 * want:
-            return top
-        if want >= n:
-            return None
-        return np.argpartition(logits, n - want)[n - want:]
+        if want <= np.count_nonzero(logits >= threshold) <= 8 * want:
+            return threshold
+        return np.partition(logits, n - want)[n - want]
 
-    def _penalised(self, ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    def _penalised(self, ids: np.ndarray, logits: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """The logits after libllama's penalties sampler (float32, as it computes them)."""
         values = np.array(logits, dtype=np.single, copy=True)
-        if not self._recent:
+        if not len(tokens):
             return values
-        counts = collections.Counter(self._recent)
-        count = np.fromiter((counts.get(int(t), 0) for t in ids), dtype=np.single, count=len(ids))
-        hit = count > 0
+        at = np.minimum(np.searchsorted(tokens, ids), len(tokens) - 1)
+        hit = tokens[at] == ids
         repeat, freq, present = self._penalty
         v = values[hit]
         v = np.where(v <= 0, v * repeat, v / repeat).astype(np.single)
-        values[hit] = v - (count[hit] * freq + present)
+        values[hit] = v - (counts[at[hit]] * freq + present)
         return values
 
     def _apply(self, ids: np.ndarray, logits: np.ndarray) -> int:

@@ -88,3 +88,31 @@ def test_shortlist_falls_back_when_it_cannot_be_exact():
         with_nan[7] = np.nan
         assert tied._shortlist(ids, with_nan) is None
         assert tied._shortlist(ids, row) is not None
+
+
+# --- sampled drafts stop early as greedy ones do --------------------------------------------------
+
+def test_drawn_probability_is_the_final_distributions():
+    logits = np.log(np.array([0.5, 0.2, 0.2, 0.1], dtype=np.single))
+    with SamplerChain(4, seed=3, temp=1.0, top_k=0, top_p=1.0, min_p=0.0) as chain:
+        for _ in range(20):
+            token = chain.sample(logits)
+            assert chain.drawn_probability == pytest.approx(float(np.exp(logits[token])), rel=1e-5)
+    with SamplerChain(4, seed=3, temp=1.0, top_k=1) as chain:  # top-k 1 leaves one candidate
+        assert chain.sample(logits) == 0 and chain.drawn_probability == pytest.approx(1.0)
+    with SamplerChain(4, seed=3, temp=0.0, repeat_penalty=1.2) as chain:  # greedy draws no distribution
+        assert chain.sample(logits) == 0 and chain.drawn_probability is None
+
+
+def test_draft_picker_stops_below_p_min_and_reports_probabilities():
+    from river_gguf.llama_draft import DraftPicker
+    logits = np.log(np.array([0.5, 0.2, 0.2, 0.1], dtype=np.single))
+    with SamplerChain(4, seed=11, temp=1.0, top_k=0, top_p=1.0, min_p=0.0) as chain:
+        picker = DraftPicker(chain)
+        drawn = [picker(logits, None) for _ in range(30)]
+        assert len(picker.probs) == 30 and all(t >= 0 for t in drawn)
+        assert picker.probs == [pytest.approx(float(np.exp(logits[t])), rel=1e-5) for t in drawn]
+        picker.p_min, picker.probs = 0.3, []
+        drawn = [picker(logits, None) for _ in range(30)]
+        # Only token 0 (p 0.5) passes: the others stop the draft (-1) and are not reported.
+        assert set(drawn) == {0, -1} and picker.probs == [pytest.approx(0.5)] * drawn.count(0)

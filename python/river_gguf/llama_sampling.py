@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import math
+from typing import Optional
 
 import llama_cpp.llama_cpp as lib
 import numpy as np
@@ -159,6 +160,9 @@ class SamplerChain:
         self._penalty = (np.single(repeat_penalty), np.single(frequency_penalty), np.single(presence_penalty))
         if penalised and (self._penalty[0] < 1 or self._penalty[1] < 0 or self._penalty[2] < 0):
             self._keeps = 0  # a penalty that raises a logit can lift any token into the top
+        # A draw by libllama's dist (or mirostat) leaves each candidate's probability in `p`; greedy does not.
+        self._draws = temp != 0.0
+        self._drawn_p: Optional[float] = None
         # The tokens libllama's penalties sampler counts: the last penalty_last_n accepted.
         self._recent = collections.deque(maxlen=penalty_last_n) if penalised else None
         # One candidate buffer per chain, refilled for every token (as libllama's chain keeps `cur`).
@@ -296,8 +300,15 @@ class SamplerChain:
             raise SamplingError("no token is allowed: every candidate's logit is -inf after the constraints "
                                 "(grammar, logit_bias, logits_processor)")
         token = int(chosen.id)
+        self._drawn_p = float(chosen.p) if self._draws else None
         self._accept(token)
         return token
+
+    @property
+    def drawn_probability(self) -> Optional[float]:
+        """The last token's probability in the distribution the chain drew it from (after every
+        stage: penalties, top-k/p, min-p, temperature); None for a greedy chain or before a draw."""
+        return self._drawn_p
 
     def clone(self) -> "SamplerChain":
         """A copy in the same state (libllama's llama_sampler_clone: the RNG's state, the
@@ -307,7 +318,7 @@ class SamplerChain:
             raise RuntimeError("this sampler chain is closed")
         twin = object.__new__(SamplerChain)
         twin.n_vocab, twin.has_grammar, twin._argmax = self.n_vocab, self.has_grammar, self._argmax
-        twin._keeps, twin._penalty = self._keeps, self._penalty
+        twin._keeps, twin._penalty, twin._draws, twin._drawn_p = self._keeps, self._penalty, self._draws, None
         twin._recent = None if self._recent is None else collections.deque(self._recent, maxlen=self._recent.maxlen)
         twin._chain = lib.llama_sampler_clone(self._chain)
         if not twin._chain:

@@ -473,7 +473,14 @@ class Session:
                 drafts = self.draft(token, plan.k, p_min=plan.p_min)
         elif plan.source == "river":
             with pick() as picker:
+                # A picker that reports its drafts' probabilities (llama_draft.DraftPicker) stops
+                # early as greedy drafts do, and teaches the planner where that pays.
+                learns = self.options.adaptive_draft and hasattr(picker, "probs")
+                if learns:
+                    picker.p_min = plan.p_min
                 drafts = self.draft(token, plan.k, picker)
+                if learns:
+                    self._draft_probs = list(picker.probs)
         else:
             drafts = list(plan.tokens)
         t1 = time.perf_counter()

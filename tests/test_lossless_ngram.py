@@ -176,6 +176,12 @@ def test_a_round_without_drafts_verifies_a_free_guess():
     p.settle(0, True)
     assert before == (p.river.accepted, p.river.rejected, [(a.accepted, a.rejected) for a in p.by_match])
     assert p.plan(room=0).source == "none"
+    # River drafts that stopped before the first leave the same free place: the guess takes it.
+    p.river.prior = 0.99
+    assert p.plan(room=100).source == "river"
+    assert p.guess_instead() == [8] and p.last.source == "guess"
+    p.settle(1, False)
+    assert p.river.accepted == 0
 
 
 def _bins(acceptance_by_bin):

@@ -325,13 +325,21 @@ class DraftPlanner:
                 offer = Plan("ngram", k=k, tokens=tuple(drafts[:k]), match=match, rate=self.rate(a, k, 0.0))
                 if offer.rate > best.rate:
                     best = offer
-        if best.source == "none" and room and self.ngram is not None:
-            # The verify batch has a second place whichever drafter drafts: a guess there costs nothing.
-            guess = self.ngram.guess()
-            if guess is not None:
-                best = Plan("guess", k=1, tokens=(guess,), rate=best.rate)
         self.last = best
-        return best
+        if best.source == "none" and room:
+            self.guess_instead()
+        return self.last
+
+    def guess_instead(self) -> List[int]:
+        """The verify batch has a second place whichever drafter drafts, so a round left without
+        drafts (none planned, or river drafts that stopped before the first) verifies a guess
+        there for nothing: NgramDrafter.guess, which becomes the round's plan (settled as a guess,
+        teaching no drafter's acceptance). [] where there is none."""
+        guess = self.ngram.guess() if self.ngram is not None else None
+        if guess is None:
+            return []
+        self.last = Plan("guess", k=1, tokens=(guess,), rate=self.last.rate if self.last is not None else 0.0)
+        return [guess]
 
     def _river_plan(self, k_max: int) -> Plan:
         a, d = self.river.value, self.costs.draft_cost()

@@ -461,7 +461,7 @@ class Session:
 
     def _round(self, token: int, room: Optional[int], pick) -> Tuple[np.ndarray, List[int]]:
         """One lossless round after `token`: the drafts the planner chooses (the river's, an
-        n-gram's, or none), and the verify batch's rows."""
+        n-gram's, or a free guess where there are none), and the verify batch's rows."""
         t0 = time.perf_counter()
         plan = self._plan(token, room)
         self._draft_probs = []
@@ -483,16 +483,19 @@ class Session:
                     self._draft_probs = list(picker.probs)
         else:
             drafts = list(plan.tokens)
+        river_drafts = len(drafts)
+        if not drafts and plan.source == "river":
+            drafts = self._planner.guess_instead()
         t1 = time.perf_counter()
         rows, exit_layer = self._eval_batched([int(token)] + drafts, self.options, prompt=True)
         t2 = time.perf_counter()
         self._record([int(token)] + drafts, rows, True, exit_layer, None, True)
-        self._planner.observe(plan, len(drafts), t1 - t0, t2 - t1)
+        self._planner.observe(plan, river_drafts, t1 - t0, t2 - t1)
         c = self.counters
         c.rounds += 1
         c.decode_steps += 1
         c.drafted += len(drafts)
-        if plan.source in ("ngram", "guess"):
+        if self._planner.last.source in ("ngram", "guess"):
             c.ngram_rounds += 1
             c.ngram_drafted += len(drafts)
         c.draft_s += t1 - t0

@@ -171,17 +171,32 @@ def test_a_round_without_drafts_verifies_a_free_guess():
     p.ngram.extend([4, 7, 5, 9, 4, 8, 3, 4])  # no earlier (3, 4): no n-gram draft; 4 was followed by 8
     plan = p.plan(room=100)
     assert plan.source == "guess" and plan.tokens == (8,) and plan.k == 1
-    # It costs the round nothing, so it teaches no acceptance.
+    # Its outcome teaches the guesses' acceptance, no drafter's.
     before = (p.river.accepted, p.river.rejected, [(a.accepted, a.rejected) for a in p.by_match])
     p.settle(0, True)
     assert before == (p.river.accepted, p.river.rejected, [(a.accepted, a.rejected) for a in p.by_match])
+    assert p.guesses.rejected == 1
     assert p.plan(room=0).source == "none"
     # River drafts that stopped before the first leave the same free place: the guess takes it.
     p.river.prior = 0.99
     assert p.plan(room=100).source == "river"
     assert p.guess_instead() == [8] and p.last.source == "guess"
     p.settle(1, False)
-    assert p.river.accepted == 0
+    assert p.river.accepted == 0 and p.guesses.accepted == 1
+
+
+def test_a_guess_accepted_often_wins_over_river_drafts_that_barely_pay():
+    costs = _costs(0.5, {n: 1.0 + 0.4 * (n - 1) for n in range(1, 10)})
+    p = _planner(0.6, costs)  # one river draft: 1.6 tokens for 0.5 + 1.4: 0.84 a unit of cost
+    p.ngram.extend([4, 7, 5, 9, 4, 8, 3, 4])
+    assert p.plan(room=100).source == "river"
+    p.guesses.prior = 0.4  # a guess: 1.4 tokens for 1.4: 1.0 a unit of cost
+    assert p.plan(room=100).source == "guess"
+    # Without adaptation the river drafts draft_max whatever a guess would bring.
+    fixed = _planner(0.6, costs, adaptive=False, river_max=4)
+    fixed.ngram.extend([4, 7, 5, 9, 4, 8, 3, 4])
+    fixed.guesses.prior = 0.9
+    assert fixed.plan(room=100).source == "river"
 
 
 def _bins(acceptance_by_bin):

@@ -227,8 +227,8 @@ class RoundCosts:
 class Plan:
     """What a round drafts: `source` "river" (k river drafts, stopping early below p_min), "ngram"
     (these tokens), "guess" (one token from NgramDrafter.guess, in the place of the throwaway
-    copy a round with no drafts verifies anyway: free), or "none" (the token alone); `rate`: the
-    expected tokens per second."""
+    copy a round with no drafts verifies anyway: it costs no more than none), or "none" (the
+    token alone); `rate`: the expected tokens per second."""
     source: str
     k: int = 0
     tokens: Tuple[int, ...] = ()
@@ -236,6 +236,9 @@ class Plan:
     match: int = 0
     rate: float = 0.0
 
+
+#: A one-token guess's acceptance before evidence (NgramDrafter.guess: what followed the last token).
+GUESS_PRIOR = 0.15
 
 #: The adaptive early stop never asks a draft for more probability than this.
 MAX_P_MIN = 0.9
@@ -294,6 +297,7 @@ class DraftPlanner:
         self.costs = RoundCosts()
         self.river = Acceptance(prior=0.7)
         self.by_match = [Acceptance(prior=p) for p in (0.3, 0.6, 0.85)]
+        self.guesses = Acceptance(prior=GUESS_PRIOR)
         self.by_probability = ProbabilityBins()
         self.last: Optional[Plan] = None
 
@@ -325,20 +329,26 @@ class DraftPlanner:
                 offer = Plan("ngram", k=k, tokens=tuple(drafts[:k]), match=match, rate=self.rate(a, k, 0.0))
                 if offer.rate > best.rate:
                     best = offer
+        if self.ngram is not None and room:
+            # The batch's second place is evaluated whatever it holds: a guess there costs no more
+            # than a round with no drafts, and wins over drafts that cost more than they bring.
+            guess = self.ngram.guess()
+            if guess is not None:
+                offer = Plan("guess", k=1, tokens=(guess,), rate=self.rate(self.guesses.value, 1, 0.0))
+                if (self.adaptive and offer.rate > best.rate) or best.source == "none":
+                    best = offer
         self.last = best
-        if best.source == "none" and room:
-            self.guess_instead()
-        return self.last
+        return best
 
     def guess_instead(self) -> List[int]:
         """The verify batch has a second place whichever drafter drafts, so a round left without
         drafts (none planned, or river drafts that stopped before the first) verifies a guess
         there for nothing: NgramDrafter.guess, which becomes the round's plan (settled as a guess,
-        teaching no drafter's acceptance). [] where there is none."""
+        teaching the guesses' acceptance). [] where there is none."""
         guess = self.ngram.guess() if self.ngram is not None else None
         if guess is None:
             return []
-        self.last = Plan("guess", k=1, tokens=(guess,), rate=self.last.rate if self.last is not None else 0.0)
+        self.last = Plan("guess", k=1, tokens=(guess,), rate=self.rate(self.guesses.value, 1, 0.0))
         return [guess]
 
     def _river_plan(self, k_max: int) -> Plan:
@@ -368,12 +378,12 @@ class DraftPlanner:
         probabilities under the river, when the draft gave them. Every drafter's evidence ages
         one round."""
         plan, self.last = self.last, None
-        for acc in (self.river, *self.by_match):
+        for acc in (self.river, self.guesses, *self.by_match):
             acc.fade()
         self.by_probability.fade()
-        if plan is None or plan.source in ("none", "guess"):
+        if plan is None or plan.source == "none":
             return
         if plan.source == "river" and probs:
             self.by_probability.observe(probs, accepted, rejected)
-        target = self.river if plan.source == "river" else self.ngram_acceptance(plan.match)
+        target = {"river": self.river, "guess": self.guesses}.get(plan.source) or self.ngram_acceptance(plan.match)
         target.observe(accepted, rejected)

@@ -148,6 +148,7 @@ def river_row(llm, prompt: str, tokens: int, sampling: dict, **opts) -> dict:
         row.update(rounds=s["rounds"], draft_ms=1000 * s["draft_s"] / n, verify_ms=1000 * s["verify_s"] / n,
                    round_ms=1000 * (t_last - t_first) / n, drafts_per_round=s["drafted"] / n,
                    ngram_share=s["ngram_drafted"] / max(s["drafted"], 1))
+        row["other_ms"] = row["round_ms"] - row["draft_ms"] - row["verify_ms"]
     return row
 
 
@@ -392,7 +393,9 @@ def print_per_kind(rows, texts, speed) -> None:
 
 
 def print_round_times(rows, detail) -> dict:
-    """Where a round's time goes, per lossless row (median over its generations)."""
+    """Where a round's time goes, per lossless row (median over its generations, each column on its
+    own: `other` is each generation's round less its draft and verify time, then the median, since
+    a difference of medians can come from different prompts)."""
     print("\n| row | drafts a round | n-gram share of drafts | draft ms | verify ms | other ms | round ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     per_round_ms = {}
@@ -401,10 +404,10 @@ def print_round_times(rows, detail) -> dict:
         if not ds:
             continue
         med = {k: statistics.median(d[k] for d in ds)
-               for k in ("drafts_per_round", "draft_ms", "verify_ms", "round_ms", "ngram_share")}
+               for k in ("drafts_per_round", "draft_ms", "verify_ms", "other_ms", "round_ms", "ngram_share")}
         per_round_ms[name] = med
         print(f"| {name} | {med['drafts_per_round']:.2f} | {100 * med['ngram_share']:.0f}% | {med['draft_ms']:.1f} | "
-              f"{med['verify_ms']:.1f} | {med['round_ms'] - med['draft_ms'] - med['verify_ms']:.1f} | "
+              f"{med['verify_ms']:.1f} | {med['other_ms']:.1f} | "
               f"{med['round_ms']:.1f} |")
     return per_round_ms
 

@@ -68,6 +68,13 @@ def test_ngram_index_follows_truncation_as_a_fresh_one():
         fresh = _drafter(tokens, key=2)
         assert d.tokens == tokens and d.index() == fresh.index()
         assert d.propose(4) == fresh.propose(4)
+        assert d.guess() == fresh.guess()
+
+
+def test_ngram_guess_is_what_followed_the_last_token_before():
+    assert _drafter([4, 7, 5, 9, 4, 8, 4]).guess() == 8  # the latest earlier occurrence of 4
+    assert _drafter([1, 2, 3]).guess() is None           # 3 never occurred before
+    assert NgramDrafter().guess() is None
 
 
 def test_ngram_drafter_refuses_bad_settings():
@@ -103,7 +110,8 @@ def _planner(acceptance, costs, **kw):
 
 
 def _best_k(acceptance, costs, k_max):
-    rates = {k: tokens_per_round(acceptance, k) / (k * costs.draft_cost() + costs.verify_cost(k + 1))
+    # A round verifies at least two tokens (its token beside a throwaway copy when it has no drafts).
+    rates = {k: tokens_per_round(acceptance, k) / (k * costs.draft_cost() + costs.verify_cost(max(k + 1, 2)))
              for k in range(0, k_max + 1)}
     return max(rates, key=rates.get)
 
@@ -119,12 +127,76 @@ def test_river_k_is_the_cost_models_best(acceptance):
 def test_a_round_that_does_not_pay_drafts_nothing():
     # Compute-bound verify (each more token costs 40%) and a draft step at half a verify.
     costs = _costs(0.5, {n: 1.0 + 0.4 * (n - 1) for n in range(1, 10)})
-    assert _planner(0.5, costs, ngram=False).plan(room=100).source == "none"
+    # A round without drafts costs a batch of two as well: 30% acceptance does not pay, 50% would.
+    assert _planner(0.3, costs, ngram=False).plan(room=100).source == "none"
+    assert _planner(0.5, costs, ngram=False).plan(room=100).source == "river"
     assert _planner(0.99, costs, ngram=False).plan(room=100).source == "river"
     # Without adaptation the river always drafts draft_max (room permitting).
     fixed = _planner(0.5, costs, ngram=False, adaptive=False, river_max=4)
     assert fixed.plan(room=100) == Plan("river", k=4, p_min=0.0, rate=fixed.plan(room=100).rate)
     assert fixed.plan(room=2).k == 2 and fixed.plan(room=0).source == "none"
+
+
+def _recorded(planner, seconds_by_batch, draft_step_s):
+    """Feed the planner rounds as Session._round does: a river round of k drafts with its draft
+    time, each verify batch timed (a round with no drafts is a batch of two)."""
+    for n, s in seconds_by_batch.items():
+        for _ in range(2):  # a size's first round builds its graph and is not counted
+            k = n - 1
+            planner.observe(Plan("river", k=k), k, k * draft_step_s, s)
+
+
+def test_low_acceptance_stops_the_river_and_high_acceptance_drafts():
+    """With the costs the session recorded (a draft step 0.36 of a plain step, a verify of n
+    tokens 1 + 0.33 (n - 1) steps: compute-bound, as at 0.5B on 2 cores), river drafts accepted
+    rarely lose to a round without them, and accepted often win."""
+    seconds = {n: 0.1 * (1.0 + 0.33 * (n - 1)) for n in range(2, 10)}
+    # The round's second place is evaluated anyway, so one river draft pays from acceptance above
+    # draft step / verify of two (0.27 here): below, none does; well above, several do.
+    for acceptance, drafts in ((0.1, False), (0.25, False), (0.9, True), (0.97, True)):
+        p = DraftPlanner(river_max=8, ngram=False)
+        _recorded(p, seconds, 0.036)
+        p.river.prior, p.river.accepted, p.river.rejected = acceptance, 0.0, 0.0
+        plan = p.plan(room=100)
+        assert (plan.source == "river" and plan.k > 1) == drafts, (acceptance, plan)
+        assert (plan.source == "river") == drafts, (acceptance, plan)
+        if not drafts:
+            assert plan == Plan("none", rate=pytest.approx(1 / seconds[2]))
+    # A round with no drafts is costed as what it evaluates: two tokens, never a lone one.
+    assert 1 not in p.costs.verify
+
+
+def test_a_round_without_drafts_verifies_a_free_guess():
+    p = _planner(0.2, _costs(0.5, {n: 1.0 + 0.4 * (n - 1) for n in range(1, 10)}))
+    p.ngram.extend([4, 7, 5, 9, 4, 8, 3, 4])  # no earlier (3, 4): no n-gram draft; 4 was followed by 8
+    plan = p.plan(room=100)
+    assert plan.source == "guess" and plan.tokens == (8,) and plan.k == 1
+    # Its outcome teaches the guesses' acceptance, no drafter's.
+    before = (p.river.accepted, p.river.rejected, [(a.accepted, a.rejected) for a in p.by_match])
+    p.settle(0, True)
+    assert before == (p.river.accepted, p.river.rejected, [(a.accepted, a.rejected) for a in p.by_match])
+    assert p.guesses.rejected == 1
+    assert p.plan(room=0).source == "none"
+    # River drafts that stopped before the first leave the same free place: the guess takes it.
+    p.river.prior = 0.99
+    assert p.plan(room=100).source == "river"
+    assert p.guess_instead() == [8] and p.last.source == "guess"
+    p.settle(1, False)
+    assert p.river.accepted == 0 and p.guesses.accepted == 1
+
+
+def test_a_guess_accepted_often_wins_over_river_drafts_that_barely_pay():
+    costs = _costs(0.5, {n: 1.0 + 0.4 * (n - 1) for n in range(1, 10)})
+    p = _planner(0.6, costs)  # one river draft: 1.6 tokens for 0.5 + 1.4: 0.84 a unit of cost
+    p.ngram.extend([4, 7, 5, 9, 4, 8, 3, 4])
+    assert p.plan(room=100).source == "river"
+    p.guesses.prior = 0.4  # a guess: 1.4 tokens for 1.4: 1.0 a unit of cost
+    assert p.plan(room=100).source == "guess"
+    # Without adaptation the river drafts draft_max whatever a guess would bring.
+    fixed = _planner(0.6, costs, adaptive=False, river_max=4)
+    fixed.ngram.extend([4, 7, 5, 9, 4, 8, 3, 4])
+    fixed.guesses.prior = 0.9
+    assert fixed.plan(room=100).source == "river"
 
 
 def _bins(acceptance_by_bin):

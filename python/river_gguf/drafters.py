@@ -57,6 +57,8 @@ class NgramDrafter:
         self.occurrences = occurrences
         self._tokens: List[int] = []
         self._ends: Dict[Tuple[int, ...], List[int]] = {}
+        # token -> the positions after its occurrences: the one-token key of `guess`.
+        self._after: Dict[int, List[int]] = {}
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -73,6 +75,7 @@ class NgramDrafter:
         for t in tokens:
             self._tokens.append(int(t))
             end = len(self._tokens)
+            self._after.setdefault(int(t), []).append(end)
             if end >= self.key:
                 self._ends.setdefault(tuple(self._tokens[end - self.key:end]), []).append(end)
 
@@ -80,6 +83,10 @@ class NgramDrafter:
         """Keep the first n tokens."""
         n = max(0, int(n))
         for end in range(len(self._tokens), n, -1):
+            after = self._after[self._tokens[end - 1]]
+            after.pop()
+            if not after:
+                del self._after[self._tokens[end - 1]]
             if end >= self.key:
                 gram = tuple(self._tokens[end - self.key:end])
                 ends = self._ends[gram]
@@ -87,6 +94,15 @@ class NgramDrafter:
                 if not ends:
                     del self._ends[gram]
         del self._tokens[n:]
+
+    def guess(self) -> Optional[int]:
+        """The token that followed the latest earlier occurrence of the context's last token (None
+        where it never occurred before): a one-token draft for a round that would otherwise
+        verify its token beside a throwaway copy (DraftPlanner.plan)."""
+        if not self._tokens:
+            return None
+        after = self._after[self._tokens[-1]]
+        return self._tokens[after[-2]] if len(after) >= 2 else None
 
     def propose(self, limit: int) -> Tuple[List[int], int]:
         """(drafts, match): what followed the earlier occurrence of the context's last `key`
@@ -141,6 +157,10 @@ class Acceptance:
         self.accepted += accepted
         self.rejected += bool(rejected)
 
+
+#: The fewest tokens a verify batch evaluates: a round with no drafts verifies its token beside a
+#: throwaway copy (Session._eval_batched), so that every row comes from the batched kernels.
+MIN_VERIFY_BATCH = 2
 
 #: Costs in units of a verify of one token, until the session has timed its own rounds: a river
 #: draft step at 0.4 of it and each more token of a verify batch at 0.15 (memory-bound decoding;
@@ -206,7 +226,9 @@ class RoundCosts:
 @dataclass(frozen=True)
 class Plan:
     """What a round drafts: `source` "river" (k river drafts, stopping early below p_min), "ngram"
-    (these tokens), or "none" (the token alone); `rate`: the expected tokens per second."""
+    (these tokens), "guess" (one token from NgramDrafter.guess, in the place of the throwaway
+    copy a round with no drafts verifies anyway: it costs no more than none), or "none" (the
+    token alone); `rate`: the expected tokens per second."""
     source: str
     k: int = 0
     tokens: Tuple[int, ...] = ()
@@ -214,6 +236,9 @@ class Plan:
     match: int = 0
     rate: float = 0.0
 
+
+#: A one-token guess's acceptance before evidence (NgramDrafter.guess: what followed the last token).
+GUESS_PRIOR = 0.15
 
 #: The adaptive early stop never asks a draft for more probability than this.
 MAX_P_MIN = 0.9
@@ -272,6 +297,7 @@ class DraftPlanner:
         self.costs = RoundCosts()
         self.river = Acceptance(prior=0.7)
         self.by_match = [Acceptance(prior=p) for p in (0.3, 0.6, 0.85)]
+        self.guesses = Acceptance(prior=GUESS_PRIOR)
         self.by_probability = ProbabilityBins()
         self.last: Optional[Plan] = None
 
@@ -280,7 +306,11 @@ class DraftPlanner:
 
     def rate(self, acceptance: float, k: int, draft_step: float) -> float:
         """Expected tokens per second of a round of k drafts made at `draft_step` seconds each."""
-        return tokens_per_round(acceptance, k) / (k * draft_step + self.costs.verify_cost(k + 1))
+        return tokens_per_round(acceptance, k) / (k * draft_step + self.verify_cost(k + 1))
+
+    def verify_cost(self, n: int) -> float:
+        """A round's verify of n tokens, which evaluates at least MIN_VERIFY_BATCH."""
+        return self.costs.verify_cost(max(n, MIN_VERIFY_BATCH))
 
     def plan(self, room: int) -> Plan:
         """This round's drafts, at most `room` of them. With the n-gram drafter, its context must
@@ -299,8 +329,27 @@ class DraftPlanner:
                 offer = Plan("ngram", k=k, tokens=tuple(drafts[:k]), match=match, rate=self.rate(a, k, 0.0))
                 if offer.rate > best.rate:
                     best = offer
+        if self.ngram is not None and room:
+            # The batch's second place is evaluated whatever it holds: a guess there costs no more
+            # than a round with no drafts, and wins over drafts that cost more than they bring.
+            guess = self.ngram.guess()
+            if guess is not None:
+                offer = Plan("guess", k=1, tokens=(guess,), rate=self.rate(self.guesses.value, 1, 0.0))
+                if (self.adaptive and offer.rate > best.rate) or best.source == "none":
+                    best = offer
         self.last = best
         return best
+
+    def guess_instead(self) -> List[int]:
+        """The verify batch has a second place whichever drafter drafts, so a round left without
+        drafts (none planned, or river drafts that stopped before the first) verifies a guess
+        there for nothing: NgramDrafter.guess, which becomes the round's plan (settled as a guess,
+        teaching the guesses' acceptance). [] where there is none."""
+        guess = self.ngram.guess() if self.ngram is not None else None
+        if guess is None:
+            return []
+        self.last = Plan("guess", k=1, tokens=(guess,), rate=self.rate(self.guesses.value, 1, 0.0))
+        return [guess]
 
     def _river_plan(self, k_max: int) -> Plan:
         a, d = self.river.value, self.costs.draft_cost()
@@ -310,7 +359,7 @@ class DraftPlanner:
         rate = self.rate(a, k, d)
         # A draft pays when its chance of acceptance buys a token at least at the round's rate:
         # acceptance * 1 token >= rate * (its draft step + its share of the verify batch).
-        marginal = d + (self.costs.verify_cost(k + 1) - self.costs.verify_cost(1)) / k
+        marginal = d + (self.verify_cost(k + 1) - self.verify_cost(1)) / k
         return Plan("river", k=k, p_min=max(self.p_min, self.by_probability.p_min(rate * marginal)), rate=rate)
 
     def observe(self, plan: Plan, drafted: int, draft_s: float, verify_s: float) -> None:
@@ -321,7 +370,7 @@ class DraftPlanner:
             return
         if plan.source == "river":
             self.costs.observe_draft(drafted + (drafted < plan.k), draft_s)
-        self.costs.observe_verify(drafted + 1, verify_s)
+        self.costs.observe_verify(max(drafted + 1, MIN_VERIFY_BATCH), verify_s)
 
     def settle(self, accepted: int, rejected: bool, probs: Optional[Sequence[float]] = None) -> None:
         """The last plan's outcome: `accepted` drafts kept, and whether one was rejected (a walk
@@ -329,12 +378,12 @@ class DraftPlanner:
         probabilities under the river, when the draft gave them. Every drafter's evidence ages
         one round."""
         plan, self.last = self.last, None
-        for acc in (self.river, *self.by_match):
+        for acc in (self.river, self.guesses, *self.by_match):
             acc.fade()
         self.by_probability.fade()
         if plan is None or plan.source == "none":
             return
         if plan.source == "river" and probs:
             self.by_probability.observe(probs, accepted, rejected)
-        target = self.river if plan.source == "river" else self.ngram_acceptance(plan.match)
+        target = {"river": self.river, "guess": self.guesses}.get(plan.source) or self.ngram_acceptance(plan.match)
         target.observe(accepted, rejected)

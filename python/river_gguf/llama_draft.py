@@ -2,7 +2,6 @@
 its current state, so sampled drafts follow the sampler's randomness and penalties as far as the
 backbone's tokens do (Session.decode's `pick`)."""
 import contextlib
-import functools
 from typing import Optional
 
 import numpy as np
@@ -23,12 +22,34 @@ def pick_draft(chain: SamplerChain, logits: np.ndarray, tokens: Optional[np.ndar
         return -1
 
 
+class DraftPicker:
+    """A round's sampled drafts (Session.draft's `pick`), drawn by `pick_draft` with one chain.
+    p_min: drafting stops before a draft whose probability in the distribution it was drawn from
+    is below it (the planner's early stop; 0 never stops); probs: each kept draft's probability,
+    in order (from which the planner learns where stopping pays)."""
+
+    def __init__(self, chain: SamplerChain):
+        self._chain = chain
+        self.p_min = 0.0
+        self.probs = []
+
+    def __call__(self, logits: np.ndarray, tokens: Optional[np.ndarray]) -> int:
+        token = pick_draft(self._chain, logits, tokens)
+        p = self._chain.drawn_probability
+        if token < 0 or p is None:
+            return token
+        if p < self.p_min:
+            return -1
+        self.probs.append(p)
+        return token
+
+
 @contextlib.contextmanager
 def draft_picker(chain: SamplerChain):
     """A round's draft picker: a clone of the chain in its current state samples the drafts, so
     they follow the sampler's randomness and penalties as far as the backbone's tokens do."""
     twin = chain.clone()
     try:
-        yield functools.partial(pick_draft, twin)
+        yield DraftPicker(twin)
     finally:
         twin.close()

@@ -509,7 +509,7 @@ class Session:
 
     def _round(self, token: int, room: Optional[int], pick) -> Tuple[np.ndarray, List[int]]:
         """One lossless round after `token`: the drafts the planner chooses (the river's, an
-        n-gram's, or none), and the verify batch's rows."""
+        n-gram's, or a free guess where there are none), and the verify batch's rows."""
         t0 = time.perf_counter()
         plan = self._plan(token, room)
         self._draft_probs = []
@@ -521,19 +521,29 @@ class Session:
                 drafts = self.draft(token, plan.k, p_min=plan.p_min)
         elif plan.source == "river":
             with pick() as picker:
+                # A picker that reports its drafts' probabilities (llama_draft.DraftPicker) stops
+                # early as greedy drafts do, and teaches the planner where that pays.
+                learns = self.options.adaptive_draft and hasattr(picker, "probs")
+                if learns:
+                    picker.p_min = plan.p_min
                 drafts = self.draft(token, plan.k, picker)
+                if learns:
+                    self._draft_probs = list(picker.probs)
         else:
             drafts = list(plan.tokens)
+        river_drafts = len(drafts)
+        if not drafts and plan.source == "river":
+            drafts = self._planner.guess_instead()
         t1 = time.perf_counter()
         rows, exit_layer = self._eval_batched([int(token)] + drafts, self.options, prompt=True)
         t2 = time.perf_counter()
         self._record([int(token)] + drafts, rows, True, exit_layer, None, True)
-        self._planner.observe(plan, len(drafts), t1 - t0, t2 - t1)
+        self._planner.observe(plan, river_drafts, t1 - t0, t2 - t1)
         c = self.counters
         c.rounds += 1
         c.decode_steps += 1
         c.drafted += len(drafts)
-        if plan.source == "ngram":
+        if self._planner.last.source in ("ngram", "guess"):
             c.ngram_rounds += 1
             c.ngram_drafted += len(drafts)
         c.draft_s += t1 - t0
@@ -561,7 +571,7 @@ class Session:
 
     def _settle(self, kept: int, rejected: bool) -> None:
         """Tell the planner how the round's drafts fared (and count an n-gram round's)."""
-        if self._planner.last.source == "ngram":
+        if self._planner.last.source in ("ngram", "guess"):
             self.counters.ngram_accepted += kept
         self._planner.settle(kept, rejected, self._draft_probs)
 

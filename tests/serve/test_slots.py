@@ -383,3 +383,38 @@ def complete_json(base, prompt, max_tokens):
     status, body = post(base, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     assert status == 200, body
     return body
+
+
+# ----- the command line ----------------------------------------------------------------
+def test_slot_context_splits_as_llama_cpp_does():
+    from river_gguf.serve.served_model import slot_context
+
+    assert slot_context(2048, 4, unified=True) == (2048, 2048)    # one pool, any slot may fill it
+    assert slot_context(2048, 4, unified=False) == (512, 2048)
+    assert slot_context(2048, 3, unified=False) == (768, 2304)    # 682 rounded up to 256s
+    assert slot_context(100, 1, unified=False) == (100, 100)
+    with pytest.raises(ValueError, match="cannot be split"):
+        slot_context(2, 3, unified=False)
+    with pytest.raises(ValueError, match="slots"):
+        slot_context(512, 0, unified=True)
+
+
+def test_serve_makes_its_slots_as_llama_server_sizes_them(tiny, monkeypatch):
+    """`river-gguf serve` without --parallel asks for llama-server's 4 slots over one context;
+    --parallel N splits it; --parallel 1 serves the Llama itself."""
+    from river_gguf import cli
+    from river_gguf.serve import served_model
+
+    asked, apps = [], []
+
+    def make_slots(llama, n_slots, slot_n_ctx):
+        asked.append((n_slots, slot_n_ctx, llama.n_ctx()))
+        return [llama] * n_slots  # enough to build the app, which is never run here
+
+    monkeypatch.setattr(served_model, "make_slots", make_slots)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    path = tiny.model("llama")
+    for extra in ([], ["--parallel", "3", "-c", "2048"], ["--parallel", "1"]):
+        assert cli.main(["serve", path, "--threads", "1", "-c", "512", *extra]) == 0
+    assert asked == [(4, 512, 512), (3, 768, 2304)]
+    assert [len(app.state.worker.slots) for app in apps] == [4, 3, 1]

@@ -5,6 +5,7 @@ Fake slot objects make the timing controllable: each token step of a request can
 the test opens, or on a barrier that only two requests computing at once can pass. Every wait
 has a bound, so a server that serialised the slots, lost a request or hung fails within seconds.
 The last test runs two real Llama objects on the smallest model side by side."""
+import asyncio
 import contextlib
 import json
 import socket
@@ -19,7 +20,7 @@ import uvicorn
 
 from river_gguf.serve.app import create_app
 from river_gguf.serve.settings import ServerSettings
-from river_gguf.serve.worker import PROMPT_SIMILARITY, common_prefix, prompt_key
+from river_gguf.serve.worker import PROMPT_SIMILARITY, ClientGone, ModelWorker, common_prefix, prompt_key
 
 BOUND = 10.0  # seconds any one wait in these tests may take before it counts as a hang
 SLOT_N_CTX = 64
@@ -283,6 +284,41 @@ def test_a_cancelled_stream_frees_its_slot_and_leaves_the_other_intact(board):
             got_b += list(sb)
     assert "".join(got_b) == expected_text("b", 6)
     assert board.closed == ["a"]
+
+
+def test_requests_whose_clients_left_while_queued_never_run(board):
+    """On the worker itself: with its one slot busy, a queued request that is cancelled, and one
+    whose client is gone by its turn, compute nothing; the next request gets the slot."""
+
+    async def scenario():
+        worker = ModelWorker(fake_slots(board, 1))
+        gate = board.hold("first")
+        first = asyncio.ensure_future(worker.call("create_completion", {"prompt": "first"}))
+        await asyncio.wait_for(_until(lambda: worker.busy), BOUND)
+        cancelled = asyncio.ensure_future(worker.call("create_completion", {"prompt": "cancelled"}))
+
+        async def gone():
+            return True
+
+        left = asyncio.ensure_future(worker.call("create_completion", {"prompt": "left"}, gone=gone))
+        last = asyncio.ensure_future(worker.call("create_completion", {"prompt": "last"}))
+        await asyncio.wait_for(_until(lambda: worker.waiting == 3), BOUND)
+        cancelled.cancel()
+        await asyncio.wait_for(_until(lambda: worker.waiting == 2), BOUND)
+        gate.set()
+        texts = await asyncio.wait_for(asyncio.gather(first, last), BOUND)
+        with pytest.raises(ClientGone):
+            await left
+        worker.shutdown()
+        return [t["choices"][0]["text"] for t in texts]
+
+    assert asyncio.run(scenario()) == [expected_text("first", 4), expected_text("last", 4)]
+    assert [p for p, _, _ in board.started] == ["first", "last"]
+
+
+async def _until(condition):
+    while not condition():
+        await asyncio.sleep(0.005)
 
 
 # ----- slot choice ---------------------------------------------------------------------

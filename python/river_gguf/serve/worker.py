@@ -109,7 +109,7 @@ class ModelWorker:
         if not models:
             raise ValueError("a server needs at least one slot")
         self.slots = [Slot(i, m) for i, m in enumerate(models)]
-        self._queue: deque = deque()  # [key, future] of each waiting request, first come first
+        self._queue: deque = deque()  # (key, future) of each waiting request, first come first
         self._clock = itertools.count(1)
         self._task_ids = itertools.count()
 
@@ -148,22 +148,25 @@ class ModelWorker:
         slot.n_prompt_tokens, slot.n_decoded = None, 0
         return slot
 
-    def release(self, slot: Slot) -> None:
-        """Free `slot`, or hand it to the first request still waiting. Synchronous on purpose: it
-        runs in finally blocks of cancelled tasks, where an await would be cancelled again."""
-        slot.is_processing = False
-        while self._queue:
+    def _dispatch(self) -> None:
+        """Give free slots to the waiting requests, first come first served (a waiter cancelled
+        meanwhile has a done future and is passed over)."""
+        while self._queue and not all(s.is_processing for s in self.slots):
             key, fut = self._queue.popleft()
-            if not fut.done():  # a waiter cancelled meanwhile has a done (cancelled) future
+            if not fut.done():
                 fut.set_result(self._take(self._pick(key), key))
-                return
+
+    def release(self, slot: Slot) -> None:
+        """Free `slot` for the first request waiting, if any. Synchronous on purpose: it runs in
+        finally blocks of cancelled tasks, where an await would be cancelled again."""
+        slot.is_processing = False
+        self._dispatch()
 
     async def _wait_for_slot(self, key: Sequence) -> Slot:
-        if not self._queue and not all(s.is_processing for s in self.slots):
-            return self._take(self._pick(key), key)
         fut = asyncio.get_running_loop().create_future()
-        entry = [key, fut]
+        entry = (key, fut)
         self._queue.append(entry)
+        self._dispatch()
         try:
             return await fut
         except asyncio.CancelledError:

@@ -454,3 +454,13 @@ def test_serve_makes_its_slots_as_llama_server_sizes_them(tiny, monkeypatch):
         assert cli.main(["serve", path, "--threads", "1", "-c", "512", *extra]) == 0
     assert asked == [(4, 512, 512), (3, 768, 2304)]
     assert [len(app.state.worker.slots) for app in apps] == [4, 3, 1]
+
+
+def test_serve_refuses_slot_counts_it_cannot_make(tiny, capsys):
+    from river_gguf import cli
+
+    path = tiny.model("llama")
+    for args, needle in ((["--parallel", "0"], "--parallel must be at least 1"),
+                         (["--parallel", "3", "-c", "2"], "cannot be split among 3 slots")):
+        assert cli.main(["serve", path, *args]) == 2
+        assert needle in capsys.readouterr().err

@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 
 from river_gguf.serve.app import create_app
+from river_gguf.serve.loading import LOADING, LoadingGate
 from river_gguf.serve.settings import ServerSettings
 from river_gguf.serve.worker import PROMPT_SIMILARITY, ClientGone, ModelWorker, common_prefix, prompt_key
 
@@ -112,9 +113,9 @@ def _free_port():
 
 @contextlib.contextmanager
 def serving(slots):
-    """create_app(slots) under uvicorn on a thread of this process; its base URL."""
+    """create_app(slots) (or an ASGI app) under uvicorn on a thread of this process; its base URL."""
     port = _free_port()
-    app = create_app(slots, ServerSettings("fake", port=port))
+    app = slots if isinstance(slots, LoadingGate) else create_app(slots, ServerSettings("fake", port=port))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -422,6 +423,17 @@ def complete_json(base, prompt, max_tokens):
 
 
 # ----- the command line ----------------------------------------------------------------
+def test_the_server_answers_loading_until_the_model_is_ready(board):
+    gate = LoadingGate()
+    with serving(gate) as base:
+        for path in ("/health", "/slots", "/v1/models"):
+            assert get(base, path) == (503, LOADING)
+        assert post(base, "/v1/completions", {"prompt": "x"}) == (503, LOADING)
+        gate.open(create_app(fake_slots(board, 1), ServerSettings("fake")))
+        assert get(base, "/health")[1]["status"] == "ok"
+        assert complete(base, "x") == expected_text("x", 4)
+
+
 def test_slot_context_splits_as_llama_cpp_does():
     from river_gguf.serve.served_model import slot_context
 
@@ -447,8 +459,15 @@ def test_serve_makes_its_slots_as_llama_server_sizes_them(tiny, monkeypatch):
         asked.append((n_slots, slot_n_ctx, llama.n_ctx()))
         return [llama] * n_slots  # enough to build the app, which is never run here
 
+    def run(server, sockets=None):  # uvicorn.Server.run: wait for the load instead of serving
+        deadline = time.monotonic() + BOUND
+        while not server.config.app.is_open:
+            assert not server.should_exit and time.monotonic() < deadline, "the model never loaded"
+            time.sleep(0.01)
+        apps.append(server.config.app.app)
+
     monkeypatch.setattr(served_model, "make_slots", make_slots)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     path = tiny.model("llama")
     for extra in ([], ["--parallel", "3", "-c", "2048"], ["--parallel", "1"]):
         assert cli.main(["serve", path, "--threads", "1", "-c", "512", *extra]) == 0

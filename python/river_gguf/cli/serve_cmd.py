@@ -1,7 +1,8 @@
-"""`river-gguf serve` (river_gguf.serve): parse, load the model, run uvicorn."""
+"""`river-gguf serve` (river_gguf.serve): parse, listen (503 "Loading model" while the model loads), serve."""
 import argparse
 import copy
 import sys
+import threading
 from dataclasses import replace
 
 from ..serve import served_model
@@ -55,26 +56,53 @@ def _web_stack():
 def run(args) -> int:
     uvicorn = _web_stack()
     # The server's own modules import the web stack, an optional extra: only when it runs.
-    from ..serve.app import create_app
+    from ..serve.loading import LoadingGate
+    from ..serve.worker import shutdown
 
     # Checked before the model spends time loading; the name comes from the loaded model.
     settings = ServerSettings(args.alias or "-", host=args.host, port=args.port, api_key=api_key_from(args.api_key))
     n_slots, unified = _slot_count(args)
     slot_n_ctx, pool_n_ctx = served_model.slot_context(args.ctx, n_slots, unified)
-    model = _load_model(args, pool_n_ctx)
-    settings = replace(settings, model_id=served_model.model_id(model, args.alias))
     if not settings.is_local and settings.api_key is None:
         print(f"river-gguf: warning: listening on {settings.host} without an API key; anyone who can reach "
               f"this port can use the model (set --api-key or ${API_KEY_ENV})", file=sys.stderr)
+    # The server listens while the model loads, answering 503 "Loading model" as llama-server
+    # does, so a supervisor polling /health sees it start.
+    gate = LoadingGate()
+    # timeout_graceful_shutdown: Ctrl-C ends open streams after 5 s instead of waiting on them.
+    server = uvicorn.Server(uvicorn.Config(gate, host=settings.host, port=settings.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5, lifespan="off"))
+    failed = []
+
+    def load():
+        try:
+            gate.open(_served_app(args, settings, n_slots, slot_n_ctx, pool_n_ctx))
+        except BaseException as e:  # noqa: BLE001 - raised again on the main thread
+            failed.append(e)
+            server.should_exit = True
+
+    # A daemon: Ctrl-C during a load ends the process without waiting for it.
+    threading.Thread(target=load, name="river-gguf-load", daemon=True).start()
+    server.run()
+    if failed:
+        raise failed[0]
+    if gate.is_open:
+        shutdown(gate.app.state.worker)
+    return 0
+
+
+def _served_app(args, settings, n_slots: int, slot_n_ctx: int, pool_n_ctx: int):
+    """Load the model, make its slots, and the app that serves them."""
+    from ..serve.app import create_app
+
+    model = _load_model(args, pool_n_ctx)
+    settings = replace(settings, model_id=served_model.model_id(model, args.alias))
+    app = create_app(_make_slots(model, n_slots, slot_n_ctx), settings)
     print(f"river-gguf: serving {model.model_path} as {settings.model_id!r} on "
           f"http://{settings.host}:{settings.port}/v1 with {n_slots} slot{'s' if n_slots > 1 else ''} of "
           f"{slot_n_ctx} tokens" + (" (API key required)" if settings.api_key else ""),
           file=sys.stderr, flush=True)
-    app = create_app(_make_slots(model, n_slots, slot_n_ctx), settings)
-    # timeout_graceful_shutdown: Ctrl-C ends open streams after 5 s instead of waiting on them.
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
-    return 0
+    return app
 
 
 def _slot_count(args):

@@ -9,8 +9,8 @@ Modules, one job each (the subcommand itself is river_gguf.cli.serve_cmd): setti
 command line decides), served_model (which model class serves, how its slots are made and sized),
 protocol (what the server needs of a model), schemas (request bodies), params (request -> model
 keyword arguments), errors (OpenAI-style error bodies), auth (the optional API key), worker (the
-slots: a request on a free one, or waiting in arrival order), sse (streaming responses) and app
-(the ASGI app).
+slots: a request on a free one, or waiting in arrival order), sse (streaming responses), app
+(the ASGI app) and loading (llama-server's 503 while the model loads).
 
 The web stack is imported when the command runs, so `river-gguf` works without the `server`
 extra installed.

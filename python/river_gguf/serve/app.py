@@ -67,7 +67,7 @@ def create_app(slots, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        # The app exists once the model has loaded, so it is never "loading" here.
+        # Made once the model has loaded: before that, serve.loading answers 503 "Loading model".
         processing = worker.slots_processing
         return {"status": "ok", "model": settings.model_id, "slots_idle": len(worker.slots) - processing,
                 "slots_processing": processing, "busy": processing > 0, "waiting": worker.waiting}

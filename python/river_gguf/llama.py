@@ -829,9 +829,11 @@ class Llama:
     longest_token_prefix = staticmethod(_LlamaCpp.longest_token_prefix)
 
     # ----- slots: several sequences of one loaded model --------------------------------------
-    def slots(self, n: int) -> List["Llama"]:
+    def slots(self, n: int, n_ctx: Optional[int] = None) -> List["Llama"]:
         """n Llama objects sharing this one's loaded model (engine, KV cache, vocabulary, chat
-        handlers), slot i decoding sequence i of the KV cache, for a thread each. Each keeps a
+        handlers), slot i decoding sequence i of the KV cache, for a thread each. n_ctx: the
+        most positions one slot's prompt and reply may take (default: this object's n_ctx, the
+        whole cache, which the slots share). Each keeps a
         Llama's one-sequence behaviour (completions, chat, streaming, stop strings, sampling,
         prefix reuse within its own sequence); run from several threads at once, their decode
         steps are evaluated together in one batch. Slot 0 shares sequence 0 with this object
@@ -843,7 +845,13 @@ class Llama:
             raise ValueError("a slot makes no slots: call slots() on the Llama that loaded the model")
         if not is_int(n) or not 1 <= n <= self._n_ctx:
             raise ValueError(f"n must be an int in [1, n_ctx={self._n_ctx}], got {n!r}")
+        if n_ctx is None:
+            n_ctx = self._n_ctx
+        if not is_int(n_ctx) or not 1 <= n_ctx <= self._n_ctx:
+            raise ValueError(f"n_ctx must be an int in [1, {self._n_ctx}], got {n_ctx!r}")
         made = [self._slot(i) for i in range(int(n))]
+        for slot in made:
+            slot._n_ctx = int(n_ctx)
         self._slots = self._slots + tuple(weakref.ref(s) for s in made)  # no cycle: a slot keeps its maker
         return made
 

@@ -127,8 +127,9 @@ def _running_server(args, folder):
 
 @pytest.fixture(scope="module")
 def server(q4_1_path, tmp_path_factory):
-    args = [q4_1_path, "--threads", "1", "--n-ctx", str(N_CTX), "--api-key", API_KEY, "--alias", ALIAS,
-            "--log-level", "warning"]
+    # One slot: the tests below show the queue (a second request waits for the first).
+    args = [q4_1_path, "--threads", "1", "--n-ctx", str(N_CTX), "--parallel", "1", "--api-key", API_KEY,
+            "--alias", ALIAS, "--log-level", "warning"]
     with _running_server(args, tmp_path_factory.mktemp("server")) as s:
         yield s
 
@@ -180,6 +181,7 @@ def _stream_text(stream, field):
 def test_health_and_models(server, client):
     status, body = _http(server.base, "GET", "/health", key=None)  # no key needed for health
     assert status == 200 and body["status"] == "ok" and body["model"] == ALIAS
+    assert (body["slots_idle"], body["slots_processing"], body["waiting"]) == (1, 0, 0)
     assert [m.id for m in client.models.list().data] == [ALIAS]
 
 
@@ -478,7 +480,8 @@ def test_chat_template_limits_guard_the_server(tmp_path):
     path = write_tiny_model(tmp_path / "hostile.gguf", "llama", n_layer=2)
     endless_loop = "{% for i in range(10**5) %}{% for j in range(10**5) %}{{ '' }}{% endfor %}{% endfor %}"
     set_river_metadata(path, {"tokenizer.chat_template": endless_loop})
-    with _running_server([str(path), "--threads", "1", "--n-ctx", "64", "--log-level", "warning"], tmp_path) as s:
+    with _running_server([str(path), "--threads", "1", "--n-ctx", "64", "--parallel", "1", "--log-level", "warning"],
+                         tmp_path) as s:
         t0 = time.monotonic()
         status, body = _http(s.base, "POST", "/v1/chat/completions",
                              {"messages": CHAT, "max_tokens": 2}, key=None)

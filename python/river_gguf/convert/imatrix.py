@@ -150,12 +150,20 @@ def _check_texts(texts: Sequence[str]) -> List[str]:
 def collect_on(model: Model, texts: Sequence[str], progress: bool = True, dataset: Optional[str] = None) -> Imatrix:
     """collect_imatrix on an open Model (its backbone), each text cut to the Model's n_ctx."""
     texts = _check_texts(texts)
+    chunks = (model.tokenize(text, add_special=True)[:model.n_ctx] for text in texts)
+    return collect_chunks(model, chunks, total=len(texts), progress=progress, dataset=dataset)
+
+
+def collect_chunks(model: Model, chunks, total: Optional[int] = None, progress: bool = True,
+                   dataset: Optional[str] = None) -> Imatrix:
+    """The importance matrix of `chunks` (token lists, each run through the Model's backbone from an
+    empty cache, as given: BOS is the caller's), e.g. llama-imatrix's chunks of one tokenized text.
+    Empty chunks are skipped; total: how many there are, for the progress bar."""
     stats = native.ActivationStats()
     n_tokens = n_texts = 0
     t0 = time.perf_counter()
-    with tqdm(total=len(texts), desc="imatrix", unit="text", disable=not progress) as bar:
-        for text in texts:
-            toks = model.tokenize(text, add_special=True)[:model.n_ctx]
+    with tqdm(total=total, desc="imatrix", unit="text", disable=not progress) as bar:
+        for toks in chunks:
             if toks:
                 model.collect_activations(toks, stats)
                 n_tokens += len(toks)

@@ -123,7 +123,7 @@ def instrument(clock):
     def activations_work(self, tokens, stats):
         clock.count("tokens: imatrix", len(tokens))
         clock.count("backbone layer-tokens", len(tokens) * self.n_layer)
-        clock.count("head rows", len(tokens))
+        clock.count("final-norm rows (the head's input, no head)", len(tokens))
 
     _wrap(divergence, "score", clock, "/decode", lambda model, tokens, prefix=1, **o: clock.count(
         "decode steps", len(tokens) - prefix))

@@ -124,9 +124,12 @@ def collect_imatrix(
     progress: bool = True,
     dataset: Optional[str] = None,
 ) -> Imatrix:
-    """Run each text (tokenized with BOS, cut to ``n_ctx`` tokens, from an empty cache) through
-    the backbone of ``backbone_path`` and collect the input statistics of every weight mat-mul,
-    the LM head included. ``dataset`` describes the texts in the result (and in the file)."""
+    """Run each text (tokenized with the vocabulary's special tokens, BOS where it adds one, cut
+    to ``n_ctx`` tokens, from an empty cache) through the backbone of ``backbone_path`` and
+    collect the input statistics of every weight mat-mul, the LM head's included (its input is
+    the final norm's output, taken without running the head; a tied head's statistics are kept
+    under token_embd.weight, which llama-imatrix leaves out). ``dataset`` describes the texts in
+    the result (and in the file)."""
     texts = _check_texts(texts)
     if not isinstance(n_ctx, int) or n_ctx < 2:
         raise ValueError(f"n_ctx must be an int >= 2, got {n_ctx!r}")

@@ -223,22 +223,26 @@ def test_plan_measures_only_what_can_win_a_tier():
     # The backbone and the cheapest setting are measured; fast fits nothing (the cheapest). So is
     # the first tail of each walk of the search (a family's deepest within a tier's bound), which
     # its first round would ask whatever the plan's rows hold.
+    base = [settings[0], {"mode": "river-only", "tail": 0, "river_head": True}]
     families = [[settings[i] for i in f] for f in cost_model.tail_families(settings)]
-    firsts = [max(inside, key=lambda o: o["tail"]) for f in families for b in bounds.values()
-              for inside in [[o for o in f if rel(o) <= b]] if inside]
-    assert len(firsts) == 3  # balanced: tail 1; quality: each family's deepest
-    assert measured == [settings[0], {"mode": "river-only", "tail": 0, "river_head": True}] + \
-        [o for o in settings if o in firsts]
+
+    def firsts(bounds):  # each walk's first tail; a walk within base alone asks nothing
+        return [max(inside, key=lambda o: o["tail"]) for f in families for b in bounds.values()
+                for inside in [[o for o in f if rel(o) <= b]] if any(o not in base for o in inside)]
+
+    assert len(firsts(bounds)) == 3  # balanced: tail 1; quality: each family's deepest
+    assert measured == base + [o for o in settings if o in firsts(bounds)]
     # Every other river-only tail within some tier's bound (quality's, which the backbone also
     # fits) is left to the search, whose walk compares it with the tier's best; the dynamic
     # settings within quality's bound only are the backbone's (the river's layers cost less).
     searched = [o for o, w in zip(settings, why) if w == cost_model.SEARCHED]
     in_quality = [o for o in settings[1:] if o["mode"] == "river-only" and rel(o) <= bounds["quality"]]
     assert searched == [o for o in in_quality if o not in measured] and len(searched) > 3
-    # Where a walk starts at a tail the plan measures anyway (fast's bound holds tail 0 alone),
-    # the first round depends on its row: the walks' first tails are left to the search.
-    narrow = cost_model.plan(settings, layers, head, L, dict(bounds, fast=rel(measured[1])))
-    assert [o for o, w in zip(settings, narrow) if not w] == measured[:2]
+    # A walk within tail 0 alone (fast's bound) asks nothing: the other walks' first tails are
+    # still measured with the plan.
+    narrow = dict(bounds, fast=rel(base[1]))
+    assert [o for o, w in zip(settings, cost_model.plan(settings, layers, head, L, narrow)) if not w] == \
+        base + [o for o in settings if o in firsts(narrow)]
     assert all(w for o, w in zip(settings, why) if o not in measured and o not in searched)
     assert all("backbone takes" in w for o, w in zip(settings, why) if o["mode"] == "river"
                and cost_model.setting_cost(o, layers, head, L) / ro <= bounds["quality"])

@@ -223,20 +223,23 @@ def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bou
 def _first_walks_measured(settings: List[dict], why: List[str], costs: List[float],
                           bounds: Dict[str, float]) -> List[str]:
     """plan's marks with the search's first round measured with the plan's settings, where that
-    round depends on no measurement: when every walk of search_next (per family and tier) starts at
-    a tail the plan leaves to the search, the first round asks exactly those first tails, whatever
-    the plan's rows hold, so measuring them now measures the same settings on the same items, in
-    one pass of the river layers each family shares (measure.tails.river_tails: the same logits,
-    bit for bit) instead of one pass more. Where a walk starts at a tail the plan measures, the
-    first round depends on that tail's row, and the marks stay as they are."""
+    round depends on no measurement. A walk of search_next (per family and tier) that starts at a
+    tail the plan leaves to the search asks that tail first, and one whose tails within the bound
+    the plan measures all asks nothing, whatever the plan's rows hold; when every walk is one of
+    the two, measuring those first tails now measures the same settings on the same items, in one
+    pass of the river layers each family shares (measure.tails.river_tails: the same logits, bit
+    for bit) instead of one pass more. A walk that starts at a measured tail with a searched one
+    below it depends on that tail's row: then the marks stay as they are."""
     families = [[i for i in f if why[i] in ("", SEARCHED)] for f in tail_families(settings)]
     first = set()
     for family in (f for f in families if any(why[i] == SEARCHED for i in f)):
         for name, _ in TIERS:
             inside = [i for i in family if costs[i] <= float(bounds[name]) + 1e-12]
-            if inside and why[inside[-1]] != SEARCHED:
+            if not any(why[i] == SEARCHED for i in inside):
+                continue
+            if why[inside[-1]] != SEARCHED:
                 return why
-            first.update(inside[-1:])
+            first.add(inside[-1])
     return ["" if i in first else w for i, w in enumerate(why)]
 
 

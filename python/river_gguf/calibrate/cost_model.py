@@ -167,9 +167,9 @@ def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bou
       acceptance that prices lossless mode.
     - The static river-only tails of a family (tail_families) within any tier's bound are left to
       the search, which measures a family from its deepest tail in a tier's bound towards cheaper
-      ones until one is separated from the tier's best. Where no walk of the search starts at a
-      setting measured here, the deepest tail of each walk, which the search's first round would
-      ask whatever was measured, is measured here (""), in the same pass as the rest.
+      ones until one is separated from the tier's best. Where the search's first round depends
+      on no measurement (_first_walks_measured), the tails it would ask, each walk's deepest, are
+      measured here (""), in the same pass as the rest.
     - A tier whose bound admits the backbone takes the backbone, without a measurement to decide
       it, when every river layer costs less than the backbone's and the river head no more (the
       river is the lower-precision copy), as far as the dynamic settings go: they are measured

@@ -202,7 +202,8 @@ def _probe(path: str, tokens: List[int], n_threads: int) -> tuple:
 
 
 def _head_share(shapes: Dict[str, tuple]) -> float:
-    """The head's share of a token's pass: its weights over all the weights."""
+    """The head's share of a token's pass: its weights over all the weights. The probe's token
+    runs the head; an imatrix token does not (the head's statistics are the final norm's rows)."""
     n_embd, n_vocab = shapes["token_embd.weight"][:2]
     return n_embd * n_vocab / sum(int(np.prod(v)) for v in shapes.values())
 
@@ -286,10 +287,8 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
             parts.append(f"the presets' reference on {len(prepared)} held-out items ({ref_tokens} tokens)")
         if profile:
             parts.append(f"tau's profile ({profile} tokens)")
-        # The probe's token runs the head; an imatrix token does not (its head statistics are the
-        # final norm's rows).
-        pass_tokens = imx_tokens * (1.0 - _head_share(shapes)) + ref_tokens + profile
-        units = {"PASS_FACTOR": per_token * pass_tokens, "FIXED_SECONDS": 1.0}
+        units = {"PASS_FACTOR": per_token * (imx_tokens * (1.0 - _head_share(shapes)) + ref_tokens + profile),
+                 "FIXED_SECONDS": 1.0}  # an imatrix token runs no head (_head_share), the probe's does
         res.stages.append(Stage("one pass over the input", "; ".join(parts), load + _priced(units),
                                 F + kv + logits_bytes + BASE_BYTES, units, load))
 

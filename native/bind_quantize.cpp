@@ -41,8 +41,9 @@ void bind_imatrix(py::module_& m) {
             collect_activations(e, tokens, stats);
         },
         py::arg("tokens"), py::arg("stats"),
-        "Run tokens through the backbone from n_past (all of them through the head too), adding the input "
-        "statistics of every weight mat-mul to stats.");
+        "Run tokens through the backbone from n_past, adding the input statistics of every weight mat-mul "
+        "to stats, the head's included for every token (its input, the final norm's output; the head "
+        "itself does not run).");
 }
 
 void bind_quantize(py::module_& m) {

@@ -75,6 +75,11 @@ public:
     bool has_river() const { return river_ != nullptr; }
     bool flash_attn() const { return flash_attn_; }
     bool river_has_head() const { return river_ && river_->head; }
+    // The backbone head's weight as the file names it ("output.weight", or "token_embd.weight"
+    // when the embedding is tied): what the head's input statistics are kept under.
+    std::string head_weight_name() const { return backbone_.output ? backbone_.output->name : std::string(); }
+    // Tokens per graph: a longer request runs in chunks of this many.
+    int n_batch() const { return n_batch_; }
     int n_ctx() const { return cache_->n_ctx(); }
     // Positions the default sequence (0) holds.
     int n_past() const { return cells_.length(0); }

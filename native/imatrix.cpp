@@ -11,9 +11,8 @@ namespace river {
 
 namespace {
 
-// Tokens per eval while observing. Every token's logits are computed (so the head's input is
-// observed for every token, like the layers'); this bounds the logits buffer the engine returns
-// and the caller throws away (256 x n_vocab floats: 50 MB for a 49k vocabulary).
+// Tokens per eval while observing: each eval returns every token's final-norm row, the head's
+// input (256 x n_embd floats).
 constexpr size_t kSliceTokens = 256;
 
 bool ends_with(const std::string& s, const char* suffix) {
@@ -30,7 +29,10 @@ std::string weight_name(const ggml_tensor* t) {
     // and reshapes/permutes of anything are views. The KV cache is a leaf too, but attention reads
     // it through flash attention, not mul_mat, and its tensors are not named "*.weight".
     if (w->op != GGML_OP_NONE || w->view_src != nullptr) return {};
-    std::string name = w->name;
+    return file_weight_name(w->name);
+}
+
+std::string file_weight_name(std::string name) {
     // The scheduler names its copies of a weight for another backend "<backend>#<name>#<n>".
     const size_t first = name.find('#');
     if (first != std::string::npos) {
@@ -83,10 +85,20 @@ void ActivationStats::accumulate(const ggml_tensor* t) {
         }
     }
 
+    add_locked(name, rows_.data(), n_rows, ne0);
+}
+
+void ActivationStats::add(const std::string& name, const float* rows, int64_t n_rows, int64_t n_cols) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_.empty()) return;
+    add_locked(name, rows, n_rows, n_cols);
+}
+
+void ActivationStats::add_locked(const std::string& name, const float* rows, int64_t n_rows, int64_t ne0) {
     // Sum this batch on its own first so that a non-finite activation is caught before it
     // spoils the running totals (and named: it points at a broken model or an overflow).
     std::vector<double> batch(ne0, 0.0);
-    const float* row = rows_.data();
+    const float* row = rows;
     for (int64_t r = 0; r < n_rows; ++r, row += ne0) {
         for (int64_t j = 0; j < ne0; ++j) batch[j] += double(row[j]) * row[j];
     }
@@ -179,15 +191,28 @@ void collect_activations(Engine& engine, const std::vector<int32_t>& tokens, Act
         throw std::runtime_error("these activation statistics come from a failed collection (" + earlier +
                                  "); clear() them first");
     }
+    // The head's input is the final norm's output: each eval ends at the norm and returns those
+    // rows, which are added under the head's name, one batch per graph (n_batch tokens) as the
+    // layers' inputs are. The head's product itself, a vocabulary's worth of logits per token
+    // that nothing reads, is never computed.
+    const std::string head = file_weight_name(engine.head_weight_name());
+    if (head.empty()) throw std::runtime_error("collect_activations: the backbone has no head weight");
+    const size_t per_graph = size_t(std::max(1, engine.n_batch()));
     ObserverScope scope(engine, stats);
     for (size_t start = 0; start < tokens.size(); start += kSliceTokens) {
         EvalRequest req;
         req.tokens.assign(tokens.begin() + start, tokens.begin() + std::min(tokens.size(), start + kSliceTokens));
         req.mode = ExitMode::Backbone;
-        req.all_logits = true;
-        engine.eval(req);
+        req.embeddings = true;
+        const EvalResult out = engine.eval(req);
         const std::string err = stats.error();
         if (!err.empty()) throw std::runtime_error(err);
+        for (int first = 0; first < out.n_rows; first += int(per_graph)) {
+            const int n = std::min(int(per_graph), out.n_rows - first);
+            stats.add(head, out.logits.data() + size_t(first) * out.n_cols, n, out.n_cols);
+        }
+        const std::string head_err = stats.error();
+        if (!head_err.empty()) throw std::runtime_error(head_err);
     }
 }
 

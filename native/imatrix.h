@@ -31,6 +31,11 @@ public:
     // calls it, so a failure is recorded (see error()) and stops the graph instead.
     static bool callback(ggml_tensor* t, bool ask, void* data);
 
+    // Add n_rows input rows of `name` (n_cols floats each, packed) as one batch, as the callback
+    // adds a mat-mul's input: rows the caller already has (the head's input is the final norm's
+    // output, which a graph ending at the norm returns without running the head).
+    void add(const std::string& name, const float* rows, int64_t n_rows, int64_t n_cols);
+
     std::map<std::string, Entry> snapshot() const;
     // The first failure seen by the callback (empty when none); collect_activations raises it.
     std::string error() const;
@@ -40,6 +45,8 @@ public:
 private:
     bool wanted(const ggml_tensor* t) const;
     void accumulate(const ggml_tensor* t);
+    // One batch's rows (rows_ staged, or the caller's) into `name`'s entry; mu_ held.
+    void add_locked(const std::string& name, const float* rows, int64_t n_rows, int64_t n_cols);
 
     mutable std::mutex mu_;
     std::map<std::string, Entry> entries_;
@@ -50,9 +57,13 @@ private:
 // The weight a mul_mat node reads, by its GGUF name; empty when src0 is not a model weight.
 // Scheduler copies of weights (GPU splits) are named "<backend>#<name>#<n>" and map back to <name>.
 std::string weight_name(const ggml_tensor* mul_mat);
+// A weight tensor's name as the file has it (a scheduler copy's mapped back); empty when it does
+// not name a weight ("*.weight").
+std::string file_weight_name(std::string name);
 
 // Run `tokens` through the backbone of `engine` (from its current n_past) with `stats` observing
-// every mat-mul, the head included on every token. The observer is removed on every exit path.
+// every mat-mul, the head's input included on every token (from the final norm: the head itself
+// does not run). The observer is removed on every exit path.
 // Throws std::runtime_error when the statistics hit a problem (non-finite activations, a weight
 // whose width changed between runs).
 void collect_activations(Engine& engine, const std::vector<int32_t>& tokens, ActivationStats& stats);

@@ -219,15 +219,30 @@ def test_plan_measures_only_what_can_win_a_tier():
     bounds = {"fast": 0.9, "balanced": (tails[1] + tails[2]) / 2, "quality": bb + 0.01}
     why = cost_model.plan(settings, layers, head, L, bounds)
     measured = [o for o, w in zip(settings, why) if not w]
-    # The backbone and the cheapest setting are measured; fast fits nothing (the cheapest).
-    assert measured == [settings[0], {"mode": "river-only", "tail": 0, "river_head": True}]
-    # Every river-only tail within some tier's bound (quality's, which the backbone also fits) is
-    # left to the search, whose walk compares it with the tier's best; the dynamic settings
-    # within quality's bound only are the backbone's (the river's layers cost less).
+    rel = lambda o: cost_model.setting_cost(o, layers, head, L) / ro  # noqa: E731
+    # The backbone and the cheapest setting are measured; fast fits nothing (the cheapest). So is
+    # the first tail of each walk of the search (a family's deepest within a tier's bound), which
+    # its first round would ask whatever the plan's rows hold.
+    base = [settings[0], {"mode": "river-only", "tail": 0, "river_head": True}]
+    families = [[settings[i] for i in f] for f in cost_model.tail_families(settings)]
+
+    def firsts(bounds):  # each walk's first tail; a walk within base alone asks nothing
+        return [max(inside, key=lambda o: o["tail"]) for f in families for b in bounds.values()
+                for inside in [[o for o in f if rel(o) <= b]] if any(o not in base for o in inside)]
+
+    assert len(firsts(bounds)) == 3  # balanced: tail 1; quality: each family's deepest
+    assert measured == base + [o for o in settings if o in firsts(bounds)]
+    # Every other river-only tail within some tier's bound (quality's, which the backbone also
+    # fits) is left to the search, whose walk compares it with the tier's best; the dynamic
+    # settings within quality's bound only are the backbone's (the river's layers cost less).
     searched = [o for o, w in zip(settings, why) if w == cost_model.SEARCHED]
-    in_quality = [o for o in settings[1:] if o["mode"] == "river-only"
-                  and cost_model.setting_cost(o, layers, head, L) / ro <= bounds["quality"]]
-    assert searched == [o for o in in_quality if o != measured[1]] and len(searched) > 3
+    in_quality = [o for o in settings[1:] if o["mode"] == "river-only" and rel(o) <= bounds["quality"]]
+    assert searched == [o for o in in_quality if o not in measured] and len(searched) > 3
+    # A walk within tail 0 alone (fast's bound) asks nothing: the other walks' first tails are
+    # still measured with the plan.
+    narrow = dict(bounds, fast=rel(base[1]))
+    assert [o for o, w in zip(settings, cost_model.plan(settings, layers, head, L, narrow)) if not w] == \
+        base + [o for o in settings if o in firsts(narrow)]
     assert all(w for o, w in zip(settings, why) if o not in measured and o not in searched)
     assert all("backbone takes" in w for o, w in zip(settings, why) if o["mode"] == "river"
                and cost_model.setting_cost(o, layers, head, L) / ro <= bounds["quality"])
@@ -420,7 +435,10 @@ def test_the_search_chooses_the_presets_of_the_full_sweep_on_smollm2(river_gguf_
     assert sorted(asked) == [i for i, why in enumerate(skip) if not why]
     searched = cost_model.choose([full["rows"][i] for i in sorted(asked)], full["anchors"]["bounds"])
     assert {n: p["options"] for n, p in searched.items()} == {n: p["options"] for n, p in full["presets"].items()}
-    assert len(asked) < len(settings) and search["rounds"] >= 1  # it left settings out, after searching
+    # It left settings out, after searching: tails past 0 were measured (the walks' first tails
+    # with the plan's settings, where no walk starts at one the plan measures; the rest in rounds).
+    assert len(asked) < len(settings)
+    assert any(settings[i]["mode"] == "river-only" and settings[i]["tail"] > 0 for i in asked)
     assert len({json.dumps(p["options"], sort_keys=True) for p in full["presets"].values()}) > 1  # a real choice
     backbone = next(r for r in full["rows"] if r["options"]["mode"] == "backbone")
     assert backbone["items"] == list(range(len(prepared))) and backbone["kld_ci"] is not None  # every item

@@ -84,6 +84,10 @@ def test_statistic_is_the_sum_of_squared_inputs(tiny):
         np.testing.assert_allclose(imx.sums[f"blk.0.{w}.weight"], want, rtol=2e-5)
         np.testing.assert_allclose(imx.importance(f"blk.0.{w}.weight"), want / n, rtol=2e-5)
     assert imx.sums["blk.0.ffn_down.weight"].shape == (128,)  # ffn_down reads n_ff columns
+    # The head's input is the final norm's output, the backbone's embeddings (its statistic is
+    # taken from those rows without running the head).
+    head = sum((m.embed(tk).astype(np.float64) ** 2).sum(axis=0) for tk in toks)
+    np.testing.assert_allclose(imx.sums["token_embd.weight"], head, rtol=1e-5)
 
 
 def test_importance_scales_with_the_input(tiny, tmp_path):

@@ -167,7 +167,9 @@ def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bou
       acceptance that prices lossless mode.
     - The static river-only tails of a family (tail_families) within any tier's bound are left to
       the search, which measures a family from its deepest tail in a tier's bound towards cheaper
-      ones until one is separated from the tier's best.
+      ones until one is separated from the tier's best. Where the search's first round depends
+      on no measurement (_first_walks_measured), the tails it would ask, each walk's deepest, are
+      measured here (""), in the same pass as the rest.
     - A tier whose bound admits the backbone takes the backbone, without a measurement to decide
       it, when every river layer costs less than the backbone's and the river head no more (the
       river is the lower-precision copy), as far as the dynamic settings go: they are measured
@@ -215,7 +217,30 @@ def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bou
             limit = top_any if i in searched else top
             why.append(f"{what} river-only's step, more than any tier it could win allows"
                        + (f" ({limit:.3f}x)" if limit > float("-inf") else ""))
-    return why
+    return _first_walks_measured(settings, why, costs, bounds)
+
+
+def _first_walks_measured(settings: List[dict], why: List[str], costs: List[float],
+                          bounds: Dict[str, float]) -> List[str]:
+    """plan's marks with the search's first round measured with the plan's settings, where that
+    round depends on no measurement. A walk of search_next (per family and tier) that starts at a
+    tail the plan leaves to the search asks that tail first, and one whose tails within the bound
+    the plan measures all asks nothing, whatever the plan's rows hold; when every walk is one of
+    the two, measuring those first tails now measures the same settings on the same items, in one
+    pass of the river layers each family shares (measure.tails.river_tails: the same logits, bit
+    for bit) instead of one pass more. A walk that starts at a measured tail with a searched one
+    below it depends on that tail's row: then the marks stay as they are."""
+    families = [[i for i in f if why[i] in ("", SEARCHED)] for f in tail_families(settings)]
+    first = set()
+    for family in (f for f in families if any(why[i] == SEARCHED for i in f)):
+        for name, _ in TIERS:
+            inside = [i for i in family if costs[i] <= float(bounds[name]) + 1e-12]
+            if not any(why[i] == SEARCHED for i in inside):
+                continue
+            if why[inside[-1]] != SEARCHED:
+                return why
+            first.add(inside[-1])
+    return ["" if i in first else w for i, w in enumerate(why)]
 
 
 def tail_families(settings: List[dict]) -> List[List[int]]:

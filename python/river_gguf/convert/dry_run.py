@@ -201,6 +201,13 @@ def _probe(path: str, tokens: List[int], n_threads: int) -> tuple:
         del model
 
 
+def _head_share(shapes: Dict[str, tuple]) -> float:
+    """The head's share of a token's pass: its weights over all the weights. The probe's token
+    runs the head; an imatrix token does not (the head's statistics are the final norm's rows)."""
+    n_embd, n_vocab = shapes["token_embd.weight"][:2]
+    return n_embd * n_vocab / sum(int(np.prod(v)) for v in shapes.values())
+
+
 def _probe_quantize(type_names: List[str], n_threads: int, n_elements: int = 1 << 22) -> Dict[str, float]:
     """Seconds per element ggml takes to quantize rows of 4,096 to each type, with importance."""
     cols = 4096
@@ -280,7 +287,8 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
             parts.append(f"the presets' reference on {len(prepared)} held-out items ({ref_tokens} tokens)")
         if profile:
             parts.append(f"tau's profile ({profile} tokens)")
-        units = {"PASS_FACTOR": per_token * (imx_tokens + ref_tokens + profile), "FIXED_SECONDS": 1.0}
+        units = {"PASS_FACTOR": per_token * (imx_tokens * (1.0 - _head_share(shapes)) + ref_tokens + profile),
+                 "FIXED_SECONDS": 1.0}  # an imatrix token runs no head (_head_share), the probe's does
         res.stages.append(Stage("one pass over the input", "; ".join(parts), load + _priced(units),
                                 F + kv + logits_bytes + BASE_BYTES, units, load))
 
@@ -330,7 +338,6 @@ def _presets_stage(shapes: Dict[str, tuple], n_layer: int, bb_infos, rv_infos, s
     decode on a quarter of the items), the searched tails counted as if the search reached
     them all."""
     ref_tokens = sum(len(t) for t, _ in prepared)
-    n_vocab = shapes["token_embd.weight"][1]
     layers, head = tensor_costs(bb_infos, rv_infos, n_layer, "cost")
     bounds = tier_bounds_of(shapes, n_layer, layers, head)["bounds"]
     settings = grid(n_layer)
@@ -357,7 +364,7 @@ def _presets_stage(shapes: Dict[str, tuple], n_layer: int, bb_infos, rv_infos, s
     # A family's tails share one river pass; each tail then runs its backbone layers over the
     # item and the head over its scored rows (the head's share of a token-pass: its weights
     # over all the weights).
-    head_share = shapes["token_embd.weight"][0] * n_vocab / sum(int(np.prod(v)) for v in shapes.values())
+    head_share = _head_share(shapes)
     scored = sum(len(t) - p for t, p in prepared)
     for tails in families.values():
         work += ref_tokens * (1 + sum(t for t in tails if t) / n_layer) + scored * head_share * (len(tails) - 1)

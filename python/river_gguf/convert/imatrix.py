@@ -124,9 +124,12 @@ def collect_imatrix(
     progress: bool = True,
     dataset: Optional[str] = None,
 ) -> Imatrix:
-    """Run each text (tokenized with BOS, cut to ``n_ctx`` tokens, from an empty cache) through
-    the backbone of ``backbone_path`` and collect the input statistics of every weight mat-mul,
-    the LM head included. ``dataset`` describes the texts in the result (and in the file)."""
+    """Run each text (tokenized with the vocabulary's special tokens, BOS where it adds one, cut
+    to ``n_ctx`` tokens, from an empty cache) through the backbone of ``backbone_path`` and
+    collect the input statistics of every weight mat-mul, the LM head's included (its input is
+    the final norm's output, taken without running the head; a tied head's statistics are kept
+    under token_embd.weight, which llama-imatrix leaves out). ``dataset`` describes the texts in
+    the result (and in the file)."""
     texts = _check_texts(texts)
     if not isinstance(n_ctx, int) or n_ctx < 2:
         raise ValueError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
@@ -150,12 +153,20 @@ def _check_texts(texts: Sequence[str]) -> List[str]:
 def collect_on(model: Model, texts: Sequence[str], progress: bool = True, dataset: Optional[str] = None) -> Imatrix:
     """collect_imatrix on an open Model (its backbone), each text cut to the Model's n_ctx."""
     texts = _check_texts(texts)
+    chunks = (model.tokenize(text, add_special=True)[:model.n_ctx] for text in texts)
+    return collect_chunks(model, chunks, total=len(texts), progress=progress, dataset=dataset)
+
+
+def collect_chunks(model: Model, chunks, total: Optional[int] = None, progress: bool = True,
+                   dataset: Optional[str] = None) -> Imatrix:
+    """The importance matrix of `chunks` (token lists, each run through the Model's backbone from an
+    empty cache, as given: BOS is the caller's), e.g. llama-imatrix's chunks of one tokenized text.
+    Empty chunks are skipped; total: how many there are, for the progress bar."""
     stats = native.ActivationStats()
     n_tokens = n_texts = 0
     t0 = time.perf_counter()
-    with tqdm(total=len(texts), desc="imatrix", unit="text", disable=not progress) as bar:
-        for text in texts:
-            toks = model.tokenize(text, add_special=True)[:model.n_ctx]
+    with tqdm(total=total, desc="imatrix", unit="text", disable=not progress) as bar:
+        for toks in chunks:
             if toks:
                 model.collect_activations(toks, stats)
                 n_tokens += len(toks)

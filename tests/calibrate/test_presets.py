@@ -469,3 +469,24 @@ def test_the_search_chooses_the_presets_of_the_full_sweep_on_smollm2(river_gguf_
     assert len({p.setting for p in full["presets"].values()}) > 1  # a real choice
     backbone = next(r for r in full["rows"] if r["options"].options.mode == "backbone")
     assert backbone["items"] == list(range(len(prepared))) and backbone["kld_ci"] is not None  # every item
+
+
+def test_a_rules_tau_grid_is_its_own_and_stays_below_its_max_score():
+    """A rule without hand-placed taus takes quantiles of its profile, but never one at its
+    max_score: that threshold never passes, the backbone's setting again. Its dynamic settings
+    name the rule, in their JSON too."""
+    from river_gguf.options import max_score
+
+    top = max_score("update")
+    sims = np.full((20, 6), 0.5)
+    sims[:, 1:-1] = np.linspace(0.6, 0.9, 20)[:, None]
+    sims[17:, 1:-1] = top  # the top 15% of mid-layer scores at the bound
+    assert np.quantile(sims[:, 1:-1], cost_model.DYNAMIC_QUANTILES[-1]) == top
+    taus = cost_model.dynamic_taus("update", sims)
+    assert taus and all(t < top for t in taus) and len(taus) == len(cost_model.DYNAMIC_QUANTILES) - 1
+    dynamic = [s for s in cost_model.grid(6, exit_rule="update", profile=sims) if s.is_dynamic]
+    assert dynamic and {s.options.threshold for s in dynamic} == set(taus)
+    assert all(s.options.exit_rule == "update" and json.loads(presets.dump(s))["exit_rule"] == "update"
+               for s in dynamic)
+    with pytest.raises(ValueError, match="needs its profile"):
+        cost_model.dynamic_taus("update")

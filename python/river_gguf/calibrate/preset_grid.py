@@ -142,38 +142,38 @@ class _SettingCosts:
         self.exit_guess = None if profile is None else (lambda s: predicted_mean_exit(
             profile, s.options.threshold, s.options.min_exit_layer, s.options.tail))
 
-    def static_relative(self, opts: Setting) -> float:
+    def static_relative(self, setting: Setting) -> float:
         """A setting's relative cost known before it runs (a dynamic one's least possible)."""
-        return setting_cost(opts, self.layers, self.head, self.n_layer) / self.river_only
+        return setting_cost(setting, self.layers, self.head, self.n_layer) / self.river_only
 
-    def comparable(self, i: int, opts: Setting, scorer: "_Scorer") -> dict:
+    def comparable(self, i: int, setting: Setting, scorer: "_Scorer") -> dict:
         """What choose and the search compare of a measured setting."""
         run = scorer.run(i)
-        cost = setting_cost(opts, self.layers, self.head, self.n_layer, run.mean_exit_layer)
+        cost = setting_cost(setting, self.layers, self.head, self.n_layer, run.mean_exit_layer)
         return {"kld": divergence.summarize(run)["kld"], "relative_cost": cost / self.river_only,
                 "items": scorer.items(i), "item_kld": divergence.item_klds(run)}
 
-    def row(self, i: int, opts: Setting, scorer: "_Scorer", why: str) -> dict:
+    def row(self, i: int, setting: Setting, scorer: "_Scorer", why: str) -> dict:
         L = self.n_layer
         if i not in scorer.measured():
-            guess = float("nan") if self.exit_guess is None or not opts.is_dynamic else self.exit_guess(opts)
-            cost = setting_cost(opts, self.layers, self.head, L, guess)
-            return {"options": opts, "cost": cost, "relative_cost": cost / self.river_only,
+            guess = float("nan") if self.exit_guess is None or not setting.is_dynamic else self.exit_guess(setting)
+            cost = setting_cost(setting, self.layers, self.head, L, guess)
+            return {"options": setting, "cost": cost, "relative_cost": cost / self.river_only,
                     "scored": "not measured", "why": why}
         r = scorer.run(i)
-        step = setting_step(opts, L, r.mean_exit_layer)
+        step = setting_step(setting, L, r.mean_exit_layer)
         mean_exit = float(step[0])
-        cost = setting_cost(opts, self.layers, self.head, L, mean_exit)
+        cost = setting_cost(setting, self.layers, self.head, L, mean_exit)
         s = divergence.summarize(r)
         n_items = len(r.items)
         interval = n_items >= MIN_INTERVAL_ITEMS
-        return {"options": opts, "kld": s["kld"], "kld_ci": s["kld_ci"] if interval else None,
+        return {"options": setting, "kld": s["kld"], "kld_ci": s["kld_ci"] if interval else None,
                 "interval": (f"{divergence.CONFIDENCE:.0%} item bootstrap over {n_items} items"
                              if interval else f"none: {n_items} items, too few for an interval"),
                 "same_top": s["same_top"], "ppl": r.perplexity, "mean_exit_layer": mean_exit, "cost": cost,
                 "bytes": step_bytes(self.layers_b, self.head_b, L, *step),
                 "relative_cost": cost / self.river_only,
-                "backbone_layers": backbone_layers_per_step(L, mean_exit, opts.options.tail),
+                "backbone_layers": backbone_layers_per_step(L, mean_exit, setting.options.tail),
                 "reference": scorer.label, "reference_ppl": scorer.reference_run(scorer.items(i)).perplexity,
                 "scored": ("batched, own prefill" if scorer.batched_setting(i) else "decode"),
                 "n_tokens": r.n_tokens, "items": scorer.items(i), "item_kld": divergence.item_klds(r)}

@@ -26,6 +26,7 @@ except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from river_gguf.calibrate import open_model  # noqa: E402
+from river_gguf import presets  # noqa: E402
 from river_gguf.calibrate.preset_grid import calibrate_presets  # noqa: E402
 from river_gguf.convert.build import preset_score_tokens  # noqa: E402
 from river_gguf.eval import model_zoo  # noqa: E402
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--river-only", action="store_true", help="the river-only setting alone")
     a = ap.parse_args(argv)
-    settings = [{"mode": "river-only", "tail": 0, "river_head": True}] if a.river_only else None
+    settings = [presets.Setting.of(mode="river-only", tail=0, river_head=True)] if a.river_only else None
     path = a.river or evaluate.default_river_gguf(a.model, n_threads=a.threads, progress=True)
     m = open_model(path, n_ctx=1024, n_threads=a.threads, threshold=2.0)
     res, secs = {}, {}
@@ -67,18 +68,19 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---:|")
     ci = lambda r: f"[{r['kld_ci'][0]:.4f}, {r['kld_ci'][1]:.4f}]" if r.get("kld_ci") else "(no interval)"  # noqa: E731
     for rb, rd in zip(res["batched"]["rows"], res["decode"]["rows"]):
-        print(f"| {label(rb['options'])} | {rb['scored']} | {rb['kld']:.4f} {ci(rb)} "
+        print(f"| {label(rb['options'].named())} | {rb['scored']} | {rb['kld']:.4f} {ci(rb)} "
               f"| {rd['kld']:.4f} {ci(rd)} | {rb['kld'] - rd['kld']:+.4f} |")
     print()
     for tier in res["batched"]["presets"]:
         pb, pd = res["batched"]["presets"][tier], res["decode"]["presets"][tier]
-        same = "the same" if pb["options"] == pd["options"] else "DIFFERENT"
-        print(f"{tier}: batched {label(pb['options'])}; decode {label(pd['options'])} ({same})")
+        same = "the same" if pb.setting == pd.setting else "DIFFERENT"
+        print(f"{tier}: batched {label(pb.setting.named())}; decode {label(pd.setting.named())} ({same})")
     if a.json:
         with open(a.json, "w") as f:
+            stored = json.loads(presets.dump({w: {"rows": r["rows"], "presets": r["presets"]} for w, r in res.items()}))
             json.dump({"model": a.model, "river": path, "tokens": a.tokens, "seconds": secs,
-                       "rows": {w: r["rows"] for w, r in res.items()},
-                       "presets": {w: {k: v["options"] for k, v in r["presets"].items()} for w, r in res.items()}},
+                       "rows": {w: r["rows"] for w, r in stored.items()},
+                       "presets": {w: {k: v["options"] for k, v in r["presets"].items()} for w, r in stored.items()}},
                       f, indent=1, default=float)
     return 0
 

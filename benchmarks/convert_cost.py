@@ -208,7 +208,7 @@ def prediction_margin(path: str, threads: int, min_tokens: int, profile_path=Non
     from river_gguf.calibrate.cost_model import PREDICTION_MARGIN, grid, setting_cost, step_bytes, weight_bytes
     from river_gguf.calibrate.preset_grid import calibrate_presets
     from river_gguf.options import never_exit
-    from river_gguf.profile import predicted_mean_exit, similarity_profile
+    from river_gguf.measure.profile import predicted_mean_exit, similarity_profile
 
     m = open_model(path, n_ctx=1024, n_threads=threads, threshold=never_exit("cosine"))
     if profile_path is None:
@@ -217,16 +217,16 @@ def prediction_margin(path: str, threads: int, min_tokens: int, profile_path=Non
         f16 = open_model(profile_path, n_ctx=1024, n_threads=threads, mode="backbone", repack=False)
         profile = similarity_profile(f16, own_engine=False)
         del f16
-    settings = [o for o in grid(m.n_layer) if o["mode"] == "river"]
+    settings = [s for s in grid(m.n_layer) if s.is_dynamic]
     res = calibrate_presets(m, settings=settings, profile=profile, min_tokens=min_tokens)
     layers, head = weight_bytes(m, "cost")
     river_only = step_bytes(layers, head, m.n_layer, -1, 0, True)
     rows = []
     for r in res["rows"]:
-        o = r["options"]
-        guess = predicted_mean_exit(profile, o["threshold"], o.get("min_exit_layer", 0), o.get("tail", 0))
-        predicted = setting_cost(o, layers, head, m.n_layer, guess) / river_only
-        rows.append({"options": o, "predicted_mean_exit": guess, "mean_exit": r["mean_exit_layer"],
+        s = r["options"]
+        guess = predicted_mean_exit(profile, s.options.threshold, s.options.min_exit_layer, s.options.tail)
+        predicted = setting_cost(s, layers, head, m.n_layer, guess) / river_only
+        rows.append({"options": s.named(), "predicted_mean_exit": guess, "mean_exit": r["mean_exit_layer"],
                      "predicted_cost": predicted, "cost": r["relative_cost"], "ratio": predicted / r["relative_cost"],
                      "items": len(r["items"])})
     return {"file": os.path.basename(path), "profile": os.path.basename(profile_path or path), "rows": rows,
@@ -241,7 +241,7 @@ def search_check(path: str, threads: int, min_tokens: int, profile_path=None) ->
     from river_gguf.calibrate import open_model, preset_grid
     from river_gguf.calibrate.cost_model import choose
     from river_gguf.options import never_exit
-    from river_gguf.profile import similarity_profile
+    from river_gguf.measure.profile import similarity_profile
 
     m = open_model(path, n_ctx=1024, n_threads=threads, threshold=never_exit("cosine"))
     src = m if profile_path is None else open_model(profile_path, n_ctx=1024, n_threads=threads, mode="backbone",
@@ -257,11 +257,11 @@ def search_check(path: str, threads: int, min_tokens: int, profile_path=None) ->
 
     skip, search = preset_grid.plan_and_search(m, [r["options"] for r in full["rows"]], measure, profile)
     searched = choose([full["rows"][i] for i in sorted(asked)], full["anchors"]["bounds"])
-    pick = lambda chosen: {n: p["options"] for n, p in chosen.items()}  # noqa: E731
+    pick = lambda chosen: {n: p.setting.named() for n, p in chosen.items()}  # noqa: E731
     return {"file": os.path.basename(path), "full": pick(full["presets"]), "searched": pick(searched),
             "same": pick(full["presets"]) == pick(searched), "measured": len(asked), "grid": len(full["rows"]),
             "rounds": search["rounds"], "fallback": search["fallback"], "not_measured": [
-                {"options": full["rows"][i]["options"], "why": w} for i, w in enumerate(skip) if w]}
+                {"options": full["rows"][i]["options"].named(), "why": w} for i, w in enumerate(skip) if w]}
 
 
 def print_margin(res: dict) -> None:

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         rm = Model(a.river, n_ctx=1024, n_threads=a.threads)
         for name in presets.NAMES:
             if name in rm.presets:
-                opts = dict(exit_layer=None, **presets.complete(rm.presets[name]["options"]))
+                opts = dict(exit_layer=None, **rm.presets[name].setting.call_options())
                 river_rows[f"River {name}"] = opts
                 configs[f"River {name}"] = (rm, opts)
     n_tok = sum(len(t) - p for t, p in prepared)
@@ -131,7 +131,8 @@ def main(argv=None) -> int:
         if label in river_rows:
             o = river_rows[label]
             mb = cost_model.step_bytes(layers, head, rm.n_layer,
-                                    *cost_model.setting_step(o, rm.n_layer, runs[label].mean_exit_layer))
+                                    *cost_model.setting_step(presets.Setting.of(**o), rm.n_layer,
+                                                             runs[label].mean_exit_layer))
             types = {"options": str({k: v for k, v in o.items() if v is not None})}
         else:
             mb, types = step_bytes_and_types(files[label])

@@ -77,7 +77,7 @@ class RiverRun:
                        verify_kernels=self.m.verify_kernels)
 
     def decode(self, n, preset):
-        o = self.m.options(**presets.complete(preset)) if isinstance(preset, dict) else self.m.options(preset=preset)
+        o = self.m.options(**presets.Setting.of(**preset).call_options()) if isinstance(preset, dict) else self.m.options(preset=preset)
         # The package's token loop: a prefill, then n + 1 tokens, the first from the prefill's row
         # and n from decode steps (or lossless rounds, for a lossless setting); the session's
         # counters time each evaluation alone, as llama_decode alone below.
@@ -180,10 +180,10 @@ def main(argv=None) -> int:
             x, ci = paired_ratio(speeds[name], speeds[f"llama.cpp {ref}"])
             row[f"x_{ref}"], row[f"x_{ref}_ci"] = x, ci
         if p is not None:
-            o = p if isinstance(p, dict) else river.m.presets[p]["options"]
+            o = presets.Setting.of(**p) if isinstance(p, dict) else river.m.presets[p].setting
             b = float(np.mean([cost_model.step_bytes(layers, head, L, *cost_model.setting_step(o, L, e))
                                for e in exits[name]]))
-            row.update(options=o, mean_exit_layer=float(np.mean(exits[name])), mib_per_token=b / 2**20)
+            row.update(options=o.named(), mean_exit_layer=float(np.mean(exits[name])), mib_per_token=b / 2**20)
             if line is not None:
                 row.update(predicted_tok_s=line(b), x_predicted=med[name] / line(b))
         rows.append(row)

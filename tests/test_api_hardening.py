@@ -119,7 +119,7 @@ def test_profile_runs_in_its_own_context(tiny_path):
 
 
 def test_profile_leaves_the_models_cache_alone(tiny_path):
-    from river_gguf.profile import similarity_profile
+    from river_gguf.measure.profile import similarity_profile
 
     m = Model(tiny_path, river=tiny_path, n_ctx=32, n_threads=1, threshold=0.5)
     alone = greedy(m, PROMPT_A, 6)

@@ -323,9 +323,10 @@ def test_acceptance_of_measured_rounds(a, k):
 
 def test_acceptance_from_the_grid():
     from river_gguf.calibrate.lossless import river_only_acceptance
+    from river_gguf.presets import Setting
 
-    grid = [{"options": {"mode": "river-only", "tail": 2}, "same_top": 95.0},
-            {"options": {"mode": "river-only", "river_head": True}, "same_top": 87.5}]
+    grid = [{"options": Setting.of(mode="river-only", tail=2), "same_top": 95.0},
+            {"options": Setting.of(mode="river-only", river_head=True), "same_top": 87.5}]
     assert river_only_acceptance(grid) == pytest.approx(0.875)
     assert river_only_acceptance(grid[:1]) is None
 

@@ -26,7 +26,7 @@ from ._loader import native
 from .default_model import default_model_path
 from .gguf.io import deferred_interrupts
 from .options import EXIT_DECISIONS, ExitOptions, RiverOptions, check_river_options, is_bool, is_int, parse_bytes
-from .profile import default_threshold
+from .measure.profile import default_threshold
 from .batching import ModelLock, StepBatcher
 from .session import NumericalError, Session, evaluate, evaluate_steps
 
@@ -339,7 +339,7 @@ class Model:
             raise ValueError(f"preset must be a str, got {name!r}")
         if name not in self.presets:
             raise ValueError(f"unknown preset {name!r}; this file has: {', '.join(sorted(self.presets)) or 'none'}")
-        opts = dict(self.presets[name]["options"])
+        opts = self.presets[name].setting.named()
         # A preset is a whole setting: what it leaves out takes the plain defaults, not the
         # previous preset's values.
         return replace(base, exit_layer=None, **opts)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from river_gguf import Model, presets
+from river_gguf.options import ExitOptions
 from river_gguf.calibrate import cost_model
 from river_gguf.convert.build import DEFAULT_BACKBONE_TYPE, build_river_gguf
 from river_gguf.gguf.meta import set_river_metadata
@@ -32,7 +33,9 @@ def test_presets_read_back_and_applied(tiny_river, tmp_path):
     path.write_bytes(open(tiny_river, "rb").read())
     set_river_metadata(str(path), {presets.PRESET_KEY: presets.dump(STORED), presets.DEFAULT_KEY: "balanced"})
     m = Model(str(path), n_ctx=64, n_threads=1)
-    assert m.presets == STORED and m.preset == "balanced"
+    assert {n: p.to_json() for n, p in m.presets.items()} == STORED and m.preset == "balanced"
+    assert m.presets["balanced"].setting.options == ExitOptions(mode="river", threshold=0.5, min_exit_layer=1,
+                                                                tail=2, river_head=False)
     o = m.exit_options
     assert (o.mode, o.threshold, o.min_exit_layer, o.tail, o.river_head) == ("river", 0.5, 1, 2, False)
     toks = m.tokenize("a b c d e f g")
@@ -66,32 +69,73 @@ def test_malformed_presets_refused(tiny_river, tmp_path):
 BOUNDS = {"fast": 1.05, "balanced": 1.4, "quality": 2.0}
 
 
+def _tail(i: int) -> presets.Setting:
+    """Row i's setting (a river-only tail of i layers: one setting per row)."""
+    return presets.Setting.of(mode="river-only", tail=i)
+
+
 def _rows():
-    return [{"options": {"i": i}, "kld": k, "relative_cost": c} for i, (k, c) in
+    return [{"options": _tail(i), "kld": k, "relative_cost": c} for i, (k, c) in
             enumerate([(0.30, 1.0), (0.25, 1.01), (0.22, 1.05), (0.10, 1.35), (0.05, 1.6), (0.0, 3.0)])]
 
 
 def test_choose_picks_lowest_kld_per_byte_tier():
     got = cost_model.choose(_rows(), BOUNDS)
-    assert [got[n]["options"]["i"] for n in ("fast", "balanced", "quality")] == [2, 3, 4]
-    assert not any("same_as" in p for p in got.values())
-    assert got["balanced"]["tier"] == 1.4
+    assert [got[n].setting.options.tail for n in ("fast", "balanced", "quality")] == [2, 3, 4]
+    assert not any("same_as" in p.measured for p in got.values())
+    assert got["balanced"].measured["tier"] == 1.4
 
 
 def test_preset_choice_is_deterministic_for_a_fixed_grid():
     """The same measurements give the same presets, byte for byte; ties go to the cheaper row,
     then to the one listed first."""
-    rows = _rows() + [{"options": {"i": 9}, "kld": 0.10, "relative_cost": 1.2}]  # ties row 3, cheaper
+    rows = _rows() + [{"options": _tail(9), "kld": 0.10, "relative_cost": 1.2}]  # ties row 3, cheaper
     a = presets.dump(cost_model.choose(rows, BOUNDS))
     assert all(presets.dump(cost_model.choose([dict(r) for r in rows], BOUNDS)) == a for _ in range(3))
-    assert cost_model.choose(rows, BOUNDS)["balanced"]["options"] == {"i": 9}
+    assert cost_model.choose(rows, BOUNDS)["balanced"].setting == _tail(9)
     # A higher tier that finds nothing better says so instead of silently repeating a setting.
-    flat = [{"options": {"i": 0}, "kld": 0.1, "relative_cost": 1.0},
-            {"options": {"i": 1}, "kld": 0.2, "relative_cost": 1.3}]
-    got = cost_model.choose(flat, BOUNDS)
-    assert got["quality"]["options"] == {"i": 0} and got["quality"]["same_as"] == "fast" and got["quality"]["why"]
+    flat = [{"options": _tail(0), "kld": 0.1, "relative_cost": 1.0},
+            {"options": _tail(1), "kld": 0.2, "relative_cost": 1.3}]
+    got = cost_model.choose(flat, BOUNDS)["quality"]
+    assert got.setting == _tail(0) and got.measured["same_as"] == "fast" and got.measured["why"]
     # No row within a tier: the cheapest.
-    assert cost_model.choose([{"options": {}, "kld": 0.0, "relative_cost": 5.0}], BOUNDS)["fast"]["relative_cost"] == 5.0
+    cheapest = cost_model.choose([{"options": _tail(0), "kld": 0.0, "relative_cost": 5.0}], BOUNDS)["fast"]
+    assert cheapest.measured["relative_cost"] == 5.0
+
+
+# As a converter and `tune` wrote them before presets were read into ExitOptions: compact JSON,
+# keys sorted, each setting naming only some fields.
+OLD_PRESETS = (
+    '{"balanced":{"cost":1.0,"kld":0.05,"options":{"min_exit_layer":0,"mode":"river","river_head":true,"tail":2,'
+    '"threshold":0.98},"relative_cost":1.3,"tier":1.4},"fast":{"options":{"mode":"river-only","river_attention":'
+    '"backbone","river_head":true,"tail":4},"relative_cost":1.0,"tier":1.05},"quality":{"kld":0.0,"options":'
+    '{"draft_max":4,"mode":"lossless"},"same_as":"balanced","why":"cheaper"}}')
+OLD_GRID = ('[{"kld":0.0,"options":{"mode":"backbone","river_head":false,"tail":0}},{"kld":0.2,"options":'
+            '{"exit_rule":"cosine","min_exit_layer":0,"mode":"river","river_head":true,"tail":0,"threshold":0.97}}]')
+
+
+def test_stored_presets_are_exit_options_and_old_files_read_and_write_alike():
+    """A stored preset and grid row read into a Setting: an ExitOptions whose unnamed fields take
+    ExitOptions' defaults, and the fields it names. Written back, the JSON is the same, byte for
+    byte, so files written before still load and a re-chosen file keeps its keys."""
+    got = presets.parse({presets.PRESET_KEY: OLD_PRESETS})
+    assert got["balanced"].setting.options == ExitOptions(mode="river", threshold=0.98, tail=2, river_head=True)
+    assert got["fast"].setting.options.river_attention == "backbone" and got["fast"].setting.options.threshold == \
+        ExitOptions().threshold
+    assert got["quality"].setting.options == ExitOptions(mode="lossless", draft_max=4)
+    assert got["quality"].setting.names == ("mode", "draft_max") and got["quality"].measured["same_as"] == "balanced"
+    assert presets.dump(got) == OLD_PRESETS
+    rows = presets.parse_grid(OLD_GRID)
+    assert [r["options"].options.mode for r in rows] == ["backbone", "river"] and rows[1]["kld"] == 0.2
+    assert presets.dump(rows) == OLD_GRID
+    # What a preset sets over a Model's defaults is what it names; run whole, the rule and tail too.
+    assert got["quality"].setting.named() == {"mode": "lossless", "draft_max": 4}
+    assert got["quality"].setting.call_options() == {"exit_rule": "cosine", "tail": 0, "min_exit_layer": 0,
+                                                      "river_attention": "river", "mode": "lossless", "draft_max": 4}
+    with pytest.raises(ValueError, match="unknown"):
+        presets.parse_grid('[{"options":{"warp":9}}]')
+    with pytest.raises(ValueError, match="JSON object"):
+        presets.parse_grid('[{"options":[1]}]')
 
 
 def test_anchor_bytes_match_llama_cpp_files(f16_path, derived):
@@ -165,11 +209,12 @@ def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
     assert meta["river.imatrix"].startswith("collected") and meta["river.imatrix_tokens"] > 1000
     m = Model(str(out), n_ctx=128, n_threads=1)
     assert set(m.presets) == set(presets.NAMES) and m.preset == "balanced"
-    for name, p in m.presets.items():
+    for name, preset in m.presets.items():
+        p = preset.measured
         # Within its tier, or the file says why not (no setting of this file is that cheap).
         assert p["relative_cost"] <= p["tier"] + 1e-9 or "fits" in p["why"], (name, p)
         assert np.isfinite(p["ppl"]) and p["kld"] >= 0
-    assert m.exit_options.tail == m.presets["balanced"]["options"]["tail"]
+    assert m.exit_options.tail == m.presets["balanced"].setting.options.tail
     grid = json.loads(m.metadata[presets.GRID_KEY])  # every measured setting, for re-choosing tiers
     anchors = json.loads(m.metadata[presets.ANCHORS_KEY])
     assert len(grid) == len(cost_model.grid(m.n_layer))
@@ -182,13 +227,13 @@ def test_default_convert_makes_imatrix_river_and_presets(tmp_path):
         else:
             assert r["reference"] == "F16" and r["scored"] in ("batched, own prefill", "decode"), r
             assert (r["kld_ci"] is None) == r["interval"].startswith("none"), r
-    measured = [r for r in grid if "kld" in r]
-    assert {json.dumps(p["options"], sort_keys=True) for p in m.presets.values()} <= {
-        json.dumps(r["options"], sort_keys=True) for r in measured}
+    rows = presets.parse_grid(m.metadata[presets.GRID_KEY])
+    assert [r["options"] for r in rows] == cost_model.grid(m.n_layer)  # the grid's settings, read back whole
+    assert {p.setting for p in m.presets.values()} <= {r["options"] for r in rows if "kld" in r}
     cheapest = min(grid, key=lambda r: r["relative_cost"])
     assert "kld" in cheapest  # what a tier no setting fits takes, and lossless mode's acceptance
-    again = cost_model.choose(grid, anchors["bounds"])
-    assert {n: p["options"] for n, p in again.items()} == {n: p["options"] for n, p in m.presets.items()}
+    again = cost_model.choose(rows, anchors["bounds"])
+    assert {n: p.setting for n, p in again.items()} == {n: p.setting for n, p in m.presets.items()}
     # Tiers rise with the anchors' bytes: Q4_0 < Q4_K_M < Q8_0.
     b = anchors["bounds"]
     assert b["fast"] < b["balanced"] < b["quality"]
@@ -214,8 +259,8 @@ def test_plan_measures_only_what_can_win_a_tier():
     settings = cost_model.grid(L)
     ro = cost_model.step_bytes(layers, head, L, -1, 0, True)
     bb = cost_model.setting_cost(settings[0], layers, head, L) / ro
-    tails = {o["tail"]: cost_model.setting_cost(o, layers, head, L) / ro for o in settings
-             if o["mode"] == "river-only" and "river_attention" not in o}
+    tails = {o.options.tail: cost_model.setting_cost(o, layers, head, L) / ro for o in settings
+             if o.options.mode == "river-only" and "river_attention" not in o.names}
     bounds = {"fast": 0.9, "balanced": (tails[1] + tails[2]) / 2, "quality": bb + 0.01}
     why = cost_model.plan(settings, layers, head, L, bounds)
     measured = [o for o, w in zip(settings, why) if not w]
@@ -223,11 +268,11 @@ def test_plan_measures_only_what_can_win_a_tier():
     # The backbone and the cheapest setting are measured; fast fits nothing (the cheapest). So is
     # the first tail of each walk of the search (a family's deepest within a tier's bound), which
     # its first round would ask whatever the plan's rows hold.
-    base = [settings[0], {"mode": "river-only", "tail": 0, "river_head": True}]
+    base = [settings[0], presets.Setting.of(mode="river-only", tail=0, river_head=True)]
     families = [[settings[i] for i in f] for f in cost_model.tail_families(settings)]
 
     def firsts(bounds):  # each walk's first tail; a walk within base alone asks nothing
-        return [max(inside, key=lambda o: o["tail"]) for f in families for b in bounds.values()
+        return [max(inside, key=lambda o: o.options.tail) for f in families for b in bounds.values()
                 for inside in [[o for o in f if rel(o) <= b]] if any(o not in base for o in inside)]
 
     assert len(firsts(bounds)) == 3  # balanced: tail 1; quality: each family's deepest
@@ -236,7 +281,7 @@ def test_plan_measures_only_what_can_win_a_tier():
     # fits) is left to the search, whose walk compares it with the tier's best; the dynamic
     # settings within quality's bound only are the backbone's (the river's layers cost less).
     searched = [o for o, w in zip(settings, why) if w == cost_model.SEARCHED]
-    in_quality = [o for o in settings[1:] if o["mode"] == "river-only" and rel(o) <= bounds["quality"]]
+    in_quality = [o for o in settings[1:] if o.options.mode == "river-only" and rel(o) <= bounds["quality"]]
     assert searched == [o for o in in_quality if o not in measured] and len(searched) > 3
     # A walk within tail 0 alone (fast's bound) asks nothing: the other walks' first tails are
     # still measured with the plan.
@@ -244,12 +289,12 @@ def test_plan_measures_only_what_can_win_a_tier():
     assert [o for o, w in zip(settings, cost_model.plan(settings, layers, head, L, narrow)) if not w] == \
         base + [o for o in settings if o in firsts(narrow)]
     assert all(w for o, w in zip(settings, why) if o not in measured and o not in searched)
-    assert all("backbone takes" in w for o, w in zip(settings, why) if o["mode"] == "river"
+    assert all("backbone takes" in w for o, w in zip(settings, why) if o.is_dynamic
                and cost_model.setting_cost(o, layers, head, L) / ro <= bounds["quality"])
     # A dynamic setting whose least possible cost fits is measured, unless a prediction of its
     # exits (with the margin) puts it out.
     wide = dict(bounds, balanced=1.3)  # below the backbone (1.36x), above every dynamic least cost
-    dyn = [i for i, o in enumerate(settings) if o["mode"] == "river"]
+    dyn = [i for i, o in enumerate(settings) if o.is_dynamic]
     assert all(not cost_model.plan(settings, layers, head, L, wide)[i] for i in dyn)
     late = cost_model.plan(settings, layers, head, L, dict(bounds, balanced=tails[2]), lambda o: L - 2.0)
     assert all(late[i] for i in dyn) and any("predicted" in late[i] for i in dyn)
@@ -266,7 +311,7 @@ def _family_rows(klds, costs, noise=0.0, n_items=16):
     for i, (k, c) in enumerate(zip(klds, costs)):
         per = [[64, 64 * k * (1 + (0.3 if j % 2 else -0.3) * (j % 5) / 4) + noise * ((j * (i + 3)) % 7 - 3)]
                for j in range(n_items)]
-        out[i] = {"options": {"mode": "river-only", "tail": i}, "relative_cost": c, "items": list(range(n_items)),
+        out[i] = {"options": _tail(i), "relative_cost": c, "items": list(range(n_items)),
                   "item_kld": per, "kld": sum(x for _, x in per) / sum(n for n, _ in per)}
     return out
 
@@ -296,8 +341,8 @@ def test_the_tail_search_measures_what_can_be_picked_and_picks_as_the_sweep():
         res, asked = _searched(falling, bounds)
         full = cost_model.choose(list(falling.values()), bounds)
         part = cost_model.choose([falling[i] for i in asked], bounds)
-        assert {n: p["options"] for n, p in part.items()} == {n: p["options"] for n, p in full.items()}
-        assert full["balanced"]["options"]["tail"] == balanced and not res["fallback"]
+        assert {n: p.setting for n, p in part.items()} == {n: p.setting for n, p in full.items()}
+        assert full["balanced"].setting.options.tail == balanced and not res["fallback"]
         # fast: the one tail in its bound; quality: tail 7, and tail 6 is separated from it;
         # balanced: from tail 6 down to the first separated from the tier's best. More item
         # noise ties more tails, so the walk goes further and the pick is cheaper.
@@ -342,14 +387,14 @@ def test_measured_settings_are_whole_whatever_the_default_preset(tiny_river, tmp
     m = Model(str(path), n_ctx=128, n_threads=1)
     assert m.exit_options.river_attention == "backbone" and m.exit_options.tail == 2
     row = {"mode": "river-only", "river_head": True}
-    o = m.options(**presets.complete(row))
+    o = m.options(**presets.Setting.of(**row).call_options())
     assert (o.tail, o.river_attention) == (0, "river")
     assert report._resolved_options(m, row)["river_attention"] == "river"
     assert report._resolved_options(m, row)["tail"] == 0
     assert report._resolved_options(m, {"preset": "balanced"})["tail"] == 2
     plain = Model(tiny_river, n_ctx=128, n_threads=1)  # no presets: its defaults are the plain ones
     toks = plain.tokenize("the river runs to the sea and the sea")
-    a = score(m, toks, **presets.complete(row)).logprobs
+    a = score(m, toks, **presets.Setting.of(**row).call_options()).logprobs
     b = score(plain, toks, **row).logprobs
     assert np.array_equal(a, b)
     assert dataclasses.asdict(plain.options(**row))["river_attention"] == "river"
@@ -390,7 +435,7 @@ def test_a_tier_takes_a_closer_setting_only_where_the_difference_separates():
 
     def row(kl, cost, name):
         k = sum(x for _, x in kl) / sum(n for n, _ in kl)
-        return {"options": {"mode": "river-only", "tail": name}, "kld": k, "relative_cost": cost,
+        return {"options": _tail(name), "kld": k, "relative_cost": cost,
                 "items": items, "item_kld": kl}
 
     ra, rb, rc = row(a, 1.05, 1), row(b, 1.00, 2), row(c, 1.01, 3)
@@ -398,12 +443,12 @@ def test_a_tier_takes_a_closer_setting_only_where_the_difference_separates():
     assert rc["kld"] > ra["kld"]
     bounds = {"fast": 1.0, "balanced": 1.02, "quality": 1.1}
     picked = choose([ra, rb, rc], bounds)
-    assert picked["fast"]["options"] == rb["options"]       # the only one that fits
-    assert picked["balanced"]["options"] == rc["options"]   # b is separated from c; c is the closest that fits
-    assert picked["quality"]["options"] == rc["options"]    # a is closer, but not separably: the cheaper c
+    assert picked["fast"].setting == rb["options"]       # the only one that fits
+    assert picked["balanced"].setting == rc["options"]   # b is separated from c; c is the closest that fits
+    assert picked["quality"].setting == rc["options"]    # a is closer, but not separably: the cheaper c
     # Without the noise, a separates from c and the quality tier takes it.
     rc2 = row([[64, x * 1.3] for _, x in a], 1.01, 3)
-    assert choose([ra, rb, rc2], bounds)["quality"]["options"] == ra["options"]
+    assert choose([ra, rb, rc2], bounds)["quality"].setting == ra["options"]
 
 
 def test_the_search_chooses_the_presets_of_the_full_sweep_on_smollm2(river_gguf_path):
@@ -415,7 +460,7 @@ def test_the_search_chooses_the_presets_of_the_full_sweep_on_smollm2(river_gguf_
     from river_gguf.calibrate import preset_grid
     from river_gguf.measure.scoring import calibration_prepared
     from river_gguf.options import never_exit
-    from river_gguf.profile import similarity_profile
+    from river_gguf.measure.profile import similarity_profile
     from support import THREADS
 
     m = Model(river_gguf_path, n_ctx=1024, n_threads=THREADS, threshold=never_exit("cosine"))
@@ -434,11 +479,32 @@ def test_the_search_chooses_the_presets_of_the_full_sweep_on_smollm2(river_gguf_
     skip, search = preset_grid.plan_and_search(m, settings, measure, profile)
     assert sorted(asked) == [i for i, why in enumerate(skip) if not why]
     searched = cost_model.choose([full["rows"][i] for i in sorted(asked)], full["anchors"]["bounds"])
-    assert {n: p["options"] for n, p in searched.items()} == {n: p["options"] for n, p in full["presets"].items()}
+    assert {n: p.setting for n, p in searched.items()} == {n: p.setting for n, p in full["presets"].items()}
     # It left settings out, after searching: tails past 0 were measured (the walks' first tails
     # with the plan's settings, where no walk starts at one the plan measures; the rest in rounds).
     assert len(asked) < len(settings)
-    assert any(settings[i]["mode"] == "river-only" and settings[i]["tail"] > 0 for i in asked)
-    assert len({json.dumps(p["options"], sort_keys=True) for p in full["presets"].values()}) > 1  # a real choice
-    backbone = next(r for r in full["rows"] if r["options"]["mode"] == "backbone")
+    assert any(settings[i].options.mode == "river-only" and settings[i].options.tail > 0 for i in asked)
+    assert len({p.setting for p in full["presets"].values()}) > 1  # a real choice
+    backbone = next(r for r in full["rows"] if r["options"].options.mode == "backbone")
     assert backbone["items"] == list(range(len(prepared))) and backbone["kld_ci"] is not None  # every item
+
+
+def test_a_rules_tau_grid_is_its_own_and_stays_below_its_max_score():
+    """A rule without hand-placed taus takes quantiles of its profile, but never one at its
+    max_score: that threshold never passes, the backbone's setting again. Its dynamic settings
+    name the rule, in their JSON too."""
+    from river_gguf.options import max_score
+
+    top = max_score("update")
+    sims = np.full((20, 6), 0.5)
+    sims[:, 1:-1] = np.linspace(0.6, 0.9, 20)[:, None]
+    sims[17:, 1:-1] = top  # the top 15% of mid-layer scores at the bound
+    assert np.quantile(sims[:, 1:-1], cost_model.DYNAMIC_QUANTILES[-1]) == top
+    taus = cost_model.dynamic_taus("update", sims)
+    assert taus and all(t < top for t in taus) and len(taus) == len(cost_model.DYNAMIC_QUANTILES) - 1
+    dynamic = [s for s in cost_model.grid(6, exit_rule="update", profile=sims) if s.is_dynamic]
+    assert dynamic and {s.options.threshold for s in dynamic} == set(taus)
+    assert all(s.options.exit_rule == "update" and json.loads(presets.dump(s))["exit_rule"] == "update"
+               for s in dynamic)
+    with pytest.raises(ValueError, match="needs its profile"):
+        cost_model.dynamic_taus("update")

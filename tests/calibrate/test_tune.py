@@ -60,14 +60,15 @@ def test_tune_rechooses_from_timed_grid_and_changes_no_tensor(tuned_pair, tmp_pa
     assert json.loads(m.metadata[presets.GRID_KEY]) == grid  # the measured KLDs are kept
     anchors = json.loads(m.metadata[presets.ANCHORS_KEY])
     assert anchors["measure"] == "timed" and set(anchors["seconds_per_step"]) == {"q4_0", "q4_k_m", "q8_0"}
-    options = [r["options"] for r in grid]
+    rows = presets.parse_grid(m.metadata[presets.GRID_KEY])
+    options = [r["options"] for r in rows]
     assert set(m.presets) == set(presets.NAMES)
     for name, p in m.presets.items():
-        if p["options"].get("mode") == "lossless":  # only where it was predicted to beat the backbone
-            assert res["lossless"]["pays"] and p["kld"] == 0.0
-            assert p["options"]["draft_max"] == res["lossless"]["draft_max"]
+        if p.setting.options.mode == "lossless":  # only where it was predicted to beat the backbone
+            assert res["lossless"]["pays"] and p.measured["kld"] == 0.0
+            assert p.setting.options.draft_max == res["lossless"]["draft_max"]
         else:
-            assert p["options"] in options and p["kld"] == grid[options.index(p["options"])]["kld"]
+            assert p.setting in options and p.measured["kld"] == rows[options.index(p.setting)]["kld"]
     # Lossless mode is priced from timed costs and the grid's acceptance, and said so.
     lossless = res["lossless"]
     assert set(lossless["costs"]) == {"step", "draft", "verify", "context"} and 0 <= lossless["acceptance"] <= 1
@@ -75,7 +76,7 @@ def test_tune_rechooses_from_timed_grid_and_changes_no_tensor(tuned_pair, tmp_pa
     assert lossless["line"].startswith("lossless") and str(lossless["draft_max"]) in lossless["line"]
     # The stored choice is cost_model.choose on the timed rows and bounds: a pure function of them.
     again = cost_model.choose(res["rows"], anchors["bounds"])
-    assert {n: p["options"] for n, p in again.items()} == {n: p["options"] for n, p in m.presets.items()}
+    assert {n: p.setting for n, p in again.items()} == {n: p.setting for n, p in m.presets.items()}
     assert json.loads(m.metadata[tune_mod.TUNED_KEY])["rounds"] == 1
 
 
@@ -116,7 +117,7 @@ def test_tune_all_measures_the_whole_grid_against_its_reference(tuned_pair, tmp_
     assert any("kld" not in r for r in stored)  # the conversion left settings out
     res = tune_mod.tune(str(copy), n_threads=1, tokens=8, rounds=1, progress=False, reference=f16,
                         calibration_tokens=32)
-    timed = [r for r in res["rows"] if r["options"].get("mode") != "lossless"]
+    timed = [r for r in res["rows"] if r["options"].options.mode != "lossless"]
     assert len(timed) == len(stored) and all(r["reference"] == "F16" and "seconds_per_step" in r for r in timed)
     m = Model(str(copy), n_ctx=64, n_threads=1)
     grid = json.loads(m.metadata[presets.GRID_KEY])

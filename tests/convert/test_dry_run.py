@@ -1,5 +1,4 @@
 """`river-gguf convert --dry-run`: the plan of a conversion, before any work, and nothing written."""
-import json
 import os
 import subprocess
 import sys
@@ -7,7 +6,7 @@ import sys
 from river_gguf.calibrate.cost_model import SEARCHED
 from river_gguf.convert import dry_run
 from river_gguf.convert.build import build_river_gguf
-from river_gguf.presets import GRID_KEY
+from river_gguf.presets import GRID_KEY, parse_grid
 from river_gguf.eval.random_model import write_tiny_model
 
 
@@ -25,9 +24,9 @@ def test_the_plan_is_what_the_conversion_does(tmp_path):
     # The settings it says are in play are the ones the conversion measures: every one it plans,
     # and of the tails it says are searched those the search reaches; nothing else.
     meta = build_river_gguf(src, out, threshold=0.9, progress=False, n_threads=1)
-    measured = {json.dumps(r["options"], sort_keys=True) for r in json.loads(meta[GRID_KEY]) if "kld" in r}
-    planned = {json.dumps(r["options"], sort_keys=True) for r in plan.settings if not r["why"]}
-    searched = {json.dumps(r["options"], sort_keys=True) for r in plan.settings if r["why"] == SEARCHED}
+    measured = {r["options"] for r in parse_grid(meta[GRID_KEY]) if "kld" in r}
+    planned = {r["options"] for r in plan.settings if not r["why"]}
+    searched = {r["options"] for r in plan.settings if r["why"] == SEARCHED}
     assert planned <= measured <= planned | searched
     assert any("not measured here" in line for line in lines)  # it names the constants it cannot measure
 

@@ -7,7 +7,7 @@ import pytest
 from river_gguf import Model, _native
 from river_gguf.cli import main
 from river_gguf.options import EXIT_RULES, ExitOptions, max_score, never_exit
-from river_gguf.profile import default_threshold, similarity_profile
+from river_gguf.measure.profile import default_threshold, similarity_profile
 from river_gguf.eval.random_model import write_tiny_model
 
 

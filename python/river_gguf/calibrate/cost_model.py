@@ -35,8 +35,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from .._loader import native
 from ..gguf.reader import GGUFReader
 from ..gguf.river_index import river_tensors
-from ..options import EXIT_RULES
-from ..profile import rule_taus
+from ..measure.profile import rule_taus
+from ..options import EXIT_RULES, max_score
+from ..presets import Preset, Setting
 
 # Each tier and the llama.cpp quant whose bytes per decode step bound it.
 TIERS = (("fast", "q4_0"), ("balanced", "q4_k_m"), ("quality", "q8_0"))
@@ -94,8 +95,9 @@ def step_bytes(layer_bytes: List[dict], head_bytes: dict, n_layer: int, exit_lay
     return total
 
 
-def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, dict]:
-    """Pick the presets from measured rows ({"options", "kld", "relative_cost", ...}): per tier,
+def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, Preset]:
+    """Pick the presets from measured rows ({"options": a presets.Setting, "kld", "relative_cost",
+    ...}): per tier,
     the lowest KLD among rows whose relative cost is within bounds[tier] (ties: the cheaper, then
     the row listed first); a tier no row fits gets the cheapest row. A pure function of its
     inputs: the same rows and bounds give the same presets. Rows without a KLD (settings plan
@@ -127,26 +129,26 @@ def choose(rows: List[dict], bounds: Dict[str, float]) -> Dict[str, dict]:
         elif not ok:
             entry["why"] = f"no measured setting fits {tier:.2f}x river-only's cost: the cheapest is {pick['relative_cost']:.2f}x"
         out[name] = entry
-    return out
+    return {name: Preset.of_row(entry) for name, entry in out.items()}
 
 
-def setting_cost(options: dict, layers: List[dict], head: dict, n_layer: int,
+def setting_cost(setting: Setting, layers: List[dict], head: dict, n_layer: int,
                  mean_exit_layer: float = float("nan")) -> float:
     """A setting's decode cost per step (step_bytes with measure="cost" layers and head). A
     dynamic setting's depends on its mean exit layer; without one (NaN), its least possible cost:
     every token leaving at its min_exit_layer, after one exit test."""
-    dynamic = options.get("mode") == "river"
+    dynamic = setting.is_dynamic
     if dynamic and not np.isfinite(mean_exit_layer):
-        mean_exit_layer = float(options.get("min_exit_layer", 0))
-    step = setting_step(options, n_layer, mean_exit_layer)
+        mean_exit_layer = float(setting.options.min_exit_layer)
+    step = setting_step(setting, n_layer, mean_exit_layer)
     cost = step_bytes(layers, head, n_layer, *step)
     if dynamic:  # the layers the exit tests
-        cost += EXIT_TEST_COST * (min(float(step[0]), n_layer - 1 - options.get("tail", 0)) + 1)
+        cost += EXIT_TEST_COST * (min(float(step[0]), n_layer - 1 - setting.options.tail) + 1)
     return cost
 
 
 #: How far above a tier's bound a dynamic setting's predicted cost may be and still be measured: its
-#: mean exit layer is predicted from backbone decode (profile.predicted_mean_exit), not measured.
+#: mean exit layer is predicted from backbone decode (measure.profile.predicted_mean_exit), not measured.
 #: benchmarks/convert_cost.py --margin measures how far the measured cost of each dynamic setting
 #: lies above its prediction on a model (the largest ratio is what this has to cover).
 PREDICTION_MARGIN = 1.03
@@ -155,8 +157,8 @@ PREDICTION_MARGIN = 1.03
 SEARCHED = "searched"
 
 
-def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bounds: Dict[str, float],
-         mean_exit: Optional[Callable[[dict], float]] = None) -> List[str]:
+def plan(settings: List[Setting], layers: List[dict], head: dict, n_layer: int, bounds: Dict[str, float],
+         mean_exit: Optional[Callable[[Setting], float]] = None) -> List[str]:
     """Which settings a calibration has to measure for choose to pick the tiers, from costs alone
     (known from types and shapes before anything runs). Per setting, "" (measure it), SEARCHED
     (a tail the search decides: search_next) or why not.
@@ -178,13 +180,13 @@ def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bou
       spare; without a prediction, their least possible cost is used.
     Everything else fits no tier it could win and is left out."""
     river_only = step_bytes(layers, head, n_layer, -1, 0, True)
-    def predicted(o: dict) -> float:
-        if o.get("mode") != "river" or mean_exit is None:
+    def predicted(o: Setting) -> float:
+        if not o.is_dynamic or mean_exit is None:
             return setting_cost(o, layers, head, n_layer) / river_only
         return setting_cost(o, layers, head, n_layer, mean_exit(o)) / river_only / PREDICTION_MARGIN
 
     costs = [predicted(o) for o in settings]
-    backbone = next((i for i, o in enumerate(settings) if o.get("mode") == "backbone"), None)
+    backbone = next((i for i, o in enumerate(settings) if o.options.mode == "backbone"), None)
     lower = all(lb["river"] < lb["backbone"] for lb in layers) and head["river"] <= head["backbone"]
     open_bounds, decided = [], []
     for name, _ in TIERS:
@@ -194,8 +196,7 @@ def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bou
         else:
             open_bounds.append(bound)
     cheapest = min(range(len(settings)), key=lambda i: costs[i]) if settings else None
-    base = next((i for i, o in enumerate(settings) if o.get("mode") == "river-only" and not o.get("tail")
-                 and o.get("river_attention", "river") == "river"), None)
+    base = next((i for i, o in enumerate(settings) if o.plain_river_only), None)
     top = max(open_bounds, default=float("-inf"))
     top_any = max((float(b) for b in bounds.values()), default=float("-inf"))
     searched = {i for family in tail_families(settings) for i in family}
@@ -211,7 +212,7 @@ def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bou
             why.append(f"within {'/'.join(decided)}'s cost, which the backbone takes: every other setting runs layers "
                        "in the lower-precision river")
         else:
-            dynamic = settings[i].get("mode") == "river"
+            dynamic = settings[i].is_dynamic
             what = (f"is predicted to cost {c * PREDICTION_MARGIN:.3f}x" if dynamic and mean_exit is not None
                     else f"costs at least {c:.3f}x" if dynamic else f"costs {c:.3f}x")
             limit = top_any if i in searched else top
@@ -220,7 +221,7 @@ def plan(settings: List[dict], layers: List[dict], head: dict, n_layer: int, bou
     return _first_walks_measured(settings, why, costs, bounds)
 
 
-def _first_walks_measured(settings: List[dict], why: List[str], costs: List[float],
+def _first_walks_measured(settings: List[Setting], why: List[str], costs: List[float],
                           bounds: Dict[str, float]) -> List[str]:
     """plan's marks with the search's first round measured with the plan's settings, where that
     round depends on no measurement. A walk of search_next (per family and tier) that starts at a
@@ -243,16 +244,16 @@ def _first_walks_measured(settings: List[dict], why: List[str], costs: List[floa
     return ["" if i in first else w for i, w in enumerate(why)]
 
 
-def tail_families(settings: List[dict]) -> List[List[int]]:
+def tail_families(settings: List[Setting]) -> List[List[int]]:
     """The static river-only settings grouped by family (the same attention and head), each
     family's indices in order of tail, shallowest first: a deeper tail runs more of the last
     layers in the backbone, so it costs more and is expected to come closer to the backbone."""
     families: Dict[tuple, List[int]] = {}
-    for i, o in enumerate(settings):
-        if o.get("mode") == "river-only" and o.get("exit_layer") is None:
-            key = (o.get("river_attention", "river"), bool(o.get("river_head", True)))
-            families.setdefault(key, []).append(i)
-    return [sorted(idx, key=lambda i: settings[i].get("tail", 0)) for idx in families.values()]
+    for i, s in enumerate(settings):
+        o = s.options
+        if o.mode == "river-only" and o.exit_layer is None:
+            families.setdefault((o.river_attention, bool(o.river_head)), []).append(i)
+    return [sorted(idx, key=lambda i: settings[i].options.tail) for idx in families.values()]
 
 
 def search_next(family: List[int], costs: List[float], rows: Dict[int, dict], bounds: Dict[str, float]) -> List[int]:
@@ -437,49 +438,51 @@ DYNAMIC_TAILS = (2, 4)
 ATTENTION_TAILS = (0, 2, 4, 8)
 #: Hand-placed taus of the dynamic settings, by rule: cosine's dense where SmolLM2's and
 #: Qwen2.5's mid-layer similarities live. A rule without an entry takes DYNAMIC_QUANTILES of its
-#: profile (profile.rule_taus): cosine's 0.97-0.99 sit near those quantiles on SmolLM2.
+#: profile (measure.profile.rule_taus): cosine's 0.97-0.99 sit near those quantiles on SmolLM2.
 DYNAMIC_TAUS = {"cosine": (0.97, 0.98, 0.99)}
 DYNAMIC_QUANTILES = (0.7, 0.8, 0.9)
 
 
 def dynamic_taus(exit_rule: str = EXIT_RULES[0], profile=None) -> Tuple[float, ...]:
     """The dynamic settings' taus for `exit_rule`: its hand-placed ones, else quantiles of its
-    profile (the rule's scores, profile.similarity_profile), which such a rule needs."""
+    profile (the rule's scores, measure.profile.similarity_profile), which such a rule needs;
+    below the rule's max_score, as a tau at or above it never exits (the backbone's setting)."""
     if exit_rule in DYNAMIC_TAUS:
-        return DYNAMIC_TAUS[exit_rule]
-    if profile is None:
+        taus = DYNAMIC_TAUS[exit_rule]
+    elif profile is None:
         raise ValueError(f"exit rule {exit_rule!r} has no hand-placed taus: its grid needs its profile")
-    return rule_taus(profile, DYNAMIC_QUANTILES)
+    else:
+        taus = rule_taus(profile, DYNAMIC_QUANTILES)
+    return tuple(t for t in taus if t < max_score(exit_rule))
 
 
-def grid(n_layer: int, river_head: bool = True, exit_rule: str = EXIT_RULES[0], profile=None) -> List[dict]:
+def grid(n_layer: int, river_head: bool = True, exit_rule: str = EXIT_RULES[0], profile=None) -> List[Setting]:
     """The settings the calibrator measures; the dynamic ones exit by `exit_rule` at its taus
     (dynamic_taus: profile is that rule's profile, needed for a rule without hand-placed taus)."""
     taus = dynamic_taus(exit_rule, profile)
     rule = {} if exit_rule == EXIT_RULES[0] else {"exit_rule": exit_rule}
     # The backbone alone is a candidate too: with a Q8_0 backbone it is llama.cpp's Q8_0 at its
     # own cost, and no setting with river layers in it comes closer to F16 at that cost.
-    rows = [{"mode": "backbone", "tail": 0, "river_head": False}]
-    rows += [{"mode": "river-only", "tail": t, "river_head": river_head} for t in STATIC_TAILS if t < n_layer]
-    rows += [{"mode": "river", **rule, "threshold": tau, "min_exit_layer": 0, "tail": t, "river_head": river_head}
+    rows = [Setting.of(mode="backbone", tail=0, river_head=False)]
+    rows += [Setting.of(mode="river-only", tail=t, river_head=river_head) for t in STATIC_TAILS if t < n_layer]
+    rows += [Setting.of(mode="river", **rule, threshold=tau, min_exit_layer=0, tail=t, river_head=river_head)
              for t in DYNAMIC_TAILS for tau in taus if t < n_layer - 1]
-    rows += [{"mode": "river-only", "tail": t, "river_head": river_head, "river_attention": "backbone"}
+    rows += [Setting.of(mode="river-only", tail=t, river_head=river_head, river_attention="backbone")
              for t in ATTENTION_TAILS if t < n_layer]
-    rows += [{"mode": "river", **rule, "threshold": tau, "min_exit_layer": 0, "tail": 0, "river_head": river_head,
-              "river_attention": "backbone"} for tau in taus if n_layer > 1]
+    rows += [Setting.of(mode="river", **rule, threshold=tau, min_exit_layer=0, tail=0, river_head=river_head,
+                        river_attention="backbone") for tau in taus if n_layer > 1]
     return rows
 
 
-def setting_step(options: dict, n_layer: int, mean_exit_layer: float) -> tuple:
+def setting_step(setting: Setting, n_layer: int, mean_exit_layer: float) -> tuple:
     """step_bytes's (exit_layer, tail, river_head, river_attention) for a setting: the backbone
     alone reads every backbone layer and its own head; river-only exits before layer 0; the
     dynamic exit at its measured mean exit layer."""
-    mode = options.get("mode")
-    if mode == "backbone":
+    o = setting.options
+    if o.mode == "backbone":
         return (n_layer - 1, 0, False, "river")
-    exit_layer = -1.0 if mode == "river-only" else mean_exit_layer
-    return (exit_layer, options.get("tail", 0), options.get("river_head", True),
-            options.get("river_attention", "river"))
+    exit_layer = -1.0 if o.mode == "river-only" else mean_exit_layer
+    return (exit_layer, o.tail, o.river_head, o.river_attention)
 
 
 def backbone_layers_per_step(n_layer: int, mean_exit_layer: float, tail: int) -> float:

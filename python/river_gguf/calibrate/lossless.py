@@ -91,10 +91,8 @@ def describe(choice: dict, costs: Costs) -> str:
 def river_only_acceptance(grid_rows: Sequence[dict]) -> Optional[float]:
     """The calibration acceptance of river-only drafts: the plain river-only setting's same-top
     rate against the backbone, as a fraction (None when the grid has no such row)."""
-    for r in grid_rows:
-        o = r.get("options", {})
-        if (o.get("mode") == "river-only" and not o.get("tail") and o.get("river_attention", "river") == "river"
-                and r.get("same_top") is not None):
+    for r in grid_rows:  # each {"options": a presets.Setting, numbers...}
+        if r["options"].plain_river_only and r.get("same_top") is not None:
             v = float(r["same_top"])
             return v / 100.0 if v > 1.0 else v
     return None

@@ -15,8 +15,8 @@ from ..measure import divergence
 from ..measure.scoring import calibration_prepared, prepare
 from ..measure.tails import river_tails
 from ..options import EXIT_RULES, never_exit
-from ..profile import predicted_mean_exit, similarity_profile
-from ..presets import ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, GRID_KEY, PRESET_KEY, complete, dump
+from ..measure.profile import predicted_mean_exit, similarity_profile
+from ..presets import ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, GRID_KEY, PRESET_KEY, Setting, dump
 from . import open_model
 from .cost_model import (DYNAMIC_TAUS, SEARCHED, backbone_layers_per_step, choose, grid, plan, search,
                          setting_cost, setting_step, step_bytes, tail_families, tier_bounds, weight_bytes)
@@ -32,7 +32,7 @@ MIN_INTERVAL_ITEMS = 10
 
 
 def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool = True,
-                      settings: Optional[List[dict]] = None, batched: bool = True, min_tokens: int = 1024,
+                      settings: Optional[List[Setting]] = None, batched: bool = True, min_tokens: int = 1024,
                       prepared=None, reference=None, prune: bool = False, profile=None,
                       exit_rule: Optional[str] = None) -> dict:
     """Measure `settings` (default: grid()) on the calibration split and choose the presets.
@@ -53,7 +53,7 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     is separated from the tier's best, in rounds over the items; where the measured tails'
     KLD does not fall as the tail deepens, the whole family within the bounds is measured). The
     settings left out stay in the rows with their cost and why they were not measured, and no
-    KLD. profile: the backbone's similarity profile (profile.similarity_profile), from which plan
+    KLD. profile: the backbone's similarity profile (measure.profile.similarity_profile), from which plan
     predicts where a dynamic setting's tokens exit. exit_rule: the dynamic settings' rule
     (default: the model's), and the rule of `profile`; the default grid's taus are the rule's
     (cost_model.dynamic_taus).
@@ -65,7 +65,8 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
     weight_bytes(measure="cost")), against the tier bounds of tier_bounds; each row also records
     the bytes the step reads. items: {domain: [Item]}, or None for calibration items until
     min_tokens scored tokens; prepared: the (tokens, prefix) items themselves (reference's order).
-    Returns {"presets", "rows", "anchors", "reference", "search", ...}."""
+    Returns {"presets" (presets.Preset by name), "rows" ({"options": the Setting, its numbers...}),
+    "anchors", "reference", "search", ...}."""
 
     if prepared is None:
         prepared = (calibration_prepared(model, min_tokens, score_tokens) if items is None
@@ -99,7 +100,7 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
                             default=min(r["n_tokens"] for r in measured))}
 
 
-def plan_and_search(model, settings: List[dict], measure: Callable[[List[int]], Dict[int, dict]],
+def plan_and_search(model, settings: List[Setting], measure: Callable[[List[int]], Dict[int, dict]],
                     profile=None) -> tuple:
     """What calibrate_presets(prune=True) measures of `settings` on `model`, with `measure` doing
     the measuring: cost_model.plan's settings, then cost_model.search's rounds over the
@@ -110,7 +111,7 @@ def plan_and_search(model, settings: List[dict], measure: Callable[[List[int]], 
     return _plan_and_search(settings, _SettingCosts(model, settings, profile), measure)
 
 
-def _plan_and_search(settings: List[dict], costs: "_SettingCosts", measure) -> tuple:
+def _plan_and_search(settings: List[Setting], costs: "_SettingCosts", measure) -> tuple:
     skip = plan(settings, costs.layers, costs.head, costs.n_layer, costs.bounds, costs.exit_guess)
     measure([i for i, why in enumerate(skip) if not why])
     families = [[i for i in f if skip[i] in ("", SEARCHED)] for f in tail_families(settings)]
@@ -123,56 +124,56 @@ def _plan_and_search(settings: List[dict], costs: "_SettingCosts", measure) -> t
     return skip, {"rounds": res["rounds"], "fallback": [_family_name(settings[i]) for i in res["fallback"]]}
 
 
-def _family_name(options: dict) -> str:
-    return f"river-only ({options.get('river_attention', 'river')} attention)"
+def _family_name(setting: Setting) -> str:
+    return f"river-only ({setting.options.river_attention} attention)"
 
 
 class _SettingCosts:
     """The cost model's view of a model's settings: each one's cost, the tier bounds, and the
     rows calibrate_presets stores."""
 
-    def __init__(self, model, settings: List[dict], profile):
+    def __init__(self, model, settings: List[Setting], profile):
         self.layers, self.head = weight_bytes(model, "cost")
         self.layers_b, self.head_b = weight_bytes(model, "bytes")
         self.n_layer = L = model.n_layer
         self.anchors = tier_bounds(model, self.layers, self.head)
         self.bounds = self.anchors["bounds"]
         self.river_only = step_bytes(self.layers, self.head, L, -1, 0, True)
-        self.exit_guess = None if profile is None else (lambda o: predicted_mean_exit(
-            profile, o["threshold"], o.get("min_exit_layer", 0), o.get("tail", 0)))
+        self.exit_guess = None if profile is None else (lambda s: predicted_mean_exit(
+            profile, s.options.threshold, s.options.min_exit_layer, s.options.tail))
 
-    def static_relative(self, opts: dict) -> float:
+    def static_relative(self, setting: Setting) -> float:
         """A setting's relative cost known before it runs (a dynamic one's least possible)."""
-        return setting_cost(opts, self.layers, self.head, self.n_layer) / self.river_only
+        return setting_cost(setting, self.layers, self.head, self.n_layer) / self.river_only
 
-    def comparable(self, i: int, opts: dict, scorer: "_Scorer") -> dict:
+    def comparable(self, i: int, setting: Setting, scorer: "_Scorer") -> dict:
         """What choose and the search compare of a measured setting."""
         run = scorer.run(i)
-        cost = setting_cost(opts, self.layers, self.head, self.n_layer, run.mean_exit_layer)
+        cost = setting_cost(setting, self.layers, self.head, self.n_layer, run.mean_exit_layer)
         return {"kld": divergence.summarize(run)["kld"], "relative_cost": cost / self.river_only,
                 "items": scorer.items(i), "item_kld": divergence.item_klds(run)}
 
-    def row(self, i: int, opts: dict, scorer: "_Scorer", why: str) -> dict:
+    def row(self, i: int, setting: Setting, scorer: "_Scorer", why: str) -> dict:
         L = self.n_layer
         if i not in scorer.measured():
-            guess = float("nan") if self.exit_guess is None or opts.get("mode") != "river" else self.exit_guess(opts)
-            cost = setting_cost(opts, self.layers, self.head, L, guess)
-            return {"options": dict(opts), "cost": cost, "relative_cost": cost / self.river_only,
+            guess = float("nan") if self.exit_guess is None or not setting.is_dynamic else self.exit_guess(setting)
+            cost = setting_cost(setting, self.layers, self.head, L, guess)
+            return {"options": setting, "cost": cost, "relative_cost": cost / self.river_only,
                     "scored": "not measured", "why": why}
         r = scorer.run(i)
-        step = setting_step(opts, L, r.mean_exit_layer)
+        step = setting_step(setting, L, r.mean_exit_layer)
         mean_exit = float(step[0])
-        cost = setting_cost(opts, self.layers, self.head, L, mean_exit)
+        cost = setting_cost(setting, self.layers, self.head, L, mean_exit)
         s = divergence.summarize(r)
         n_items = len(r.items)
         interval = n_items >= MIN_INTERVAL_ITEMS
-        return {"options": dict(opts), "kld": s["kld"], "kld_ci": s["kld_ci"] if interval else None,
+        return {"options": setting, "kld": s["kld"], "kld_ci": s["kld_ci"] if interval else None,
                 "interval": (f"{divergence.CONFIDENCE:.0%} item bootstrap over {n_items} items"
                              if interval else f"none: {n_items} items, too few for an interval"),
                 "same_top": s["same_top"], "ppl": r.perplexity, "mean_exit_layer": mean_exit, "cost": cost,
                 "bytes": step_bytes(self.layers_b, self.head_b, L, *step),
                 "relative_cost": cost / self.river_only,
-                "backbone_layers": backbone_layers_per_step(L, mean_exit, opts.get("tail", 0)),
+                "backbone_layers": backbone_layers_per_step(L, mean_exit, setting.options.tail),
                 "reference": scorer.label, "reference_ppl": scorer.reference_run(scorer.items(i)).perplexity,
                 "scored": ("batched, own prefill" if scorer.batched_setting(i) else "decode"),
                 "n_tokens": r.n_tokens, "items": scorer.items(i), "item_kld": divergence.item_klds(r)}
@@ -234,9 +235,9 @@ class _Scorer:
             self._ref_only[k] = divergence.compare(ref, ref, toks[prefix:])
         return ref
 
-    def measure(self, settings: Dict[int, dict]) -> None:
-        """Score `settings` ({index: options}) on their items."""
-        configs = {i: dict(exit_layer=None, **complete(o)) for i, o in settings.items()}
+    def measure(self, settings: Dict[int, Setting]) -> None:
+        """Score `settings` ({index: setting}) on their items."""
+        configs = {i: dict(exit_layer=None, **s.call_options()) for i, s in settings.items()}
         static = {i for i, o in configs.items() if self.batched and divergence.is_static(o)}
         self._static |= static
         every = {i: (1 if i in static else self.stride) for i in configs}

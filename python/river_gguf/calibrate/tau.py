@@ -12,7 +12,7 @@ from ..gguf.meta import set_river_metadata
 from ..measure import data as eval_data
 from ..measure.scoring import calibration_items, prepare, score_items
 from ..options import EXIT_RULES, never_exit
-from ..profile import rule_taus, similarity_profile
+from ..measure.profile import rule_taus, similarity_profile
 from . import open_model
 
 # Cosine's, dense where SmolLM2's mid-layer similarities live: mean exit layer moves from ~2 to
@@ -23,7 +23,7 @@ DEFAULT_QUANTILES = (0.6, 0.7, 0.75, 0.8, 0.85, 0.875, 0.9, 0.95, 0.975)
 
 def default_taus(model, exit_rule: str = EXIT_RULES[0]) -> tuple:
     """The taus calibrate tries for `exit_rule`: DEFAULT_TAUS for cosine, else DEFAULT_QUANTILES
-    of the rule's profile on this model (profile.similarity_profile)."""
+    of the rule's profile on this model (measure.profile.similarity_profile)."""
     if exit_rule == EXIT_RULES[0]:
         return DEFAULT_TAUS
     return rule_taus(similarity_profile(model, exit_rule=exit_rule), DEFAULT_QUANTILES)

@@ -29,7 +29,6 @@ chosen from rows of one reference only.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import statistics
 import tempfile
@@ -126,13 +125,11 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
     if not m.has_river or (raw is None and measured is None):
         raise ValueError(f"{path} has no measured preset grid ({presets_mod.GRID_KEY}); convert it with presets "
                          "(river-gguf convert without --no-presets) or tune it with --all")
-    stored = json.loads(raw) if measured is None else measured["rows"]
+    stored = presets_mod.parse_grid(raw) if measured is None else measured["rows"]
     label = measured["reference"] if measured is not None else m.metadata.get(REFERENCE_KEY, "backbone")
     # Settings left unmeasured have no KLD to choose by: not timed.
     grid: List[dict] = [dict(r, reference=r.get("reference", label)) for r in stored if r.get("kld") is not None]
-    river_only = next((i for i, r in enumerate(grid) if r["options"].get("mode") == "river-only"
-                       and not r["options"].get("tail") and r["options"].get("river_attention", "river") == "river"),
-                      None)
+    river_only = next((i for i, r in enumerate(grid) if r["options"].plain_river_only), None)
     if river_only is None:
         raise ValueError(f"{path}: the grid has no plain river-only setting to measure costs against")
     n_runs = len(TIERS) + rounds * (len(grid) + len(TIERS))
@@ -148,7 +145,7 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
                     if opts is None:
                         _, steps, secs = anchors[name].greedy(prompt, tokens + 1, stop_at_eog=False)
                     else:
-                        g = greedy(m, prompt, tokens + 1, **presets_mod.complete(opts))
+                        g = greedy(m, prompt, tokens + 1, **opts.call_options())
                         steps, secs = g.decode_steps, g.decode_seconds
                     times.setdefault(name, []).append(secs / max(steps, 1))
                     bar.update(1)
@@ -162,7 +159,7 @@ def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write
     lossless_res = _price_lossless(m, grid, rounds)
     if lossless_res["pays"]:
         per_token = lossless_res["costs"]["step"] / lossless_res["speedup"]
-        rows.append({"options": {"mode": "lossless", "draft_max": lossless_res["draft_max"]}, "kld": 0.0,
+        rows.append({"options": presets_mod.Setting.of(mode="lossless", draft_max=lossless_res["draft_max"]), "kld": 0.0,
                      "same_top": 100.0, "relative_cost": per_token / base, "seconds_per_step": per_token,
                      "mean_exit_layer": float(m.n_layer - 1)})
     bounds = {name: step[kind] / base for name, kind in TIERS}

@@ -40,7 +40,7 @@ def _run(args) -> int:
     for _, kind in TIERS:
         print(f"llama.cpp {kind.upper()}: {1 / st[kind]:.1f} tok/s")
     for r in res["rows"]:
-        o = r["options"]
+        o = r["options"].named()
         what = o.get("mode") + (f" tau={o['threshold']}" if "threshold" in o else "") + f" tail={o.get('tail', 0)}" \
             + (" backbone attention" if o.get("river_attention") == "backbone" else "")
         ref = f"KLD {r['kld']:.4f} against the {r['reference']}" if "reference" in r else f"KLD {r['kld']:.4f}"

@@ -64,7 +64,7 @@ from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX  # (2: the river aft
 from ..measure import divergence
 from ..measure.scoring import calibration_selection
 from ..options import EXIT_RULES, never_exit
-from ..profile import default_threshold, similarity_profile
+from ..measure.profile import default_threshold, similarity_profile
 from . import imatrix as imx
 
 DEFAULT_TAIL = 0          # the default setting's tail; presets choose their own
@@ -207,7 +207,7 @@ def build_river_gguf(
     river_type: llama.cpp quantization type for a river made from the backbone (default q4_k_m,
         see the module docstring). Ignored when ``river_path`` is given.
     river_path: an existing GGUF of the same model (plain, not a River GGUF) to use as river.
-    threshold: exit threshold tau; None profiles the backbone (profile.default_threshold).
+    threshold: exit threshold tau; None profiles the backbone (measure.profile.default_threshold).
     exit_rule: the file's default exit rule (river.exit_rule): the threshold's profile, and the
         dynamic preset settings, are this rule's scores.
     replace_river: allow a River GGUF as backbone; its river is dropped and replaced.

@@ -32,7 +32,7 @@ from ..calibrate.cost_model import SEARCHED, TensorInfo, grid, plan, setting_cos
 from ..gguf.copy import check_loadable, is_river_gguf, open_reader, plain_tensors, type_name
 from ..gguf.io import QUANT_BUFFER_BYTES, LlamaLog, captured_llama_log, deferred_interrupts, planned_types
 from ..measure.scoring import calibration_selection
-from ..profile import predicted_mean_exit, similarity_profile
+from ..measure.profile import predicted_mean_exit, similarity_profile
 from . import build
 from .imatrix import calibration_texts
 
@@ -129,7 +129,7 @@ class ConversionPlan:
         if self.settings:
             play = [r for r in self.settings if r["why"] in ("", SEARCHED)]
             out.append(f"  presets: {len(play)} of {len(self.settings)} settings in play:")
-            out += [f"     {_describe(r['options'])} ({r['relative_cost']:.3f}x river-only's cost"
+            out += [f"     {_describe(r['options'].named())} ({r['relative_cost']:.3f}x river-only's cost"
                     + (", searched: measured only if the search reaches it)" if r["why"] else ")") for r in play]
         out += [f"  note: {n}" for n in self.notes]
         ref = f", the presets' reference rows {self.reference_bytes / GIB:.2f} GiB of it" if self.reference_bytes else ""
@@ -341,15 +341,15 @@ def _presets_stage(shapes: Dict[str, tuple], n_layer: int, bb_infos, rv_infos, s
     layers, head = tensor_costs(bb_infos, rv_infos, n_layer, "cost")
     bounds = tier_bounds_of(shapes, n_layer, layers, head)["bounds"]
     settings = grid(n_layer)
-    guess = None if sims is None else (lambda o: predicted_mean_exit(
-        sims, o["threshold"], o.get("min_exit_layer", 0), o.get("tail", 0)))
+    guess = None if sims is None else (lambda s: predicted_mean_exit(
+        sims, s.options.threshold, s.options.min_exit_layer, s.options.tail))
     why = plan(settings, layers, head, n_layer, bounds, guess)
     river_only = step_bytes(layers, head, n_layer, -1, 0, True)
     rows = [{"options": o, "relative_cost": setting_cost(o, layers, head, n_layer) / river_only, "why": w}
             for o, w in zip(settings, why)]
     work = 0.0
     families: Dict[tuple, List[int]] = {}
-    for o, w in zip(settings, why):
+    for o, w in zip((s.named() for s in settings), why):
         if w and w != SEARCHED:
             continue
         if o["mode"] == "river-only":

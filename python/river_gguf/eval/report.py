@@ -365,7 +365,7 @@ def _resolved_options(model, opts: dict) -> dict:
 def _whole(model, opts: dict) -> dict:
     """A row's options as a whole setting (a preset row stays a preset name; a plain file takes
     no river options)."""
-    return opts if "preset" in opts or not model.has_river else presets.complete(opts)
+    return opts if "preset" in opts or not model.has_river else presets.Setting.of(**opts).call_options()
 
 
 class _Files:
@@ -427,10 +427,11 @@ def _bind_rows(rows: List[Row], settings: Settings, files: _Files) -> None:
         elif r.kind == "control":
             r.file, r.label = files.controls[r.tail], control_label(r.tail, *types)
         elif r.kind == "preset":
-            o = dict(files.setup_model(_setup_of(settings, r.setup)).presets[r.preset]["options"])
-            r.preset_options, r.tail = o, int(o.get("tail", 0))
-            if o.get("mode", "river") == "river" and o.get("exit_layer") is None:
-                r.tau = o.get("threshold")
+            setting = files.setup_model(_setup_of(settings, r.setup)).presets[r.preset].setting
+            o = setting.options
+            r.preset_options, r.tail = setting.named(), int(o.tail)
+            if o.mode == "river" and o.exit_layer is None:
+                r.tau = o.threshold
 
 
 def _domain_data(ref_model, settings: Settings) -> dict:
@@ -555,7 +556,7 @@ def _speed_check(settings: Settings, files: _Files, data: dict) -> dict:
     b_s, r_s = [], []
     for i in range(5):
         for which in (("b", "r") if i % 2 == 0 else ("r", "b")):
-            opts = dict(mode="backbone") if which == "b" else presets.complete(dict(mode="river", threshold=tau))
+            opts = dict(mode="backbone") if which == "b" else presets.Setting.of(mode="river", threshold=tau).call_options()
             _, steps, secs, _ = greedy_river(m, p, 24, **opts)
             (b_s if which == "b" else r_s).append(steps / secs if secs else 0.0)
     return {"tau": tau, "backbone_tok_s": statistics.median(b_s), "river_tok_s": statistics.median(r_s),
@@ -571,7 +572,8 @@ def _river_info(files: _Files) -> Optional[dict]:
                                 "river.threshold_source", "river.head", "river.tail", "river.default_preset",
                                 "river.backbone_type"))
     rm = next((m for (bb, _), m in files.models.items() if bb == river_file), None) or Model(river_file, n_ctx=64)
-    return {"file": os.path.basename(river_file), "metadata": md, "presets": rm.presets}
+    return {"file": os.path.basename(river_file), "metadata": md,
+            "presets": {name: p.to_json() for name, p in rm.presets.items()}}
 
 
 def run_eval(settings: Settings) -> dict:

@@ -13,8 +13,8 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from .measure.traces import backbone_trace, similarity_rows
-from .options import EXIT_RULES
+from .traces import backbone_trace, similarity_rows
+from ..options import EXIT_RULES
 
 DEFAULT_QUANTILE = 0.70
 

@@ -1,12 +1,12 @@
 """Quality of River's exit decided for a batch (the batch-min rule: a batch leaves the backbone
 after a layer only when every token in it has settled) against the single-sequence exit.
 
-    .venv/bin/python benchmarks/batch_exit_quality.py [--model FILE.gguf | --zoo-model NAME] [--items 16] [--prompt-tokens 96]
-        [--tokens 64] [--sizes 1,2,4,8] [--preset balanced] [--threads T] [--json OUT.json]
+    .venv/bin/python benchmarks/batch_exit_quality.py [--model FILE.gguf | --zoo-model NAME] [--items 16]
+        [--prompt-tokens 64,128] [--tokens 64] [--sizes 1,2,4,8] [--preset balanced] [--threads T] [--json OUT.json]
 
 Every row is teacher-forced on the same token streams, so rows of different batch sizes are
-comparable: each prompt (the first --prompt-tokens tokens of an evaluation item, GSM8K and
-HumanEval in turn) gets its backbone greedy continuation of --tokens tokens once, decoded alone.
+comparable: each prompt (the first 64 to 128 tokens, --prompt-tokens, of an evaluation item,
+GSM8K and HumanEval in turn, lengths mixed so that a batch holds sequences at different positions) gets its backbone greedy continuation of --tokens tokens once, decoded alone.
 Then, for each batch size N, the prompts go in groups of N to Sessions on sequences 0..N-1 of one
 Model (Model.session(seq=k)), each session's decode loop in a thread of its own choosing the
 stream's next token, so the decode steps of the group share each batch (Model.step_counts says
@@ -18,7 +18,7 @@ prompts (measure.divergence.summarize).
 
 Output: one JSON object (--json writes it too) and a markdown table: N, mean exit layer, mean
 steps per batch, KLD [CI], same-top % [CI]. Run it alone on the machine; at a tiny size
-(--items 2 --tokens 4 --sizes 1,2) it only checks that it works.
+(--items 2 --prompt-tokens 8,12 --tokens 4 --sizes 1,2) it only checks that it works.
 """
 import argparse
 import itertools
@@ -43,18 +43,24 @@ MIN_PROMPT_TOKENS = 8
 JOIN_S = 3600  # a hang fails the run instead of stalling it
 
 
-def evaluation_prompts(model, n_items: int, prompt_tokens: int):
-    """n_items token prompts, GSM8K and HumanEval evaluation items in turn, each the first
-    prompt_tokens tokens of its item's text (prompt then completion); shorter items are skipped."""
+def prompt_lengths(n_items: int, shortest: int, longest: int):
+    """Prompt lengths spread over [shortest, longest], mixed so that a batch holds sequences at
+    different positions."""
+    return [shortest + (i * 41) % (longest - shortest + 1) for i in range(n_items)]
+
+
+def evaluation_prompts(model, lengths):
+    """A token prompt per length, GSM8K and HumanEval evaluation items in turn, each the first
+    `length` tokens of its item's text (prompt then completion); shorter items are skipped."""
     pools = [eval_data.select(eval_data.load_domain(d)) for d in eval_data.DOMAINS]
     prompts = []
     for items in itertools.zip_longest(*pools):
         for item in items:
             tokens = item.tokens(model)[0] if item is not None else []
-            if len(tokens) >= prompt_tokens and len(prompts) < n_items:
-                prompts.append(tokens[:prompt_tokens])
-    if len(prompts) < n_items:
-        raise SystemExit(f"only {len(prompts)} evaluation items have {prompt_tokens} tokens")
+            if len(prompts) < len(lengths) and len(tokens) >= lengths[len(prompts)]:
+                prompts.append(tokens[:lengths[len(prompts)]])
+    if len(prompts) < len(lengths):
+        raise SystemExit(f"only {len(prompts)} evaluation items are long enough")
     return prompts
 
 
@@ -109,7 +115,8 @@ def parse_args(argv):
                     help="without --model: whose default River GGUF (eval.report.default_river_gguf; "
                          "default qwen2.5-coder-0.5b, built and cached when absent)")
     ap.add_argument("--items", type=int, default=16, help="prompts (default 16)")
-    ap.add_argument("--prompt-tokens", type=int, default=96, help="tokens of each prompt (default 96)")
+    ap.add_argument("--prompt-tokens", default="64,128", metavar="MIN,MAX",
+                    help="prompt lengths, spread over this range (default 64,128)")
     ap.add_argument("--tokens", type=int, default=64, help="teacher-forced tokens per prompt (default 64)")
     ap.add_argument("--sizes", default="1,2,4,8", help="comma-separated batch sizes N (default 1,2,4,8)")
     ap.add_argument("--preset", default="balanced",
@@ -120,8 +127,11 @@ def parse_args(argv):
     ap.add_argument("--json", default=None, metavar="OUT.json", help="also write the result here")
     args = ap.parse_args(argv)
     args.sizes = [int(n) for n in args.sizes.split(",")]
-    if args.items < 1 or args.tokens < 2 or args.prompt_tokens < MIN_PROMPT_TOKENS or min(args.sizes) < 1:
-        ap.error(f"--items and --sizes must be >= 1, --tokens >= 2, --prompt-tokens >= {MIN_PROMPT_TOKENS}")
+    args.prompt_tokens = [int(n) for n in args.prompt_tokens.split(",")]
+    if len(args.prompt_tokens) != 2 or not MIN_PROMPT_TOKENS <= args.prompt_tokens[0] <= args.prompt_tokens[1]:
+        ap.error(f"--prompt-tokens takes MIN,MAX with {MIN_PROMPT_TOKENS} <= MIN <= MAX")
+    if args.items < 1 or args.tokens < 2 or min(args.sizes) < 1:
+        ap.error("--items and --sizes must be >= 1, --tokens >= 2")
     if args.model is None:
         args.model = evaluate.default_river_gguf(args.zoo_model, n_threads=args.threads, progress=True)
     return args
@@ -140,7 +150,7 @@ def summary_row(n, rows, reference, streams, exits, counts) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    n_ctx = max(args.sizes) * (args.prompt_tokens + args.tokens + 1)
+    n_ctx = max(args.sizes) * (args.prompt_tokens[1] + args.tokens + 1)
     model = Model(args.model, n_ctx=n_ctx, n_threads=args.threads)
     model.step_window = args.step_window
     if args.preset in ("file", "backbone"):  # backbone: every row the reference's (a check of the plumbing)
@@ -148,7 +158,7 @@ def main(argv=None) -> int:
     else:
         options = model.options(args.preset)
     backbone = model.options(mode="backbone")
-    prompts = evaluation_prompts(model, args.items, args.prompt_tokens)
+    prompts = evaluation_prompts(model, prompt_lengths(args.items, *args.prompt_tokens))
     t0 = time.perf_counter()
     streams = [greedy_sequences(model, [p], args.tokens, stop_at_eog=False, mode="backbone")[0].tokens
                for p in prompts]

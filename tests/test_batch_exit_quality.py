@@ -7,7 +7,7 @@ import runpy
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "batch_exit_quality.py")
-ARGS = ["--items", "2", "--prompt-tokens", "8", "--tokens", "5", "--sizes", "1,2", "--threads", "1"]
+ARGS = ["--items", "2", "--prompt-tokens", "8,12", "--tokens", "5", "--sizes", "1,2", "--threads", "1"]
 
 
 def _run(path, tmp_path, preset):

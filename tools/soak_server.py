@@ -174,7 +174,8 @@ class Plan:
         chat = self.rng.random() < 0.5
         stream = self.rng.random() < 0.5
         drop = stream and self.rng.random() < 0.10
-        max_tokens = self.rng.choice(self.max_tokens)
+        # A dropped stream asks for the most tokens, so that it is dropped mid-way, not after its end.
+        max_tokens = self.max_tokens[-1] if drop else self.rng.choice(self.max_tokens)
         body = {"max_tokens": max_tokens, "temperature": self.rng.choice([0, 0.8]), "stream": stream}
         if chat:
             body["messages"] = [{"role": "user", "content": self.prompt()}]

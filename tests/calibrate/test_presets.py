@@ -347,6 +347,16 @@ def test_the_tail_search_measures_what_can_be_picked_and_picks_as_the_sweep():
         # balanced: from tail 6 down to the first separated from the tier's best. More item
         # noise ties more tails, so the walk goes further and the pick is cheaper.
         assert asked == [0] + walked + [7], noise
+    # A flat family (every tail as close as the deepest: a river that rebuilds its source's grid):
+    # after the deepest in each bound, the cheapest, which ties, ends the walk.
+    flat = _family_rows([0.0107 - 0.0001 * i for i in range(8)], costs)
+    for i, row in flat.items():  # item noise that sums to 0 for each tail, a pattern of its own
+        row["item_kld"] = [[n, x + 0.4 * (1 if (j + i) % 4 < 2 else -1)] for j, (n, x) in enumerate(row["item_kld"])]
+    res, asked = _searched(flat, bounds)
+    full = cost_model.choose(list(flat.values()), bounds)
+    part = cost_model.choose([flat[i] for i in asked], bounds)
+    assert {n: p.setting for n, p in part.items()} == {n: p.setting for n, p in full.items()}
+    assert asked == [0, 6, 7] and full["balanced"].setting.options.tail == 0 and not res["fallback"]
     # A family whose KLD rises somewhere below the stop: the walk cannot see it, but the check
     # on the measured tails can when one of them breaks the order; then all are measured.
     bumpy = _family_rows([0.30, 0.25, 0.21, 0.16, 0.10, 0.06, 0.055, 0.01], costs)

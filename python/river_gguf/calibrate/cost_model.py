@@ -263,7 +263,9 @@ def search_next(family: List[int], costs: List[float], rows: Dict[int, dict], bo
     bound) could be the tier's pick, or a cheaper one could, so the walk goes on; the first tail
     separated from the best ends it, and the cheaper tails, further from the backbone still
     where the family's KLD falls as its tail deepens (monotone_family, which the caller checks),
-    cannot be picked. The first unmeasured tail on a walk is measured next.
+    cannot be picked. The first unmeasured tail on a walk is measured next, after the deepest the
+    cheapest: where it is not separated from the tier's best it is the tier's pick among the
+    family, so the walk ends there (a river that rebuilds its source's grid ties every tail).
     costs: every setting's relative cost (by index); rows: measured rows by setting index
     ("kld", "relative_cost" and, for the paired test, "items" / "item_kld")."""
     want: List[int] = []
@@ -271,7 +273,16 @@ def search_next(family: List[int], costs: List[float], rows: Dict[int, dict], bo
         bound = float(bounds[name]) + 1e-12
         inside = [r for r in rows.values() if r["relative_cost"] <= bound]
         best = min(inside, key=lambda r: r["kld"]) if inside else None
-        for i in reversed([i for i in family if costs[i] <= bound]):
+        tails = [i for i in family if costs[i] <= bound]
+        if len(tails) > 1 and tails[-1] in rows:
+            cheapest = tails[0]
+            if cheapest not in rows:
+                if cheapest not in want:
+                    want.append(cheapest)
+                continue
+            if best is not None and (rows[cheapest] is best or not_closer(best, rows[cheapest])):
+                continue
+        for i in reversed(tails):
             if i not in rows:
                 if i not in want:
                     want.append(i)

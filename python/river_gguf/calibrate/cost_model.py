@@ -293,11 +293,14 @@ def search_next(family: List[int], costs: List[float], rows: Dict[int, dict], bo
 
 
 def monotone_family(family: List[int], rows: Dict[int, dict]) -> bool:
-    """Whether the family's measured tails come closer to the backbone as the tail deepens (each
-    measured tail's KLD no higher than every shallower one's): what the search assumes of the
-    tails it leaves unmeasured, checked on those it measured."""
-    klds = [rows[i]["kld"] for i in family if i in rows]
-    return all(b <= a for a, b in zip(klds, klds[1:]))
+    """Whether the family's measured tails come closer to the backbone as the tail deepens, as far
+    as calibration can tell: no measured tail is separated (not_closer, the paired item bootstrap)
+    as further from the backbone than a shallower one. What the search assumes of the tails it
+    leaves unmeasured, checked on those it measured; a rise within the items' noise (a river that
+    rebuilds its source's grid puts every tail within it) is no break."""
+    measured = [rows[i] for i in family if i in rows]
+    return all(deep["kld"] <= shallow["kld"] or not_closer(shallow, deep)
+               for k, shallow in enumerate(measured) for deep in measured[k + 1:])
 
 
 def search(families: List[List[int]], costs: List[float], bounds: Dict[str, float],

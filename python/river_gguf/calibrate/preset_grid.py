@@ -118,7 +118,7 @@ def _plan_and_search(settings: List[Setting], costs: "_SettingCosts", measure) -
     families = [f for f in families if any(skip[i] == SEARCHED for i in f)]
     res = search(families, [costs.static_relative(o) for o in settings], costs.bounds, measure)
     why = ("the search of its family stopped above it, at a tail separated from the tier's best (95% paired "
-           "item bootstrap), and the family's measured KLDs fall as its tail deepens")
+           "item bootstrap), and the family's measured KLDs do not rise beyond the items' noise as its tail deepens")
     measured = set(measure([]))
     skip = [why if w == SEARCHED and i not in measured else "" if w == SEARCHED else w for i, w in enumerate(skip)]
     return skip, {"rounds": res["rounds"], "fallback": [_family_name(settings[i]) for i in res["fallback"]]}

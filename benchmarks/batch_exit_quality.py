@@ -120,7 +120,7 @@ def parse_args(argv):
     ap.add_argument("--tokens", type=int, default=64, help="teacher-forced tokens per prompt (default 64)")
     ap.add_argument("--sizes", default="1,2,4,8", help="comma-separated batch sizes N (default 1,2,4,8)")
     ap.add_argument("--preset", default="balanced",
-                    help="the dynamic exit preset (default balanced; 'file': the file's own tau; 'backbone': no exit)")
+                    help="the dynamic exit preset (default balanced; 'file': mode river at the file's own tau; 'backbone': no exit)")
     ap.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
     ap.add_argument("--step-window", type=float, default=0.05,
                     help="seconds a step waits for the others of its batch (Model.step_window; default 0.05)")
@@ -154,7 +154,8 @@ def main(argv=None) -> int:
     model = Model(args.model, n_ctx=n_ctx, n_threads=args.threads)
     model.step_window = args.step_window
     if args.preset in ("file", "backbone"):  # backbone: every row the reference's (a check of the plumbing)
-        options = model.options() if args.preset == "file" else model.options(mode="backbone")
+        # "file": the file's own τ with a dynamic exit, whatever its default preset's mode.
+        options = model.options(mode="river") if args.preset == "file" else model.options(mode="backbone")
     else:
         options = model.options(args.preset)
     backbone = model.options(mode="backbone")

@@ -267,8 +267,8 @@ def run_stream(target: Target, path: str, body, drop_after, timeout: float) -> N
             if not line:
                 break
             line = line.strip()
-            if not line:
-                continue
+            if not line or line.startswith(b":"):
+                continue  # a comment line (the server's keep-alive ": ping"), valid SSE
             _check(line.startswith(b"data: "), "not an SSE data line", line)
             data = line[len(b"data: "):]
             _check(not done, "data after [DONE]", line)

@@ -18,6 +18,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from .. import session
+
 _END = object()
 
 #: A free slot is chosen by prefix when the longest common prefix of its last prompt and the new
@@ -40,14 +42,9 @@ def prompt_key(kwargs: Dict[str, Any]) -> Sequence:
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
-    if type(a) is not type(b):
-        return 0
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading items two prompt keys share; none between keys of different kinds (a
+    prompt's text against another's token ids)."""
+    return session.common_prefix(a, b) if type(a) is type(b) else 0
 
 
 class Slot:

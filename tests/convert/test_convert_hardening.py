@@ -336,9 +336,10 @@ def _holds_reference_rows(pid: int) -> bool:
 _PHASES = {
     # the calibration pass (the importance matrix, the reference rows) is running
     "imatrix": lambda proc, folder: _holds_reference_rows(proc.pid),
-    # the stored backbone is quantized (its temp file got its name): the presets are being measured
+    # the stored backbone is quantized (its temp file got its name) and the reference rows are
+    # still open: the presets are being measured (the rows are closed before the output is written)
     "presets": lambda proc, folder: any(re.fullmatch(r"\.out\.gguf\.\d+\.[0-9a-f]{8}\.backbone-q\.tmp", p.name)
-                                        for p in _temps(folder)),
+                                        for p in _temps(folder)) and _holds_reference_rows(proc.pid),
 }
 
 
@@ -349,14 +350,15 @@ def test_sigint_during_imatrix_or_presets_leaves_nothing(tiny, tmp_path, phase):
     proc = _start(_convert_cmd(False, tiny, out, "--river-type", "q4_0"), tmp_path)  # imatrix and presets on
     try:
         assert _wait_for(proc, lambda: _PHASES[phase](proc, tmp_path)), proc.communicate()
-        time.sleep(0.2)
+        t_signal = time.monotonic()
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
+        t_end = time.monotonic() - t_signal
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, (stdout, stderr)
+    assert proc.returncode == 130, (f"exited {t_end:.2f} s after the signal", stdout, stderr)
     assert "interrupted" in stderr and "Traceback" not in stderr, stderr
     assert _files(tmp_path) == before
 

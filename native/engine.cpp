@@ -398,7 +398,7 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, const BatchCells&
     abort_ = false;
     ggml_status status;
     if (g.galloc) {
-        status = ggml_backend_graph_compute(cpu_.get(), g.gf);
+        compute_.run([&] { status = ggml_backend_graph_compute(cpu_.get(), g.gf); });
         last_splits_ = 1;
     } else {
         ggml_backend_sched_t sched = g.sched ? g.sched.get() : sched_.get();
@@ -409,7 +409,7 @@ bool Engine::run(const GraphSpec& spec, const int32_t* tokens, const BatchCells&
         } else if (observer_) {
             ggml_backend_sched_set_eval_callback(sched, observer_, observer_data_);
         }
-        status = ggml_backend_sched_graph_compute(sched, g.gf);
+        compute_.run([&] { status = ggml_backend_sched_graph_compute(sched, g.gf); });
         last_splits_ = ggml_backend_sched_get_n_splits(sched);
         if (watch || observer_) ggml_backend_sched_set_eval_callback(sched, nullptr, nullptr);
         running_ = nullptr;

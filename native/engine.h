@@ -12,6 +12,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
 #include "ggml-cpu.h"
+#include "compute_thread.h"
 #include "engine_config.h"
 #include "exit_rule.h"
 #include "exit_setting.h"
@@ -303,6 +304,9 @@ private:
 
     ggml_backend_sched_eval_callback observer_ = nullptr;
     void* observer_data_ = nullptr;
+
+    // Where every graph computes (compute_thread.h); last, so it stops before anything it uses goes.
+    ComputeThread compute_;
 };
 
 }  // namespace river

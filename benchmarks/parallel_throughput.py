@@ -111,14 +111,15 @@ def river_server(args, n_slots: int, log_dir: str) -> Server:
                   os.path.join(log_dir, f"river-{n_slots}.log"))
 
 
-def llama_server(args, log_dir: str) -> Server:
+def llama_server(args, n_slots: int, log_dir: str) -> Server:
     if not os.path.isfile(args.llama_server):
         raise SystemExit(f"{args.llama_server} not found: run scripts/build_llama_tools.sh llama-server")
     port = _free_port()
     argv = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(args.threads), "-tb", str(args.threads), "-c", str(args.n_ctx * args.clients),
-            "--parallel", str(args.clients), "-fa", "on"]
-    return Server(f"llama-server --parallel {args.clients}", argv, port, os.path.join(log_dir, "llama-server.log"))
+            "-t", str(args.threads), "-tb", str(args.threads), "-c", str(args.n_ctx * n_slots),
+            "--parallel", str(n_slots), "-fa", "on"]
+    return Server(f"llama-server --parallel {n_slots}", argv, port,
+                  os.path.join(log_dir, f"llama-server-{n_slots}.log"))
 
 
 def one_round(base: str, prompts, tokens: int) -> dict:
@@ -169,6 +170,8 @@ def parse_args(argv):
                     help="comma-separated slot counts of river-gguf serve to time (default 1: the queued server)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per server (default 3; the median)")
     ap.add_argument("--llama-server", default=LLAMA_SERVER, help="the llama-server binary")
+    ap.add_argument("--llama-queued", action="store_true",
+                    help="also time llama-server --parallel 1: what llama.cpp's own slots gain over its queue")
     ap.add_argument("--json", default=None, metavar="OUT.json", help="also write the result here")
     args = ap.parse_args(argv)
     if not 1 <= args.clients <= len(PROMPTS):
@@ -188,11 +191,12 @@ def main(argv=None) -> int:
     log_dir = os.path.join(ROOT, ".cache", "parallel_throughput")
     os.makedirs(log_dir, exist_ok=True)
     # Each server alone in turn: llama-server first, then each river-gguf slot count.
-    reference = measure(llama_server(args, log_dir), args, prompts)
+    reference = measure(llama_server(args, args.clients, log_dir), args, prompts)
+    queued = measure(llama_server(args, 1, log_dir), args, prompts) if args.llama_queued else None
     rows = [measure(river_server(args, n, log_dir), args, prompts) for n in args.river_parallel]
     result = {"model": os.path.abspath(args.model), "clients": args.clients, "tokens": args.tokens,
               "threads": args.threads, "n_ctx_per_slot": args.n_ctx, "rounds": args.rounds,
-              "llama_server": reference, "river_gguf": [], "prompts": prompts}
+              "llama_server": reference, "llama_server_queued": queued, "river_gguf": [], "prompts": prompts}
     for n, row in zip(args.river_parallel, rows):
         row["parallel"] = n
         row["over_llama_server"] = row["tok_s"] / reference["tok_s"]
@@ -208,6 +212,9 @@ def main(argv=None) -> int:
     for row in result["river_gguf"]:
         print(f"| {os.path.basename(args.model)} | {args.clients} | {args.tokens} | {args.threads} | "
               f"{row['parallel']} | {row['tok_s']:.1f} | {reference['tok_s']:.1f} | {row['over_llama_server']:.2f}x |")
+    if queued:
+        print(f"\nllama-server --parallel 1: {queued['tok_s']:.1f} tok/s; its --parallel {args.clients} gets "
+              f"{reference['tok_s'] / queued['tok_s']:.2f}x that")
     return 0
 
 

@@ -253,7 +253,7 @@ py::list river_tails(Engine& e, std::vector<int32_t> tokens, std::vector<int> ta
     return out;
 }
 
-py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, bool with_probs, py::object pick,
+py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, int seq, bool with_probs, py::object pick,
                 const py::kwargs& setting) {
     EvalRequest how;
     read_exit_setting(setting, how);
@@ -275,7 +275,7 @@ py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, bool with_prob
     };
     {
         py::gil_scoped_release release;
-        tokens = e.draft(token, std::move(how), n_max, p_min, with_probs ? &probs : nullptr,
+        tokens = e.draft(token, seq, std::move(how), n_max, p_min, with_probs ? &probs : nullptr,
                          pick.is_none() ? nullptr : &picker);
     }
     return py::make_tuple(tokens, probs);
@@ -308,9 +308,10 @@ void bind_engine(py::module_& m) {
              "row, in the order the sequences first appear; without seq_ids every token goes to sequence 0. "
              "One exit decision covers the batch (the lowest score). Returns (logits, exit_layer, scores).")
         .def("draft", &draft, py::arg("token"), py::arg("n_max"), py::arg("p_min") = 0.0f, py::kw_only(),
-             py::arg("with_probs") = true, py::arg("pick") = py::none(),
-             "Lossless decoding's draft: up to n_max greedy tokens after `token` under this exit setting, each "
-             "kept while its probability is >= p_min; n_past is unchanged. Returns (tokens, probabilities); "
+             py::arg("seq") = 0, py::arg("with_probs") = true, py::arg("pick") = py::none(),
+             "Lossless decoding's draft on sequence `seq` (default 0): up to n_max greedy tokens after `token` under "
+             "this exit setting, each kept while its probability is >= p_min; every sequence's length is unchanged "
+             "(the drafts' rows go again) and the other sequences' rows are untouched. Returns (tokens, probabilities); "
              "with_probs=False returns no probabilities and, with p_min <= 0, computes none. pick(logits, tokens) "
              "-> token (or -1 to stop), when given, chooses each draft from the draft's logits and their tokens "
              "(None: logit i is token i); both arrays are read-only and valid only during the call. The exit setting "

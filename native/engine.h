@@ -109,11 +109,12 @@ public:
     // written are left past n_past (truncate semantics): nothing continues from them.
     std::vector<std::vector<float>> river_tails(const std::vector<int32_t>& tokens, const std::vector<int>& tails,
                                                 bool backbone_attention, bool river_head, int first_row = 0);
-    // The draft of lossless decoding: from `token` at position n_past, up to n_max greedy tokens
-    // under the exit setting `how` (river-only, or River's exit), each kept only while its
-    // probability under the draft is at least p_min (with a draft vocabulary: the greedy token of
-    // that vocabulary, its probability over it). The drafts' cache rows are left for the
-    // backbone's verify batch to overwrite: n_past is the same on return. Each draft's
+    // The draft of lossless decoding on sequence `seq`: from `token` at that sequence's length, up
+    // to n_max greedy tokens under the exit setting `how` (river-only, or River's exit; no
+    // seq_ids), each kept only while its probability under the draft is at least p_min (with a
+    // draft vocabulary: the greedy token of that vocabulary, its probability over it). The drafts'
+    // cache rows of `seq` are removed again (the backbone's verify batch writes its own): the
+    // sequence's length is the same on return, and the other sequences are untouched. Each draft's
     // probability goes to `probs` when given; without it and with p_min <= 0 none is computed.
     //
     // `pick`, when given, chooses each draft instead of the greedy rule: it gets the draft's
@@ -121,7 +122,7 @@ public:
     // vocabulary), both valid during the call, and returns the draft token, or -1 to stop. p_min
     // and `probs` then do not apply. Lossless sampling drafts with a copy of the sampler chain.
     using DraftPicker = std::function<int32_t(const float* logits, const int32_t* tokens, int n)>;
-    std::vector<int32_t> draft(int32_t token, EvalRequest how, int n_max, float p_min,
+    std::vector<int32_t> draft(int32_t token, int seq, EvalRequest how, int n_max, float p_min,
                                std::vector<float>* probs = nullptr, const DraftPicker* pick = nullptr);
     const KvCache& cache() const { return *cache_; }
     // The tokens a draft may propose for good, ascending: EngineConfig::draft_vocab's and the

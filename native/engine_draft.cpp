@@ -65,22 +65,37 @@ std::vector<int32_t> Engine::draft_context() const {
     return out;
 }
 
-std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, float p_min, std::vector<float>* probs,
-                                   const DraftPicker* pick) {
+std::vector<int32_t> Engine::draft(int32_t token, int seq, EvalRequest how, int n_max, float p_min,
+                                   std::vector<float>* probs, const DraftPicker* pick) {
+    if (seq < 0) throw std::invalid_argument("sequence id must be >= 0");
     if (n_max < 0) throw std::invalid_argument("n_max must be >= 0");
     if (std::isnan(p_min)) throw std::invalid_argument("p_min is NaN");
     if (how.all_logits || how.embeddings || how.trace) throw std::invalid_argument("a draft takes one row of logits");
+    if (!how.seq_ids.empty()) throw std::invalid_argument("a draft's sequence is its seq argument, not seq_ids");
     // With a draft vocabulary the head runs its rows alone, and logit i is token draft_row_token_[i].
     how.draft_vocab = draft_rows_ != nullptr;
-    const int start = n_past();
+    const int start = cells_.length(seq);
     // The verify batch evaluates `token` and every draft: all must fit the cache's free rows.
     n_max = std::min(n_max, cells_.free_rows() - 1);
+    // One draft step: the token placed on `seq` and run as eval runs a token of sequence 0 (the
+    // request names no sequences, so the head runs its one row as a sequence-0 draft's does and
+    // every sequence's drafts share one kept graph); the mask shows it `seq`'s rows alone.
+    auto step = [&](int32_t cur) {
+        how.tokens.assign(1, cur);
+        check_links();
+        check_request(how);
+        note_draft_context(&cur, 1);
+        EvalResult r;
+        r.exit_layer = hp_.n_layer - 1;
+        eval_chunk(&cur, place(&seq, 1), how, r);
+        check_links();  // after a server failed, the step read placeholders (rpc_link.h)
+        return r;
+    };
     std::vector<int32_t> drafts;
     try {
         int32_t cur = token;
         for (int i = 0; i < n_max; ++i) {
-            how.tokens.assign(1, cur);
-            const EvalResult r = eval(how);
+            const EvalResult r = step(cur);
             const float* l = r.logits.data();
             // The draft head's rows in use (its unused context rows are zero), or every token.
             const bool rows = r.n_cols < hp_.n_vocab;
@@ -113,11 +128,16 @@ std::vector<int32_t> Engine::draft(int32_t token, EvalRequest how, int n_max, fl
             drafts.push_back(token);
             cur = token;
         }
+    } catch (const RpcError&) {
+        cells_.remove_tail(seq, start);
+        throw;
     } catch (...) {
-        cells_.remove_tail(0, start);
+        cells_.remove_tail(seq, start);
+        check_links();  // a step that failed because a server did reports the server
         throw;
     }
-    cells_.remove_tail(0, start);
+    // The drafts' rows of `seq` go; the other sequences' rows were never touched.
+    cells_.remove_tail(seq, start);
     return drafts;
 }
 

@@ -236,13 +236,11 @@ def test_a_full_cache_cuts_the_steps_that_do_not_fit(tiny):
     assert sorted(results) == [0, 1] and sum(results.values()) == 2 + 2  # each yields one more than it evaluates
 
 
-def test_lossless_decodes_sequence_zero_only(tiny_pair):
-    with pytest.raises(ValueError, match="lossless mode decodes sequence 0 only"):
-        tiny_pair.session(seq=1, mode="lossless")
+def test_session_sequence_is_checked(tiny_pair):
     with pytest.raises(ValueError, match="seq must be an int"):
         tiny_pair.session(seq=-1)
-    with tiny_pair.session(seq=0, mode="lossless") as s:
-        assert s.seq == 0
+    with tiny_pair.session(seq=1, mode="lossless") as s:  # lossless on any sequence: tests/test_lossless_slots.py
+        assert s.seq == 1
 
 
 @pytest.mark.parametrize("options", [dict(mode="backbone"), dict(mode="river", threshold=0.3)])
@@ -284,8 +282,6 @@ def test_llama_slots_complete_at_once_as_alone(tiny, options):
             i = next(i for i, (a, b) in enumerate(zip(alone[k], ids[k])) if a != b)
             row = m.logits(alone[k][:i], **options)[-1]
             assert abs(row[alone[k][i]] - row[ids[k][i]]) < 2 * SEQ_ALONE_TOL, f"slot {k} parted at {i}"
-        with pytest.raises(ValueError, match="sequence 0 only"):
-            slots[1].create_completion(prompts[1], max_tokens=2, mode="lossless")
         chat = slots[2].create_chat_completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                                temperature=0.0)
         assert chat["choices"][0]["message"]["role"] == "assistant" and slots[2].session.seq == 2

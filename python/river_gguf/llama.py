@@ -837,9 +837,10 @@ class Llama:
         Llama's one-sequence behaviour (completions, chat, streaming, stop strings, sampling,
         prefix reuse within its own sequence); run from several threads at once, their decode
         steps are evaluated together in one batch. Slot 0 shares sequence 0 with this object
-        (using both displaces one another, which costs re-evaluation, not correctness), and
-        lossless mode decodes sequence 0 only: another slot asked for it raises ValueError. The
-        slots are closed with this object; closing a slot frees its sequence's rows."""
+        (using both displaces one another, which costs re-evaluation, not correctness). A slot in
+        lossless mode drafts and verifies on its own sequence, each round alone under the Model's
+        lock (its verify batch is not joined with the other slots' steps). The slots are closed
+        with this object; closing a slot frees its sequence's rows."""
         self._require_engine()
         if self._slot_of is not None:
             raise ValueError("a slot makes no slots: call slots() on the Llama that loaded the model")

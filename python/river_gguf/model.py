@@ -432,7 +432,7 @@ class Model:
         token loop. options: resolved ExitOptions (from options()), or the keyword overrides
         options() takes. seq: an int in [0, n_ctx); sessions on different sequences keep their
         tokens side by side and, decoding at once from several threads, share each decode
-        step's batch (lossless mode runs on sequence 0 only). keep_rows: keep every position's
+        step's batch (a lossless session's rounds run alone, under the lock). keep_rows: keep every position's
         logits row. verify_kernels: decode steps in the verify batch's kernels (each with a
         throwaway token), so that their text is lossless mode's bit for bit (default: the
         Model's verify_kernels option)."""

@@ -33,8 +33,8 @@ def greedy_sequences(model, prompts: Sequence[Sequence[int]], max_tokens: int, s
     """The greedy continuation of each prompt (token lists), decoded together: prompt i goes to a
     Session on sequence i, each prompt is evaluated as a prompt batch, then one thread per
     session runs its decode loop with the argmax choosing, and the decode steps of the sessions
-    share their batches. Exit options: model.options(**options) (lossless mode decodes sequence
-    0 only, so it is refused here). Each sequence sees only its own tokens, so its text is what
+    share their batches. Exit options: model.options(**options) (lossless mode is refused here:
+    its rounds run alone under the Model's lock, one sequence at a time, and share no batch). Each sequence sees only its own tokens, so its text is what
     it would be alone, up to the rounding of a larger batch's kernels (a near-tie may part). All
     prompts must fit n_ctx together; a sequence that finds no room for its next step ends with
     "length"."""

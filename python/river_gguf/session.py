@@ -15,8 +15,10 @@ they decode at once from several threads, are evaluated together in one batch by
 batcher (river_gguf.batching; `evaluate_steps` is its evaluation). A sequence holds one session at
 a time: a session that finds another session of its sequence (or a one-shot Model call, which
 clears every sequence) used the cache since, starts again from an empty sequence, and
-re-evaluates what it needs through `prefill`'s prefix reuse. Lossless rounds (the native draft)
-run on sequence 0 only.
+re-evaluates what it needs through `prefill`'s prefix reuse. Lossless rounds run on any sequence
+(the native draft and the verify batch go to the session's own): each round holds the Model's lock
+and is evaluated alone, never joined with other sessions' steps, because the verify batch's
+kernels are what makes its rows the exact reference's.
 """
 import time
 from dataclasses import dataclass, field
@@ -131,9 +133,6 @@ class Session:
         self.options = options.validate(model.n_layer, model.has_river)
         #: The sequence of the KV cache this session decodes.
         self.seq = int(seq)
-        if self.seq != 0 and self.options.lossless:
-            raise ValueError(f"lossless mode decodes sequence 0 only (its draft runs there); this session is on "
-                             f"sequence {self.seq}: use mode='river' or 'backbone', or sequence 0")
         # The Model's step batcher: decode steps of sessions decoding at once share one batch.
         self._batcher = batcher
         self._tokens: List[int] = []
@@ -456,8 +455,9 @@ class Session:
 
     def draft(self, token: int, max_drafts: Optional[int] = None, pick=None, p_min: Optional[float] = None,
               with_probs: bool = False):
-        """The river's drafts after `token` (which goes at position n_past; the cache keeps n_past
-        positions, the rows the drafts wrote beyond are the verify batch's to overwrite).
+        """The river's drafts after `token` (which goes at position n_past of the session's sequence):
+        the drafts' cache rows are removed again, so the sequence keeps n_past positions (the
+        verify batch writes its own rows) and the other sequences are untouched.
         max_drafts: fewer than the options' draft_max; p_min: this draft's draft_p_min.
         with_probs: return (drafts, each one's probability under the draft) instead, at the cost
         of a softmax over the vocabulary per draft. pick(logits, tokens) -> token, when given,
@@ -467,8 +467,6 @@ class Session:
         token = self._model.check_token(token)
         if not self._model.has_river:
             raise ValueError(f"{self._model.model_path} has no river to draft with")
-        if self.seq != 0:
-            raise ValueError(f"the river drafts on sequence 0 only; this session is on sequence {self.seq}")
         with self._lock:
             self._claim()
             self._check_room()
@@ -481,7 +479,7 @@ class Session:
                 return ([], []) if with_probs else []
             # Drafts beyond the cache's free rows (every sequence's count) have no room to be verified.
             args["n_max"] = min(args["n_max"], self._engine.n_ctx - self._engine.cache_used - 1)
-            tokens, probs = self._engine.draft(token, **args, with_probs=bool(with_probs), pick=pick)
+            tokens, probs = self._engine.draft(token, **args, seq=self.seq, with_probs=bool(with_probs), pick=pick)
             return (list(tokens), list(probs)) if with_probs else list(tokens)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:

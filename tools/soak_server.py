@@ -40,6 +40,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -97,7 +98,7 @@ def _free_port() -> int:
 
 def start_server(args) -> Target:
     port = _free_port()
-    log_path = args.server_log or os.path.join(os.getcwd(), f"soak-server-{port}.log")
+    log_path = args.server_log or os.path.join(tempfile.gettempdir(), f"river-soak-server-{port}.log")
     argv = [sys.executable, "-m", "river_gguf.cli", "serve", args.model, "--port", str(port), "--parallel",
             str(args.parallel), "--n-ctx", str(args.n_ctx), "--log-level", "warning"]
     if args.threads:
@@ -444,7 +445,7 @@ def parse_args(argv):
     ap.add_argument("--warmup-fraction", type=float, default=0.1, help="share of the run that is warm-up")
     ap.add_argument("--rss-margin", type=float, default=0.05, help="the flat verdict's margin, a fraction")
     ap.add_argument("--require-flat", action="store_true", help="exit 3 when the RSS verdict is not flat")
-    ap.add_argument("--server-log", default=None, help="where the started server's output goes")
+    ap.add_argument("--server-log", default=None, help="where the started server's output goes (default: the temp folder)")
     ap.add_argument("--json", default=None, metavar="OUT.json", help="also write the summary here")
     args = ap.parse_args(argv)
     if (args.model is None) == (args.url is None):

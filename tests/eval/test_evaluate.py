@@ -318,7 +318,7 @@ def test_forced_exits_reproduce_the_river_run(river_model, cal_items):
 
 def test_calibrate_within_budget(river_model, cal_items):
     taus = (0.96, 0.975, 0.99, 1.01)
-    res = tau_calibration.calibrate(river_model, budget=0.02, taus=taus, items=cal_items, score_tokens=24, progress=False)
+    res = tau_calibration.calibrate(river_model, budget=0.02, taus=taus, items=cal_items, score_tokens=16, progress=False)
     assert res["feasible"]  # tau 1.01 never exits: exactly the backbone, always within budget
     assert res["calibration_ppl"] <= res["backbone_ppl"] * 1.02
     by_tau = {r["tau"]: r for r in res["rows"]}

@@ -331,7 +331,13 @@ def test_calibrate_within_budget(river_model, cal_items):
     assert not ev_ids & {i for ids in res["items"].values() for i in ids}
 
 
-def test_eval_tiny_end_to_end(f16_path, q4_0_path, tmp_path):
+def test_eval_tiny_end_to_end(f16_path, q4_0_path, tmp_path, monkeypatch):
+    # Every row names its exit setting, so the pair's default tau goes unused: the run's Models get
+    # a threshold, which spares the load its profile (256 backbone decode steps, half this test).
+    # test_eval_quick_cli runs the same report with the profile.
+    load = evaluate.Model
+    monkeypatch.setattr(evaluate, "Model", lambda path, river=None, **kw: load(
+        path, river=river, **kw, **({"threshold": 0.975} if river else {})))
     s = Settings(setups=[Setup("F16+Q4_0", "f16", "q4_0", taus=(0.975,), fixed_exits=(10,), shuffle_taus=(0.975,),
                                backbone_row=True)],
                  ladder=("q4_0",), score_items=1, score_tokens=16, gen_items=1, gen_tokens=4, prompt_tokens=32, n_ctx=256,

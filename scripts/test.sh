@@ -12,8 +12,10 @@ WORKERS=${TEST_WORKERS:-$(python -c "import os; print(min(os.cpu_count() or 1, 4
 # Run from the checkout but import the installed package, not ./python.
 rc=0
 if [ "$WORKERS" -gt 1 ]; then
-  # One thread a worker (tests/conftest.py says why).
-  OMP_THREAD_LIMIT=1 OPENBLAS_NUM_THREADS=1 python -m pytest -q -n "$WORKERS" --dist load -m "not alone" tests "$@" || rc=$?
+  # One thread a worker (tests/conftest.py says why). Each worker takes whole files, in the order
+  # tests/conftest.py puts them (the longest first; xdist's own reorder, by test count, is off).
+  OMP_THREAD_LIMIT=1 OPENBLAS_NUM_THREADS=1 python -m pytest -q -n "$WORKERS" --dist loadfile --no-loadscope-reorder \
+    -m "not alone" tests "$@" || rc=$?
 else
   python -m pytest -q -m "not alone" tests "$@" || rc=$?
 fi

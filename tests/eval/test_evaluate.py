@@ -296,7 +296,9 @@ def test_set_river_metadata_roundtrip(tmp_path):
 def river_model(f16_path, q4_0_path):
     from river_gguf import Model
 
-    return Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=THREADS)
+    # Every call on it names its exit setting, so a threshold given here only spares the load
+    # the profile two plain files would otherwise get (256 backbone decode steps).
+    return Model(f16_path, river=q4_0_path, n_ctx=512, n_threads=THREADS, threshold=0.975)
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +318,7 @@ def test_forced_exits_reproduce_the_river_run(river_model, cal_items):
 
 def test_calibrate_within_budget(river_model, cal_items):
     taus = (0.96, 0.975, 0.99, 1.01)
-    res = tau_calibration.calibrate(river_model, budget=0.02, taus=taus, items=cal_items, score_tokens=24, progress=False)
+    res = tau_calibration.calibrate(river_model, budget=0.02, taus=taus, items=cal_items, score_tokens=16, progress=False)
     assert res["feasible"]  # tau 1.01 never exits: exactly the backbone, always within budget
     assert res["calibration_ppl"] <= res["backbone_ppl"] * 1.02
     by_tau = {r["tau"]: r for r in res["rows"]}
@@ -329,10 +331,16 @@ def test_calibrate_within_budget(river_model, cal_items):
     assert not ev_ids & {i for ids in res["items"].values() for i in ids}
 
 
-def test_eval_tiny_end_to_end(f16_path, q4_0_path, tmp_path):
+def test_eval_tiny_end_to_end(f16_path, q4_0_path, tmp_path, monkeypatch):
+    # Every row names its exit setting, so the pair's default tau goes unused: the run's Models get
+    # a threshold, which spares the load its profile (256 backbone decode steps, half this test).
+    # test_eval_quick_cli runs the same report with the profile.
+    load = evaluate.Model
+    monkeypatch.setattr(evaluate, "Model", lambda path, river=None, **kw: load(
+        path, river=river, **kw, **({"threshold": 0.975} if river else {})))
     s = Settings(setups=[Setup("F16+Q4_0", "f16", "q4_0", taus=(0.975,), fixed_exits=(10,), shuffle_taus=(0.975,),
                                backbone_row=True)],
-                 ladder=("q4_0",), score_items=1, score_tokens=40, gen_items=1, gen_tokens=8, prompt_tokens=48, n_ctx=512,
+                 ladder=("q4_0",), score_items=1, score_tokens=16, gen_items=1, gen_tokens=4, prompt_tokens=32, n_ctx=256,
                  progress=False)
     rep = evaluate.run_eval(s)
     rows = {r["label"]: r for r in rep["rows"]}
@@ -391,8 +399,8 @@ def test_eval_river_gguf_presets_and_controls(small_river_gguf, monkeypatch):
     monkeypatch.setattr(evaluate, "river_gguf_path", lambda model="smollm2": small_river_gguf)
     s = Settings(setups=[Setup("River GGUF", evaluate.RIVER_GGUF, None, taus=(0.98,), tails=(2,),
                                river_only_tails=(0, 2), presets=True, river_head=True)],
-                 controls=(0, 2), ladder=("q8_0",), score_items=1, score_tokens=24, gen_items=1, gen_tokens=8,
-                 prompt_tokens=48, n_ctx=512, progress=False)
+                 controls=(0, 2), ladder=("q8_0",), score_items=1, score_tokens=12, gen_items=1, gen_tokens=4,
+                 prompt_tokens=32, n_ctx=256, progress=False)
     rep = evaluate.run_eval(s)
     rows = {r["label"]: r for r in rep["rows"]}
     river, backbone = evaluate.river_types(rep["river_gguf"]["metadata"])

@@ -119,9 +119,41 @@ def test_tune_all_measures_the_whole_grid_against_its_reference(tuned_pair, tmp_
                         calibration_tokens=32)
     timed = [r for r in res["rows"] if r["options"].options.mode != "lossless"]
     assert len(timed) == len(stored) and all(r["reference"] == "F16" and "seconds_per_step" in r for r in timed)
+    n_layer = Model(str(copy), n_ctx=64, n_threads=1).n_layer
+    assert [r["options"] for r in timed] == cost_model.grid(n_layer)  # every setting of the grid, in its order
     m = Model(str(copy), n_ctx=64, n_threads=1)
     grid = json.loads(m.metadata[presets.GRID_KEY])
     assert all("kld" in r and r["reference"] == "F16" for r in grid) and res["reference"] == "F16"
     assert _tensor_digest(str(copy)) == before
     with pytest.raises(FileNotFoundError):
         tune_mod.tune(str(copy), n_threads=1, tokens=8, rounds=1, progress=False, reference=str(tmp_path / "no.gguf"))
+
+
+def test_tune_all_against_the_files_backbone(tuned_pair, tmp_path, monkeypatch):
+    """`tune --all` without a reference: every setting of the grid measured against the file's
+    own backbone (the backbone's row at KLD 0), timed, and stored with that label; the command
+    line's --all asks for it."""
+    from river_gguf.cli import tune_cmd
+
+    path, _ = tuned_pair
+    copy = tmp_path / "t.river.gguf"
+    copy.write_bytes(pathlib.Path(path).read_bytes())
+    res = tune_mod.tune(str(copy), n_threads=1, tokens=8, rounds=1, progress=False, measure=True,
+                        calibration_tokens=32)
+    timed = [r for r in res["rows"] if r["options"].options.mode != "lossless"]
+    m = Model(str(copy), n_ctx=64, n_threads=1)
+    assert [r["options"] for r in timed] == cost_model.grid(m.n_layer)
+    assert all(r["reference"] == "backbone" and r["seconds_per_step"] > 0 for r in timed)
+    assert next(r for r in timed if r["options"].options.mode == "backbone")["kld"] == 0.0
+    stored = presets.parse_grid(m.metadata[presets.GRID_KEY])
+    assert [r["options"] for r in stored] == cost_model.grid(m.n_layer)
+    assert all(r.get("kld") is not None and r["reference"] == "backbone" for r in stored)
+    assert json.loads(m.metadata[tune_mod.TUNED_KEY])["measured"] is True
+    # The command line: --all measures, --reference measures against the file given.
+    asked = []
+    monkeypatch.setattr(tune_cmd, "tune", lambda *a, **k: asked.append(k) or res)
+    from river_gguf import cli
+
+    assert cli.main(["tune", str(copy), "--all", "-q", "--dry-run"]) == 0
+    assert cli.main(["tune", str(copy), "--reference", "f16.gguf", "-q", "--dry-run"]) == 0
+    assert [(k["measure"], k["reference"]) for k in asked] == [(True, None), (False, "f16.gguf")]

@@ -1,8 +1,9 @@
-"""The converter under interruption and bad output paths (issue 8, "Converter").
+"""The converter under interruption and bad output paths.
 
 - Ctrl-C (SIGINT) or SIGTERM stops `river-gguf convert` / tools/add_river_gguf.py with exit status
-  130 / 143 and leaves nothing behind, also while llama.cpp's quantizer runs (its ctypes log
-  callback used to swallow the KeyboardInterrupt, and the conversion finished with exit 0).
+  130 / 143 and leaves nothing behind, also while llama.cpp's quantizer runs (a KeyboardInterrupt
+  raised inside its ctypes log callback would be dropped, and the conversion would finish with
+  exit 0: gguf.io.deferred_interrupts holds the signal until the call returns).
 - Temp files are removed on every exit Python sees; the hidden ones a SIGKILL leaves are harmless
   and removed by the next conversion to the same output and by the derived-file cache.
 - The output path is checked before any work: a folder, an input, a missing or read-only folder.

@@ -99,7 +99,8 @@ def instrument(clock):
           lambda self, settings: clock.count("settings measured", len(settings)) or clock.count("rounds", 1))
     _wrap(preset_grid, "river_tails", clock, "/river_tails")
     _wrap(preset_grid._Scorer, "_reference", clock, "/reference read")
-    _wrap(divergence, "compare", clock, "/KLD compare", lambda ref, q, t: clock.count("KLD rows", len(t)))
+    _wrap(divergence, "compare_many", clock, "/KLD compare",
+          lambda ref, qs, t: clock.count("KLD rows", len(t) * len(qs)) or clock.count("reference softmax rows", len(t)))
 
     def logits_work(self, tokens, first_row=0, **options):
         n = len(tokens)

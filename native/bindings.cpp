@@ -84,13 +84,9 @@ PYBIND11_MODULE(_native, m) {
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
     m.def(
         "divergence",
-        [](py::array_t<float, py::array::c_style | py::array::forcecast> reference,
-           py::array_t<float, py::array::c_style | py::array::forcecast> logits,
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> reference, py::list configs,
            py::array_t<int32_t, py::array::c_style | py::array::forcecast> targets, int n_threads) {
-            if (reference.ndim() != 2 || logits.ndim() != 2 || reference.shape(0) != logits.shape(0) ||
-                reference.shape(1) != logits.shape(1)) {
-                throw std::invalid_argument("reference and logits must be 2-D arrays of one shape");
-            }
+            if (reference.ndim() != 2) throw std::invalid_argument("reference must be a 2-D array");
             const int64_t n = reference.shape(0), n_vocab = reference.shape(1);
             if (targets.ndim() != 1 || targets.shape(0) != n) {
                 throw std::invalid_argument("need " + std::to_string(n) + " targets, one per row");
@@ -100,19 +96,40 @@ PYBIND11_MODULE(_native, m) {
             for (int64_t i = 0; i < n; ++i) {
                 if (t[i] < 0 || t[i] >= n_vocab) throw std::invalid_argument("target " + std::to_string(t[i]) + " is outside the vocabulary");
             }
-            py::array_t<double> kld(n), nll(n);
-            py::array_t<bool> same(n);
+            using Rows = py::array_t<float, py::array::c_style | py::array::forcecast>;
+            std::vector<Rows> logits;
+            std::vector<py::array_t<double>> kld, nll;
+            std::vector<py::array_t<bool>> same;
+            std::vector<DivergenceOutput> outs;
+            for (py::handle h : configs) {
+                Rows q = Rows::ensure(h);
+                if (!q || q.ndim() != 2 || q.shape(0) != n || q.shape(1) != n_vocab) {
+                    throw std::invalid_argument("reference and logits must be 2-D arrays of one shape");
+                }
+                logits.push_back(q);
+                kld.emplace_back(n);
+                nll.emplace_back(n);
+                same.emplace_back(n);
+            }
+            for (size_t c = 0; c < logits.size(); ++c) {
+                outs.push_back({logits[c].data(), kld[c].mutable_data(),
+                                reinterpret_cast<uint8_t*>(same[c].mutable_data()), nll[c].mutable_data()});
+            }
             {
                 py::gil_scoped_release release;
-                divergence_rows(reference.data(), logits.data(), t, n, n_vocab, std::max(1, n_threads),
-                                kld.mutable_data(), reinterpret_cast<uint8_t*>(same.mutable_data()), nll.mutable_data());
+                divergence_rows(reference.data(), t, n, n_vocab, outs.data(), static_cast<int64_t>(outs.size()),
+                                std::max(1, n_threads));
             }
-            return py::make_tuple(kld, same, nll);
+            py::list result;
+            for (size_t c = 0; c < outs.size(); ++c) result.append(py::make_tuple(kld[c], same[c], nll[c]));
+            return result;
         },
-        py::arg("reference"), py::arg("logits"), py::arg("targets"), py::arg("n_threads") = 1,
-        "Per row of raw logits: KL(P || Q) of the reference's softmax P and the logits' Q in double, whether "
-        "their top tokens agree, and -log Q of the target (llama-perplexity --kl-divergence's measures). "
-        "Returns (kld float64, same_top bool, nll float64).");
+        py::arg("reference"), py::arg("configs"), py::arg("targets"), py::arg("n_threads") = 1,
+        "Per row of raw logits, for each configuration's rows (a list of arrays of the reference's shape): "
+        "KL(P || Q) of the reference's softmax P and the configuration's Q in double, whether their top "
+        "tokens agree, and -log Q of the target (llama-perplexity --kl-divergence's measures). The "
+        "reference's probabilities are computed once per row for all the configurations. Returns a list "
+        "of (kld float64, same_top bool, nll float64), one per configuration.");
     m.def(
         "model_differences",
         [](const std::string& backbone, const std::string& river) {

@@ -6,11 +6,23 @@
 
 namespace river {
 
-// reference, logits: float32 [n_rows, n_vocab] raw logits (P and Q are their softmax); targets:
-// the actual next token per row. Rows are split over n_threads; each row is summed by one thread
-// in vocabulary order, so the result does not depend on the thread count. A row equal to the
-// reference's gives exactly 0. A token P gives probability 0 (its exp underflows) adds nothing.
-void divergence_rows(const float* reference, const float* logits, const int32_t* targets, int64_t n_rows,
-                     int64_t n_vocab, int n_threads, double* kld, uint8_t* same_top, double* nll);
+// One configuration's rows and where its measures go: logits float32 [n_rows, n_vocab] raw
+// logits (Q is their softmax); kld, same_top, nll: n_rows each.
+struct DivergenceOutput {
+    const float* logits;
+    double* kld;
+    uint8_t* same_top;
+    double* nll;
+};
+
+// reference: float32 [n_rows, n_vocab] raw logits (P is their softmax); targets: the actual next
+// token per row; configs: the configurations compared with the same reference (the reference's
+// log-sum-exp and probabilities are computed once per row for all of them). Rows are split over
+// n_threads; each row is summed by one thread in vocabulary order, so the result does not depend
+// on the thread count nor on which other configurations are compared in the same call. A row
+// equal to the reference's gives exactly 0. A token P gives probability 0 (its exp underflows)
+// adds nothing.
+void divergence_rows(const float* reference, const int32_t* targets, int64_t n_rows, int64_t n_vocab,
+                     const DivergenceOutput* configs, int64_t n_configs, int n_threads);
 
 }  // namespace river

@@ -265,18 +265,20 @@ def test_plan_measures_only_what_can_win_a_tier():
     why = cost_model.plan(settings, layers, head, L, bounds)
     measured = [o for o, w in zip(settings, why) if not w]
     rel = lambda o: cost_model.setting_cost(o, layers, head, L) / ro  # noqa: E731
-    # The backbone and the cheapest setting are measured; fast fits nothing (the cheapest). So is
-    # the first tail of each walk of the search (a family's deepest within a tier's bound), which
-    # its first round would ask whatever the plan's rows hold.
+    # The backbone and the cheapest setting are measured; fast fits nothing (the cheapest). So are
+    # the first two tails of each walk of the search (a family's deepest within a tier's bound,
+    # then its cheapest there), which its first two rounds would ask whatever the plan's rows hold.
     base = [settings[0], presets.Setting.of(mode="river-only", tail=0, river_head=True)]
     families = [[settings[i] for i in f] for f in cost_model.tail_families(settings)]
 
-    def firsts(bounds):  # each walk's first tail; a walk within base alone asks nothing
-        return [max(inside, key=lambda o: o.options.tail) for f in families for b in bounds.values()
-                for inside in [[o for o in f if rel(o) <= b]] if any(o not in base for o in inside)]
+    def firsts(bounds):  # each walk's deepest and cheapest tail; a walk within base alone asks nothing
+        return [o for f in families for b in bounds.values() for inside in [[o for o in f if rel(o) <= b]]
+                if any(o not in base for o in inside) for o in (inside[-1], inside[0])]
 
-    assert len(firsts(bounds)) == 3  # balanced: tail 1; quality: each family's deepest
-    assert measured == base + [o for o in settings if o in firsts(bounds)]
+    # balanced: tail 1 (and tail 0); quality: each family's deepest and cheapest (tail 0, with
+    # and without the backbone's attention)
+    assert len({o for o in firsts(bounds) if o not in base}) == 4
+    assert measured == base + [o for o in settings if o in firsts(bounds) and o not in base]
     # Every other river-only tail within some tier's bound (quality's, which the backbone also
     # fits) is left to the search, whose walk compares it with the tier's best; the dynamic
     # settings within quality's bound only are the backbone's (the river's layers cost less).
@@ -287,7 +289,7 @@ def test_plan_measures_only_what_can_win_a_tier():
     # still measured with the plan.
     narrow = dict(bounds, fast=rel(base[1]))
     assert [o for o, w in zip(settings, cost_model.plan(settings, layers, head, L, narrow)) if not w] == \
-        base + [o for o in settings if o in firsts(narrow)]
+        base + [o for o in settings if o in firsts(narrow) and o not in base]
     assert all(w for o, w in zip(settings, why) if o not in measured and o not in searched)
     assert all("backbone takes" in w for o, w in zip(settings, why) if o.is_dynamic
                and cost_model.setting_cost(o, layers, head, L) / ro <= bounds["quality"])
@@ -302,6 +304,55 @@ def test_plan_measures_only_what_can_win_a_tier():
     same = _costs(L, river=10.0)
     assert set(cost_model.plan(settings, *same, L, {"fast": 0.5, "balanced": 0.6, "quality": 5.0})) <= \
         {"", cost_model.SEARCHED}
+
+
+def test_the_plans_tails_are_those_the_search_would_ask_first(monkeypatch):
+    """The tails plan measures for the search (each walk's deepest and cheapest within a tier's
+    bound, in the plan's pass) are what the search alone would ask in its first two rounds: with
+    them in the plan, the calibration measures the same settings, and picks the same presets, in
+    fewer rounds."""
+    L = 8
+    layers, head = _costs(L)
+    settings = cost_model.grid(L)
+    ro = cost_model.step_bytes(layers, head, L, -1, 0, True)
+    costs = [cost_model.setting_cost(o, layers, head, L) / ro for o in settings]
+    tails = {o.options.tail: c for o, c in zip(settings, costs) if o.options.mode == "river-only"
+             and "river_attention" not in o.names}
+    n_items = 12
+
+    def row(i):  # KLD falls as the tail deepens; the backbone's attention halves it; item noise
+        o = settings[i].options
+        k = 0.01 if o.mode == "backbone" else 0.2 / (1 + o.tail) / (2 if o.river_attention == "backbone" else 1)
+        per = [[64, 64 * k * (1 + 0.2 * ((j * (i + 3)) % 5 - 2))] for j in range(n_items)]
+        return {"options": settings[i], "relative_cost": costs[i], "items": list(range(n_items)),
+                "item_kld": per, "kld": sum(x for _, x in per) / sum(n for n, _ in per)}
+
+    def calibrate(bounds):
+        why = cost_model.plan(settings, layers, head, L, bounds)
+        asked, rounds = set(), []
+
+        def measure(idx):
+            if idx:
+                rounds.append(sorted(idx))
+            asked.update(idx)
+            return {i: row(i) for i in asked}
+
+        measure([i for i, w in enumerate(why) if not w])
+        families = [[i for i in f if why[i] in ("", cost_model.SEARCHED)] for f in cost_model.tail_families(settings)]
+        cost_model.search([f for f in families if any(why[i] == cost_model.SEARCHED for i in f)], costs, bounds,
+                          measure)
+        chosen = cost_model.choose([row(i) for i in sorted(asked)], bounds)
+        return sorted(asked), rounds, {n: p.setting for n, p in chosen.items()}
+
+    for bounds in ({"fast": 0.9, "balanced": (tails[1] + tails[2]) / 2, "quality": costs[0] + 0.01},
+                   {"fast": tails[0], "balanced": tails[3], "quality": tails[6] + 1e-6},
+                   {"fast": 0.9, "balanced": 0.95, "quality": tails[4]}):
+        planned = calibrate(bounds)
+        with monkeypatch.context() as mp:  # the plan without the search's first tails
+            mp.setattr(cost_model, "_first_walks_measured", lambda settings, why, costs, bounds: why)
+            searched = calibrate(bounds)
+        assert planned[0] == searched[0] and planned[2] == searched[2], bounds
+        assert len(planned[1]) < len(searched[1]), bounds  # the plan's pass took the search's first rounds
 
 
 def _family_rows(klds, costs, noise=0.0, n_items=16):

@@ -57,6 +57,26 @@ def test_compare_is_kl_divergence():
         divergence.compare(ref_logits, q_logits, np.full(40, 5000))
 
 
+def test_settings_compared_together_score_as_each_alone():
+    """compare_many computes the reference's softmax once for every configuration: each result is
+    compare()'s alone, bit for bit, whatever is compared beside it."""
+    rng = np.random.default_rng(1)
+    ref_logits = rng.normal(size=(12, 3000)).astype(np.float32)
+    targets = rng.integers(0, 3000, size=12)
+    qs = [(ref_logits + rng.normal(scale=s, size=ref_logits.shape)).astype(np.float32) for s in (0.1, 1.0, 3.0)]
+    qs.append(ref_logits.copy())
+    together = divergence.compare_many(ref_logits, qs, targets)
+    assert len(together) == len(qs)
+    for q, d in zip(qs, together):
+        alone = divergence.compare(ref_logits, q, targets)
+        for key in ("kld", "same_top", "nll"):
+            np.testing.assert_array_equal(getattr(d, key), getattr(alone, key))
+    assert (together[3].kld == 0).all() and (together[2].kld > together[0].kld).all()
+    assert divergence.compare_many(ref_logits, [], targets) == []
+    with pytest.raises(ValueError, match="shape"):
+        divergence.compare_many(ref_logits, [qs[0], qs[1][:3]], targets)
+
+
 def test_kld_of_a_file_against_itself_is_zero(ref, prepared):
     runs = divergence.score_configs(ref, {"self": (ref, dict(mode="backbone"))}, prepared)
     s = divergence.summarize(runs["self"])

@@ -169,9 +169,10 @@ def plan(settings: List[Setting], layers: List[dict], head: dict, n_layer: int, 
       acceptance that prices lossless mode.
     - The static river-only tails of a family (tail_families) within any tier's bound are left to
       the search, which measures a family from its deepest tail in a tier's bound towards cheaper
-      ones until one is separated from the tier's best. Where the search's first round depends
-      on no measurement (_first_walks_measured), the tails it would ask, each walk's deepest, are
-      measured here (""), in the same pass as the rest.
+      ones until one is separated from the tier's best. Where the search's first two rounds
+      depend on no measurement (_first_walks_measured), the tails they would ask, each walk's
+      deepest and then the family's cheapest within the tier's bound, are measured here (""), in
+      the same pass as the rest.
     - A tier whose bound admits the backbone takes the backbone, without a measurement to decide
       it, when every river layer costs less than the backbone's and the river head no more (the
       river is the lower-precision copy), as far as the dynamic settings go: they are measured
@@ -223,14 +224,18 @@ def plan(settings: List[Setting], layers: List[dict], head: dict, n_layer: int, 
 
 def _first_walks_measured(settings: List[Setting], why: List[str], costs: List[float],
                           bounds: Dict[str, float]) -> List[str]:
-    """plan's marks with the search's first round measured with the plan's settings, where that
-    round depends on no measurement. A walk of search_next (per family and tier) that starts at a
-    tail the plan leaves to the search asks that tail first, and one whose tails within the bound
-    the plan measures all asks nothing, whatever the plan's rows hold; when every walk is one of
-    the two, measuring those first tails now measures the same settings on the same items, in one
-    pass of the river layers each family shares (measure.tails.river_tails: the same logits, bit
-    for bit) instead of one pass more. A walk that starts at a measured tail with a searched one
-    below it depends on that tail's row: then the marks stay as they are."""
+    """plan's marks with the search's first two rounds measured with the plan's settings, where
+    those rounds depend on no measurement. A walk of search_next (per family and tier) that
+    starts at a tail the plan leaves to the search asks that tail first, and one whose tails
+    within the bound the plan measures all asks nothing, whatever the plan's rows hold; when every
+    walk is one of the two, measuring those first tails now measures the same settings on the
+    same items, in one pass of the river layers each family shares (measure.tails.river_tails:
+    the same logits, bit for bit) instead of one pass more. Once a walk's deepest tail is
+    measured, search_next asks the family's cheapest tail within the bound next (when the bound
+    holds two or more), again whatever the rows hold, so that tail joins the same pass: asked in
+    a round of its own it would run the family's shared river layers once more for one tail. A
+    walk that starts at a measured tail with a searched one below it depends on that tail's row:
+    then the marks stay as they are."""
     families = [[i for i in f if why[i] in ("", SEARCHED)] for f in tail_families(settings)]
     first = set()
     for family in (f for f in families if any(why[i] == SEARCHED for i in f)):
@@ -241,6 +246,7 @@ def _first_walks_measured(settings: List[Setting], why: List[str], costs: List[f
             if why[inside[-1]] != SEARCHED:
                 return why
             first.add(inside[-1])
+            first.add(inside[0])  # search_next's next ask once the deepest is measured
     return ["" if i in first else w for i, w in enumerate(why)]
 
 

@@ -229,11 +229,8 @@ class _Scorer:
         return r
 
     def _reference(self, k: int, toks, prefix: int):
-        ref = (divergence.reference_logits(self.model, toks, prefix, batched=self.batched, mode="backbone")
-               if self.own else self.reference[k])
-        if k not in self._ref_only:
-            self._ref_only[k] = divergence.compare(ref, ref, toks[prefix:])
-        return ref
+        return (divergence.reference_logits(self.model, toks, prefix, batched=self.batched, mode="backbone")
+                if self.own else self.reference[k])
 
     def measure(self, settings: Dict[int, Setting]) -> None:
         """Score `settings` ({index: setting}) on their items."""
@@ -248,8 +245,16 @@ class _Scorer:
             if not want and k in self._ref_only:
                 continue
             ref = self._reference(k, toks, prefix)
-            for i, (logits, exits, secs) in self._logits(configs, want, static, toks, prefix, ref).items():
-                self._results.setdefault(i, {})[k] = (divergence.compare(ref, logits, toks[prefix:]), exits, secs)
+            got = self._logits(configs, want, static, toks, prefix, ref)
+            # One native pass over the reference's rows for every setting of the item, and on the
+            # item's first visit the reference itself (its perplexity).
+            first = k not in self._ref_only
+            found = divergence.compare_many(ref, [logits for logits, _, _ in got.values()] + ([ref] if first else []),
+                                            toks[prefix:])
+            if first:
+                self._ref_only[k] = found.pop()
+            for (i, (_, exits, secs)), d in zip(got.items(), found):
+                self._results.setdefault(i, {})[k] = (d, exits, secs)
                 self._bar.update(len(toks) - prefix)
 
     def _logits(self, configs: dict, want: List[int], static: set, toks, prefix: int, ref) -> dict:

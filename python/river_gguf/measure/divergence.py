@@ -67,14 +67,26 @@ def compare(reference_logits: np.ndarray, logits: np.ndarray, targets: Sequence[
     in double, one thread a row, so the result does not depend on the thread count; a row equal to
     the reference's scores exactly 0). reference_logits, logits: the reference's and the
     configuration's raw logits [n, n_vocab]; targets: the actual next token of each row."""
-    ref, q = np.asarray(reference_logits), np.asarray(logits)
-    if ref.shape != q.shape or ref.ndim != 2:
-        raise ValueError(f"reference has shape {ref.shape}, the configuration {q.shape}")
+    return compare_many(reference_logits, [logits], targets)[0]
+
+
+def compare_many(reference_logits: np.ndarray, configs: Sequence[np.ndarray],
+                 targets: Sequence[int]) -> List[ItemDivergence]:
+    """compare() of each configuration's logits in `configs` with one reference, in one native
+    pass: the reference's softmax, most of a row's work, is computed once per row for all of them,
+    and each result is what compare() gives it alone, bit for bit."""
+    ref = np.asarray(reference_logits)
+    qs = [np.asarray(q) for q in configs]
+    for q in qs:
+        if ref.shape != q.shape or ref.ndim != 2:
+            raise ValueError(f"reference has shape {ref.shape}, the configuration {q.shape}")
+    if ref.ndim != 2:
+        raise ValueError(f"the reference's logits must be 2-D, got shape {ref.shape}")
     t = np.asarray(targets, dtype=np.int64)
     if t.shape != (ref.shape[0],):
         raise ValueError(f"need {ref.shape[0]} targets, got {t.shape}")
-    kld, same, nll = native.divergence(ref, q, t.astype(np.int32), os.cpu_count() or 1)
-    return ItemDivergence(kld, same, nll)
+    out = native.divergence(ref, qs, t.astype(np.int32), os.cpu_count() or 1)
+    return [ItemDivergence(kld, same, nll) for kld, same, nll in out]
 
 
 def reference_logits(model, tokens: Sequence[int], prefix: int, batched: bool = False, **options) -> np.ndarray:

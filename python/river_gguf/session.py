@@ -94,8 +94,10 @@ def evaluate(engine, tokens: List[int], opts: ExitOptions, prompt: bool, all_log
     # Only the rows a caller reads are checked: the last one per step costs ~n_vocab compares.
     rows = out[0] if all_logits or seq_ids is not None else out[0][-1:]
     if not np.isfinite(rows).all():
+        seqs = sorted(set(seq_ids)) if seq_ids else [0]
+        where = ", ".join(f"sequence {s} after {engine.sequence_length(s)} positions" for s in seqs)
         raise NumericalError(
-            f"the model produced NaN or infinite logits (after {engine.n_past} positions, "
+            f"the model produced NaN or infinite logits ({where}, "
             f"mode={opts.mode!r}); its weights or hyperparameters are broken, so no text or score is returned")
     return out
 

@@ -252,3 +252,33 @@ def generated_tokens(llm, prompt: str, n: int, **kw):
         if llm._is_eog(t) or len(out) >= n:
             break
     return toks, out
+
+
+def search_replayed_on_full_sweep(m):
+    """The full, unpruned sweep of the preset grid on m's calibration items (ten of 8 scored
+    tokens after 8 of their prompt: the choice depends on the rows, not on how long the prompts
+    are, and short ones keep it cheap), with the cost model's plan and the tail search replayed on
+    the sweep's own rows (the search's decisions are a function of the rows it asks for). Asserts
+    that the search asks exactly what the plan leaves to measure, that it chooses the sweep's
+    presets, and that it left settings out (so the equality checks the pruning). Returns
+    (prepared items, profile, the sweep, its settings, the indices the search asked for)."""
+    from river_gguf.calibrate import cost_model, preset_grid
+    from river_gguf.measure.profile import similarity_profile
+    from river_gguf.measure.scoring import calibration_prepared
+
+    prepared = [(toks[prefix - 8:], 8) for toks, prefix in calibration_prepared(m, 80, 8)]
+    profile = similarity_profile(m, own_engine=False)
+    full = preset_grid.calibrate_presets(m, prepared=prepared, score_tokens=8, progress=False, profile=profile)
+    settings = [r["options"] for r in full["rows"]]
+    asked = set()
+
+    def measure(indices):
+        asked.update(indices)
+        return {i: full["rows"][i] for i in asked}
+
+    skip, _ = preset_grid.plan_and_search(m, settings, measure, profile)
+    assert sorted(asked) == [i for i, why in enumerate(skip) if not why]
+    searched = cost_model.choose([full["rows"][i] for i in sorted(asked)], full["anchors"]["bounds"])
+    assert {n: p.setting for n, p in searched.items()} == {n: p.setting for n, p in full["presets"].items()}
+    assert len(asked) < len(settings)
+    return prepared, profile, full, settings, asked

@@ -5,11 +5,10 @@ on SmolLM2."""
 from river_gguf import Model
 from river_gguf.calibrate import cost_model, preset_grid
 from river_gguf.eval import model_zoo
-from river_gguf.measure.profile import similarity_profile
-from river_gguf.measure.scoring import calibration_prepared
 from river_gguf.options import never_exit
 
 from conftest import QWEN
+from support import search_replayed_on_full_sweep
 
 
 def test_the_search_chooses_the_presets_of_the_full_sweep_on_qwen(qwen_f16):
@@ -19,22 +18,6 @@ def test_the_search_chooses_the_presets_of_the_full_sweep_on_qwen(qwen_f16):
     the presets it reaches are those a pruned conversion reaches on these items."""
     river = model_zoo.derived(QWEN, "q4_0-imatrix")
     m = Model(qwen_f16, river=river, n_ctx=1024, n_threads=2, threshold=never_exit("cosine"))
-    # Ten items (enough for intervals) of 8 scored tokens after 8 of their prompt, as on SmolLM2.
-    prepared = [(toks[prefix - 8:], 8) for toks, prefix in calibration_prepared(m, 80, 8)]
+    prepared, profile, full, settings, _ = search_replayed_on_full_sweep(m)
     assert len(prepared) >= preset_grid.MIN_INTERVAL_ITEMS
-    profile = similarity_profile(m, own_engine=False)
-    full = preset_grid.calibrate_presets(m, prepared=prepared, score_tokens=8, progress=False, profile=profile)
-    settings = [r["options"] for r in full["rows"]]
     assert settings == cost_model.grid(m.n_layer, profile=profile) and all("kld" in r for r in full["rows"])
-    asked = set()
-
-    def measure(indices):
-        asked.update(indices)
-        return {i: full["rows"][i] for i in asked}
-
-    skip, _ = preset_grid.plan_and_search(m, settings, measure, profile)
-    assert sorted(asked) == [i for i, why in enumerate(skip) if not why]
-    searched = cost_model.choose([full["rows"][i] for i in sorted(asked)], full["anchors"]["bounds"])
-    assert {n: p.setting for n, p in searched.items()} == {n: p.setting for n, p in full["presets"].items()}
-    # The pruning had something to leave out, so the equality above is a check of it.
-    assert len(asked) < len(settings)

@@ -519,32 +519,13 @@ def test_the_search_chooses_the_presets_of_the_full_sweep_on_smollm2(river_gguf_
     many tails fit a tier, so the search has tails to leave out), with the dynamic settings'
     exits predicted from the backbone's profile as the converter predicts them. The search is
     replayed on the sweep's own rows (its decisions are a function of the rows it asks for)."""
-    from river_gguf.calibrate import preset_grid
-    from river_gguf.measure.scoring import calibration_prepared
     from river_gguf.options import never_exit
-    from river_gguf.measure.profile import similarity_profile
-    from support import THREADS
+    from support import THREADS, search_replayed_on_full_sweep
 
     m = Model(river_gguf_path, n_ctx=1024, n_threads=THREADS, threshold=never_exit("cosine"))
-    # Ten items (enough for intervals) of 8 scored tokens after 8 of their prompt: the choice
-    # depends on the rows, not on how long the prompts are, and short ones keep this cheap.
-    prepared = [(toks[prefix - 8:], 8) for toks, prefix in calibration_prepared(m, 80, 8)]
-    profile = similarity_profile(m, own_engine=False)
-    full = preset_grid.calibrate_presets(m, prepared=prepared, score_tokens=8, progress=False, profile=profile)
-    settings = [r["options"] for r in full["rows"]]
-    asked = set()
-
-    def measure(indices):
-        asked.update(indices)
-        return {i: full["rows"][i] for i in asked}
-
-    skip, search = preset_grid.plan_and_search(m, settings, measure, profile)
-    assert sorted(asked) == [i for i, why in enumerate(skip) if not why]
-    searched = cost_model.choose([full["rows"][i] for i in sorted(asked)], full["anchors"]["bounds"])
-    assert {n: p.setting for n, p in searched.items()} == {n: p.setting for n, p in full["presets"].items()}
-    # It left settings out, after searching: tails past 0 were measured (the walks' first tails
-    # with the plan's settings, where no walk starts at one the plan measures; the rest in rounds).
-    assert len(asked) < len(settings)
+    prepared, _, full, settings, asked = search_replayed_on_full_sweep(m)
+    # It left settings out (asserted above), after searching: tails past 0 were measured (the walks'
+    # first tails with the plan's settings, where no walk starts at one the plan measures; the rest in rounds).
     assert any(settings[i].options.mode == "river-only" and settings[i].options.tail > 0 for i in asked)
     assert len({p.setting for p in full["presets"].values()}) > 1  # a real choice
     backbone = next(r for r in full["rows"] if r["options"].options.mode == "backbone")

@@ -115,6 +115,10 @@ def _threaded_read(parts, reduce) -> float:
     return max(e for _, e in spans) - min(s for s, _ in spans)
 
 
+def _label(method: str, threads: int) -> str:
+    return f"{method}, {threads} thread" + ("s" if threads > 1 else "")
+
+
 def read_bandwidth(threads: int, n_bytes: int, reps: int = 8) -> dict:
     """The machine's read bandwidth in bytes/s with `threads` threads (and with one), measured
     as the module docstring says, over a float32 buffer of n_bytes."""
@@ -122,25 +126,18 @@ def read_bandwidth(threads: int, n_bytes: int, reps: int = 8) -> dict:
         raise ValueError(f"need at least one thread and 4 bytes a thread, got {threads} threads, {n_bytes} bytes")
     buf = np.ones(n_bytes // 4, dtype=np.float32)  # written once, so every page is in memory before timing
     methods = {"np.maximum.reduce": np.maximum.reduce, "np.add.reduce": np.add.reduce}
-    out = {"threads": threads, "buffer_bytes": int(buf.nbytes), "repetitions": reps, "per_method": {}}
-    try:
-        for n in sorted({threads, 1}, reverse=True):
-            parts = np.array_split(buf, n)
-            for name, fn in methods.items():
-                best = min(_threaded_read(parts, fn) for _ in range(reps))
-                out["per_method"][f"{name}, {n} thread{'s' * (n > 1)}"] = buf.nbytes / best
-    finally:
-        del buf
-    out["bytes_per_s"] = max(v for k, v in out["per_method"].items() if k.endswith(f" {threads} thread" + "s" * (threads > 1)))
-    out["one_thread_bytes_per_s"] = max(v for k, v in out["per_method"].items() if k.endswith(" 1 thread"))
-    out["how"] = (f"{threads} Python threads, each np.maximum.reduce / np.add.reduce over its share of one "
-                  f"{buf_gib(out['buffer_bytes'])} float32 buffer (GIL released), started by a barrier; bytes over "
-                  f"first start to last end, best of {reps} repetitions and both reductions")
-    return out
-
-
-def buf_gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
+    per_method = {}
+    for n in sorted({threads, 1}, reverse=True):
+        parts = np.array_split(buf, n)
+        for name, fn in methods.items():
+            per_method[_label(name, n)] = buf.nbytes / min(_threaded_read(parts, fn) for _ in range(reps))
+    how = (f"{threads} Python threads, each np.maximum.reduce or np.add.reduce over its share of one "
+           f"{buf.nbytes / GIB:.2f} GiB float32 buffer (numpy releases the GIL), started by a barrier; the "
+           f"buffer's bytes over first start to last end, best of {reps} repetitions and both reductions")
+    return {"bytes_per_s": max(per_method[_label(m, threads)] for m in methods),
+            "one_thread_bytes_per_s": max(per_method[_label(m, 1)] for m in methods),
+            "threads": threads, "buffer_bytes": int(buf.nbytes), "repetitions": reps, "per_method": per_method,
+            "how": how}
 
 
 # ----- the bytes a step reads ----------------------------------------------------------
@@ -279,7 +276,8 @@ def measure_file(path: str, args, bandwidth: float) -> dict:
                "backbone": _against_floor(backbone, costs.step, bandwidth),
                "verify_in_steps": {str(n): v / costs.step for n, v in costs.verify.items()}}
         if args.breakdown:
-            own.update(label="the Model's draft vocabulary", draft_vocab=args.draft_vocab,
+            own.update(label=("the Model's: whole vocabulary" if own["head_rows"] == model.n_vocab
+                              else "the Model's draft vocabulary"), draft_vocab=args.draft_vocab,
                        seconds=draft_seconds(model, opts, args.rounds, args.steps, costs.context))
     finally:
         del model

@@ -15,7 +15,9 @@ weights. Positional paths are River GGUFs timed as they are. Run it alone on the
    np.add.reduce: numpy releases the GIL inside a reduction), all started at once by a barrier;
    the bandwidth is the buffer's bytes over the span from the first start to the last end, the
    best over methods and repetitions (a reduction can only read slower than the memory allows,
-   so the fastest is the closest to it). The same with one thread is printed beside it.
+   so the fastest is the closest to it). The same with one thread is printed beside it, and the
+   reductions' rate over 1 MiB that stays in cache (far higher: the big buffer's rate is the
+   memory's, not the reduction's).
 2. Bytes of a step, from the file's tensor table (calibrate.cost_model.weight_bytes): a draft
    step reads the river layers the draft setting runs (river-only: every layer below the
    setting's backbone tail; the backbone's attention tensors where river_attention says so), its
@@ -131,13 +133,24 @@ def read_bandwidth(threads: int, n_bytes: int, reps: int = 8) -> dict:
         parts = np.array_split(buf, n)
         for name, fn in methods.items():
             per_method[_label(name, n)] = buf.nbytes / min(_threaded_read(parts, fn) for _ in range(reps))
+    # The reductions' own speed, on a buffer that stays in the L2 cache: far above the rate over
+    # the big buffer, it shows that rate is the memory's and not the reduction's.
+    small = np.ones(1 << 18, dtype=np.float32)
+    in_cache = max(small.nbytes * 64 / min(_timed_repeat(fn, small, 64) for _ in range(reps)) for fn in methods.values())
     how = (f"{threads} Python threads, each np.maximum.reduce or np.add.reduce over its share of one "
            f"{buf.nbytes / GIB:.2f} GiB float32 buffer (numpy releases the GIL), started by a barrier; the "
            f"buffer's bytes over first start to last end, best of {reps} repetitions and both reductions")
     return {"bytes_per_s": max(per_method[_label(m, threads)] for m in methods),
             "one_thread_bytes_per_s": max(per_method[_label(m, 1)] for m in methods),
-            "threads": threads, "buffer_bytes": int(buf.nbytes), "repetitions": reps, "per_method": per_method,
-            "how": how}
+            "in_cache_one_thread_bytes_per_s": in_cache, "threads": threads, "buffer_bytes": int(buf.nbytes),
+            "repetitions": reps, "per_method": per_method, "how": how}
+
+
+def _timed_repeat(fn, a, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn(a)
+    return time.perf_counter() - t0
 
 
 # ----- the bytes a step reads ----------------------------------------------------------
@@ -337,7 +350,8 @@ def breakdown(path: str, args, table: dict, context: int, own: dict, bandwidth: 
 # ----- output ----------------------------------------------------------------------------
 def print_tables(bw: dict, records: list) -> None:
     print(f"\nread bandwidth: {bw['bytes_per_s'] / 1e9:.2f} GB/s ({bw['how']}); one thread "
-          f"{bw['one_thread_bytes_per_s'] / 1e9:.2f} GB/s; last-level cache {bw['llc_bytes'] / MIB:.0f} MiB")
+          f"{bw['one_thread_bytes_per_s'] / 1e9:.2f} GB/s (the same reductions over 1 MiB in cache: "
+          f"{bw['in_cache_one_thread_bytes_per_s'] / 1e9:.2f} GB/s); last-level cache {bw['llc_bytes'] / MIB:.0f} MiB")
     for k, v in bw["per_method"].items():
         print(f"  {k}: {v / 1e9:.2f} GB/s")
     shown = [n for n in SHOWN_VERIFY if any(str(n) in r["verify_in_steps"] for r in records)]

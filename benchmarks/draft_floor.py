@@ -373,6 +373,12 @@ def print_tables(bw: dict, records: list) -> None:
             print(f"| {r['model']} | {step} | {p['layers'] / MIB:.1f} | {p['head'] / MIB:.1f} | {rows} | "
                   f"{p['kv_cache'] / MIB:.2f} | {r['kv_rows_read']:.1f} | {rest / MIB:.3f} |")
     for r in records:
+        for step in ("draft", "backbone"):
+            if r[step]["bytes"]["total"] < bw["llc_bytes"]:
+                print(f"\n{r['model']}: the {step} step's bytes fit the last-level cache ({bw['llc_bytes'] / MIB:.0f} "
+                      "MiB, shared on a virtual machine): steps timed back to back may read them from it, below "
+                      "the memory's floor")
+    for r in records:
         if "breakdown" in r:
             print_breakdown(r)
 

@@ -31,10 +31,10 @@ weights. Positional paths are River GGUFs timed as they are. Run it alone on the
 3. Times: calibrate.lossless.measure_costs (a backbone step, a draft step through the engine's
    own draft, verify batches of 2..--max-batch, each the median of --rounds rounds after the same
    CONTEXT-position prompt).
-4. The draft step broken down (--no-breakdown leaves it out), measured: the same draft timed with the head
-   over the whole vocabulary, with the Model's draft vocabulary, and with a draft vocabulary of one
-   token (its 512 context rows still multiplied), each Model loaded alone (two more loads of
-   the file), with the same timing as measure_costs' draft; a least-squares line
+4. The draft step broken down (--no-breakdown leaves it out), measured: the same draft timed
+   with the head over the whole vocabulary, with the Model's draft vocabulary, and with a draft
+   vocabulary of one token (its 512 context rows still multiplied), each Model loaded alone (two
+   more loads of the file) and timed as measure_costs times its draft; a least-squares line
    time = layers + rows * per_row through them splits the step into its layers (the line at 0
    rows) and its head, each against its own floor. (The engine's observer, which could time each
    node, is not reachable from Python, and it would turn off the kept graphs a draft runs.)

@@ -138,7 +138,8 @@ def read_bandwidth(threads: int, n_bytes: int, reps: int = 8) -> dict:
     # The reductions' own speed, on a buffer that stays in the L2 cache: far above the rate over
     # the big buffer, it shows that rate is the memory's and not the reduction's.
     small = np.ones(1 << 18, dtype=np.float32)
-    in_cache = max(small.nbytes * 64 / min(_timed_repeat(fn, small, 64) for _ in range(reps)) for fn in methods.values())
+    in_cache = max(small.nbytes * 64 / min(_timed_repeat(fn, small, 64) for _ in range(reps))
+                   for fn in methods.values())
     how = (f"{threads} Python threads, each np.maximum.reduce or np.add.reduce over its share of one "
            f"{buf.nbytes / GIB:.2f} GiB float32 buffer (numpy releases the GIL), started by a barrier; the "
            f"buffer's bytes over first start to last end, best of {reps} repetitions and both reductions")

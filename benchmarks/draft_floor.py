@@ -2,13 +2,16 @@
 the machine's measured read bandwidth, against the step's measured time; the backbone step the
 same; and the verify batches in backbone steps.
 
-    .venv/bin/python benchmarks/draft_floor.py --shapes qwen2.5-1.5b,llama-3.1-8b [--json OUT.json]
+    .venv/bin/python benchmarks/draft_floor.py --shapes qwen2.5-1.5b,llama-3.1-8b [--make-river-gguf] [--json OUT.json]
     .venv/bin/python benchmarks/draft_floor.py /tmp/bench/q05b.river.gguf [MORE.river.gguf ...] [--json OUT.json]
         [-t 2] [--rounds 3] [--steps 8] [--max-batch 9] [--draft-vocab N] [--bandwidth-mib N] [--no-breakdown]
 
---shapes makes (benchmarks/random_models.py, once, into RIVER_GGUF_CACHE) a random-weight F16
-River GGUF of each shape with a Q4_0 river and times it: a step's cost does not depend on the
-weights. Positional paths are River GGUFs timed as they are. Run it alone on the machine.
+--shapes times a random-weight F16 model of each shape with a Q4_0 river (benchmarks/random_models.py,
+made once into RIVER_GGUF_CACHE): a step's cost does not depend on the weights. Its River GGUF
+where the cache holds one (--make-river-gguf makes it), else the F16 with llama.cpp's static Q4_0
+of it loaded as a separate river: the same tensors at a fifth of the disk for Llama 3.1 8B.
+Positional arguments are River GGUFs, or BACKBONE,RIVER pairs of plain GGUFs, timed as they are.
+Run it alone on the machine.
 
 1. Read bandwidth: --threads Python threads (the engine's thread count) each reduce their share of
    one float32 buffer at least 8x the last-level cache and >= 1 GiB (np.maximum.reduce and
@@ -80,6 +83,8 @@ DRAFT_CONTEXT_ROWS = 512
 AUTO_DRAFT_VOCAB = 32768
 KV_BYTES = 2  # the engine's KV cache is F16
 N_CTX = 512
+#: The tau given to a backbone loaded with a separate river (benchmarks/random_models.py's).
+SEPARATE_RIVER_TAU = 0.97
 #: The verify batches the table shows, in backbone steps.
 SHOWN_VERIFY = (2, 5, 9)
 
@@ -157,20 +162,42 @@ def _timed_repeat(fn, a, n: int) -> float:
 
 
 # ----- the bytes a step reads ----------------------------------------------------------
-def tensor_table(path: str) -> dict:
-    """The file's tensors by name: the backbone's (plain names) and the river's (river. stripped),
-    each {"bytes", "rows"}; and the river's type as its metadata names it."""
-    reader = GGUFReader(path)
+def split_files(spec: str) -> tuple:
+    """(backbone, river) of a file argument: a River GGUF ("PATH", river None) or a backbone GGUF
+    and a plain GGUF of the same model loaded as its river ("BACKBONE,RIVER": Model's river)."""
+    parts = spec.split(",")
+    if len(parts) > 2 or not all(parts):
+        raise ValueError(f"a file argument is PATH or BACKBONE,RIVER, got {spec!r}")
+    return parts[0], parts[1] if len(parts) == 2 else None
 
-    def entry(t):
-        return {"bytes": int(t.n_bytes), "rows": int(t.shape[1]) if len(t.shape) > 1 else 1}
 
-    river = {n: entry(t) for n, t in river_tensors_by_name(reader, RIVER_PREFIX).items()}
-    if not river:
-        raise ValueError(f"{path} is not a River GGUF (it holds no river tensors)")
-    river_type = read_field(reader, "river.type")
-    return {"backbone": {t.name: entry(t) for t in plain_tensors(reader)}, "river": river,
-            "river_type": None if river_type is None else str(river_type)}
+def _entry(t) -> dict:
+    return {"bytes": int(t.n_bytes), "rows": int(t.shape[1]) if len(t.shape) > 1 else 1,
+            "type": t.tensor_type.name}
+
+
+def tensor_table(spec: str) -> dict:
+    """The files' tensors by name: the backbone's and the river's (plain names: river. stripped),
+    each {"bytes", "rows", "type"}; and the river's type (a River GGUF's river.type, else the type
+    of most of its layers' bytes)."""
+    backbone, river_path = split_files(spec)
+    reader = GGUFReader(backbone)
+    if river_path is None:
+        river = {n: _entry(t) for n, t in river_tensors_by_name(reader, RIVER_PREFIX).items()}
+        if not river:
+            raise ValueError(f"{backbone} is not a River GGUF (it holds no river tensors)")
+        river_type = read_field(reader, "river.type")
+    else:
+        river = {t.name: _entry(t) for t in plain_tensors(GGUFReader(river_path))}
+        river_type = None
+    if river_type is None:
+        by_type = {}
+        for n, t in river.items():
+            if n.startswith("blk."):
+                by_type[t["type"]] = by_type.get(t["type"], 0) + t["bytes"]
+        river_type = max(by_type, key=by_type.get).lower()
+    return {"backbone": {t.name: _entry(t) for t in plain_tensors(reader)}, "river": river,
+            "river_type": str(river_type)}
 
 
 def head_rows(model, asked) -> int:
@@ -262,13 +289,21 @@ def draft_seconds(model, options, rounds: int, steps: int, context: int) -> floa
     return statistics.median(per_token)
 
 
-def open_model(path: str, args, draft_vocab) -> Model:
-    return Model(path, n_ctx=N_CTX, n_threads=args.threads, draft_vocab=draft_vocab)
+def open_model(spec: str, args, draft_vocab) -> Model:
+    backbone, river = split_files(spec)
+    # A plain backbone stores no tau, and a load would profile one; river-only drafts and
+    # backbone steps never read it, so any will do.
+    kw = {} if river is None else {"river": river, "threshold": SEPARATE_RIVER_TAU}
+    return Model(backbone, n_ctx=N_CTX, n_threads=args.threads, draft_vocab=draft_vocab, **kw)
 
 
 def draft_options(model):
-    """The lossless options whose drafts are timed: the file's own, river-only drafting."""
-    return model.options(mode="lossless", draft_mode="river-only")
+    """The lossless options whose drafts are timed: the file's own (lossless mode's, as a call with
+    mode="lossless" gets them), river-only drafting. A plain backbone stores no setting: its
+    separate river drafts with the river's own head, as the converter's River GGUFs store it
+    (river.head)."""
+    separate = {"river_head": True} if model.river_path else {}
+    return model.options(mode="lossless", draft_mode="river-only", **separate)
 
 
 def measure_file(path: str, args, bandwidth: float) -> dict:
@@ -284,7 +319,8 @@ def measure_file(path: str, args, bandwidth: float) -> dict:
         own = _variant(table, model, opts, kv, bandwidth)
         draft = own["bytes"]
         backbone = step_bytes(table, layers, heads, model.n_layer, None, kv_row_bytes(table, model), kv)
-        out = {"path": path, "model": os.path.basename(path), "river_type": table["river_type"],
+        out = {"path": path, "model": " + ".join(os.path.basename(p) for p in split_files(path) if p),
+               "river_type": table["river_type"],
                "n_layer": model.n_layer, "n_vocab": model.n_vocab, "flash_attn": model.flash_attn,
                "draft_options": {k: getattr(opts, k) for k in ("tail", "river_head", "river_attention", "draft_mode")},
                "draft_head_rows": own["head_rows"], "kv_rows_read": kv, "costs": costs.as_dict(),
@@ -406,9 +442,12 @@ def print_breakdown(r: dict) -> None:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("files", nargs="*", help="River GGUFs to time as they are")
-    ap.add_argument("--shapes", default="", help="comma-separated random_model.RANDOM_SHAPES to make (F16 + Q4_0 "
-                                                 "river, benchmarks/random_models.py) and time")
+    ap.add_argument("files", nargs="*", help="River GGUFs (or BACKBONE,RIVER pairs of plain GGUFs) to time as they are")
+    ap.add_argument("--shapes", default="", help="comma-separated random_model.RANDOM_SHAPES to time (F16 + Q4_0 "
+                                                 "river, benchmarks/random_models.py)")
+    ap.add_argument("--make-river-gguf", action="store_true",
+                    help="with --shapes: make a River GGUF where the cache has none (default: the F16 and its static "
+                         "Q4_0 as a separate river)")
     ap.add_argument("-t", "--threads", type=int, default=2, help="the engine's threads, and the bandwidth's")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="steps (and drafts) a round, as measure_costs takes it")
@@ -425,19 +464,34 @@ def parse_args(argv):
         ap.error("give River GGUF paths or --shapes")
     if a.threads < 1 or a.rounds < 1 or a.steps < 1 or a.max_batch < 2:
         ap.error("--threads, --rounds and --steps must be >= 1, --max-batch >= 2")
-    for p in a.files:
-        if not os.path.exists(p):
-            ap.error(f"{p} does not exist")
+    for spec in a.files:
+        try:
+            missing = [p for p in split_files(spec) if p and not os.path.exists(p)]
+        except ValueError as e:
+            ap.error(str(e))
+        if missing:
+            ap.error(f"{', '.join(missing)} does not exist")
     return a
+
+
+def shape_files(shape: str, make_river_gguf: bool, threads: int) -> str:
+    """The file argument of a random-weight shape: its River GGUF where the cache holds one (or
+    make_river_gguf), else its F16 with llama.cpp's static Q4_0 of it as a separate river (made
+    once): the quantizer, type and tensors the River GGUF's river holds, without a second copy of
+    the F16 (Llama 3.1 8B's River GGUF is 20.7 GB, its Q4_0 4.6 GB)."""
+    from random_models import make
+    river = os.path.join(cache_dir(), f"random-{shape}.f16+q4_0.river.gguf")
+    if make_river_gguf or os.path.exists(river):
+        return make(shape, [], "q4_0", str(cache_dir()), threads)["river"]
+    files = make(shape, ["q4_0"], "", str(cache_dir()), threads)
+    return f"{files['f16']},{files['q4_0']}"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     paths = list(args.files)
-    if args.shapes:
-        from random_models import make
-        for shape in filter(None, args.shapes.split(",")):
-            paths.append(make(shape, [], "q4_0", str(cache_dir()), args.threads)["river"])
+    for shape in filter(None, args.shapes.split(",")):
+        paths.append(shape_files(shape, args.make_river_gguf, args.threads))
     llc = last_level_cache()
     size = args.bandwidth_mib * MIB if args.bandwidth_mib else max(GIB, 8 * llc)
     bw = read_bandwidth(args.threads, size)

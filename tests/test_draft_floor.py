@@ -1,13 +1,16 @@
 """benchmarks/draft_floor.py's byte count, on a tiny River GGUF: each step reads every tensor of
-its side of the file once (its embedding table one row, where the head is another tensor), and
-a draft vocabulary's head is its tokens and the 512 context rows of the river's head."""
+its side of the file once (its embedding table one row, where the head is another tensor); a
+draft vocabulary's head is its tokens and the 512 context rows of the river's head; and the
+backbone with llama.cpp's static quant of it as a separate river (what --shapes times where the
+cache has no River GGUF) drafts the River GGUF's bytes."""
 import os
 import runpy
+from types import SimpleNamespace
 
 import pytest
 
-from river_gguf import Model
 from river_gguf.calibrate import cost_model
+from river_gguf.gguf.io import quantize
 
 from support import THREADS
 
@@ -19,15 +22,18 @@ def floor():
     return runpy.run_path(SCRIPT)
 
 
+MODEL = dict(n_layer=4, seed=3)
+
+
 @pytest.fixture(scope="module")
 def tiny_river(tiny):
-    return tiny.river("llama", model=dict(n_layer=4, seed=3))
+    return tiny.river("llama", model=MODEL)  # a Q4_0 river, no importance matrix
 
 
 def _bytes(floor, path, draft_vocab, kv_rows=0.0):
     """(table, draft step's parts, backbone step's parts, model) with `kv_rows` rows a layer read."""
     table = floor["tensor_table"](path)
-    m = Model(path, n_ctx=64, n_threads=THREADS, draft_vocab=draft_vocab)
+    m = floor["open_model"](path, SimpleNamespace(threads=THREADS), draft_vocab)
     opts = floor["draft_options"](m)
     assert (opts.tail, opts.river_head, opts.river_attention) == (0, True, "river"), "the file's own draft setting"
     layers, heads = cost_model.weight_bytes(m)
@@ -68,3 +74,13 @@ def test_draft_vocabulary_head_and_kv_rows(floor, tiny_river):
     assert eight["head"] == (8 + 512) * head["bytes"] // head["rows"]
     k, v = table["backbone"]["blk.0.attn_k.weight"]["rows"], table["backbone"]["blk.0.attn_v.weight"]["rows"]
     assert eight["kv_cache"] == backbone["kv_cache"] == 10 * 2 * (k + v) * m.n_layer  # F16 K and V
+
+
+def test_a_separate_static_river_drafts_the_river_ggufs_bytes(floor, tiny, tiny_river, tmp_path):
+    plain = tiny.model("llama", **MODEL)
+    static = str(tmp_path / "q4_0.gguf")
+    quantize(plain, static, "q4_0", n_threads=THREADS)
+    # A draft vocabulary: the river's head runs (river_head, which a plain backbone does not store).
+    in_file = _bytes(floor, tiny_river, draft_vocab=100, kv_rows=3.0)[1]
+    separate = _bytes(floor, f"{plain},{static}", draft_vocab=100, kv_rows=3.0)[1]
+    assert separate == in_file

@@ -10,9 +10,9 @@
 #include "engine_graph.h"
 #include "errors.h"
 
-// A step, in call order: eval, eval_chunk, run. The load is in engine_load.cpp, the graphs'
-// building in engine_graph.cpp, the exit decision inside a running graph in engine_exit.cpp, and
-// lossless decoding's draft in engine_draft.cpp.
+// A step, in call order: eval (eval_on, where a draft step enters too), eval_chunk, run. The load
+// is in engine_load.cpp, the graphs' building in engine_graph.cpp, the exit decision inside a
+// running graph in engine_exit.cpp, and lossless decoding's draft in engine_draft.cpp.
 
 namespace river {
 
@@ -32,10 +32,10 @@ void Engine::truncate(int n, int seq) {
     cells_.remove_tail(seq, n);
 }
 
-Engine::BatchCells Engine::place(const int32_t* seq_ids, int n) {
+Engine::BatchCells Engine::place(const int32_t* seq_ids, int n, int seq) {
     BatchCells c;
     if (seq_ids) c.seq.assign(seq_ids, seq_ids + n);
-    else c.seq.assign(n, 0);
+    else c.seq.assign(n, seq);
     c.pos.resize(n);
     c.rows.resize(n);
     cells_.place(c.seq.data(), n, c.pos.data(), c.rows.data());
@@ -59,7 +59,9 @@ int Engine::attended_rows(int n) const {
     return n <= kPaddedBatch || !flash_attn_ ? padded : end;
 }
 
-EvalResult Engine::eval(const EvalRequest& req) {
+EvalResult Engine::eval(const EvalRequest& req) { return eval_on(req, 0); }
+
+EvalResult Engine::eval_on(const EvalRequest& req, int seq) {
     check_links();
     check_request(req);
     // Every token evaluated may be drafted later.
@@ -79,11 +81,11 @@ EvalResult Engine::eval(const EvalRequest& req) {
     std::vector<size_t> row_token;
     for (int start = 0; start < n; start += n_batch_) {
         const int len = std::min(n_batch_, n - start);
-        const int32_t* seq = req.seq_ids.empty() ? nullptr : req.seq_ids.data() + start;
+        const int32_t* ids = req.seq_ids.empty() ? nullptr : req.seq_ids.data() + start;
         // A chunk that fails leaves no rows behind: each of its sequences goes back to its length.
         std::map<int, int> before;
-        for (int i = 0; i < len; ++i) before.emplace(seq ? seq[i] : 0, cells_.length(seq ? seq[i] : 0));
-        BatchCells cells = place(seq, len);
+        for (int i = 0; i < len; ++i) before.emplace(ids ? ids[i] : seq, cells_.length(ids ? ids[i] : seq));
+        BatchCells cells = place(ids, len, seq);
         if (last_rows) {
             for (int i = 0; i < len; ++i) if (is_last[start + i]) cells.out.push_back(i);
             if (cells.out.empty()) cells.out.push_back(len - 1);  // a row the result drops

@@ -114,8 +114,10 @@ public:
     // seq_ids), each kept only while its probability under the draft is at least p_min (with a
     // draft vocabulary: the greedy token of that vocabulary, its probability over it). The drafts'
     // cache rows of `seq` are removed again (the backbone's verify batch writes its own): the
-    // sequence's length is the same on return, and the other sequences are untouched. Each draft's
-    // probability goes to `probs` when given; without it and with p_min <= 0 none is computed.
+    // sequence's length is the same on return, or when the draft throws, and the other sequences
+    // are untouched. Each step is a decode step of `seq` run as eval runs one of sequence 0. Each
+    // draft's probability goes to `probs` when given; without it and with p_min <= 0 none is
+    // computed.
     //
     // `pick`, when given, chooses each draft instead of the greedy rule: it gets the draft's
     // logits (n of them) and the token of each (nullptr: logit i is token i, the whole
@@ -223,10 +225,18 @@ private:
         std::vector<int64_t> rows;
         std::vector<int32_t> out;
     };
-    // Cache rows for n tokens of the given sequences (nullptr: sequence 0), taken from cells_.
-    BatchCells place(const int32_t* seq_ids, int n);
+    // Cache rows for n tokens of the given sequences (nullptr: every token on sequence `seq`),
+    // taken from cells_.
+    BatchCells place(const int32_t* seq_ids, int n, int seq = 0);
     // Attended rows for a batch of n tokens: llama.cpp's padded n_kv (see eval_chunk).
     int attended_rows(int n) const;
+    // eval's work, with the tokens of a request that names no sequences (no seq_ids) appended to
+    // sequence `seq` instead of 0: eval is eval_on(req, 0), and a draft step on any sequence is a
+    // one-token request here, so it runs exactly as a decode step of sequence 0 does (the same
+    // checks, the same graph key: the head runs the last row, where a request with seq_ids names
+    // its rows) and, as every chunk of eval, one that fails puts its sequences back to their
+    // lengths before it. With seq_ids, `seq` is not used.
+    EvalResult eval_on(const EvalRequest& req, int seq);
     // One chunk of at most n_batch tokens, placed at `cells`.
     void eval_chunk(const int32_t* tokens, const BatchCells& cells, const EvalRequest& req, EvalResult& out);
     // Run `spec` on `tokens` (or on h_state_) at `cells`; false when an exit node stopped it.

@@ -77,25 +77,15 @@ std::vector<int32_t> Engine::draft(int32_t token, int seq, EvalRequest how, int 
     const int start = cells_.length(seq);
     // The verify batch evaluates `token` and every draft: all must fit the cache's free rows.
     n_max = std::min(n_max, cells_.free_rows() - 1);
-    // One draft step: the token placed on `seq` and run as eval runs a token of sequence 0 (the
-    // request names no sequences, so the head runs its one row as a sequence-0 draft's does and
-    // every sequence's drafts share one kept graph); the mask shows it `seq`'s rows alone.
-    auto step = [&](int32_t cur) {
-        how.tokens.assign(1, cur);
-        check_links();
-        check_request(how);
-        note_draft_context(&cur, 1);
-        EvalResult r;
-        r.exit_layer = hp_.n_layer - 1;
-        eval_chunk(&cur, place(&seq, 1), how, r);
-        check_links();  // after a server failed, the step read placeholders (rpc_link.h)
-        return r;
-    };
     std::vector<int32_t> drafts;
     try {
         int32_t cur = token;
         for (int i = 0; i < n_max; ++i) {
-            const EvalResult r = step(cur);
+            // A draft step: the token on `seq`, evaluated as a decode step of sequence 0 is
+            // (eval_on), so every sequence's drafts share one kept graph; the mask shows it
+            // `seq`'s rows alone.
+            how.tokens.assign(1, cur);
+            const EvalResult r = eval_on(how, seq);
             const float* l = r.logits.data();
             // The draft head's rows in use (its unused context rows are zero), or every token.
             const bool rows = r.n_cols < hp_.n_vocab;
@@ -128,12 +118,11 @@ std::vector<int32_t> Engine::draft(int32_t token, int seq, EvalRequest how, int 
             drafts.push_back(token);
             cur = token;
         }
-    } catch (const RpcError&) {
-        cells_.remove_tail(seq, start);
-        throw;
     } catch (...) {
+        // A failed step has put its own row back (eval_on) and reported a failed server; the
+        // drafts before it, or a picker that threw, leave rows of `seq` that go here, so a draft
+        // that throws leaves the sequence as it found it, as one that returns does.
         cells_.remove_tail(seq, start);
-        check_links();  // a step that failed because a server did reports the server
         throw;
     }
     // The drafts' rows of `seq` go; the other sequences' rows were never touched.

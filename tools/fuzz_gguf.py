@@ -8,11 +8,11 @@ type, shape or name, a damaged vocabulary, river tensors removed or a River GGUF
 another model's river. Some cases use the damaged file as the river of an intact backbone.
 
 A worker process loads each case with ``Model(...)`` and runs a short generate, a tokenized
-generate, a score and, with a river, the river modes; the parent watches it. A case fails when
-the worker dies from a signal (a crash or an abort), runs past the timeout (a hang), raises an
-exception river_gguf does not document, or loads without an error although its damage is one
-the loader must refuse (``expect_error``). One worker runs case after case; only a crash or a
-hang costs a fresh one.
+generate, a score and, with a river, the river modes, lossless rounds and a draft on a second
+sequence; the parent watches it. A case fails when the worker dies from a signal (a crash or an
+abort), runs past the timeout (a hang), raises an exception river_gguf does not document, or
+loads without an error although its damage is one the loader must refuse (``expect_error``). One
+worker runs case after case; only a crash or a hang costs a fresh one.
 
     python tools/fuzz_gguf.py --cases 2000 --seed 1        # a longer run, on demand
     python tools/fuzz_gguf.py --api both                    # also through river_gguf.Llama
@@ -1047,6 +1047,16 @@ def run_case(path: str, river: Optional[str], use_mmap: bool = True) -> None:
     if m.has_river:
         greedy(m, toks, 2, mode="river-only")
         greedy(m, toks, 2, mode="river", threshold=0.0)
+        # Lossless rounds (the river's drafts, the backbone's verify batch) on sequence 0, and a
+        # draft on sequence 1: a damaged river's drafts end as its other modes do, and a draft
+        # leaves the cache's rows as it found them.
+        greedy(m, toks, 3, mode="lossless")
+        with m.session(seq=1, mode="lossless") as s:
+            s.prefill(toks)
+            used = m.cache_used
+            s.draft(toks[-1], 2)
+            if m.cache_used != used:
+                raise AssertionError(f"a draft left {m.cache_used} cache rows in use, not {used}")
 
 
 def run_case_llama(path: str, river: Optional[str], use_mmap: bool = True) -> None:
@@ -1059,6 +1069,8 @@ def run_case_llama(path: str, river: Optional[str], use_mmap: bool = True) -> No
         toks = llm.tokenize(b"Hi there")
         llm.detokenize(toks)
         llm.create_completion("Hi there", max_tokens=2, temperature=0.0)
+        if river:  # lossless sampling: each draft drawn by a copy of the sampler chain
+            llm.create_completion("Hi there", max_tokens=3, temperature=0.8, seed=1, mode="lossless")
     finally:
         llm.close()
 

@@ -68,6 +68,31 @@ def test_a_draft_on_sequence_two_equals_its_draft_alone_and_leaves_every_cell(pa
     _assert_same_cells(before, _cells(e))
 
 
+def test_a_draft_step_on_any_sequence_is_a_decode_step_of_sequence_0(pair):
+    # The draft's first step on sequence 2 runs in the graph a one-token eval of sequence 0 built
+    # (none is built for it), and its logits are that token's decode step alone, bit for bit.
+    alone = _engine(pair)
+    alone.eval(PROMPT[:-1], mode="backbone")
+    want = alone.eval([PROMPT[-1]], mode="river-only")[0].reshape(-1)
+
+    e = _engine(pair)
+    for s, tokens in OTHERS.items():
+        e.eval(tokens, seq_ids=[s] * len(tokens), mode="backbone")
+    e.eval(PROMPT[:-1], seq_ids=[2] * (len(PROMPT) - 1), mode="backbone")
+    e.eval([18], mode="river-only")  # a decode step of sequence 0 builds the one-token graph
+    built = e.graphs_built
+    seen = []
+
+    def pick(logits, tokens):
+        seen.append(np.array(logits))
+        return -1  # one step only
+
+    assert list(e.draft(PROMPT[-1], DRAFTS, seq=2, pick=pick, mode="river-only")[0]) == []
+    assert e.graphs_built == built
+    assert len(seen) == 1 and np.array_equal(seen[0], want)
+    assert e.sequence_length(2) == len(PROMPT) - 1
+
+
 def test_a_draft_that_fails_on_a_sequence_leaves_every_cell(pair):
     e = _engine(pair)
     for s, tokens in {**OTHERS, 3: PROMPT[:-1]}.items():

@@ -116,3 +116,13 @@ def test_draft_picker_stops_below_p_min_and_reports_probabilities():
         drawn = [picker(logits, None) for _ in range(30)]
         # Only token 0 (p 0.5) passes: the others stop the draft (-1) and are not reported.
         assert set(drawn) == {0, -1} and picker.probs == [pytest.approx(0.5)] * drawn.count(0)
+
+
+def test_draft_picker_stops_at_a_nan_row():
+    """A river that computes NaN (a broken tensor) must end the draft, not hand NaN on to the
+    planner's statistics."""
+    from river_gguf.llama_draft import DraftPicker
+    for row in ([np.nan, 0.0, 0.0, 0.0], [0.0, np.nan, 1.0, 0.0], [np.nan] * 4):
+        with SamplerChain(4, seed=11, temp=1.0, top_k=0, top_p=1.0, min_p=0.0) as chain:
+            picker = DraftPicker(chain)
+            assert picker(np.array(row, dtype=np.single), None) == -1 and picker.probs == []

@@ -38,7 +38,7 @@ class DraftPicker:
         p = self._chain.drawn_probability
         if token < 0 or p is None:
             return token
-        if p < self.p_min:
+        if not p >= self.p_min:  # a NaN row (a broken river) stops the draft, as the native greedy rule does
             return -1
         self.probs.append(p)
         return token

@@ -770,4 +770,3 @@ def needs_profile(find_threshold: bool, presets: bool) -> bool:
     (find_threshold), and the presets' cost model predicts from them where a dynamic setting's
     tokens exit."""
     return bool(find_threshold) or bool(presets)
-

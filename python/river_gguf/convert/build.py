@@ -505,7 +505,8 @@ def check_free_space(folder: str, plan: dict) -> None:
 
 class _CalibrationPass:
     """The one pass over the input (the precise model) a conversion makes, in one engine that
-    reads the weights in place (no repacked copies): the held-out items the presets are scored
+    reads the weights in place (no repacked copies; ggml repacks no F16 on x86, and the F16's
+    logits measured the same bit for bit either way): the held-out items the presets are scored
     on, prepared; the importance matrix, collected on the rest of the calibration text; the input's
     logits on the held-out items (the presets' reference, kept on disk); and the exit-rule profile
     that sets tau. Each part only when asked for."""
@@ -576,6 +577,12 @@ class _CalibrationPass:
 def _measure_presets(backbone: str, river: str, calib: _CalibrationPass, n_threads: int, progress: bool,
                      calibration_tokens: int) -> dict:
     """The preset keys of the output, measured on its backbone and river files."""
+    # Without ggml's repacked copies, though a loaded file runs with them: the copies (and the
+    # joined Q/K/V, gate/up that come with them) would hold most of the two parts' weights a
+    # second time while the presets are measured. The numbers are not quite the ones in use:
+    # ggml's repacked Q4_0/Q4_K kernels (x86) round differently, and on SmolLM2's default file
+    # the river settings' KLDs came out 0.0002-0.0005 lower repacked (1-2%; every paired interval
+    # holds 0), the Q8_0 backbone (not repacked on x86) the same bit for bit. docs/usage.md.
     model = _open_model(backbone, river=river, n_ctx=PASS_N_CTX, n_threads=n_threads,
                         threshold=never_exit(calib.exit_rule), exit_rule=calib.exit_rule, repack=False)
     try:

@@ -582,7 +582,8 @@ def _measure_presets(backbone: str, river: str, calib: _CalibrationPass, n_threa
     # second time while the presets are measured. The numbers are not quite the ones in use:
     # ggml's repacked Q4_0/Q4_K kernels (x86) round differently, and on SmolLM2's default file
     # the river settings' KLDs came out 0.0002-0.0005 lower repacked (1-2%; every paired interval
-    # holds 0), the Q8_0 backbone (not repacked on x86) the same bit for bit. docs/usage.md.
+    # holds 0), the Q8_0 backbone (not repacked on x86) the same bit for bit, and the same three
+    # presets chosen either way. docs/usage.md.
     model = _open_model(backbone, river=river, n_ctx=PASS_N_CTX, n_threads=n_threads,
                         threshold=never_exit(calib.exit_rule), exit_rule=calib.exit_rule, repack=False)
     try:

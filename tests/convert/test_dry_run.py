@@ -3,11 +3,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from river_gguf.calibrate.cost_model import SEARCHED
 from river_gguf.convert import dry_run
 from river_gguf.convert.build import build_river_gguf
 from river_gguf.presets import GRID_KEY, parse_grid
 from river_gguf.eval.random_model import write_tiny_model
+from river_gguf.gguf import io as gguf_io
 
 
 def test_the_plan_is_what_the_conversion_does(tmp_path):
@@ -29,6 +32,26 @@ def test_the_plan_is_what_the_conversion_does(tmp_path):
     searched = {r["options"] for r in plan.settings if r["why"] == SEARCHED}
     assert planned <= measured <= planned | searched
     assert any("not measured here" in line for line in lines)  # it names the constants it cannot measure
+
+
+def test_the_plan_makes_the_conversions_decisions(tmp_path):
+    """The dry run decides as the converter does (with convert.build's functions): "auto" keeps a
+    quantized input's types (no backbone stage), imatrix None collects nothing, tau given and no
+    presets need no pass over the input at all, tau to find needs the profile; a backbone type the
+    converter refuses is refused with its message."""
+    src = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=2, dtype="f16", seed=6)
+    q8 = gguf_io.quantize(src, tmp_path / "bb.q8_0.gguf", "q8_0", n_threads=1)
+    out = tmp_path / "out.gguf"
+    plan = dry_run.plan_conversion(q8, out, imatrix=None, presets=False, threshold=0.9, probe=False, n_threads=1)
+    assert [s.name for s in plan.stages] == ["river", "write"]
+    plan = dry_run.plan_conversion(src, out, imatrix=None, presets=False, probe=False, n_threads=1)
+    assert [s.name for s in plan.stages] == ["one pass over the input", "river", "backbone", "write"]
+    assert plan.stages[0].what.startswith("tau's profile")
+    with pytest.raises(ValueError, match="backbone_type must be one of") as planned:
+        dry_run.plan_conversion(src, out, backbone_type="q4_0", probe=False, n_threads=1)
+    with pytest.raises(ValueError) as converted:
+        build_river_gguf(src, out, backbone_type="q4_0", progress=False, n_threads=1)
+    assert str(planned.value) == str(converted.value) and not out.exists()
 
 
 def test_a_conversion_that_does_not_fit_says_so(tmp_path, monkeypatch):
@@ -62,7 +85,7 @@ def test_the_plan_counts_the_reference_rows_the_conversion_writes(tmp_path):
     plan = dry_run.plan_conversion(src, out, threshold=0.9, probe=False, calibration_tokens=256, n_threads=1)
     with build._CalibrationPass(str(src), str(tmp_path), 1, False, lambda line: None, imatrix=False, threshold=False,
                                 presets=True, calibration_tokens=256, reference="F16") as calib:
-        written = os.fstat(calib.reference._file.fileno()).st_size
+        written = calib.reference.nbytes
     assert written > 0 and plan.reference_bytes == written
     # The peak beside the output: the river and the quantized backbone with the larger of the
     # reference rows (during the presets) and the output (while it is written).

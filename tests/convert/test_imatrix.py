@@ -1,5 +1,6 @@
-"""Activation-aware (importance-matrix) river: statistics, llama.cpp's imatrix GGUF, weighted
-quantization, and the resulting river against stock llama.cpp."""
+"""Activation-aware (importance-matrix) river: statistics, llama.cpp's imatrix GGUF, the river the
+converter makes with llama.cpp's quantizer given the matrix (against ggml's weighted rounding and
+llama.cpp's own llama-quantize), and the resulting river against stock llama.cpp."""
 import contextlib
 import pathlib
 import subprocess
@@ -13,15 +14,18 @@ from river_gguf.measure import data as eval_data
 from river_gguf.eval import report as evaluate
 from river_gguf.measure import scoring
 from river_gguf.gguf.io import copy_metadata
+from river_gguf.convert import build
+from river_gguf.convert.build import build_river_gguf
 from river_gguf.convert.imatrix import (
     Imatrix,
     calibration_texts,
     collect_imatrix,
     llama_quantize,
-    quantize_with_imatrix,
     read_imatrix_gguf,
     write_imatrix_gguf,
 )
+from river_gguf.gguf import io as gguf_io
+from river_gguf.gguf.river_index import river_tensors
 from river_gguf.eval.random_model import write_tiny_model
 
 from support import LOGIT_TOL, Oracle, PROSE
@@ -164,21 +168,6 @@ def test_quantize_rows_checks_its_input():
     assert np.array_equal(a, _native.quantize_rows(q40, x, w, n_threads=3))
 
 
-def test_plain_requantization_is_llama_cpps_q4_0(f16_path, q4_0_path, tmp_path):
-    """Without importance, quantize_with_imatrix rebuilds every quantized tensor of llama.cpp's
-    Q4_0 from the F16 backbone byte for byte (Q4_0 layers and the Q8_0 embedding)."""
-    out = tmp_path / "plain.gguf"
-    s = quantize_with_imatrix(f16_path, q4_0_path, out, Imatrix(), progress=False, plain_missing=True)
-    ref, got = _tensors(q4_0_path), _tensors(out)
-    n_quant = sum(1 for t in ref.values() if t.tensor_type.name not in ("F32", "F16"))
-    assert s.plain == n_quant > 200 and s.weighted == 0
-    assert list(ref) == list(got)
-    for name, t in ref.items():
-        assert got[name].tensor_type == t.tensor_type and np.array_equal(got[name].data, t.data), name
-    ra, rb = GGUFReader(q4_0_path), GGUFReader(out)
-    assert {k for k in ra.fields if not k.startswith("GGUF.")} == {k for k in rb.fields if not k.startswith("GGUF.")}
-
-
 # ----- the SmolLM2 imatrix river --------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol_imatrix(f16_path):
@@ -190,31 +179,41 @@ def smol_imatrix(f16_path):
 
 
 @pytest.fixture(scope="module")
-def imatrix_river(smol_imatrix, f16_path, q4_0_path, tmp_path_factory):
+def imatrix_river(smol_imatrix, f16_path, tmp_path_factory):
+    """The Q4_0 river as the converter makes it: llama.cpp's quantizer given the matrix."""
     out = tmp_path_factory.mktemp("imx-river") / "smollm2-imatrix-q4_0.gguf"
-    s = quantize_with_imatrix(f16_path, q4_0_path, out, smol_imatrix, progress=False)
-    assert s.weighted == 211 and s.plain == 0  # 30 layers x 7 mat-muls + the tied head
-    return str(out)
+    return llama_quantize(f16_path, out, "q4_0", smol_imatrix)
 
 
-def test_weighted_quantization_is_llama_cpps(smol_imatrix, f16_path, tmp_path):
-    """llama.cpp's quantizer given the same importance writes the same bytes as ours (its file
-    also decides the types, including its imatrix mix's Q4_1 ffn_down in the first layers)."""
-    ref = llama_quantize(f16_path, tmp_path / "llama-imx.gguf", "q4_0", smol_imatrix)
-    out = tmp_path / "ours.gguf"
-    s = quantize_with_imatrix(f16_path, ref, out, smol_imatrix, progress=False)
-    assert s.weighted == 211
-    a, b = _tensors(ref), _tensors(out)
-    assert a["blk.0.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_1
-    for name, t in a.items():
-        assert np.array_equal(b[name].data, t.data), name
+def test_river_is_ggml_weighted_rounding_of_the_mean_squares(smol_imatrix, imatrix_river, f16_path):
+    """Oracle: ggml's weighted rounding (quantize_rows) of each F16 weight with the matrix's
+    importance, its mean square per column. llama.cpp's quantizer, given the Imatrix, writes those
+    bytes for every quantized tensor: the importance reaches it as the statistic, each weight by
+    its own name (its imatrix mix decides the types: Q4_1 for the first layers' ffn_down)."""
+    src, river = _tensors(f16_path), _tensors(imatrix_river)
+    assert river["blk.0.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_1
+    weighted = 0
+    for name, t in river.items():
+        if t.tensor_type.name in ("F32", "F16"):
+            continue
+        assert name in smol_imatrix, name  # 30 layers x 7 mat-muls and the tied head, all observed
+        x = gguf.quants.dequantize(src[name].data, src[name].tensor_type).astype(np.float32, copy=False)
+        q = _native.quantize_rows(int(t.tensor_type), np.ascontiguousarray(x.reshape(-1, int(t.shape[0]))),
+                                  smol_imatrix.importance(name), THREADS)
+        assert np.array_equal(q.reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1)), name
+        weighted += 1
+    assert weighted == 211
 
 
 def test_imatrix_river_in_llama_cpp_and_quality(imatrix_river, f16_path, q4_0_path):
     plain, weighted = _tensors(q4_0_path), _tensors(imatrix_river)
-    changed = [n for n in plain if not np.array_equal(plain[n].data, weighted[n].data)]
-    # Every Q4_0 tensor changed; the Q8_0 embedding cannot use importance (ggml's Q8_0 ignores it).
-    assert len(changed) == 210 and "token_embd.weight" not in changed
+    # llama.cpp's mix with a matrix: the first n_layer/8 ffn_down become Q4_1; no other type moves.
+    retyped = sorted(n for n in plain if plain[n].tensor_type != weighted[n].tensor_type)
+    assert retyped == [f"blk.{i}.ffn_down.weight" for i in range(30 // 8)]
+    assert all(weighted[n].tensor_type == gguf.GGMLQuantizationType.Q4_1 for n in retyped)
+    changed = [n for n in plain if n not in retyped and not np.array_equal(plain[n].data, weighted[n].data)]
+    # Every other Q4_0 tensor changed; the Q8_0 embedding cannot use importance (ggml's Q8_0 ignores it).
+    assert len(changed) == 210 - len(retyped) and "token_embd.weight" not in changed
 
     # threshold given: two plain files would otherwise be profiled for a tau river-only never uses.
     m = Model(f16_path, river=imatrix_river, n_ctx=512, n_threads=THREADS, mode="river-only", river_head=True,
@@ -237,23 +236,41 @@ def test_imatrix_river_in_llama_cpp_and_quality(imatrix_river, f16_path, q4_0_pa
     assert ppl_imx < ppl_plain
 
 
-def test_quantize_with_imatrix_refuses_bad_input(smol_imatrix, tiny, f16_path, q4_0_path, tmp_path):
+def test_an_importance_matrix_of_another_model_is_refused_before_the_pass(smol_imatrix, tiny, tmp_path,
+                                                                          monkeypatch):
+    """The converter reads a given matrix and checks it against the input's weights before the
+    pass over the input (llama.cpp's quantizer would stop at the first weight it does not fit, after
+    that pass, or round every weight plainly where no name matches); llama_quantize checks the
+    same. Oracle: SmolLM2's matrix has 576 values per weight where the tiny model has 64 columns."""
+    def no_pass(*a, **k):
+        raise AssertionError("the pass over the input started before the matrix was checked")
+
+    smol = write_imatrix_gguf(smol_imatrix, tmp_path / "smol.imatrix.gguf")
+    name = "mamba.in_proj.weight"  # no weight of the tiny llama
+    foreign = write_imatrix_gguf(Imatrix(sums={name: np.ones(64)}, counts={name: 4}), tmp_path / "foreign.imatrix.gguf")
     out = tmp_path / "x.gguf"
-    # An imatrix of another model: widths differ.
-    with pytest.raises(ValueError, match="columns"):
-        quantize_with_imatrix(f16_path, q4_0_path, out, {"blk.0.attn_q.weight": np.ones(64, np.float32)},
-                              progress=False)
-    # A 4-bit source is not precise enough to requantize from.
-    with pytest.raises(ValueError, match="precise"):
-        quantize_with_imatrix(q4_0_path, q4_0_path, out, smol_imatrix, progress=False)
-    # Another architecture's / size's file.
+    monkeypatch.setattr(build, "_CalibrationPass", no_pass)
+    with pytest.raises(ValueError, match="576 importance values but the model's weight has 64 columns"):
+        build_river_gguf(tiny, out, imatrix=smol, progress=False, n_threads=THREADS)
+    with pytest.raises(ValueError, match="names none of the model's weights"):
+        build_river_gguf(tiny, out, imatrix=foreign, progress=False, n_threads=THREADS)
+    with pytest.raises(ValueError, match="64 columns"):
+        llama_quantize(tiny, out, "q4_0", smol_imatrix)
     with pytest.raises(ValueError):
-        quantize_with_imatrix(tiny, q4_0_path, out, smol_imatrix, progress=False)
+        llama_quantize(tiny, out, "q4_0", [1, 2])
     with pytest.raises(FileNotFoundError):
-        quantize_with_imatrix(tmp_path / "missing.gguf", q4_0_path, out, smol_imatrix, progress=False)
-    with pytest.raises(ValueError):
-        quantize_with_imatrix(f16_path, q4_0_path, out, [1, 2], progress=False)
+        llama_quantize(tmp_path / "missing.gguf", out, "q4_0", smol_imatrix)
     assert not out.exists()
+
+
+def test_a_quantized_input_is_requantized_with_a_warning(tiny, tmp_path):
+    """The river is made from the input, so a quantized input gives a river of 4-bit weights
+    rounded again: the converter says so (llama.cpp's quantizer requantizes when told to)."""
+    q4 = gguf_io.quantize(tiny, tmp_path / "tiny.q4_0.gguf", "q4_0", n_threads=THREADS)
+    with pytest.warns(UserWarning, match="already quantized; the river is requantized"):
+        meta = build_river_gguf(q4, tmp_path / "out.gguf", river_type="q4_0", imatrix=None, presets=False,
+                                threshold=0.9, progress=False, n_threads=THREADS)
+    assert meta["river.backbone_type"] == "as input"  # auto keeps a quantized input's types
 
 
 # ----- the imatrix GGUF -----------------------------------------------------------------
@@ -323,9 +340,6 @@ def test_converted_river_is_llama_quantize_with_the_imatrix(tmp_path):
     split) is, byte for byte, what llama.cpp's llama-quantize --imatrix FILE writes, run as a
     process on the same F16 with the converter's matrix written out (imatrix_out); and the
     matrix changed the rounding: llama-quantize without it writes other bytes."""
-    from river_gguf.convert.build import build_river_gguf
-    from river_gguf.gguf.river_index import river_tensors
-
     tool = _llama_quantize_binary()
     src = write_tiny_model(tmp_path / "bb.gguf", "llama", n_layer=4, dtype="f16", seed=21)
     out, imx = tmp_path / "out.gguf", tmp_path / "converter.imatrix.gguf"
@@ -347,4 +361,11 @@ def test_converted_river_is_llama_quantize_with_the_imatrix(tmp_path):
     plain = quantize(tmp_path / "plain.gguf")
     assert any(not np.array_equal(np.asarray(river[n].data), np.asarray(plain[n].data)) for n in river
                if river[n].tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16))
+    # Without a matrix (--imatrix none) the river is llama-quantize's plain rounding, byte for byte.
+    build_river_gguf(src, tmp_path / "plain.river.gguf", river_type="q4_k_m", imatrix=None, backbone_type=None,
+                     presets=False, threshold=0.9, progress=False, n_threads=THREADS)
+    river = {t.name[len("river."):]: t for t in river_tensors(GGUFReader(tmp_path / "plain.river.gguf"))}
+    for name, t in river.items():
+        assert t.tensor_type == plain[name].tensor_type, name
+        assert np.array_equal(np.asarray(t.data).view(np.uint8), np.asarray(plain[name].data).view(np.uint8)), name
 

@@ -91,6 +91,8 @@ def measure_grid(path: str, reference: Optional[str] = None, n_threads: int = 2,
         rows = None
         if reference is not None:
             rows = stack.enter_context(divergence.ReferenceRows(reference_label(GGUFReader(reference).tensors)))
+            # In place, as the converter's pass reads it: ggml repacks no F16 on x86 (the same
+            # logits bit for bit), and no copies of it are held beside the file being measured.
             ref = open_model(reference, n_ctx=1024, n_threads=n_threads, mode="backbone", repack=False)
             try:
                 for toks, prefix in tqdm(prepared, desc="reference", unit="item", disable=not progress):

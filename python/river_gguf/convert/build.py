@@ -237,7 +237,11 @@ def build_river_gguf(
         nothing is written when no matrix is collected.
     finalize: called with the path of the complete staged file (presets stored) before it is
         renamed to ``out_path``, e.g. to calibrate it; it may rewrite that file atomically
-        (gguf.meta.set_river_metadata) and return metadata to add to the result.
+        (gguf.meta.set_river_metadata) and return metadata to add to the result. Such a rewrite
+        writes the whole file again, by necessity: a GGUF's tensor data start right after its
+        metadata, at the next multiple of general.alignment (32 bytes), so keys that add more
+        than that padding move every tensor's bytes (the river's, after the backbone's, too);
+        ``--calibrate``'s keys (six new ones) always do.
 
     Raises GGUFFormatError (not GGUF / truncated), UnsupportedModelError (architecture),
     RiverMismatchError (river is another model), ValueError (bad options, River GGUF input, an
@@ -267,9 +271,7 @@ def build_river_gguf(
     if report is not None:
         report(f"read {os.path.basename(backbone_path)}: {len(bb.tensors)} tensors, "
                f"{os.path.getsize(backbone_path) / 2**20:.0f} MiB")
-    if backbone_type == "auto":
-        floats = all(type_name(t) in FLOAT_TYPE_NAMES for t in plain_tensors(bb) if len(t.shape) >= 2)
-        backbone_type = "q8_0" if floats else None
+    backbone_type = stored_backbone_type(backbone_type, bb)
     if is_river_gguf(bb) and not replace_river:
         raise ValueError(
             f"{backbone_path} already is a River GGUF; pass replace_river=True (--replace-river) "
@@ -278,6 +280,9 @@ def build_river_gguf(
     # A given river is checked against the input before the pass over the input (minutes on a
     # large model): a River GGUF or another model is refused now.
     given_river = _river_from_file(river_path, bb) if river_path is not None else None
+    # So is a given importance matrix: one of another model would stop llama.cpp's quantizer only
+    # after that pass.
+    given_imatrix = _imatrix_from_file(imatrix_file, bb) if imatrix_file is not None and river_path is None else None
     # Room on the output's file system for what the conversion keeps there at its peak (the
     # presets' reference rows included), checked before the work as the output path is.
     need = disk_plan(backbone_path, bb, river_type if river_path is None else None, backbone_type, river_head_type,
@@ -295,7 +300,7 @@ def build_river_gguf(
                 plain = _plain_source(bb, backbone_path, out_path, stack)
                 calib = stack.enter_context(_CalibrationPass(
                     plain(), folder, n_threads, progress, say,
-                    imatrix=imatrix == IMATRIX_AUTO and river_path is None, threshold=threshold is None,
+                    imatrix=collects_imatrix(imatrix, river_path), threshold=threshold is None,
                     presets=presets, calibration_tokens=calibration_tokens, reference=preset_grid.reference_label(plain_tensors(bb)),
                     exit_rule=exit_rule))
                 if imatrix_out is not None and calib.imatrix is not None:
@@ -305,8 +310,8 @@ def build_river_gguf(
                     river_src, type_label, imatrix_meta = given_river
                 else:
                     river_src, type_label, imatrix_meta = _make_river(
-                        plain(), out_path, stack, bb, river_type, river_head_type, imatrix, calib.imatrix, n_threads,
-                        log, say)
+                        plain(), out_path, stack, bb, river_type, river_head_type, imatrix, calib.imatrix,
+                        given_imatrix, n_threads, log, say)
                 rv = open_reader(river_src)
                 compare_models(bb, rv)
                 stored_path = _stored_backbone(plain, bb, backbone_type, out_path, stack, n_threads, log, say)
@@ -371,12 +376,7 @@ def _checked_options(backbone_path, out_path, river_path, river_type, imatrix, n
         raise ValueError(f"calibration_tokens must be an int >= {MIN_CALIBRATION_TOKENS}, got {calibration_tokens!r}")
     if calibration_tokens is None:
         calibration_tokens = calibration_token_budget(os.path.getsize(backbone_path))
-    if backbone_type is not None:
-        backbone_type = str(backbone_type).lower()
-        if backbone_type not in BACKBONE_TYPES:
-            raise ValueError(f"backbone_type must be one of {', '.join(BACKBONE_TYPES)}, got {backbone_type!r}")
-        if backbone_type == "f16":
-            backbone_type = None
+    backbone_type = backbone_type_option(backbone_type)
     if imatrix_file is not None and not os.path.isfile(imatrix_file):
         raise FileNotFoundError(f"imatrix file not found: {imatrix}")
     return backbone_path, out_path, river_path, river_type, imatrix_file, calibration_tokens, backbone_type
@@ -390,7 +390,7 @@ def _stored_backbone(plain, bb, backbone_type: Optional[str], out_path: str, sta
         return plain()
     stored_path = stack.enter_context(temp_path(out_path, ".backbone-q.tmp"))
     mark = log.mark()
-    _quantize(plain(), stored_path, backbone_type, n_threads, _is_quantized(bb))
+    _quantize(plain(), stored_path, backbone_type, n_threads, is_quantized(bb))
     say(f"backbone: {backbone_type}: {log.quantize_summary(mark)}")
     return stored_path
 
@@ -476,7 +476,7 @@ def disk_plan(backbone_path: str, bb, river_type: Optional[str], backbone_type: 
     stop at the first past calibration_tokens scored rows, each at most preset_score_tokens."""
     tensors = list(plain_tensors(bb))
     shapes = {t.name: tuple(int(x) for x in t.shape) for t in tensors}
-    requant = _is_quantized(bb)
+    requant = is_quantized(bb)
     river = (planned_bytes(gguf_io.planned_types(backbone_path, river_type, n_threads, requant, river_head_type,
                                                  importance=importance), shapes) if river_type else 0)
     stored = (planned_bytes(gguf_io.planned_types(backbone_path, backbone_type, n_threads, requant), shapes)
@@ -505,7 +505,8 @@ def check_free_space(folder: str, plan: dict) -> None:
 
 class _CalibrationPass:
     """The one pass over the input (the precise model) a conversion makes, in one engine that
-    reads the weights in place (no repacked copies): the held-out items the presets are scored
+    reads the weights in place (no repacked copies; ggml repacks no F16 on x86, and the F16's
+    logits measured the same bit for bit either way): the held-out items the presets are scored
     on, prepared; the importance matrix, collected on the rest of the calibration text; the input's
     logits on the held-out items (the presets' reference, kept on disk); and the exit-rule profile
     that sets tau. Each part only when asked for."""
@@ -532,7 +533,7 @@ class _CalibrationPass:
 
     def _run(self, path, folder, n_threads, progress, say, imatrix, threshold, presets, calibration_tokens,
              reference) -> None:
-        model = _open_model(path, n_ctx=1024, n_threads=n_threads, mode="backbone", repack=False)
+        model = _open_model(path, n_ctx=PASS_N_CTX, n_threads=n_threads, mode="backbone", repack=False)
         try:
             held: list = []
             if presets:
@@ -551,7 +552,7 @@ class _CalibrationPass:
                     self.reference.add(rows)
                     n += len(rows)
                 say(f"reference: the {reference}'s logits on {len(self.prepared)} held-out items ({n} scored tokens)")
-            if threshold or presets:  # tau, and where a dynamic preset's tokens would exit: the rule's scores
+            if needs_profile(threshold, presets):
                 self.sims = similarity_profile(model, own_engine=False, exit_rule=self.exit_rule)
             if threshold:
                 self.profile = default_threshold(model, sims=self.sims, exit_rule=self.exit_rule)
@@ -576,8 +577,15 @@ class _CalibrationPass:
 def _measure_presets(backbone: str, river: str, calib: _CalibrationPass, n_threads: int, progress: bool,
                      calibration_tokens: int) -> dict:
     """The preset keys of the output, measured on its backbone and river files."""
-    model = _open_model(backbone, river=river, n_ctx=1024, n_threads=n_threads, threshold=never_exit(calib.exit_rule),
-                        exit_rule=calib.exit_rule, repack=False)
+    # Without ggml's repacked copies, though a loaded file runs with them: the copies (and the
+    # joined Q/K/V, gate/up that come with them) would hold most of the two parts' weights a
+    # second time while the presets are measured. The numbers are not quite the ones in use:
+    # ggml's repacked Q4_0/Q4_K kernels (x86) round differently, and on SmolLM2's default file
+    # the river settings' KLDs came out 0.0002-0.0005 lower repacked (1-2%; every paired interval
+    # holds 0), the Q8_0 backbone (not repacked on x86) the same bit for bit, and the same three
+    # presets chosen either way. docs/usage.md.
+    model = _open_model(backbone, river=river, n_ctx=PASS_N_CTX, n_threads=n_threads,
+                        threshold=never_exit(calib.exit_rule), exit_rule=calib.exit_rule, repack=False)
     try:
         res = preset_grid.calibrate_presets(model, score_tokens=preset_score_tokens(calibration_tokens),
                                             progress=progress, prepared=calib.prepared, reference=calib.reference,
@@ -606,7 +614,8 @@ def draft_token_ranking(vocab_path: Optional[str], texts: Optional[List[str]] = 
     return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
-def _is_quantized(reader) -> bool:
+def is_quantized(reader) -> bool:
+    """Whether any weight matrix of the GGUF ``reader`` is quantized (not a float type)."""
     return any(type_name(t) not in FLOAT_TYPE_NAMES for t in plain_tensors(reader) if len(t.shape) >= 2)
 
 
@@ -634,12 +643,19 @@ def _river_from_file(river_path: str, bb):
     return river_path, "from-file", []
 
 
-def _make_river(src: str, out_path: str, stack, bb, river_type: str, river_head_type, imatrix, collected,
+def _imatrix_from_file(path: str, bb) -> imx.Imatrix:
+    """The importance matrix file `path`, checked against the input's weights (imatrix.check_fits)."""
+    imat = imx.read_imatrix_gguf(path)
+    imx.check_fits(imat, plain_tensors(bb), path)
+    return imat
+
+
+def _make_river(src: str, out_path: str, stack, bb, river_type: str, river_head_type, imatrix, collected, given,
                 n_threads: int, log: LlamaLog, say) -> Tuple[str, str, list]:
     """Quantize the river from `src` with llama.cpp's quantizer, given the importance matrix
-    (collected, or read from the imatrix file) unless imatrix is None: (its file, its type label,
-    the river.imatrix* entries)."""
-    requant = _is_quantized(bb)
+    (the option imatrix: "auto", the one `collected` by the pass; a path, the one read from it,
+    `given`) unless imatrix is None: (its file, its type label, the river.imatrix* entries)."""
+    requant = is_quantized(bb)
     if requant:
         warnings.warn(f"{src} is already quantized; the river is requantized from it", stacklevel=3)
     imat, entries = None, []
@@ -647,7 +663,7 @@ def _make_river(src: str, out_path: str, stack, bb, river_type: str, river_head_
         if imatrix == IMATRIX_AUTO:
             imat, label = collected, f"collected: {collected.datasets[0] if collected.datasets else 'calibration split'}"
         else:
-            imat, label = imx.read_imatrix_gguf(imatrix), f"file: {os.path.basename(os.fspath(imatrix))}"
+            imat, label = given, f"file: {os.path.basename(os.fspath(imatrix))}"
             say(f"imatrix: {int(imat.n_tokens)} tokens ({label})")
         entries = [("river.imatrix", label, "s"), ("river.imatrix_tokens", int(imat.n_tokens), "u")]
     river_src = stack.enter_context(temp_path(out_path, ".river.tmp"))
@@ -722,3 +738,43 @@ def imatrix_texts(calibration_tokens: int, held_out=()) -> List[str]:
         texts.append(t)
         chars += len(t)
     return texts
+
+
+# ----- the conversion's decisions (convert/dry_run.py plans with the same functions) ---------
+#: The context of the pass over the input and of the presets' engine: the importance matrix's
+#: texts are each cut to it (imatrix.collect_on, imatrix.text_chunks).
+PASS_N_CTX = 1024
+
+
+def backbone_type_option(backbone_type: Optional[str]) -> Optional[str]:
+    """The backbone_type option checked and normalized: "auto", "q8_0", or None for the input's
+    own tensors (None or "f16"). ValueError for anything else."""
+    if backbone_type is None:
+        return None
+    backbone_type = str(backbone_type).lower()
+    if backbone_type not in BACKBONE_TYPES:
+        raise ValueError(f"backbone_type must be one of {', '.join(BACKBONE_TYPES)}, got {backbone_type!r}")
+    return None if backbone_type == "f16" else backbone_type
+
+
+def stored_backbone_type(backbone_type: Optional[str], reader) -> Optional[str]:
+    """The type the output stores the backbone in, for the input ``reader``: "auto" is Q8_0 when
+    the input's weight matrices are floats and the input's own types (None) when it is already
+    quantized; otherwise the option as backbone_type_option gives it."""
+    backbone_type = backbone_type_option(backbone_type)
+    if backbone_type == "auto":
+        return None if is_quantized(reader) else "q8_0"
+    return backbone_type
+
+
+def collects_imatrix(imatrix, river_path) -> bool:
+    """Whether the pass over the input collects an importance matrix: asked for ("auto"), and
+    the river is made here (a given river file is used as it is)."""
+    return imatrix == IMATRIX_AUTO and river_path is None
+
+
+def needs_profile(find_threshold: bool, presets: bool) -> bool:
+    """Whether the pass over the input profiles the exit rule's scores: tau is taken from them
+    (find_threshold), and the presets' cost model predicts from them where a dynamic setting's
+    tokens exit."""
+    return bool(find_threshold) or bool(presets)

@@ -28,13 +28,14 @@ from llama_cpp._utils import suppress_stdout_stderr
 
 from .._loader import native
 from ..calibrate import open_model
-from ..calibrate.cost_model import SEARCHED, TensorInfo, grid, plan, setting_cost, step_bytes, tensor_costs, tier_bounds_of
+from ..calibrate.cost_model import (SEARCHED, TensorInfo, grid, plan, setting_cost, step_bytes, tail_families,
+                                    tensor_costs, tier_bounds_of)
 from ..gguf.copy import check_loadable, is_river_gguf, open_reader, plain_tensors, type_name
 from ..gguf.io import QUANT_BUFFER_BYTES, LlamaLog, captured_llama_log, deferred_interrupts, planned_types
 from ..measure.scoring import calibration_selection
 from ..measure.profile import predicted_mean_exit, similarity_profile
 from . import build
-from .imatrix import calibration_texts
+from .imatrix import calibration_texts, text_chunks
 
 GIB = 1 << 30
 PROBE_TOKENS = 128
@@ -239,14 +240,12 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
     tensors = list(plain_tensors(reader))
     shapes = {t.name: tuple(int(x) for x in t.shape) for t in tensors}
     in_types = {t.name: type_name(t) for t in tensors}
-    quantized = any(in_types[t.name] not in build.FLOAT_TYPE_NAMES for t in tensors if len(t.shape) >= 2)
+    quantized = build.is_quantized(reader)
     F = os.path.getsize(backbone_path)
     calibration_tokens = calibration_tokens or build.calibration_token_budget(F)
-    backbone_type = None if backbone_type in (None, "f16") else str(backbone_type).lower()
-    if backbone_type == "auto":
-        backbone_type = None if quantized else "q8_0"
+    backbone_type = build.stored_backbone_type(backbone_type, reader)
     river_type = str(river_type).lower()
-    collect = imatrix == build.IMATRIX_AUTO and river_path is None
+    collect = build.collects_imatrix(imatrix, river_path)
     res = ConversionPlan(backbone_path, out_path, available_bytes=available_memory(), notes=[UNMEASURED])
 
     # Types: llama.cpp's dry runs, so nothing is guessed about its mix.
@@ -263,10 +262,10 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
     tok = _Tokenizer(backbone_path)
     prepared, held = (calibration_selection(tok, calibration_tokens, build.preset_score_tokens(calibration_tokens))
                       if presets else ([], []))
-    imx_tokens = (sum(min(len(tok.tokenize(t, True)), 1024) for t in build.imatrix_texts(calibration_tokens, held))
-                  if collect else 0)
+    imx_tokens = (sum(len(c) for c in text_chunks(tok.tokenize, build.imatrix_texts(calibration_tokens, held),
+                                                  build.PASS_N_CTX)) if collect else 0)
     ref_tokens = sum(len(t) for t, _ in prepared)
-    profile = PROFILE_TOKENS if (threshold is None or presets) else 0
+    profile = PROFILE_TOKENS if build.needs_profile(threshold is None, presets) else 0
 
     sims = None
     if probe:
@@ -277,7 +276,8 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
         per_token, load, q_rate = float("nan"), float("nan"), {}
     n_vocab = shapes["token_embd.weight"][1]
     logits_bytes = 512 * n_vocab * 4  # the engine's output buffer of a full batch's logits
-    kv = 2 * n_layer * 1024 * 2 * max((s[1] for n, s in shapes.items() if n.endswith("attn_k.weight")), default=0)
+    kv_width = max((s[1] for n, s in shapes.items() if n.endswith("attn_k.weight")), default=0)
+    kv = 2 * n_layer * build.PASS_N_CTX * 2 * kv_width  # K and V, F16, of the pass's context
 
     if collect or presets or profile:
         parts = []
@@ -348,16 +348,16 @@ def _presets_stage(shapes: Dict[str, tuple], n_layer: int, bb_infos, rv_infos, s
     rows = [{"options": o, "relative_cost": setting_cost(o, layers, head, n_layer) / river_only, "why": w}
             for o, w in zip(settings, why)]
     work = 0.0
-    families: Dict[tuple, List[int]] = {}
-    for o, w in zip((s.named() for s in settings), why):
-        if w and w != SEARCHED:
+    in_play = [not w or w == SEARCHED for w in why]
+    # The river-only tails, grouped as the presets' scoring groups them (cost_model.tail_families).
+    # A searched tail is counted as measured: where the search stops depends on the KLDs, which a
+    # dry run does not know, so this is the search's most.
+    families = [[settings[i].options.tail for i in f if in_play[i]] for f in tail_families(settings)]
+    in_families = {i for f in tail_families(settings) for i in f}
+    for i, s in enumerate(settings):
+        if not in_play[i] or i in in_families:
             continue
-        if o["mode"] == "river-only":
-            # A searched tail is counted as measured: where the search stops depends on the
-            # KLDs, which a dry run does not know, so this is the search's most.
-            families.setdefault((o.get("river_attention", "river"), o.get("river_head", True)), []).append(
-                o.get("tail", 0))
-        elif o["mode"] == "backbone":
+        if s.options.mode == "backbone":
             work += ref_tokens  # measured on every item, batched
         else:
             work += DECODE_FACTOR * ref_tokens / 4  # decode, a quarter of the items
@@ -366,7 +366,7 @@ def _presets_stage(shapes: Dict[str, tuple], n_layer: int, bb_infos, rv_infos, s
     # over all the weights).
     head_share = _head_share(shapes)
     scored = sum(len(t) - p for t, p in prepared)
-    for tails in families.values():
+    for tails in (f for f in families if f):
         work += ref_tokens * (1 + sum(t for t in tails if t) / n_layer) + scored * head_share * (len(tails) - 1)
     n_searched = sum(1 for w in why if w == SEARCHED)
     units = {"presets_factor": per_token * work, "FIXED_SECONDS": 1.0}

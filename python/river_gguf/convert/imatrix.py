@@ -14,14 +14,13 @@ The pieces:
   GSM8K and HumanEval, never the evaluation split.
 - ``write_imatrix_gguf`` / ``read_imatrix_gguf``: llama.cpp's GGUF imatrix format, so files go
   both ways between this package and ``llama-imatrix`` / ``llama-quantize``.
-- ``quantize_with_imatrix(backbone, typed, out, imatrix)``: requantize the quantized tensors of
-  ``typed`` (a plain GGUF of the same model from llama.cpp's quantizer, which chose each
-  tensor's type) from the backbone's precise weights with the importance vectors.
-- ``llama_quantize(src, dst, ftype, imatrix)``: llama.cpp's own quantizer given the same
-  importance (its mix changes with an imatrix: for Q4_0 the first n_layer/8 ffn_down become Q4_1).
+- ``check_fits(imatrix, tensors)``: is a matrix one of this model's (its entries' widths).
+- ``llama_quantize(src, dst, ftype, imatrix)``: llama.cpp's own quantizer given the importance,
+  what the converter makes its river with (its mix changes with an imatrix: for Q4_0 the first
+  n_layer/8 ffn_down become Q4_1).
 
     imx = collect_imatrix(f16, calibration_texts(), dataset=CALIBRATION_DATASET)
-    quantize_with_imatrix(f16, "plain-q4_0.gguf", "imatrix-q4_0.gguf", imx)
+    llama_quantize(f16, "imatrix-q4_0.gguf", "q4_0", imx)
 """
 from __future__ import annotations
 
@@ -29,14 +28,14 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import gguf
 import numpy as np
 from tqdm import tqdm
 
 from .._loader import native
-from ..gguf.io import atomic_output, copy_metadata, deferred_interrupts, quantize
+from ..gguf.io import atomic_output, deferred_interrupts, quantize
 from ..gguf.reader import GGUFReader
 from ..measure import data as eval_data
 from ..model import Model
@@ -49,11 +48,6 @@ SUM_SUFFIX = ".in_sum2"
 COUNT_SUFFIX = ".counts"
 
 CALIBRATION_DATASET = "river_gguf calibration split: gsm8k + humaneval items with index % 5 == 0"
-
-# Source tensor types precise enough to requantize from (the backbone's types).
-_PRECISE = ("F32", "F16", "BF16", "Q8_0")
-# Types that are stored as is, never quantized (norms, biases, F16 weights of a mixed file).
-_UNQUANTIZED = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
 
 
 @dataclass
@@ -153,8 +147,16 @@ def _check_texts(texts: Sequence[str]) -> List[str]:
 def collect_on(model: Model, texts: Sequence[str], progress: bool = True, dataset: Optional[str] = None) -> Imatrix:
     """collect_imatrix on an open Model (its backbone), each text cut to the Model's n_ctx."""
     texts = _check_texts(texts)
-    chunks = (model.tokenize(text, add_special=True)[:model.n_ctx] for text in texts)
-    return collect_chunks(model, chunks, total=len(texts), progress=progress, dataset=dataset)
+    return collect_chunks(model, text_chunks(model.tokenize, texts, model.n_ctx), total=len(texts),
+                          progress=progress, dataset=dataset)
+
+
+def text_chunks(tokenize: Callable[..., List[int]], texts: Sequence[str], n_ctx: int) -> Iterator[List[int]]:
+    """The token lists collect_on runs: each text with the vocabulary's special tokens (BOS where
+    it adds one), cut to n_ctx tokens. tokenize: Model.tokenize, or a vocabulary's with its
+    signature (the dry run counts the converter's tokens with it)."""
+    for text in texts:
+        yield list(tokenize(text, add_special=True))[:n_ctx]
 
 
 def collect_chunks(model: Model, chunks, total: Optional[int] = None, progress: bool = True,
@@ -276,149 +278,24 @@ def read_imatrix_gguf(path: Union[str, os.PathLike]) -> Imatrix:
     )
 
 
-# ----- quantization -----------------------------------------------------------------------
-ImportanceSource = Union[Imatrix, Mapping[str, Optional[np.ndarray]]]
-
-
-@dataclass
-class QuantizeSummary:
-    path: str
-    weighted: int       # tensors requantized with an importance vector
-    plain: int          # tensors requantized with ggml's plain rounding (importance None)
-    copied: int         # tensors copied unchanged from the typed file
-    n_bytes: int        # size of the written file
-    seconds: float
-
-    @property
-    def requantized(self) -> int:
-        return self.weighted + self.plain
-
-
-def _importance_for(imatrix: ImportanceSource, name: str, n_cols: int, plain_missing: bool):
-    """(requantize?, importance or None) for tensor ``name``."""
-    if isinstance(imatrix, Imatrix):
-        if name not in imatrix:
-            return plain_missing, None
-        imp = imatrix.importance(name)
-    else:
-        if name not in imatrix:
-            return plain_missing, None
-        imp = imatrix[name]
-        if imp is None:
-            return True, None
-        imp = np.asarray(imp, dtype=np.float32).reshape(-1)
-    if imp.shape != (n_cols,):
-        raise ValueError(f"{name}: the importance has {imp.size} values but the tensor has {n_cols} columns "
-                         "(an imatrix of another model?)")
-    return True, imp
-
-
-def quantize_with_imatrix(
-    src_path: Union[str, os.PathLike],
-    typed_path: Union[str, os.PathLike],
-    out_path: Union[str, os.PathLike],
-    imatrix: ImportanceSource,
-    progress: bool = True,
-    n_threads: int = 2,
-    plain_missing: bool = False,
-) -> QuantizeSummary:
-    """Write ``out_path``: ``typed_path`` (a plain GGUF of the model from llama.cpp's quantizer,
-    which chose each tensor's type) with its quantized tensors requantized from the precise
-    weights of ``src_path`` (F32/F16/BF16/Q8_0) by ggml's weighted quantization.
-
-    ``imatrix`` is an Imatrix, or a mapping name -> importance vector (None: ggml's plain
-    rounding). A quantized tensor with no entry is copied from ``typed_path`` unchanged, or,
-    with ``plain_missing``, requantized from ``src_path`` with plain rounding. Tensors stored
-    unquantized (F32 norms, F16 ...) and all metadata are copied from ``typed_path``; the
-    imatrix's provenance is added under ``quantize.imatrix.*`` as llama.cpp's quantizer does.
-    Written atomically."""
-    src_path, typed_path, out_path = os.fspath(src_path), os.fspath(typed_path), os.fspath(out_path)
-    for p in (src_path, typed_path):
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"model file not found: {p}")
-    for p in (src_path, typed_path):
-        if os.path.exists(out_path) and os.path.samefile(p, out_path):
-            raise ValueError(f"output {out_path} would overwrite an input file")
-    if not isinstance(imatrix, (Imatrix, Mapping)):
-        raise ValueError("imatrix must be an Imatrix or a mapping name -> importance (or None)")
-    if not isinstance(n_threads, int) or n_threads < 1:
-        raise ValueError(f"n_threads must be an int >= 1, got {n_threads!r}")
-
-    t0 = time.perf_counter()
-    typed = _open(typed_path)
-    src = _open(src_path)
-    src_tensors = {t.name: t for t in src.tensors}
-    arch_t = _str_field(typed, "general.architecture")
-    arch_s = _str_field(src, "general.architecture")
-    if arch_t != arch_s:
-        raise ValueError(f"{typed_path} ({arch_t}) and {src_path} ({arch_s}) are not the same model")
-
-    # Decide every tensor first, so a bad input fails before anything is written.
-    plan = []  # (reader tensor of typed, importance or None, requantize?)
-    for t in typed.tensors:
-        n_cols = int(t.shape[0])
-        if t.tensor_type.name in _UNQUANTIZED:
-            plan.append((t, None, False))
-            continue
-        redo, imp = _importance_for(imatrix, t.name, n_cols, plain_missing)
-        if redo:
-            s = src_tensors.get(t.name)
-            if s is None:
-                raise ValueError(f"{t.name} is in {typed_path} but not in {src_path}")
-            if [int(x) for x in s.shape] != [int(x) for x in t.shape]:
-                raise ValueError(f"{t.name}: shape {list(map(int, s.shape))} in {src_path} vs "
-                                 f"{list(map(int, t.shape))} in {typed_path}")
-            if s.tensor_type.name not in _PRECISE:
-                raise ValueError(f"{t.name} is {s.tensor_type.name} in {src_path}; requantizing needs a precise "
-                                 f"source ({', '.join(_PRECISE)})")
-            native.quantized_row_size(int(t.tensor_type), n_cols)  # ValueError if ggml cannot make this type
-        plan.append((t, imp, redo))
-
-    weighted = sum(1 for _, imp, redo in plan if redo and imp is not None)
-    plain = sum(1 for _, imp, redo in plan if redo and imp is None)
-    with atomic_output(out_path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, arch_t)) as w:
-        copy_metadata(typed, w, skip={"general.alignment"} | {k for k in typed.fields if k.startswith("quantize.imatrix.")})
-        align = typed.fields.get("general.alignment")
-        if align is not None:
-            w.add_custom_alignment(int(align.contents()))
-        if weighted and isinstance(imatrix, Imatrix):
-            if imatrix.datasets:
-                w.add_string("quantize.imatrix.dataset", imatrix.datasets[-1])
-            w.add_int32("quantize.imatrix.entries_count", len(imatrix))
-            w.add_int32("quantize.imatrix.chunks_count", int(imatrix.chunk_count))
-
-        for t, _, _ in plan:
-            w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-
-        desc = f"imatrix {os.path.basename(out_path)}"
-        for t, imp, redo in tqdm(plan, desc=desc, unit="tensor", disable=not progress):
-            if not redo:
-                w.write_tensor_data(t.data)
-                continue
-            s = src_tensors[t.name]
-            x = gguf.quants.dequantize(s.data, s.tensor_type).astype(np.float32, copy=False)
-            x = x.reshape(-1, int(t.shape[0]))
-            q = native.quantize_rows(int(t.tensor_type), np.ascontiguousarray(x), imp, n_threads)
-            if q.nbytes != t.data.nbytes:
-                raise RuntimeError(f"{t.name}: quantized to {q.nbytes} bytes, the typed file has {t.data.nbytes}")
-            w.write_tensor_data(q.reshape(t.data.shape))
-    return QuantizeSummary(out_path, weighted, plain, len(plan) - weighted - plain, os.path.getsize(out_path),
-                           time.perf_counter() - t0)
-
-
-def _open(path: str):
-    try:
-        return GGUFReader(path)
-    except Exception as e:
-        raise native.GGUFFormatError(f"{path} is not a readable GGUF file ({e})") from e
-
-
-def _str_field(reader, key: str) -> Optional[str]:
-    f = reader.fields.get(key)
-    return f.contents() if f is not None else None
+# ----- an importance matrix against a model ----------------------------------------------------
+def check_fits(imatrix: Imatrix, tensors, source: str = "the importance matrix") -> None:
+    """ValueError unless `imatrix` fits the model whose GGUF tensors (reader tensors, ggml
+    order) are `tensors`: each entry that names one of its weight matrices has one value per
+    input column of it (llama.cpp's quantizer stops at the first that has not, after the weights
+    before it), and at least one entry names one (else llama.cpp's quantizer rounds every weight
+    plainly without a word). Entries for other names are left alone, as llama.cpp leaves them."""
+    widths = {t.name: int(t.shape[0]) for t in tensors if len(t.shape) >= 2}
+    matched = 0
+    for name in imatrix.names():
+        if name in widths:
+            n = len(imatrix.sums[name])
+            if n != widths[name]:
+                raise ValueError(f"{source}: {name} has {n} importance values but the model's weight has "
+                                 f"{widths[name]} columns (an importance matrix of another model?)")
+            matched += 1
+    if not matched:
+        raise ValueError(f"{source} names none of the model's weights (an importance matrix of another model?)")
 
 
 # ----- llama.cpp's quantizer with an imatrix --------------------------------------------------
@@ -440,6 +317,9 @@ def llama_quantize(
     if imatrix is not None:
         if not isinstance(imatrix, Imatrix) or not len(imatrix):
             raise ValueError("imatrix must be a non-empty Imatrix")
+        if not os.path.isfile(os.fspath(src_path)):
+            raise FileNotFoundError(f"model file not found: {os.fspath(src_path)}")
+        check_fits(imatrix, GGUFReader(os.fspath(src_path)).tensors)
         importance = {name: imatrix.importance(name) for name in imatrix.names()}
     return quantize(src_path, dst_path, ftype, n_threads=n_threads, allow_requantize=allow_requantize,
                     head_type=head_type, importance=importance)

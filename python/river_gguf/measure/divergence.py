@@ -77,11 +77,11 @@ def compare_many(reference_logits: np.ndarray, configs: Sequence[np.ndarray],
     and each result is what compare() gives it alone, bit for bit."""
     ref = np.asarray(reference_logits)
     qs = [np.asarray(q) for q in configs]
-    for q in qs:
-        if ref.shape != q.shape or ref.ndim != 2:
-            raise ValueError(f"reference has shape {ref.shape}, the configuration {q.shape}")
     if ref.ndim != 2:
         raise ValueError(f"the reference's logits must be 2-D, got shape {ref.shape}")
+    for q in qs:
+        if ref.shape != q.shape:
+            raise ValueError(f"reference has shape {ref.shape}, the configuration {q.shape}")
     t = np.asarray(targets, dtype=np.int64)
     if t.shape != (ref.shape[0],):
         raise ValueError(f"need {ref.shape[0]} targets, got {t.shape}")
@@ -258,6 +258,11 @@ class ReferenceRows:
 
     def __len__(self) -> int:
         return len(self._index)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the rows take on disk: the temp file's size, as the file system reports it."""
+        return os.fstat(self._file.fileno()).st_size
 
     def __getitem__(self, i: int) -> np.ndarray:
         offset, shape = self._index[i]

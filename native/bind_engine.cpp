@@ -1,5 +1,6 @@
 // river_gguf._native.Engine: load, eval and draft (GIL released), the KV cache, placement.
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <variant>
 
@@ -245,10 +246,13 @@ py::list river_tails(Engine& e, std::vector<int32_t> tokens, std::vector<int> ta
     }
     py::list out;
     const py::ssize_t n = static_cast<py::ssize_t>(tokens.size()) - first_row, width = e.hparams().n_vocab;
-    for (const auto& r : rows) {
-        py::array_t<float> a({n, width});
-        std::memcpy(a.mutable_data(), r.data(), r.size() * sizeof(float));
-        out.append(a);
+    // Each array owns its tail's rows (no copy: a family's rows would otherwise be held twice).
+    for (auto& r : rows) {
+        auto owned = std::make_unique<std::vector<float>>(std::move(r));
+        float* data = owned->data();
+        py::capsule keep(owned.get(), [](void* p) { delete static_cast<std::vector<float>*>(p); });
+        owned.release();
+        out.append(py::array_t<float>({n, width}, data, keep));
     }
     return out;
 }

@@ -339,8 +339,20 @@ std::vector<std::vector<float>> Engine::river_tails(const std::vector<int32_t>& 
     }
     cells_.remove_tail(0, start);
     check_links();
+    // Each tail's rows move out (a family's rows are large: tails x rows x vocabulary); a tail
+    // asked twice gets a copy of its first answer.
     std::vector<std::vector<float>> result;
-    for (int t : tails) result.push_back(by_tail[t]);
+    std::map<int, size_t> first;
+    for (int t : tails) {
+        const auto seen = first.find(t);
+        if (seen != first.end()) {
+            std::vector<float> copy = result[seen->second];
+            result.push_back(std::move(copy));
+            continue;
+        }
+        first[t] = result.size();
+        result.push_back(std::move(by_tail[t]));
+    }
     return result;
 }
 

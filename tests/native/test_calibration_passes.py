@@ -22,7 +22,7 @@ def tiny_model(tiny):
 def test_river_tails_are_each_tails_own_pass(tiny_model, attention, river_head):
     m = tiny_model
     toks = m.tokenize(PROSE)[:60]
-    tails = [3, 0, 1, 5]  # any order, the deepest branch (5: river layer 0 only) included
+    tails = [3, 0, 1, 5, 3]  # any order, the deepest branch (5: river layer 0 only), one asked twice
     rows = river_tails(m, toks, tails, river_attention=attention, river_head=river_head, first_row=7)
     for t, r in zip(tails, rows):
         want = m.logits(toks, mode="river-only", tail=t, river_attention=attention, river_head=river_head)[7:]

@@ -215,7 +215,7 @@ void bind_exit_setting(py::module_& m) {
 }
 
 py::tuple eval(Engine& e, std::vector<int32_t> tokens, bool all_logits, bool trace, bool embeddings, int first_row,
-               std::vector<int32_t> seq_ids, const py::kwargs& setting) {
+               std::vector<int32_t> seq_ids, bool decode_kernels, const py::kwargs& setting) {
     EvalRequest req;
     read_exit_setting(setting, req);
     req.tokens = std::move(tokens);
@@ -224,6 +224,7 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, bool all_logits, bool tra
     req.first_row = first_row;
     req.trace = trace;
     req.embeddings = embeddings;
+    req.decode_kernels = decode_kernels;
     EvalResult res;
     {
         py::gil_scoped_release release;
@@ -305,12 +306,14 @@ void bind_engine(py::module_& m) {
              "the other fields of the engine's config come by keyword (ENGINE_CONFIG: their names and defaults).")
         .def("eval", &eval, py::arg("tokens"), py::kw_only(), py::arg("all_logits") = false,
              py::arg("trace") = false, py::arg("embeddings") = false, py::arg("first_row") = 0,
-             py::arg("seq_ids") = std::vector<int32_t>{},
+             py::arg("seq_ids") = std::vector<int32_t>{}, py::arg("decode_kernels") = false,
              "Evaluate tokens at the cache's end under the exit setting given by keyword (EXIT_SETTING's names). "
              "seq_ids (one per token) appends each token to that sequence of the cache, in one batch: a token "
              "attends to its own sequence alone, and without all_logits the logits hold each sequence's last "
              "row, in the order the sequences first appear; without seq_ids every token goes to sequence 0. "
-             "One exit decision covers the batch (the lowest score). Returns (logits, exit_layer, scores).")
+             "One exit decision covers the batch (the lowest score). decode_kernels computes every row in the "
+             "single-token kernels, bit for bit a decode step's row (needs decode_kernels_exact). Returns (logits, "
+             "exit_layer, scores).")
         .def("draft", &draft, py::arg("token"), py::arg("n_max"), py::arg("p_min") = 0.0f, py::kw_only(),
              py::arg("seq") = 0, py::arg("with_probs") = true, py::arg("pick") = py::none(),
              "Lossless decoding's draft on sequence `seq` (default 0): up to n_max greedy tokens after `token` under "
@@ -360,6 +363,9 @@ void bind_engine(py::module_& m) {
         .def_property_readonly("n_ctx", &Engine::n_ctx)
         .def_property_readonly("has_river", &Engine::has_river)
         .def_property_readonly("flash_attn", &Engine::flash_attn)
+        .def_property_readonly("decode_kernels_exact", &Engine::decode_kernels_exact,
+                               "Whether eval(decode_kernels=True) gives every row a decode step's bits: all layers "
+                               "on the CPU, no backbone weight repacked.")
         .def_property_readonly("river_has_head", &Engine::river_has_head)
         .def_property_readonly("gpu_offload", &Engine::gpu_offload)
         .def_property_readonly("gpu_layers", &Engine::gpu_layers,

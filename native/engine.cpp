@@ -38,6 +38,7 @@ Engine::BatchCells Engine::place(const int32_t* seq_ids, int n, int seq) {
     else c.seq.assign(n, seq);
     c.pos.resize(n);
     c.rows.resize(n);
+    c.end_before = cells_.used_end();
     cells_.place(c.seq.data(), n, c.pos.data(), c.rows.data());
     return c;
 }
@@ -55,9 +56,11 @@ int Engine::attended_rows(int n) const {
     // read show) would spread. The rows are placed before this is asked (used_end counts them).
     constexpr int kPaddedBatch = 32;
     const int end = cells_.used_end();
-    const int padded = std::min(cache_->n_ctx(), std::max(256, (end + 255) / 256 * 256));
-    return n <= kPaddedBatch || !flash_attn_ ? padded : end;
+    return n <= kPaddedBatch || !flash_attn_ ? padded_rows(end) : end;
 }
+
+int Engine::padded_rows(int end) const { return std::min(cache_->n_ctx(), std::max(256, (end + 255) / 256 * 256)); }
+
 
 EvalResult Engine::eval(const EvalRequest& req) { return eval_on(req, 0); }
 
@@ -176,6 +179,11 @@ void Engine::check_request(const EvalRequest& req) const {
         throw std::invalid_argument("river_head=True but the river has no output head");
     }
     if (std::isnan(req.threshold)) throw std::invalid_argument("threshold is NaN");
+    if (req.decode_kernels && !decode_kernels_exact()) {
+        throw std::invalid_argument(
+            "decode_kernels: this engine's batches cannot take the single-token kernels (layers off the CPU, or "
+            "repacked backbone weights)");
+    }
     if (req.first_row != 0 && (req.first_row < 0 || req.first_row >= n || !(req.all_logits || req.embeddings) ||
                                n > n_batch_ || req.trace)) {
         throw std::invalid_argument("first_row needs all_logits and one batch of more than first_row tokens (and no "
@@ -219,6 +227,16 @@ void Engine::eval_chunk(const int32_t* tokens, const BatchCells& cells, const Ev
     spec.first_row = spec.all_logits ? req.first_row : 0;
     spec.backbone_attention = req.backbone_attention;
     spec.draft_vocab = req.draft_vocab;
+    if (req.decode_kernels && n > 1) {
+        // Row i attends as a decode step would that placed rows 0..i of this batch alone.
+        spec.decode_kernels = true;
+        int end = cells.end_before;
+        for (int i = 0; i < n; ++i) {
+            end = std::max(end, static_cast<int>(cells.rows[i]) + 1);
+            spec.row_n_kv.push_back(padded_rows(end));
+        }
+        spec.n_kv = std::max(spec.n_kv, *std::max_element(spec.row_n_kv.begin(), spec.row_n_kv.end()));
+    }
 
     int fixed = -2;  // fixed exit depth, when the whole depth is known before running
     if (req.mode == ExitMode::Backbone && !req.trace) fixed = last;

@@ -43,6 +43,9 @@ struct EvalRequest : ExitSetting {
     // The head computes the draft head's rows alone (EngineConfig::draft_vocab and the context
     // rows, Engine::draft): logits column i is that row's token. Set by draft().
     bool draft_vocab = false;
+    // Every row of a batch in the single-token kernels (BatchInputs::decode_kernels): each row's
+    // bits are a decode step's. Needs decode_kernels_exact().
+    bool decode_kernels = false;
 };
 
 // Layers first..last, all from the backbone or all from the river.
@@ -75,6 +78,11 @@ public:
     const GgufFile& file() const { return *file_; }
     bool has_river() const { return river_ != nullptr; }
     bool flash_attn() const { return flash_attn_; }
+    // Whether a batch in the single-token kernels (EvalRequest::decode_kernels) gives each
+    // row's bits as a decode step does: every layer on the CPU, and every backbone weight
+    // product read by ggml's plain CPU kernels (a repacked weight has kernels of its own for one
+    // column and for several).
+    bool decode_kernels_exact() const { return decode_kernels_exact_; }
     bool river_has_head() const { return river_ && river_->head; }
     // The backbone head's weight as the file names it ("output.weight", or "token_embd.weight"
     // when the embedding is tied): what the head's input statistics are kept under.
@@ -179,9 +187,11 @@ private:
         bool backbone_attention = false;  // river spans use river_mixed_
         bool draft_vocab = false;    // the head's draft-vocabulary rows alone
         int n_out = 0;               // > 0: the head runs the n_out rows BatchCells::out names
+        bool decode_kernels = false;  // every row in the single-token kernels (n > 1)
+        std::vector<int> row_n_kv;    // with decode_kernels: each row's n_kv, a decode step's
         auto key() const {
             return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, rule, head, all_logits, first_row,
-                            backbone_attention, draft_vocab, n_out);
+                            backbone_attention, draft_vocab, n_out, decode_kernels, row_n_kv);
         }
         bool operator==(const GraphSpec& o) const;
     };
@@ -224,12 +234,15 @@ private:
         std::vector<int32_t> seq, pos;
         std::vector<int64_t> rows;
         std::vector<int32_t> out;
+        int end_before = 0;  // one past the highest cache row in use before these were placed
     };
     // Cache rows for n tokens of the given sequences (nullptr: every token on sequence `seq`),
     // taken from cells_.
     BatchCells place(const int32_t* seq_ids, int n, int seq = 0);
     // Attended rows for a batch of n tokens: llama.cpp's padded n_kv (see eval_chunk).
     int attended_rows(int n) const;
+    // llama.cpp's padded n_kv for a cache whose rows in use end at `end`: a decode step's.
+    int padded_rows(int end) const;
     // eval's work, with the tokens of a request that names no sequences (no seq_ids) appended to
     // sequence `seq` instead of 0: eval is eval_on(req, 0), and a draft step on any sequence is a
     // one-token request here, so it runs exactly as a decode step of sequence 0 does (the same
@@ -310,6 +323,7 @@ private:
     int last_splits_ = 0;
     bool graph_reuse_;
     bool flash_attn_;
+    bool decode_kernels_exact_ = false;
     int n_batch_;
     KvCells cells_{0};
 

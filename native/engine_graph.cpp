@@ -61,7 +61,10 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     // kept graphs carry no more metadata than they use.
     size_t n_layers = 0;
     for (const Span& s : spec.spans) n_layers += size_t(s.last - s.first + 1);
-    const size_t n_graph = std::min(graph_size(hp_), 64 * n_layers + 128);
+    size_t n_graph = std::min(graph_size(hp_), 64 * n_layers + 128);
+    // Decode kernels add a conversion per weight product (pad, convert, view) and an attention
+    // per row (views, the attention's nodes, a concat).
+    if (spec.decode_kernels) n_graph += (32 + 12 * size_t(spec.n)) * n_layers + 64;
     g->meta.resize(ggml_tensor_overhead() * n_graph + ggml_graph_overhead_custom(n_graph, false));
     ggml_init_params params{g->meta.size(), g->meta.data(), /*no_alloc=*/true};
     g->ctx = ggml_init(params);
@@ -78,6 +81,8 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
     ggml_set_input(in.kv_rows);
     in.flash_attn = flash_attn_;
+    in.decode_kernels = spec.decode_kernels;
+    in.row_n_kv = spec.row_n_kv;
     in.last_row_only = spec.head != Head::None && !spec.all_logits && n > 1 && spec.n_out == 0;
     if (spec.head != Head::None && spec.n_out > 0) {
         in.out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, spec.n_out);
@@ -168,7 +173,7 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
         ggml_tensor* rows = spec.head == Head::River ? river_->draft_head : backbone_.draft_output;
         if (spec.draft_vocab && rows) w = rows;
         g->logits = spec.head == Head::Norm ? build_final_norm(ctx, hp_, backbone_.output_norm, h)
-                                            : build_head(ctx, hp_, backbone_.output_norm, w, h);
+                                            : build_head(ctx, hp_, backbone_.output_norm, w, h, spec.decode_kernels);
         ggml_set_output(g->logits);
         ggml_build_forward_expand(gf, g->logits);
     }

@@ -54,6 +54,13 @@ void Engine::load(const EngineConfig& cfg) {
     place_weights(cfg, hp_, cpu_.get(), backbone_, river_.get(), links_, [this] { check_links(); }, placement_);
     fail_point("weights");
     rope_factors_ = backbone_.rope_factors(hp_, cfg.n_ctx);  // after placement, which may move tensors
+    // Placement is final: whether every backbone weight product is the CPU's plain kernels'
+    // (decode_kernels_exact).
+    auto plain = [](const ggml_tensor* w) { return !w || (w->buffer && ggml_backend_buffer_is_host(w->buffer)); };
+    decode_kernels_exact_ = placement_.local() && plain(backbone_.output);
+    for (LayerWeights& w : backbone_.layers) {
+        for (ggml_tensor** slot : matmul_slots(w)) decode_kernels_exact_ = decode_kernels_exact_ && plain(*slot);
+    }
     if (river_ && (placement_.remote.empty() || cfg.rpc_weights == 0)) {
         // Placement is final: the mixed layers point at the placed (joined, repacked) tensors.
         // A layer's backbone and river weights are on one device (as RPC with rpc_weights="all"),

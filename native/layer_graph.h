@@ -2,6 +2,8 @@
 // architecture family, sharing norms, rope, attention and FFN), and the output head. Each
 // function adds nodes to `gf` and returns the result.
 #pragma once
+#include <vector>
+
 #include "ggml.h"
 #include "hparams.h"
 #include "kv_cache.h"
@@ -37,7 +39,24 @@ struct BatchInputs {
     // F32 [1, 1, n_tokens]: each token's attention temperature (hp.attn_temp_scale), by which its
     // roped Q is multiplied; nullptr when the model has none.
     ggml_tensor* attn_temp = nullptr;
+    // Every row of the batch in the single-token kernels (a batch of several tokens otherwise
+    // takes ggml's batched ones, which round differently): each weight product reads its
+    // activations pre-converted to the weight's dot-product type in padded rows (weight_product),
+    // and each row attends alone over the cache rows a decode step at its position would
+    // (row_n_kv). So every row's bits are those of a decode step: a lossless verify batch whose
+    // text is plain decoding's.
+    bool decode_kernels = false;
+    std::vector<int> row_n_kv;  // with decode_kernels: each row's n_kv, as a decode step pads it
 };
+
+// w x (ggml_mul_mat). With decode_kernels and several columns, each column as a decode step
+// computes it, bit for bit, where the CPU reads w in its plain layout (a host buffer: a
+// repacked weight has its own kernels for one column and for several): ggml's CPU mat-mul gives
+// a batch to llamafile's tiled kernels only when the activations are contiguous (converted, or
+// already of the weight's dot-product type), and a lone column to the dot-product loop. Here the
+// activations arrive converted, as that loop converts them, in rows padded past their width: not
+// contiguous, so every column goes through the loop.
+ggml_tensor* weight_product(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x, bool decode_kernels);
 
 // Token embeddings from `table` (backbone's or river's), with the architecture's input scale.
 ggml_tensor* build_embedding(ggml_context* ctx, const HParams& hp, ggml_tensor* table, ggml_tensor* tokens);
@@ -55,6 +74,6 @@ ggml_tensor* build_final_norm(ggml_context* ctx, const HParams& hp, ggml_tensor*
 
 // Final RMS norm, the head, and the architecture's logit scale or cap: logits F32 [n_vocab, n_rows].
 ggml_tensor* build_head(ggml_context* ctx, const HParams& hp, ggml_tensor* output_norm, ggml_tensor* head,
-                        ggml_tensor* h);
+                        ggml_tensor* h, bool decode_kernels = false);
 
 }  // namespace river

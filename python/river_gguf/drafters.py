@@ -158,10 +158,6 @@ class Acceptance:
         self.rejected += bool(rejected)
 
 
-#: The fewest tokens a verify batch evaluates: a round with no drafts verifies its token beside a
-#: throwaway copy (Session._eval_batched), so that every row comes from the batched kernels.
-MIN_VERIFY_BATCH = 2
-
 #: Costs in units of a verify of one token, until the session has timed its own rounds: a river
 #: draft step at 0.4 of it and each more token of a verify batch at 0.15 (memory-bound decoding;
 #: compute-bound machines grow faster, which the timed rounds then show).
@@ -284,15 +280,19 @@ class DraftPlanner:
     early stop follow acceptance and costs (otherwise the river always drafts river_max, stopping
     at p_min alone, as a round did before either existed, and the choice between the drafters
     uses the prior costs, never the clock: the same text then drafts the same way on any machine
-    and under any load)."""
+    and under any load). min_verify: the fewest tokens a verify evaluates: 1 where a round's
+    rows take the decode steps' kernels (a round with no drafts is a decode step), 2 where they
+    take the batched ones (a round with no drafts verifies its token beside a throwaway copy,
+    Session._eval_batched, whose place a one-token guess may take for nothing)."""
 
     def __init__(self, river_max: int, ngram: bool = True, adaptive: bool = True, p_min: float = 0.0,
-                 ngram_max: int = NGRAM_MAX):
+                 ngram_max: int = NGRAM_MAX, min_verify: int = 2):
         self.river_max = int(river_max)
         # draft_max 0 drafts nothing at all; otherwise an n-gram may draft further than the river.
         self.ngram_max = max(int(ngram_max), self.river_max) if ngram and self.river_max else 0
         self.adaptive = bool(adaptive)
         self.p_min = float(p_min)
+        self.min_verify = max(1, int(min_verify))
         self.ngram = NgramDrafter() if self.ngram_max else None
         self.costs = RoundCosts()
         self.river = Acceptance(prior=0.7)
@@ -309,8 +309,8 @@ class DraftPlanner:
         return tokens_per_round(acceptance, k) / (k * draft_step + self.verify_cost(k + 1))
 
     def verify_cost(self, n: int) -> float:
-        """A round's verify of n tokens, which evaluates at least MIN_VERIFY_BATCH."""
-        return self.costs.verify_cost(max(n, MIN_VERIFY_BATCH))
+        """A round's verify of n tokens, which evaluates at least min_verify."""
+        return self.costs.verify_cost(max(n, self.min_verify))
 
     def plan(self, room: int) -> Plan:
         """This round's drafts, at most `room` of them. With the n-gram drafter, its context must
@@ -330,22 +330,26 @@ class DraftPlanner:
                 if offer.rate > best.rate:
                     best = offer
         if self.ngram is not None and room:
-            # The batch's second place is evaluated whatever it holds: a guess there costs no more
-            # than a round with no drafts, and wins over drafts that cost more than they bring.
+            # With a batch of two at least, its second place is evaluated whatever it holds: a
+            # guess there costs no more than a round with no drafts, and wins over drafts that
+            # cost more than they bring. Otherwise a guess is a one-token draft like any other.
             guess = self.ngram.guess()
             if guess is not None:
                 offer = Plan("guess", k=1, tokens=(guess,), rate=self.rate(self.guesses.value, 1, 0.0))
-                if (self.adaptive and offer.rate > best.rate) or best.source == "none":
+                free = best.source == "none" and self.min_verify >= 2
+                if (self.adaptive and offer.rate > best.rate) or free:
                     best = offer
         self.last = best
         return best
 
     def guess_instead(self) -> List[int]:
-        """The verify batch has a second place whichever drafter drafts, so a round left without
-        drafts (none planned, or river drafts that stopped before the first) verifies a guess
-        there for nothing: NgramDrafter.guess, which becomes the round's plan (settled as a guess,
-        teaching the guesses' acceptance). [] where there is none."""
-        guess = self.ngram.guess() if self.ngram is not None else None
+        """Where a verify evaluates two tokens at least (min_verify 2), the batch has a second
+        place whichever drafter drafts, so a round left without drafts (none planned, or river
+        drafts that stopped before the first) verifies a guess there for nothing:
+        NgramDrafter.guess, which becomes the round's plan (settled as a guess, teaching the
+        guesses' acceptance). [] where there is none, or where the round can verify its token
+        alone."""
+        guess = self.ngram.guess() if self.ngram is not None and self.min_verify >= 2 else None
         if guess is None:
             return []
         self.last = Plan("guess", k=1, tokens=(guess,), rate=self.rate(self.guesses.value, 1, 0.0))
@@ -370,7 +374,7 @@ class DraftPlanner:
             return
         if plan.source == "river":
             self.costs.observe_draft(drafted + (drafted < plan.k), draft_s)
-        self.costs.observe_verify(max(drafted + 1, MIN_VERIFY_BATCH), verify_s)
+        self.costs.observe_verify(max(drafted + 1, self.min_verify), verify_s)
 
     def settle(self, accepted: int, rejected: bool, probs: Optional[Sequence[float]] = None) -> None:
         """The last plan's outcome: `accepted` drafts kept, and whether one was rejected (a walk

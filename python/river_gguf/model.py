@@ -25,7 +25,7 @@ from . import presets, rpc
 from ._loader import native
 from .default_model import default_model_path
 from .gguf.io import deferred_interrupts
-from .options import EXIT_DECISIONS, ExitOptions, RiverOptions, check_river_options, is_bool, is_int, parse_bytes
+from .options import EXIT_DECISIONS, LOSSLESS_KERNELS, ExitOptions, RiverOptions, check_river_options, is_bool, is_int, parse_bytes
 from .measure.profile import default_threshold
 from .batching import ModelLock, StepBatcher
 from .session import NumericalError, Session, evaluate, evaluate_steps
@@ -193,6 +193,10 @@ class Model:
         self._exit_decision = ro.exit_decision
         #: Decode steps in the verify batch's kernels (RiverOptions.verify_kernels).
         self.verify_kernels = _bool_arg("verify_kernels", ro.verify_kernels)
+        if ro.lossless_kernels not in LOSSLESS_KERNELS:
+            raise ValueError(f"lossless_kernels must be one of {', '.join(LOSSLESS_KERNELS)}, "
+                             f"got {ro.lossless_kernels!r}")
+        self._lossless_kernels = ro.lossless_kernels
         if preset is not None and not isinstance(preset, str):
             raise ValueError(f"preset must be a str, got {preset!r}")
 
@@ -425,6 +429,15 @@ class Model:
     def river_has_head(self) -> bool:
         return self._engine.river_has_head
 
+    @property
+    def lossless_kernels(self) -> str:
+        """The kernels lossless verify batches use here: "decode" (each row a decode step's, so the
+        text is plain decoding's bit for bit) where asked and the engine can (every layer on the
+        CPU, no backbone weight repacked), else "batch"."""
+        if self._lossless_kernels == "decode" and self._engine.decode_kernels_exact:
+            return "decode"
+        return "batch"
+
     # ----- sessions: who the cache holds ------------------------------------------------
     def session(self, options: Optional[ExitOptions] = None, *, seq: int = 0, keep_rows: bool = False,
                 verify_kernels: Optional[bool] = None, **overrides) -> Session:
@@ -433,9 +446,10 @@ class Model:
         options() takes. seq: an int in [0, n_ctx); sessions on different sequences keep their
         tokens side by side and, decoding at once from several threads, share each decode
         step's batch (a lossless session's rounds run alone, under the lock). keep_rows: keep every position's
-        logits row. verify_kernels: decode steps in the verify batch's kernels (each with a
-        throwaway token), so that their text is lossless mode's bit for bit (default: the
-        Model's verify_kernels option)."""
+        logits row. verify_kernels: where lossless_kernels is "batch", decode steps in the verify
+        batch's kernels (each with a throwaway token), so that their text is lossless mode's bit
+        for bit (default: the Model's verify_kernels option; with "decode" kernels every decode
+        step is lossless mode's already)."""
         if options is not None and overrides:
             raise ValueError("give options or keyword overrides, not both")
         seq = _int_arg("seq", seq, 0, self.n_ctx - 1)
@@ -444,7 +458,8 @@ class Model:
             raise ValueError(f"options must be ExitOptions (from Model.options), got {type(opts).__name__}")
         return Session(self, self._engine, self._lock, opts, keep_rows=_bool_arg("keep_rows", keep_rows),
                        verify_kernels=self.verify_kernels if verify_kernels is None
-                       else _bool_arg("verify_kernels", verify_kernels), seq=seq, batcher=self._steps)
+                       else _bool_arg("verify_kernels", verify_kernels), seq=seq, batcher=self._steps,
+                       decode_kernels=self.lossless_kernels == "decode")
 
     @property
     def step_window(self) -> float:

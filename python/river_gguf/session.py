@@ -83,12 +83,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def evaluate(engine, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits: bool = False,
-             trace: bool = False, first_row: int = 0, seq_ids: Optional[List[int]] = None):
+             trace: bool = False, first_row: int = 0, seq_ids: Optional[List[int]] = None,
+             decode_kernels: bool = False):
     """One native Engine.eval of `tokens` under `opts` (a prompt batch, or a decode step with
     prompt=False), refusing NaN or infinite logits; returns its (logits, exit layer, scores).
     seq_ids: each token's sequence, for several sequences in one batch (the rows are then each
-    sequence's last, all of them read)."""
+    sequence's last, all of them read). decode_kernels: every row as a decode step computes it."""
     several = {} if seq_ids is None else {"seq_ids": seq_ids}
+    if decode_kernels:
+        several["decode_kernels"] = True
     out = engine.eval(tokens, all_logits=all_logits, trace=trace, first_row=first_row, **several,
                       **opts.engine_args(prompt))
     # Only the rows a caller reads are checked: the last one per step costs ~n_vocab compares.
@@ -127,7 +130,7 @@ class Session:
     rows)."""
 
     def __init__(self, model, engine, lock, options: ExitOptions, keep_rows: bool = False, own_cache: bool = False,
-                 verify_kernels: bool = False, seq: int = 0, batcher=None):
+                 verify_kernels: bool = False, seq: int = 0, batcher=None, decode_kernels: bool = False):
         self._model = model
         self._own_cache = own_cache  # an engine of the session's own, shared with nobody
         self._engine = engine
@@ -146,9 +149,13 @@ class Session:
         self._kept: Optional[np.ndarray] = None
         self._kept_valid = 0     # rows [0, _kept_valid) of _kept follow those positions
         self.keep_rows = bool(keep_rows)
-        # Decode steps in the verify batch's kernels: each step evaluates its token with a
-        # throwaway copy, so the text is bit for bit lossless mode's (at a step's extra cost).
-        self.verify_kernels = bool(verify_kernels)
+        # Lossless verify batches in the decode steps' kernels (Model.lossless_kernels "decode"):
+        # every row is a decode step's, so lossless text is plain decoding's bit for bit.
+        self.decode_kernels = bool(decode_kernels)
+        # Otherwise, decode steps may take the verify batch's kernels instead: each step evaluates
+        # its token with a throwaway copy, so the text is bit for bit lossless mode's (at a step's
+        # extra cost). With decode kernels there is nothing to match.
+        self.verify_kernels = bool(verify_kernels) and not self.decode_kernels
         self._unchanged = 0      # positions unchanged since the last changes() call
         self._from_decode = False  # whether the last evaluation was a decode step or round
         self.counters = Counters()
@@ -300,14 +307,14 @@ class Session:
             return rows if all_logits else rows[-1]
 
     def _eval(self, tokens: List[int], opts: ExitOptions, prompt: bool, all_logits: bool = False,
-              trace: bool = False):
+              trace: bool = False, decode_kernels: bool = False):
         n_ctx, used = self._engine.n_ctx, self._engine.cache_used
         if used + len(tokens) > n_ctx:
             raise native.ContextOverflowError(
                 f"{len(tokens)} tokens after {used} need more than n_ctx={n_ctx} positions")
         try:
             out = evaluate(self._engine, tokens, opts, prompt, all_logits, trace,
-                           seq_ids=None if self.seq == 0 else [self.seq] * len(tokens))
+                           seq_ids=None if self.seq == 0 else [self.seq] * len(tokens), decode_kernels=decode_kernels)
         except Exception:
             # The cache may hold what the failed evaluation wrote: the session holds its own tokens.
             self._engine.truncate(len(self._tokens), seq=self.seq)
@@ -490,11 +497,16 @@ class Session:
         return self.extend(tokens, all_logits=True)
 
     def _eval_batched(self, tokens: List[int], opts: ExitOptions, prompt: bool) -> Tuple[np.ndarray, int]:
-        """Every row of `tokens` from a batch of at least two: one token goes with a throwaway copy
-        of itself, whose row and cache position are dropped. Rows then come from the batched
-        kernels whatever the batch's size (a lone token would take the single-token kernels,
-        which round differently), so a verify batch and a decode step in this form agree bit for
-        bit."""
+        """Every row of `tokens` in the kernels all of lossless mode's rows take. With decode
+        kernels: each row as a decode step computes it (a lone token is a decode step). Otherwise
+        from a batch of at least two: one token goes with a throwaway copy of itself, whose row
+        and cache position are dropped. Rows then come from the batched kernels whatever the
+        batch's size (a lone token would take the single-token kernels, which round
+        differently), so a verify batch and a decode step in this form agree bit for bit."""
+        if self.decode_kernels:
+            rows, exit_layer, _ = self._eval(tokens, opts, prompt=prompt, all_logits=True,
+                                             decode_kernels=len(tokens) > 1)
+            return rows, exit_layer
         if len(tokens) > 1:
             rows, exit_layer, _ = self._eval(tokens, opts, prompt=prompt, all_logits=True)
             return rows, exit_layer
@@ -559,7 +571,7 @@ class Session:
         if self._planner is None:
             o = self.options
             self._planner = DraftPlanner(o.draft_max, ngram=o.ngram_draft, adaptive=o.adaptive_draft,
-                                         p_min=o.draft_p_min)
+                                         p_min=o.draft_p_min, min_verify=1 if self.decode_kernels else 2)
         ngram = self._planner.ngram
         if ngram is not None:
             ngram.truncate(min(self._planned_valid, len(ngram)))

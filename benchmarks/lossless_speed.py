@@ -242,6 +242,8 @@ def parse_args(argv):
                     help="comma-separated draft vocabulary sizes, a lossless row each (0: the whole vocabulary; "
                          "default: the Llama's default)")
     ap.add_argument("--exit-tau", type=float, default=None, help="also a lossless row with River-exit drafts at TAU")
+    ap.add_argument("--lossless-kernels", default="decode",
+                    help="comma-separated verify kernels (decode, batch), the lossless rows for each (default decode)")
     ap.add_argument("--static", default="q8_0",
                     help="more llama.cpp rows: comma-separated ladder files (model_zoo kinds; default q8_0, the "
                          "speed an F16 lossless backbone would have to reach to dominate it; '' for none)")
@@ -262,24 +264,29 @@ def parse_args(argv):
     return args
 
 
-def row_table(args, ks, vocabs, decoders) -> dict:
-    """name -> (kind, argument) of every row the run times."""
+def row_table(args, ks, vocabs, kernels, decoders) -> dict:
+    """name -> (kind, argument) of every row the run times. A lossless row's `llm` names its Llama:
+    (draft vocabulary, verify kernels)."""
     rows = {}
-    for k in ks:
-        for v in vocabs:
-            rows[f"lossless k={k} river" + ("" if v is None else f" draft vocab {v}")] = (
-                "river", dict(mode="lossless", draft_max=k, draft_p_min=args.draft_p_min, llm=v, ngram_draft=False,
-                              adaptive_draft=False))
-    big = args.adaptive_max
-    rows[f"lossless n-gram + adaptive k<={big}"] = (
-        "river", dict(mode="lossless", draft_max=big, draft_p_min=args.draft_p_min))
-    rows[f"lossless adaptive k<={big} river"] = (
-        "river", dict(mode="lossless", draft_max=big, draft_p_min=args.draft_p_min, ngram_draft=False))
+    for kern in kernels:
+        # The first kernels' rows keep their plain names (the default's: decode).
+        tag = "" if kern == kernels[0] else f" ({kern} kernels)"
+        for k in ks:
+            for v in vocabs:
+                rows[f"lossless k={k} river" + ("" if v is None else f" draft vocab {v}") + tag] = (
+                    "river", dict(mode="lossless", draft_max=k, draft_p_min=args.draft_p_min, llm=(v, kern),
+                                  ngram_draft=False, adaptive_draft=False))
+        big = args.adaptive_max
+        rows[f"lossless n-gram + adaptive k<={big}{tag}"] = (
+            "river", dict(mode="lossless", draft_max=big, draft_p_min=args.draft_p_min, llm=(None, kern)))
+        rows[f"lossless adaptive k<={big} river{tag}"] = (
+            "river", dict(mode="lossless", draft_max=big, draft_p_min=args.draft_p_min, ngram_draft=False,
+                          llm=(None, kern)))
     if args.exit_tau is not None:
         rows[f"lossless k={ks[-1]} exit-drafts tau={args.exit_tau:g}"] = (
             "river", dict(mode="lossless", draft_max=ks[-1], draft_p_min=args.draft_p_min, draft_mode="river",
-                          threshold=args.exit_tau, ngram_draft=False, adaptive_draft=False))
-    rows["backbone (river_gguf)"] = ("river", dict(mode="backbone"))
+                          threshold=args.exit_tau, ngram_draft=False, adaptive_draft=False, llm=(None, kernels[0])))
+    rows["backbone (river_gguf)"] = ("river", dict(mode="backbone", llm=(None, kernels[0])))
     for kind in decoders:
         rows[f"llama.cpp {kind} (llama_decode)"] = ("llama_cpp", kind)
     if not args.no_speculative:
@@ -317,7 +324,7 @@ def run_rows(args, rows, texts, llms, decoders, llm, target, draft, sampling):
                 kind, arg = rows[name]
                 if kind == "river":
                     opts = {k: v for k, v in arg.items() if k != "llm"}
-                    r = river_row(llms[arg.get("llm")], text, args.tokens, sampling, **opts)
+                    r = river_row(llms[arg["llm"]], text, args.tokens, sampling, **opts)
                 elif kind == "llama_cpp":
                     r = llama_cpp_row(decoders[arg], llm, text, args.tokens)
                 elif kind == "speculative":
@@ -412,15 +419,15 @@ def print_round_times(rows, detail) -> dict:
     return per_round_ms
 
 
-def print_costs(args, rows, ks, vocabs, llms, detail, per_round_ms) -> dict:
+def print_costs(args, rows, ks, first, llms, detail, per_round_ms) -> dict:
     """The engine's measured costs, the speedup they predict, and the round time they predict
     against the measured one, for each fixed-k river-only row."""
-    m = llms[vocabs[0]].river_model
+    m = llms[first].river_model
     opts = m.options(mode="lossless", draft_max=max(ks))
     costs = lossless_cost.measure_costs(m, opts, max(ks) + 1)
     # The acceptance that gives the largest k's measured drafts accepted a round.
     k_name = next(name for name in rows if name.startswith(f"lossless k={ks[-1]}")
-                  and rows[name][1].get("llm") == vocabs[0])
+                  and rows[name][1].get("llm") == first)
     acc = lossless_cost.acceptance_of(statistics.mean(d["mean_accepted"] for d in detail[k_name]), ks[-1])
     choice = lossless_cost.best_draft_max(costs, acc)
     print("\n" + lossless_cost.describe(choice, costs))
@@ -428,7 +435,7 @@ def print_costs(args, rows, ks, vocabs, llms, detail, per_round_ms) -> dict:
     print("|---|---:|---:|---:|")
     for name, med in per_round_ms.items():
         arg = rows[name][1]
-        if arg.get("draft_mode") or arg.get("llm") != vocabs[0] or arg.get("adaptive_draft", True):
+        if arg.get("draft_mode") or arg.get("llm") != first or arg.get("adaptive_draft", True):
             continue
         k = arg["draft_max"]
         pred = 1000 * (med["drafts_per_round"] * costs.draft + costs.verify[k + 1])
@@ -450,18 +457,22 @@ def main(argv=None) -> int:
     river = river_file(args.model, args.backbone, args.threads)
     texts = prompts(args.prompts)
     sampling = SAMPLING if args.sampled else GREEDY
-    llm = Llama(river, n_ctx=N_CTX, n_threads=args.threads, flash_attn=True, verbose=False)
-    # One Llama per draft vocabulary compared (it is fixed at load); None is `llm`'s default.
+    # One Llama per draft vocabulary and verify kernels compared (both are fixed at load); a None
+    # vocabulary is the Llama's default.
     vocabs = [None] if args.draft_vocab is None else [int(v) for v in args.draft_vocab.split(",")]
-    llms = {None: llm}
-    for v in vocabs:
-        if v not in llms:
-            llms[v] = Llama(river, n_ctx=N_CTX, n_threads=args.threads, flash_attn=True, verbose=False, draft_vocab=v)
+    kernels = args.lossless_kernels.split(",")
+    llms = {}
+    for kern in kernels:
+        for v in vocabs + [None]:
+            if (v, kern) not in llms:
+                llms[v, kern] = Llama(river, n_ctx=N_CTX, n_threads=args.threads, flash_attn=True, verbose=False,
+                                      lossless_kernels=kern, **({} if v is None else {"draft_vocab": v}))
+    llm = llms[None, kernels[0]]
     decoders = {args.backbone: LlamaDecoder(target, N_CTX, args.threads)}
     for kind in filter(None, args.static.split(",")):
         if kind not in decoders:
             decoders[kind] = LlamaDecoder(model_zoo.derived(args.model, kind), N_CTX, args.threads)
-    rows = row_table(args, ks, vocabs, decoders)
+    rows = row_table(args, ks, vocabs, kernels, decoders)
     speed, detail = run_rows(args, rows, texts, llms, decoders, llm, target, draft, sampling)
     table = print_tables(args, rows, texts, speed, detail)
     per_round_ms = print_round_times(rows, detail)
@@ -469,7 +480,7 @@ def main(argv=None) -> int:
            "prompts": [kind for kind, _ in texts], "rounds": args.rounds, "threads": args.threads, "rows": table,
            "per_round_ms": per_round_ms, "per_prompt": {name: speed[name] for name in rows}}
     if args.costs:
-        out.update(print_costs(args, rows, ks, vocabs, llms, detail, per_round_ms))
+        out.update(print_costs(args, rows, ks, (vocabs[0], kernels[0]), llms, detail, per_round_ms))
     for d in decoders.values():
         d.close()
     for m in llms.values():

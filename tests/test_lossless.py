@@ -158,11 +158,11 @@ def test_streaming_lossless_gives_the_same_text(smol):
 
 # --- the verify batch and the cache (invariant 7) ---------------------------------------------------
 
-def _drafted(path, n_prompt: int, draft_max: int):
+def _drafted(path, n_prompt: int, draft_max: int, **model_kw):
     """A model and a lossless session whose cache holds a prompt of n_prompt - 1 tokens of PROSE,
     and the river's drafts after its last token: (model, session, prefix, that token, drafts,
     their probabilities)."""
-    m = Model(path, n_ctx=256, n_threads=THREADS)
+    m = Model(path, n_ctx=256, n_threads=THREADS, **model_kw)
     s = m.session(mode="lossless", draft_max=draft_max)
     toks = m.tokenize(PROSE)[:n_prompt]
     prefix, nxt = toks[:-1], toks[-1]
@@ -171,24 +171,36 @@ def _drafted(path, n_prompt: int, draft_max: int):
     return m, s, prefix, nxt, drafts, probs
 
 
-def test_verify_batch_equals_llama_cpp_batch(river_gguf_path, f16_path):
-    m, s, prefix, nxt, drafts, probs = _drafted(river_gguf_path, 40, 5)
+@pytest.mark.parametrize("kernels", ["decode", "batch"])
+def test_verify_rows_are_llama_cpps(river_gguf_path, f16_path, kernels):
+    """In the decode steps' kernels (the default), each verify row is what stock llama.cpp's decode
+    step gives for that token after the same prefix, bit for bit; in the batched kernels, what
+    llama.cpp's batch of the same tokens gives, up to the threads' reduction order."""
+    m, s, prefix, nxt, drafts, probs = _drafted(river_gguf_path, 40, 5, lossless_kernels=kernels)
+    assert m.lossless_kernels == kernels
     assert len(drafts) == 5 and len(probs) == 5 and all(0 < p <= 1 for p in probs)
     assert m.n_past == s.n_past == len(prefix)  # drafting leaves the cache's length alone
     batch = [nxt] + drafts
     ours = s.verify(batch)
-    # llama.cpp: the same prefix, then the same tokens in one batch (the F16 file is the backbone).
+    # llama.cpp: the same prefix, then the same tokens (the F16 file is the backbone).
     ref = llama_cpp.Llama(f16_path, n_ctx=256, n_threads=THREADS, n_threads_batch=THREADS, logits_all=True,
                           flash_attn=True, verbose=False)
     try:
         ref.eval(prefix)
-        ref.eval(batch)
+        if kernels == "decode":
+            for t in batch:
+                ref.eval([t])
+        else:
+            ref.eval(batch)
         theirs = np.array(ref.scores[len(prefix):len(prefix) + len(batch)], dtype=np.float32)
     finally:
         ref.close()
     assert ours.shape == theirs.shape
-    assert np.abs(ours - theirs).max() < LOGIT_TOL
-    assert (ours.argmax(1) == theirs.argmax(1)).all()
+    if kernels == "decode":
+        assert np.array_equal(ours, theirs), np.abs(ours - theirs).max()
+    else:
+        assert np.abs(ours - theirs).max() < LOGIT_TOL
+        assert (ours.argmax(1) == theirs.argmax(1)).all()
 
 
 # Single-token and batched evaluation of the F16 backbone round differently (the CPU's mat-mul

@@ -2,11 +2,13 @@
 the backbone and one of other random weights, the draft vocabulary on and off, and each stage of
 the sampler (temperature, top-k, top-p, min-p, repeat penalty, a grammar, a logits processor).
 
-The exact reference is the same backbone decoded in the verify batch's kernels (verify_kernels:
-each step's token with a throwaway copy in one batch). Lossless mode must give its tokens at the
-same seed, and choose each from a row equal to the reference's bit for bit: the drafts decide only
-how many rows a batch computes, never a row's bits (test_lossless_premise) nor the chain's state.
-Tiny random models of a 2048-token vocabulary keep each run a few milliseconds."""
+In the decode steps' kernels (the default) the exact reference is plain decoding: the same backbone
+decoded one token at a time. In the batched kernels (lossless_kernels="batch") it is the backbone
+decoded in the verify batch's kernels (verify_kernels: each step's token with a throwaway copy in
+one batch). Lossless mode must give the reference's tokens at the same seed, and choose each from a
+row equal to the reference's bit for bit: the drafts decide only how many rows a batch computes,
+never a row's bits (test_lossless_premise) nor the chain's state. Tiny random models of a
+2048-token vocabulary keep each run a few milliseconds."""
 import hashlib
 
 import numpy as np
@@ -63,10 +65,11 @@ def _llama(path, **kw):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["attention", "flash-attention"])
 def models(built, request):
-    """Llamas over one backbone (a random qwen2, F16), with and without flash attention: its exact
-    reference, its plain decoding (single-token steps), and lossless ones keyed by (river, draft
-    vocabulary), with the backbone's own file as the river or another random model's (whose drafts
-    the backbone mostly rejects)."""
+    """Llamas over one backbone (a random qwen2, F16), with and without flash attention: its plain
+    decoding (single-token steps), lossless ones keyed by (river, draft vocabulary), with the
+    backbone's own file as the river or another random model's (whose drafts the backbone mostly
+    rejects); and in the batched kernels, the backbone's exact reference there and a lossless one
+    (the other river, a draft vocabulary)."""
     shape = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, dtype="f16")
     backbone = small_vocab_model(built, N_VOCAB, seed=21, **shape)
     other = small_vocab_model(built, N_VOCAB, seed=22, **shape)
@@ -76,8 +79,10 @@ def models(built, request):
                 for r in RIVERS for v in DRAFT_VOCABS}
     for (r, v), llm in lossless.items():  # as asked (the end of text, id 0, is among the first ids)
         assert len(llm.river_model.draft_vocab) == v
-    return dict(reference=_llama(backbone, verify_kernels=True, flash_attn=fa), plain=_llama(backbone, flash_attn=fa),
-                lossless=lossless)
+    return dict(plain=_llama(backbone, flash_attn=fa), lossless=lossless,
+                batch_reference=_llama(backbone, lossless_kernels="batch", verify_kernels=True, flash_attn=fa),
+                batch=_llama(backbone, river=other, draft_vocab=DRAFT_VOCABS[1], lossless_kernels="batch",
+                             flash_attn=fa))
 
 
 def _digest(row) -> str:
@@ -114,9 +119,9 @@ def _run(llm, seed, sampler, keep=_digest, **river):
 
 @pytest.mark.parametrize("sampler", list(SAMPLERS))
 def test_lossless_is_the_exact_reference_for_every_drafter(models, sampler):
-    reference, lossless = models["reference"], models["lossless"]
+    lossless = models["lossless"]
     seed = 1000 + list(SAMPLERS).index(sampler)
-    want = _run(reference, seed, SAMPLERS[sampler], mode="backbone")
+    want = _run(models["plain"], seed, SAMPLERS[sampler], mode="backbone")
     assert len(want[0]) == N_TOKENS and len(want[1]) == N_TOKENS
     parted, drafted, accepted = [], {}, {}
     for (river, vocab), llm in lossless.items():
@@ -134,6 +139,14 @@ def test_lossless_is_the_exact_reference_for_every_drafter(models, sampler):
                 i = next(j for j in range(N_TOKENS) if got[0][j] != want[0][j] or got[1][j] != want[1][j])
                 parted.append(f"river={river} draft_vocab={vocab} k={k} ngram={ngram}: token {i} {got[0][i]} "
                               f"vs {want[0][i]}, rows {'equal' if got[1][i] == want[1][i] else 'differ'}")
+    # In the batched kernels, against their own reference.
+    want_batch = _run(models["batch_reference"], seed, SAMPLERS[sampler], mode="backbone")
+    for k in DRAFT_MAX:
+        got = _run(models["batch"], seed, SAMPLERS[sampler], mode="lossless", draft_max=k)
+        if got != want_batch:
+            i = next(j for j in range(N_TOKENS) if got[0][j] != want_batch[0][j] or got[1][j] != want_batch[1][j])
+            parted.append(f"batch kernels k={k}: token {i} {got[0][i]} vs {want_batch[0][i]}, rows "
+                          f"{'equal' if got[1][i] == want_batch[1][i] else 'differ'}")
     assert not parted, "\n".join(parted)
     # Both rivers drafted, and drafts were accepted and rejected: the rounds verified several
     # tokens, kept some and threw some away.
@@ -142,21 +155,26 @@ def test_lossless_is_the_exact_reference_for_every_drafter(models, sampler):
     assert accepted["random"] < drafted["random"], (accepted, drafted)
 
 
+@pytest.mark.parametrize("kernels", ["decode", "batch"])
 @pytest.mark.parametrize("sampler,river", [("temperature", dict(draft_max=0)), ("greedy", dict(draft_p_min=1.0))],
                          ids=["draft_max=0", "draft_p_min=1"])
-def test_rounds_without_drafts_stay_in_the_verify_kernels(models, sampler, river):
-    """A round whose river drafts nothing (draft_max 0, or no draft as probable as draft_p_min)
-    still verifies its token in a batch (with a throwaway copy), so its row is the reference's."""
-    llm = models["lossless"]["backbone", 0]
-    want = _run(models["reference"], 7, SAMPLERS[sampler], mode="backbone")
+def test_rounds_without_drafts_stay_in_the_reference_kernels(models, sampler, river, kernels):
+    """A round whose river drafts nothing (draft_max 0, or no draft as probable as draft_p_min) is
+    a decode step in the decode kernels, and in the batched kernels still verifies its token in a
+    batch (with a throwaway copy): either way its row is its reference's."""
+    if kernels == "decode":
+        llm, reference = models["lossless"]["backbone", 0], models["plain"]
+    else:
+        llm, reference = models["batch"], models["batch_reference"]
+    want = _run(reference, 7, SAMPLERS[sampler], mode="backbone")
     got = _run(llm, 7, SAMPLERS[sampler], mode="lossless", **river)
     assert llm.last_stats["rounds"] >= N_TOKENS - 1 and llm.last_stats["drafted"] == 0, llm.last_stats
     assert got == want
-    # The check can fail: a round that evaluated its token alone would give a decode step's rows,
-    # which differ from the batch's in their last bits (an F16 backbone: test_lossless_premise).
-    plain = _run(models["plain"], 7, SAMPLERS[sampler], mode="backbone")
-    assert plain[1][0] == want[1][0]  # the prompt's row: one prompt batch in both
-    assert plain[1][1:] != want[1][1:]
+    # The check can fail: the two kernels' rows differ in their last bits (an F16 backbone:
+    # test_lossless_premise), so a round in the other kernels would give the other rows.
+    other = _run(models["batch_reference" if kernels == "decode" else "plain"], 7, SAMPLERS[sampler], mode="backbone")
+    assert other[1][0] == want[1][0]  # the prompt's row: one prompt batch in both
+    assert other[1][1:] != want[1][1:]
 
 
 def _fresh_chain(llm, seed, sampler) -> SamplerChain:

@@ -492,9 +492,17 @@ class Session:
             return (list(tokens), list(probs)) if with_probs else list(tokens)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
-        """The backbone's rows for a round's batch (its token and drafts), evaluated in one batch
-        with every layer's K/V written: float32 [len(tokens), n_vocab]."""
-        return self.extend(tokens, all_logits=True)
+        """The backbone's rows for a round's batch (its token and drafts), evaluated as a lossless
+        round evaluates them (in one batch, in the session's lossless kernels) with every layer's
+        K/V written: float32 [len(tokens), n_vocab]."""
+        tokens = self._model.check_tokens(tokens)
+        if not tokens:
+            raise ValueError("no tokens to verify")
+        with self._lock:
+            self._claim()
+            rows, exit_layer = self._eval_batched(tokens, self.options, prompt=True)
+            self._record(tokens, rows, True, exit_layer, None, False)
+            return rows
 
     def _eval_batched(self, tokens: List[int], opts: ExitOptions, prompt: bool) -> Tuple[np.ndarray, int]:
         """Every row of `tokens` in the kernels all of lossless mode's rows take. With decode

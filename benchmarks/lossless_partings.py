@@ -1,11 +1,14 @@
 """How often lossless greedy text parts from plain backbone decoding, and how close the parting rows are.
 
     .venv/bin/python benchmarks/lossless_partings.py [--model qwen2.5-coder-0.5b] [--backbone f16]
-        [--river-gguf PATH] [--prompts 100] [--tokens 128] [--draft-max 4] [--exact] [--json OUT.json]
+        [--river-gguf PATH] [--prompts 100] [--tokens 128] [--draft-max 4] [--exact]
+        [--lossless-kernels decode|batch] [--json OUT.json]
 
-Lossless mode's tokens are the backbone's argmax over rows computed in verify batches; plain
+Lossless mode's tokens are the backbone's argmax over rows computed in verify batches. In the
+decode kernels (the default) every verify row is a decode step's bit for bit, so the texts must
+not part at all (this counts it at scale). In the batched kernels (--lossless-kernels batch) plain
 backbone decoding computes each row in a single-token step, whose kernels round otherwise (F16:
-ggml_vec_dot_f16 against tinyBLAS, about 1e-2 in the logits). The two texts then agree except
+ggml_vec_dot_f16 against tinyBLAS, about 1e-2 in the logits), and the two texts agree except
 where a row's top two logits are closer than that difference. This measures it: for each prompt
 (the first --prompts evaluation items, alternating HumanEval and GSM8K, river_gguf.measure.data),
 --tokens greedy tokens in mode="backbone" and in mode="lossless" (end of generation ignored),
@@ -109,11 +112,14 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-max", type=int, default=4)
     ap.add_argument("--exact", action="store_true", help="also decode with verify_kernels (the exact reference)")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--lossless-kernels", default="decode", choices=("decode", "batch"),
+                    help="the kernels of lossless verify rows (default decode)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
     path = args.river_gguf or river_file(args.model, args.backbone, args.threads)
-    kw = dict(n_ctx=2048, n_threads=args.threads, flash_attn=True, verbose=False)
+    kw = dict(n_ctx=2048, n_threads=args.threads, flash_attn=True, verbose=False,
+              lossless_kernels=args.lossless_kernels)
     llm = Llama(path, **kw)
     exact = Llama(path, verify_kernels=True, **kw) if args.exact else None
     texts, partings, exact_partings, compared = prompts(args.prompts), [], [], 0
@@ -138,7 +144,8 @@ def main(argv=None) -> int:
     lo, hi = wilson(k, n)
     tlo, thi = wilson(k, compared)
     lines = [f"# Lossless greedy against plain backbone decoding: {os.path.basename(path)}", "",
-             f"{n} prompts x {args.tokens} tokens, draft_max {args.draft_max}.", "",
+             f"{n} prompts x {args.tokens} tokens, draft_max {args.draft_max}, {llm.river_model.lossless_kernels} "
+             "kernels.", "",
              f"- texts that part: {k}/{n} = {100 * k / n:.1f}% [95% CI {100 * lo:.1f}, {100 * hi:.1f}]",
              f"- per token: {k}/{compared} = {100 * k / compared:.3f}% [95% CI {100 * tlo:.3f}, {100 * thi:.3f}]"]
     if partings:
@@ -155,7 +162,8 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(file=path, prompts=n, tokens=args.tokens, draft_max=args.draft_max, texts_parted=k,
+            json.dump(dict(file=path, prompts=n, tokens=args.tokens, draft_max=args.draft_max,
+                           lossless_kernels=llm.river_model.lossless_kernels, texts_parted=k,
                            texts_ci=[lo, hi], tokens_compared=compared, token_ci=[tlo, thi], partings=partings,
                            exact_partings=exact_partings, seconds=seconds), f, indent=1)
     return 0

@@ -166,6 +166,36 @@ def test_low_acceptance_stops_the_river_and_high_acceptance_drafts():
     assert 1 not in p.costs.verify
 
 
+def test_below_the_sizes_timed_a_verify_costs_its_share_at_least():
+    # Timed at 5 and 9 tokens only, a steep slope extrapolated down would price a lone token at 0.
+    c = _costs(0.3, {1: 1.0, 5: 1.0, 9: 4.0})
+    del c.verify[1]
+    assert c.verify_cost(1) == pytest.approx(1.0 / 5)
+    assert c.verify_cost(4) == pytest.approx(1.0 * 4 / 5)
+    assert c.verify_cost(7) == pytest.approx(2.5)
+    assert c.verify_cost(11) == pytest.approx(5.5)
+    assert DraftPlanner(river_max=4, min_verify=1).rate(0.0, 0, 0.0) > 0
+
+
+def test_in_the_decode_kernels_a_round_without_drafts_is_a_lone_token():
+    """Where verify rows take the decode steps' kernels (min_verify 1), a round that drafts
+    nothing evaluates its token alone, is timed as such, and a guess is a draft that must pay."""
+    costs = _costs(0.5, {n: 1.0 + 0.4 * (n - 1) for n in range(1, 10)})
+    p = _planner(0.3, costs, ngram=False, min_verify=1)
+    plan = p.plan(room=100)
+    assert plan == Plan("none", rate=pytest.approx(1 / costs.verify_cost(1)))
+    p = _planner(0.2, costs, min_verify=1)
+    p.ngram.extend([4, 7, 5, 9, 4, 8, 3, 4])  # a guess (8) exists but does not pay at its prior
+    assert p.plan(room=100).source == "none"
+    assert p.guess_instead() == []
+    p.guesses.prior = 0.9  # a guess taken 90% of the time: 1.9 tokens for 1.4 pays
+    assert p.plan(room=100).source == "guess"
+    q = DraftPlanner(river_max=4, ngram=False, min_verify=1)
+    for _ in range(2):
+        q.observe(Plan("none"), 0, 0.0, 0.05)
+    assert q.costs.verify == {1: 0.05}
+
+
 def test_a_round_without_drafts_verifies_a_free_guess():
     p = _planner(0.2, _costs(0.5, {n: 1.0 + 0.4 * (n - 1) for n in range(1, 10)}))
     p.ngram.extend([4, 7, 5, 9, 4, 8, 3, 4])  # no earlier (3, 4): no n-gram draft; 4 was followed by 8

@@ -206,7 +206,11 @@ class RoundCosts:
             return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (n - lo) / (hi - lo)
         slope = self._slope(sizes)
         edge = sizes[0] if i == 0 else sizes[-1]
-        return max(self.verify[edge] + slope * (n - edge), 0.0)
+        if i == 0:
+            # Below the smallest size timed: a batch costs no less per token than a larger one, so
+            # never less than that size's cost per token (a steep slope would reach 0).
+            return max(self.verify[edge] + slope * (n - edge), self.verify[edge] * n / edge)
+        return self.verify[edge] + slope * (n - edge)
 
     def _slope(self, sizes: List[int]) -> float:
         if len(sizes) >= 2:

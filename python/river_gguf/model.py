@@ -62,6 +62,12 @@ def _int_arg(name: str, v, lo: int, hi: int) -> int:
     return int(v)
 
 
+def _choice_arg(name: str, v, choices) -> str:
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {v!r}")
+    return v
+
+
 def _bool_arg(name: str, v) -> bool:
     if not is_bool(v):
         raise ValueError(f"{name} must be a bool, got {v!r}")
@@ -188,15 +194,10 @@ class Model:
         self._use_mmap = _bool_arg("use_mmap", use_mmap)
         repack = _bool_arg("repack", repack)
         flash_attn = _bool_arg("flash_attn", flash_attn)
-        if ro.exit_decision not in EXIT_DECISIONS:
-            raise ValueError(f"exit_decision must be one of {', '.join(EXIT_DECISIONS)}, got {ro.exit_decision!r}")
-        self._exit_decision = ro.exit_decision
+        self._exit_decision = _choice_arg("exit_decision", ro.exit_decision, EXIT_DECISIONS)
         #: Decode steps in the verify batch's kernels (RiverOptions.verify_kernels).
         self.verify_kernels = _bool_arg("verify_kernels", ro.verify_kernels)
-        if ro.lossless_kernels not in LOSSLESS_KERNELS:
-            raise ValueError(f"lossless_kernels must be one of {', '.join(LOSSLESS_KERNELS)}, "
-                             f"got {ro.lossless_kernels!r}")
-        self._lossless_kernels = ro.lossless_kernels
+        self._lossless_kernels = _choice_arg("lossless_kernels", ro.lossless_kernels, LOSSLESS_KERNELS)
         if preset is not None and not isinstance(preset, str):
             raise ValueError(f"preset must be a str, got {preset!r}")
 

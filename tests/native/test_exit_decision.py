@@ -38,8 +38,9 @@ def test_which_path_runs(models, f16_path):
 def test_similarities_agree(models, tokens, rule):
     cpu, graph = (similarity_trace(models[d], tokens[:24], mode="backbone", exit_rule=rule) for d in ("cpu", "graph"))
     assert len(cpu) == len(graph) and all(len(a) == len(b) == models["cpu"].n_layer for a, b in zip(cpu, graph))
-    # The CPU op sums in double, the graph in float: the same values to float rounding.
-    assert np.abs(np.array(cpu) - np.array(graph)).max() < 1e-5
+    # The CPU op sums in double, the graph in float: the same values to float rounding (relative:
+    # the update rule's scores reach far below -1 where an update outgrows the state).
+    assert np.allclose(cpu, graph, rtol=1e-5, atol=1e-5)
     # A prompt pass with exits: the batch's minimum, per layer.
     prompt_exits = ExitOptions(mode="river", exit_rule=rule, threshold=0.9, prefill="river")
     passes = []
@@ -48,7 +49,7 @@ def test_similarities_agree(models, tokens, rule):
             s.extend(tokens, trace=True)
             passes.append((s.exit_layer, s.scores))
     (k_cpu, s_cpu), (k_graph, s_graph) = passes
-    assert k_cpu == k_graph and np.abs(np.array(s_cpu) - np.array(s_graph)).max() < 1e-5
+    assert k_cpu == k_graph and np.allclose(s_cpu, s_graph, rtol=1e-5, atol=1e-5)
 
 
 def _mixing_tau(models, tokens):

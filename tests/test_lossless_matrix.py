@@ -2,9 +2,9 @@
 the backbone and one of other random weights, the draft vocabulary on and off, and each stage of
 the sampler (temperature, top-k, top-p, min-p, repeat penalty, a grammar, a logits processor).
 
-In the decode steps' kernels (the default) the exact reference is plain decoding: the same backbone
-decoded one token at a time. In the batched kernels (lossless_kernels="batch") it is the backbone
-decoded in the verify batch's kernels (verify_kernels: each step's token with a throwaway copy in
+In the decode steps' kernels (lossless_kernels="decode") the exact reference is plain decoding:
+the same backbone decoded one token at a time. In the batched kernels (the default) it is the
+backbone decoded in the verify batch's kernels (verify_kernels: each step's token with a throwaway copy in
 one batch). Lossless mode must give the reference's tokens at the same seed, and choose each from a
 row equal to the reference's bit for bit: the drafts decide only how many rows a batch computes,
 never a row's bits (test_lossless_premise) nor the chain's state. Tiny random models of a
@@ -66,16 +66,16 @@ def _llama(path, **kw):
 @pytest.fixture(scope="module", params=[False, True], ids=["attention", "flash-attention"])
 def models(built, request):
     """Llamas over one backbone (a random qwen2, F16), with and without flash attention: its plain
-    decoding (single-token steps), lossless ones keyed by (river, draft vocabulary), with the
-    backbone's own file as the river or another random model's (whose drafts the backbone mostly
-    rejects); and in the batched kernels, the backbone's exact reference there and a lossless one
-    (the other river, a draft vocabulary)."""
+    decoding (single-token steps), lossless ones in the decode kernels keyed by (river, draft
+    vocabulary), with the backbone's own file as the river or another random model's (whose drafts
+    the backbone mostly rejects); and in the batched kernels (the default), the backbone's exact
+    reference there and a lossless one (the other river, a draft vocabulary)."""
     shape = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, dtype="f16")
     backbone = small_vocab_model(built, N_VOCAB, seed=21, **shape)
     other = small_vocab_model(built, N_VOCAB, seed=22, **shape)
     rivers = {"backbone": backbone, "random": other}
     fa = request.param  # Llama's default is off (llama_cpp's), Model's and the CLI's on
-    lossless = {(r, v): _llama(backbone, river=rivers[r], draft_vocab=v, flash_attn=fa)
+    lossless = {(r, v): _llama(backbone, river=rivers[r], draft_vocab=v, lossless_kernels="decode", flash_attn=fa)
                 for r in RIVERS for v in DRAFT_VOCABS}
     for (r, v), llm in lossless.items():  # as asked (the end of text, id 0, is among the first ids)
         assert len(llm.river_model.draft_vocab) == v

@@ -1,14 +1,14 @@
 """The premise of lossless mode's exactness: a backbone row's bits do not depend on how the verify
 batch that computes it is made up.
 
-In the decode steps' kernels (lossless_kernels "decode", the default where the engine can), every
+In the decode steps' kernels (lossless_kernels "decode", where the engine can), every
 row of a batch is bit for bit the row a decode step at its position gives: each weight product
 reads its activations converted as a decode step's does, in padded rows that keep ggml's batched
 kernels out, and each row attends alone over the cache rows a decode step would. So lossless text
 is plain decoding's. Where the engine cannot (a repacked backbone weight has kernels of its own for
 one column and for several), the rows take the batched kernels.
 
-In the batched kernels (lossless_kernels "batch"), a verify batch holds the round's token and its
+In the batched kernels (lossless_kernels "batch", the default), a verify batch holds the round's token and its
 drafts (2 to draft_max + 1 tokens), so the row that decides a token comes from batches of every
 size from 2 to 9 and at every position in them; the exact reference (verify_kernels) evaluates
 each token in a batch of 2. They agree bit for bit only where the row for token t, evaluated after
@@ -61,7 +61,7 @@ DECODE_STARTS = (20, 252, 700)
 def test_decode_kernels_give_every_row_a_decode_steps_bits(backbones, backbone, flash_attn):
     # Two threads whatever the worker: the split attention's parts are per thread.
     kw = dict(n_ctx=1024, n_threads=2, flash_attn=flash_attn)
-    m = Model(backbones[backbone], **kw)
+    m = Model(backbones[backbone], lossless_kernels="decode", **kw)
     assert m.lossless_kernels == "decode"
     batched = Model(backbones[backbone], lossless_kernels="batch", **kw)
     tokens = [int(t) for t in np.random.default_rng(3).integers(0, m.n_vocab, 720)]
@@ -93,7 +93,7 @@ def test_a_repacked_backbone_verifies_in_the_batched_kernels(q4_0_path, repack, 
     which padded activations do not reach: its verify batches take the batched kernels, and the
     engine refuses decode kernels. Left in its plain layout, it verifies in the decode kernels."""
     path = q4_0_path
-    assert Model(path, n_ctx=64, n_threads=THREADS, repack=repack).lossless_kernels == kernels
+    assert Model(path, n_ctx=64, n_threads=THREADS, repack=repack, lossless_kernels="decode").lossless_kernels == kernels
     engine = native.Engine(path, n_ctx=64, n_threads=THREADS, repack=repack)
     assert engine.decode_kernels_exact == (kernels == "decode")
     if kernels == "batch":

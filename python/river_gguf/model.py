@@ -433,8 +433,8 @@ class Model:
     @property
     def lossless_kernels(self) -> str:
         """The kernels lossless verify batches use here: "decode" (each row a decode step's, so the
-        text is plain decoding's bit for bit) where asked and the engine can (every layer on the
-        CPU, no backbone weight repacked), else "batch"."""
+        text is plain decoding's bit for bit) where asked (lossless_kernels="decode") and the
+        engine can (every layer on the CPU, no backbone weight repacked), else "batch"."""
         if self._lossless_kernels == "decode" and self._engine.decode_kernels_exact:
             return "decode"
         return "batch"

@@ -69,9 +69,9 @@ MAX_DRAFT = 64
 # Whose attention weights a river layer runs: its own, or the backbone's (with its own FFN).
 RIVER_ATTENTION = ("river", "backbone")
 PREFILL_POLICIES = ("backbone", "river")
-#: The kernels of a lossless verify batch's rows: a decode step's (the text is plain decoding's,
-#: bit for bit), or ggml's batched ones (a cheaper verify of several drafts).
-LOSSLESS_KERNELS = ("decode", "batch")
+#: The kernels of a lossless verify batch's rows: ggml's batched ones (the cheaper verify of
+#: several drafts), or a decode step's (the text is plain decoding's, bit for bit).
+LOSSLESS_KERNELS = ("batch", "decode")
 
 #: Seconds an RPC server may take to answer one request before the Model gives up on it
 #: (native/engine_config.h, as every default of the engine's config: _native.ENGINE_CONFIG).
@@ -308,13 +308,13 @@ PLACE_FIELDS = (
              "ascending ids) and the end-of-generation ones; the draft's head runs their rows alone, and the "
              "backbone's verification keeps the text the same (0: the whole vocabulary; default: 32768 for a "
              "vocabulary of 65536 or more with a river head of its own)")),
-    ("lossless_kernels", str, "decode", dict(
+    ("lossless_kernels", str, "batch", dict(
         flags=("--lossless-kernels",), choices=LOSSLESS_KERNELS,
-        help="lossless: the kernels of a verify batch's rows. decode (the default): each row as a decode step "
-             "computes it, so the text is plain decoding's (and llama.cpp's on the same file) bit for bit; where "
-             "the engine cannot (layers off the CPU, repacked backbone weights) the rows take batch's kernels. "
-             "batch: ggml's batched kernels, a cheaper verify of several drafts; the text is then the backbone's "
-             "as a batch computes it (--verify-kernels makes decode steps match it)")),
+        help="lossless: the kernels of a verify batch's rows. batch (the default): ggml's batched kernels, the "
+             "cheaper verify; the text is the backbone's as a batch computes it, which parts from plain decoding "
+             "only at near-ties (--verify-kernels makes decode steps match it). decode: each row as a decode step "
+             "computes it, so the text is plain decoding's (and llama.cpp's on the same file) bit for bit, at a "
+             "dearer verify (where the engine cannot: layers off the CPU, repacked backbone weights, batch's)")),
     ("verify_kernels", bool, False, dict(
         flags=("--verify-kernels",), bool_flag=True,
         help="with --lossless-kernels batch: decode steps in the verify batch's kernels, each step evaluating "

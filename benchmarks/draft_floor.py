@@ -34,6 +34,11 @@ Run it alone on the machine.
 3. Times: calibrate.lossless.measure_costs (a backbone step, a draft step through the engine's
    own draft, verify batches of 2..--max-batch, each the median of --rounds rounds after the same
    CONTEXT-position prompt).
+5. With a BACKBONE,RIVER pair (every --shapes file without a River GGUF), llama.cpp's own decode
+   step on the RIVER file alone (a plain static quant: llama_decode timed alone, flash attention
+   on, the same thread count and context), against its floor: every tensor but the embedding
+   table (one row of it; the whole table where the head is tied to it) and the same KV cache
+   rows. What ggml's kernels make of those types on this machine, beside the draft step.
 4. The draft step broken down (--no-breakdown leaves it out), measured: the same draft timed
    with the head over the whole vocabulary, with the Model's draft vocabulary, and with a draft
    vocabulary of one token (its 512 context rows still multiplied), each Model loaded alone (two
@@ -71,6 +76,7 @@ from river_gguf.default_model import cache_dir  # noqa: E402
 from river_gguf.gguf.copy import RIVER_PREFIX, plain_tensors, river_tensors_by_name  # noqa: E402
 from river_gguf.gguf.reader import GGUFReader  # noqa: E402
 from river_gguf.gguf.river_index import read_field  # noqa: E402
+from river_gguf.measure.llama_decode import LlamaDecoder  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -336,7 +342,35 @@ def measure_file(path: str, args, bandwidth: float) -> dict:
         gc.collect()
     if args.breakdown:
         out["breakdown"] = breakdown(path, args, table, costs.context, own, bandwidth)
+    river_path = split_files(path)[1]
+    if river_path is not None:
+        out["llama_river"] = llama_step(river_path, args.threads, costs.context, args.rounds, args.steps,
+                                        draft["kv_cache"], bandwidth)
     return out
+
+
+def llama_step(path: str, threads: int, context: int, rounds: int, steps: int, kv_bytes: float,
+               bandwidth: float) -> dict:
+    """llama.cpp's decode step on a plain GGUF (the median over rounds of the median step of each
+    round, after the same `context` positions), against its floor: the file's tensors, one row of
+    the embedding table unless the head is that table, and kv_bytes of KV cache."""
+    tensors = {t.name: _entry(t) for t in plain_tensors(GGUFReader(path))}
+    embd = tensors["token_embd.weight"]
+    weights = sum(t["bytes"] for t in tensors.values())
+    if "output.weight" in tensors:
+        weights -= embd["bytes"] - embd["bytes"] // embd["rows"]
+    parts = {"weights": weights, "kv_cache": kv_bytes, "total": weights + kv_bytes}
+    dec = LlamaDecoder(path, N_CTX, threads)
+    try:
+        tokens = [int(t) for t in np.random.default_rng(0).integers(1, 1000, context + steps)]
+        medians = []
+        for _ in range(rounds):
+            dec.reset()
+            dec.decode(tokens[:context])
+            medians.append(statistics.median(dec.decode([t]) for t in tokens[context:]))
+    finally:
+        dec.close()
+    return dict(_against_floor(parts, statistics.median(medians), bandwidth), path=path)
 
 
 def _against_floor(parts: dict, seconds: float, bandwidth: float) -> dict:
@@ -417,6 +451,15 @@ def print_tables(bw: dict, records: list) -> None:
                 print(f"\n{r['model']}: the {step} step's bytes fit the last-level cache ({bw['llc_bytes'] / MIB:.0f} "
                       "MiB, shared on a virtual machine): steps timed back to back may read them from it, below "
                       "the memory's floor")
+    anchored = [r for r in records if "llama_river" in r]
+    if anchored:
+        print("\nllama.cpp decoding each river file alone (a plain static quant), beside the draft step:\n")
+        print("| river file | MiB | floor ms | llama.cpp step ms | ratio | draft step ratio |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for r in anchored:
+            a = r["llama_river"]
+            print(f"| {os.path.basename(a['path'])} | {a['bytes']['total'] / MIB:.1f} | {1e3 * a['floor_s']:.2f} | "
+                  f"{1e3 * a['seconds']:.2f} | {a['ratio']:.2f} | {r['draft']['ratio']:.2f} |")
     for r in records:
         if "breakdown" in r:
             print_breakdown(r)

@@ -84,3 +84,21 @@ def test_a_separate_static_river_drafts_the_river_ggufs_bytes(floor, tiny, tiny_
     in_file = _bytes(floor, tiny_river, draft_vocab=100, kv_rows=3.0)[1]
     separate = _bytes(floor, f"{plain},{static}", draft_vocab=100, kv_rows=3.0)[1]
     assert separate == in_file
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_cpps_step_on_the_river_file_reads_every_tensor_once(floor, tiny, tmp_path, tied):
+    """The anchor beside a separate river: llama.cpp decoding that file alone reads each tensor
+    once, the embedding table one row unless the head is that table."""
+    from river_gguf.gguf.reader import GGUFReader
+
+    plain = tiny.model("llama", **dict(MODEL, tied=tied))
+    static = str(tmp_path / "q4_0.gguf")
+    quantize(plain, static, "q4_0", n_threads=THREADS)
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(static).tensors}
+    embd = next(t for t in GGUFReader(static).tensors if t.name == "token_embd.weight")
+    got = floor["llama_step"](static, THREADS, context=8, rounds=1, steps=3, kv_bytes=1000.0, bandwidth=1e9)
+    whole = sum(tensors.values())
+    want = whole if tied else whole - tensors["token_embd.weight"] + tensors["token_embd.weight"] // int(embd.shape[1])
+    assert got["bytes"] == {"weights": want, "kv_cache": 1000.0, "total": want + 1000.0}
+    assert got["seconds"] > 0 and got["ratio"] == pytest.approx(got["seconds"] / got["floor_s"])

@@ -62,9 +62,10 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     size_t n_layers = 0;
     for (const Span& s : spec.spans) n_layers += size_t(s.last - s.first + 1);
     size_t n_graph = std::min(graph_size(hp_), 64 * n_layers + 128);
-    // Decode kernels add a conversion per weight product (pad, convert, view) and an attention
-    // per row (views, the attention's nodes, a concat).
-    if (spec.decode_kernels) n_graph += (32 + 12 * size_t(spec.n)) * n_layers + 64;
+    // Decode kernels add a conversion per weight product (at most seven a layer, four nodes each:
+    // contiguous copy, pad, convert, view) and an attention per row (at most fourteen nodes: its
+    // views, the attention's own nodes, a concat), and the head's conversion.
+    if (spec.decode_kernels) n_graph += (32 + 16 * size_t(spec.n)) * n_layers + 64;
     g->meta.resize(ggml_tensor_overhead() * n_graph + ggml_graph_overhead_custom(n_graph, false));
     ggml_init_params params{g->meta.size(), g->meta.data(), /*no_alloc=*/true};
     g->ctx = ggml_init(params);
@@ -188,9 +189,12 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
         return g;
     }
     ggml_backend_sched_t sched = sched_.get();
-    if (keep) {
-        g->sched.reset(ggml_backend_sched_new(backends_.data(), nullptr, static_cast<int>(backends_.size()), n_graph,
-                                              false, true));
+    // The shared scheduler holds graphs of graph_size(hp_) tensors: a larger one (a long batch in
+    // the decode kernels) gets a scheduler of its own, whose set counts its nodes and leaves.
+    const bool larger = n_graph > graph_size(hp_);
+    if (keep || larger) {
+        g->sched.reset(ggml_backend_sched_new(backends_.data(), nullptr, static_cast<int>(backends_.size()),
+                                              larger ? 2 * n_graph : n_graph, false, true));
         if (!g->sched) throw std::runtime_error("cannot create the ggml scheduler");
         sched = g->sched.get();
     } else {

@@ -87,6 +87,19 @@ def test_decode_kernels_give_every_row_a_decode_steps_bits(backbones, backbone, 
         assert batched_differ, "every batched row equals a decode step's"
 
 
+def test_a_long_batch_in_the_decode_kernels_is_decode_steps(backbones):
+    """A verify batch of an n-gram's 16 drafts and more: a graph larger than a decode step's
+    scheduler holds (an attention per row), still each row a decode step's."""
+    m = Model(backbones["f16"], n_ctx=128, n_threads=THREADS, lossless_kernels="decode")
+    tokens = [int(t) for t in np.random.default_rng(4).integers(0, m.n_vocab, 60)]
+    with m.session(mode="backbone") as s:
+        s.prefill(tokens[:20])
+        steps = [np.array(s.extend([t], decode=True)) for t in tokens[20:60]]
+        s.truncate(20)
+        rows = s.verify(tokens[20:60])
+    assert all(np.array_equal(r, st) for r, st in zip(rows, steps))
+
+
 @pytest.mark.parametrize("repack,kernels", [(True, "batch"), (False, "decode")])
 def test_a_repacked_backbone_verifies_in_the_batched_kernels(q4_0_path, repack, kernels):
     """A Q4_0 model repacked for the CPU has one kernel for a column and another for several,

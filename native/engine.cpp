@@ -61,7 +61,6 @@ int Engine::attended_rows(int n) const {
 
 int Engine::padded_rows(int end) const { return std::min(cache_->n_ctx(), std::max(256, (end + 255) / 256 * 256)); }
 
-
 EvalResult Engine::eval(const EvalRequest& req) { return eval_on(req, 0); }
 
 EvalResult Engine::eval_on(const EvalRequest& req, int seq) {

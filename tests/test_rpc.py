@@ -287,6 +287,20 @@ def test_tiny_river_fixed_and_dynamic_exits(server, tiny_river):
         del m
 
 
+def test_remote_layers_verify_in_the_batched_kernels(server, tiny_river):
+    """A layer on an RPC server runs the server's kernels, so a decode step's bits cannot be
+    promised for a verify batch: a model that asks for the decode kernels verifies in the batched
+    ones, as the same model on the CPU alone does not."""
+    backbone, river = tiny_river
+    kw = dict(river=river, n_ctx=64, n_threads=1, lossless_kernels="decode")
+    assert Model(backbone, **kw).lossless_kernels == "decode"
+    m = Model(backbone, rpc_servers=[server.endpoint], rpc_layers=[1], **kw)
+    assert m.lossless_kernels == "batch"
+    with m.session(mode="lossless", draft_max=2) as s:
+        s.prefill(m.tokenize(PROSE)[:8])
+        assert len(s.verify(m.tokenize(PROSE)[8:11])) == 3
+
+
 # ----- faults ---------------------------------------------------------------------------
 def test_server_down_at_load_names_the_endpoint(tiny):
     endpoint = f"127.0.0.1:{free_port()}"

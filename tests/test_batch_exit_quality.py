@@ -7,7 +7,10 @@ import runpy
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "batch_exit_quality.py")
-ARGS = ["--items", "2", "--prompt-tokens", "8,12", "--tokens", "5", "--sizes", "1,2", "--threads", "1"]
+# A step waits up to a second for the other sequence's (the default 50 ms window is a benchmark's:
+# on a loaded machine, a test worker's other thread may come later, and every step would run alone).
+ARGS = ["--items", "2", "--prompt-tokens", "8,12", "--tokens", "5", "--sizes", "1,2", "--threads", "1",
+        "--step-window", "1.0"]
 
 
 def _run(path, tmp_path, preset):

@@ -90,10 +90,8 @@ def evaluate(engine, tokens: List[int], opts: ExitOptions, prompt: bool, all_log
     seq_ids: each token's sequence, for several sequences in one batch (the rows are then each
     sequence's last, all of them read). decode_kernels: every row as a decode step computes it."""
     several = {} if seq_ids is None else {"seq_ids": seq_ids}
-    if decode_kernels:
-        several["decode_kernels"] = True
-    out = engine.eval(tokens, all_logits=all_logits, trace=trace, first_row=first_row, **several,
-                      **opts.engine_args(prompt))
+    out = engine.eval(tokens, all_logits=all_logits, trace=trace, first_row=first_row, decode_kernels=decode_kernels,
+                      **several, **opts.engine_args(prompt))
     # Only the rows a caller reads are checked: the last one per step costs ~n_vocab compares.
     rows = out[0] if all_logits or seq_ids is not None else out[0][-1:]
     if not np.isfinite(rows).all():
@@ -512,8 +510,8 @@ class Session:
         batch's size (a lone token would take the single-token kernels, which round
         differently), so a verify batch and a decode step in this form agree bit for bit."""
         if self.decode_kernels:
-            rows, exit_layer, _ = self._eval(tokens, opts, prompt=prompt, all_logits=True,
-                                             decode_kernels=len(tokens) > 1)
+            # The engine evaluates a lone token as the decode step it is.
+            rows, exit_layer, _ = self._eval(tokens, opts, prompt=prompt, all_logits=True, decode_kernels=True)
             return rows, exit_layer
         if len(tokens) > 1:
             rows, exit_layer, _ = self._eval(tokens, opts, prompt=prompt, all_logits=True)

@@ -250,16 +250,15 @@ def search_check(path: str, threads: int, min_tokens: int, profile_path=None) ->
     del src
     full = preset_grid.calibrate_presets(m, profile=profile, min_tokens=min_tokens)
     asked = set()
-
-    def measure(indices):
-        asked.update(indices)
-        return {i: full["rows"][i] for i in asked}
-
+    measure = preset_grid.replayed_measure(full["rows"], asked)
     skip, search = preset_grid.plan_and_search(m, [r["options"] for r in full["rows"]], measure, profile)
+    rows = measure([])
+    screened = sorted(i for i in asked if rows[i].get("screened"))
+    asked = {i for i in asked if i not in screened}
     searched = choose([full["rows"][i] for i in sorted(asked)], full["anchors"]["bounds"])
     pick = lambda chosen: {n: p.setting.named() for n, p in chosen.items()}  # noqa: E731
     return {"file": os.path.basename(path), "full": pick(full["presets"]), "searched": pick(searched),
-            "same": pick(full["presets"]) == pick(searched), "measured": len(asked), "grid": len(full["rows"]),
+            "same": pick(full["presets"]) == pick(searched), "measured": len(asked), "screened": len(screened), "grid": len(full["rows"]),
             "rounds": search["rounds"], "fallback": search["fallback"], "not_measured": [
                 {"options": full["rows"][i]["options"].named(), "why": w} for i, w in enumerate(skip) if w]}
 

@@ -271,14 +271,12 @@ def search_replayed_on_full_sweep(m):
     full = preset_grid.calibrate_presets(m, prepared=prepared, score_tokens=8, progress=False, profile=profile)
     settings = [r["options"] for r in full["rows"]]
     asked = set()
-
-    def measure(indices):
-        asked.update(indices)
-        return {i: full["rows"][i] for i in asked}
-
+    measure = preset_grid.replayed_measure(full["rows"], asked)
     skip, _ = preset_grid.plan_and_search(m, settings, measure, profile)
-    assert sorted(asked) == [i for i, why in enumerate(skip) if not why]
-    searched = cost_model.choose([full["rows"][i] for i in sorted(asked)], full["anchors"]["bounds"])
+    rows = measure([])
+    measured = {i for i in asked if not rows[i].get("screened")}
+    assert sorted(measured) == [i for i, why in enumerate(skip) if not why]
+    searched = cost_model.choose([full["rows"][i] for i in sorted(measured)], full["anchors"]["bounds"])
     assert {n: p.setting for n, p in searched.items()} == {n: p.setting for n, p in full["presets"].items()}
-    assert len(asked) < len(settings)
-    return prepared, profile, full, settings, asked
+    assert len(measured) < len(settings)
+    return prepared, profile, full, settings, measured

@@ -349,7 +349,7 @@ def test_the_plans_tails_are_those_the_search_would_ask_first(monkeypatch):
                    {"fast": 0.9, "balanced": 0.95, "quality": tails[4]}):
         planned = calibrate(bounds)
         with monkeypatch.context() as mp:  # the plan without the search's first tails
-            mp.setattr(cost_model, "_first_walks_measured", lambda settings, why, costs, bounds: why)
+            mp.setattr(cost_model, "_first_walks_measured", lambda settings, why, costs, bounds, screened=(): why)
             searched = calibrate(bounds)
         assert planned[0] == searched[0] and planned[2] == searched[2], bounds
         assert len(planned[1]) < len(searched[1]), bounds  # the plan's pass took the search's first rounds

@@ -36,7 +36,8 @@ def test_calibration_tokens_bound_the_preset_scoring(tuned_pair):
     path, meta = tuned_pair
     # 32 tokens a static setting: items of at most 16 scored tokens until they hold 32.
     assert 32 <= meta["river.presets_calibration_tokens"] < 32 + 16
-    assert build.preset_score_tokens(32) == 16 and build.preset_score_tokens(1024) == 64
+    assert build.preset_score_tokens(32) == 16 and build.preset_score_tokens(128) == 64
+    assert build.preset_score_tokens(1024) == 128
     with pytest.raises(ValueError, match="calibration_tokens"):
         build.build_river_gguf(path, str(pathlib.Path(path).with_name("x.gguf")), calibration_tokens=4,
                                progress=False, replace_river=True)

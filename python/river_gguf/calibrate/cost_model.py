@@ -155,10 +155,14 @@ PREDICTION_MARGIN = 1.03
 #: plan's mark of a setting the search decides (search_next): a tail of a family whose KLD falls
 #: as its tail deepens, measured only where it could be the tier's pick.
 SEARCHED = "searched"
+#: plan's mark of a tail measured in the plan's pass on the screen items only (screen=True): a
+#: walk's first tail in a tier the backbone takes, and in no other tier's walk. The search
+#: measures it on the other items only where the screen does not separate it from the tier's best.
+SCREEN = "screen"
 
 
 def plan(settings: List[Setting], layers: List[dict], head: dict, n_layer: int, bounds: Dict[str, float],
-         mean_exit: Optional[Callable[[Setting], float]] = None) -> List[str]:
+         mean_exit: Optional[Callable[[Setting], float]] = None, screen: bool = False) -> List[str]:
     """Which settings a calibration has to measure for choose to pick the tiers, from costs alone
     (known from types and shapes before anything runs). Per setting, "" (measure it), SEARCHED
     (a tail the search decides: search_next) or why not.
@@ -172,7 +176,9 @@ def plan(settings: List[Setting], layers: List[dict], head: dict, n_layer: int, 
       ones until one is separated from the tier's best. Where the search's first two rounds
       depend on no measurement (_first_walks_measured), the tails they would ask, each walk's
       deepest and then the family's cheapest within the tier's bound, are measured here (""), in
-      the same pass as the rest.
+      the same pass as the rest. With screen=True, such a tail that only the walks of tiers the
+      backbone takes ask (screen_tiers) is marked SCREEN instead: measured in that pass on the
+      screen items alone.
     - A tier whose bound admits the backbone takes the backbone, without a measurement to decide
       it, when every river layer costs less than the backbone's and the river head no more (the
       river is the lower-precision copy), as far as the dynamic settings go: they are measured
@@ -188,14 +194,8 @@ def plan(settings: List[Setting], layers: List[dict], head: dict, n_layer: int, 
 
     costs = [predicted(o) for o in settings]
     backbone = next((i for i, o in enumerate(settings) if o.options.mode == "backbone"), None)
-    lower = all(lb["river"] < lb["backbone"] for lb in layers) and head["river"] <= head["backbone"]
-    open_bounds, decided = [], []
-    for name, _ in TIERS:
-        bound = float(bounds[name])
-        if backbone is not None and lower and costs[backbone] <= bound + 1e-12:
-            decided.append(name)
-        else:
-            open_bounds.append(bound)
+    decided = list(screen_tiers(layers, head, n_layer, bounds)) if backbone is not None else []
+    open_bounds = [float(bounds[name]) for name, _ in TIERS if name not in decided]
     cheapest = min(range(len(settings)), key=lambda i: costs[i]) if settings else None
     base = next((i for i, o in enumerate(settings) if o.plain_river_only), None)
     top = max(open_bounds, default=float("-inf"))
@@ -219,11 +219,22 @@ def plan(settings: List[Setting], layers: List[dict], head: dict, n_layer: int, 
             limit = top_any if i in searched else top
             why.append(f"{what} river-only's step, more than any tier it could win allows"
                        + (f" ({limit:.3f}x)" if limit > float("-inf") else ""))
-    return _first_walks_measured(settings, why, costs, bounds)
+    return _first_walks_measured(settings, why, costs, bounds, tuple(decided) if screen else ())
+
+
+def screen_tiers(layers: List[dict], head: dict, n_layer: int, bounds: Dict[str, float]) -> Tuple[str, ...]:
+    """The tiers the backbone takes (plan): those whose bound admits the backbone's cost where
+    every river layer costs less than the backbone's and the river head no more. In such a tier
+    the backbone is the best a river setting is compared with, and a river tail is usually far
+    from it: the search screens the tails only these tiers ask for on a few items first."""
+    river_only = step_bytes(layers, head, n_layer, -1, 0, True)
+    backbone = step_bytes(layers, head, n_layer, n_layer - 1, 0, False) / river_only
+    lower = all(lb["river"] < lb["backbone"] for lb in layers) and head["river"] <= head["backbone"]
+    return tuple(name for name, _ in TIERS if lower and backbone <= float(bounds[name]) + 1e-12)
 
 
 def _first_walks_measured(settings: List[Setting], why: List[str], costs: List[float],
-                          bounds: Dict[str, float]) -> List[str]:
+                          bounds: Dict[str, float], screened: Tuple[str, ...] = ()) -> List[str]:
     """plan's marks with the search's first two rounds measured with the plan's settings, where
     those rounds depend on no measurement. A walk of search_next (per family and tier) that
     starts at a tail the plan leaves to the search asks that tail first, and one whose tails
@@ -235,9 +246,10 @@ def _first_walks_measured(settings: List[Setting], why: List[str], costs: List[f
     holds two or more), again whatever the rows hold, so that tail joins the same pass: asked in
     a round of its own it would run the family's shared river layers once more for one tail. A
     walk that starts at a measured tail with a searched one below it depends on that tail's row:
-    then the marks stay as they are."""
+    then the marks stay as they are. A first tail that only the walks of the `screened` tiers ask
+    is marked SCREEN (the search screens what those tiers ask)."""
     families = [[i for i in f if why[i] in ("", SEARCHED)] for f in tail_families(settings)]
-    first = set()
+    first: Dict[int, set] = {}
     for family in (f for f in families if any(why[i] == SEARCHED for i in f)):
         for name, _ in TIERS:
             inside = [i for i in family if costs[i] <= float(bounds[name]) + 1e-12]
@@ -245,9 +257,10 @@ def _first_walks_measured(settings: List[Setting], why: List[str], costs: List[f
                 continue
             if why[inside[-1]] != SEARCHED:
                 return why
-            first.add(inside[-1])
-            first.add(inside[0])  # search_next's next ask once the deepest is measured
-    return ["" if i in first else w for i, w in enumerate(why)]
+            first.setdefault(inside[-1], set()).add(name)
+            first.setdefault(inside[0], set()).add(name)  # search_next's next ask once the deepest is measured
+    screen = {i for i, tiers in first.items() if screened and tiers <= set(screened) and why[i] == SEARCHED}
+    return [SCREEN if i in screen else "" if i in first else w for i, w in enumerate(why)]
 
 
 def tail_families(settings: List[Setting]) -> List[List[int]]:
@@ -272,63 +285,86 @@ def search_next(family: List[int], costs: List[float], rows: Dict[int, dict], bo
     cannot be picked. The first unmeasured tail on a walk is measured next, after the deepest the
     cheapest: where it is not separated from the tier's best it is the tier's pick among the
     family, so the walk ends there (a river that rebuilds its source's grid ties every tail).
-    costs: every setting's relative cost (by index); rows: measured rows by setting index
-    ("kld", "relative_cost" and, for the paired test, "items" / "item_kld")."""
-    want: List[int] = []
+    A screened row (measured on the screen items only, "screened") is never a tier's best; one
+    the paired test on its items does not separate from the best is asked for again, to be
+    measured on every item. costs: every setting's relative cost (by index); rows: measured rows
+    by setting index ("kld", "relative_cost" and, for the paired test, "items" / "item_kld")."""
+    return sorted(_walk_asks(family, costs, rows, bounds))
+
+
+def _walk_asks(family: List[int], costs: List[float], rows: Dict[int, dict],
+               bounds: Dict[str, float]) -> Dict[int, set]:
+    """search_next's asks, each with the tiers whose walks ask it."""
+    want: Dict[int, set] = {}
     for name, _ in TIERS:
         bound = float(bounds[name]) + 1e-12
-        inside = [r for r in rows.values() if r["relative_cost"] <= bound]
+        inside = [r for r in rows.values() if r["relative_cost"] <= bound and not r.get("screened")]
         best = min(inside, key=lambda r: r["kld"]) if inside else None
+        tied = lambda i: best is not None and (rows[i] is best or not_closer(best, rows[i]))  # noqa: E731
         tails = [i for i in family if costs[i] <= bound]
         if len(tails) > 1 and tails[-1] in rows:
             cheapest = tails[0]
             if cheapest not in rows:
-                if cheapest not in want:
-                    want.append(cheapest)
+                want.setdefault(cheapest, set()).add(name)
                 continue
-            if best is not None and (rows[cheapest] is best or not_closer(best, rows[cheapest])):
+            if tied(cheapest):
+                if rows[cheapest].get("screened"):
+                    want.setdefault(cheapest, set()).add(name)
                 continue
         for i in reversed(tails):
             if i not in rows:
-                if i not in want:
-                    want.append(i)
+                want.setdefault(i, set()).add(name)
                 break
-            if best is not None and rows[i] is not best and not not_closer(best, rows[i]):
+            if best is not None and not tied(i):
                 break
-    return sorted(want)
+            if rows[i].get("screened"):
+                want.setdefault(i, set()).add(name)
+                break
+    return want
 
 
 def monotone_family(family: List[int], rows: Dict[int, dict]) -> bool:
     """Whether the family's measured tails come closer to the backbone as the tail deepens, as far
     as calibration can tell: no measured tail is separated (not_closer, the paired item bootstrap)
     as further from the backbone than a shallower one. What the search assumes of the tails it
-    leaves unmeasured, checked on those it measured; a rise within the items' noise (a river that
-    rebuilds its source's grid puts every tail within it) is no break."""
+    leaves unmeasured, checked on those it measured (screened ones on their items); a rise within
+    the items' noise (a river that rebuilds its source's grid puts every tail within it) is no break."""
     measured = [rows[i] for i in family if i in rows]
-    return all(deep["kld"] <= shallow["kld"] or not_closer(shallow, deep)
-               for k, shallow in enumerate(measured) for deep in measured[k + 1:])
+    return all((deep["kld"] <= shallow["kld"] and deep.get("items") == shallow.get("items"))
+               or not_closer(shallow, deep) for k, shallow in enumerate(measured) for deep in measured[k + 1:])
 
 
 def search(families: List[List[int]], costs: List[float], bounds: Dict[str, float],
-           measure: Callable[[List[int]], Dict[int, dict]]) -> dict:
+           measure: Callable[..., Dict[int, dict]], screen_tiers: Tuple[str, ...] = ()) -> dict:
     """Measure the tails of `families` that could be a tier's pick, in rounds: each round
     measures, per family, the next tail of every tier's walk (search_next); once no walk wants
     more, a family whose measured KLDs do not fall as its tail deepens (monotone_family) is
-    measured whole. measure(indices) measures those settings and returns every measured row so
-    far, by setting index (what choose compares: "kld", "relative_cost", "items", "item_kld"),
-    measure([]) included. Returns {"rounds", "fallback": the families (their first index)
-    measured whole}."""
+    measured whole. measure(indices, screen=()) measures `indices` on every item and `screen` on
+    the screen items, and returns every measured row so far, by setting index (what choose
+    compares: "kld", "relative_cost", "items", "item_kld"; "screened" for a row of the screen
+    items alone), measure([]) included. A tail that only the walks of `screen_tiers` ask is
+    screened first (the tiers the backbone takes, screen_tiers()); the walk measures it on every
+    item only where the screen does not separate it from the tier's best. Returns {"rounds",
+    "fallback": the families (their first index) measured whole, "screened": the tails screened}."""
     rows = measure([])
-    rounds, fallback = 0, []
+    rounds, fallback, screened = 0, [], []
     while True:
-        want = sorted({i for f in families for i in search_next(f, costs, rows, bounds)})
-        if not want:
-            grown = [f for f in families if not monotone_family(f, rows) and any(i not in rows for i in f)]
+        asks: Dict[int, set] = {}
+        for f in families:
+            for i, tiers in _walk_asks(f, costs, rows, bounds).items():
+                asks.setdefault(i, set()).update(tiers)
+        if not asks:
+            grown = [f for f in families if not monotone_family(f, rows)
+                     and any(i not in rows or rows[i].get("screened") for i in f)]
             if not grown:
-                return {"rounds": rounds, "fallback": fallback}
+                return {"rounds": rounds, "fallback": fallback, "screened": sorted(screened)}
             fallback += [f[0] for f in grown]
-            want = [i for f in grown for i in f if i not in rows]
-        rows = measure(want)
+            asks = {i: set() for f in grown for i in f if i not in rows or rows[i].get("screened")}
+        screen = sorted(i for i, tiers in asks.items()
+                        if i not in rows and screen_tiers and tiers and tiers <= set(screen_tiers))
+        screened += screen
+        full = sorted(i for i in asks if i not in screen)
+        rows = measure(full, screen=screen) if screen else measure(full)
         rounds += 1
 
 

@@ -6,20 +6,20 @@ the cost model in calibrate.cost_model."""
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
 from ..gguf.meta import set_river_metadata
 from ..measure import divergence
-from ..measure.scoring import calibration_prepared, prepare
+from ..measure.scoring import PRESET_SCORE_TOKENS, calibration_prepared, prepare
 from ..measure.tails import river_tails
 from ..options import EXIT_RULES, never_exit
 from ..measure.profile import predicted_mean_exit, similarity_profile
 from ..presets import ANCHORS_KEY, DEFAULT_KEY, DEFAULT_PRESET, GRID_KEY, PRESET_KEY, Setting, dump
 from . import open_model
-from .cost_model import (DYNAMIC_TAUS, SEARCHED, backbone_layers_per_step, choose, grid, plan, search,
-                         setting_cost, setting_step, step_bytes, tail_families, tier_bounds, weight_bytes)
+from .cost_model import (DYNAMIC_TAUS, SCREEN, SEARCHED, backbone_layers_per_step, choose, grid, plan, screen_tiers,
+                         search, setting_cost, setting_step, step_bytes, tail_families, tier_bounds, weight_bytes)
 
 
 #: The share of the calibration items the dynamic settings are scored on, through decode (the
@@ -29,9 +29,17 @@ DYNAMIC_SHARE = 0.25
 #: Items a KLD needs for its item-bootstrap interval: with fewer, the resamples are too few for a
 #: "95%" to mean anything, and a row gets no interval.
 MIN_INTERVAL_ITEMS = 10
+#: A pruned calibration screens a tail on every SCREEN_STRIDE-th item (items 0, 3, 6, ...; the
+#: domains alternate, so both are in it) before it measures the tail on the rest.
+SCREEN_STRIDE = 3
 
 
-def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool = True,
+def screen_items(n_items: int) -> List[int]:
+    """The items a screened setting is measured on, of n_items prepared ones."""
+    return list(range(0, n_items, SCREEN_STRIDE))
+
+
+def calibrate_presets(model, items=None, score_tokens: int = PRESET_SCORE_TOKENS, progress: bool = True,
                       settings: Optional[List[Setting]] = None, batched: bool = True, min_tokens: int = 1024,
                       prepared=None, reference=None, prune: bool = False, profile=None,
                       exit_rule: Optional[str] = None) -> dict:
@@ -80,8 +88,8 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
         settings = grid(model.n_layer, exit_rule=rule, profile=profile)
     costs = _SettingCosts(model, settings, profile)
     with _Scorer(model, prepared, reference, batched, progress) as scorer:
-        def measure(indices: List[int]) -> Dict[int, dict]:
-            scorer.measure({i: settings[i] for i in indices})
+        def measure(indices: List[int], screen: Sequence[int] = ()) -> Dict[int, dict]:
+            scorer.measure({i: settings[i] for i in list(indices) + list(screen)}, screen=screen)
             return {i: costs.comparable(i, settings[i], scorer) for i in scorer.measured()}
 
         if prune:
@@ -100,28 +108,67 @@ def calibrate_presets(model, items=None, score_tokens: int = 64, progress: bool 
                             default=min(r["n_tokens"] for r in measured))}
 
 
-def plan_and_search(model, settings: List[Setting], measure: Callable[[List[int]], Dict[int, dict]],
+def plan_and_search(model, settings: List[Setting], measure: Callable[..., Dict[int, dict]],
                     profile=None) -> tuple:
     """What calibrate_presets(prune=True) measures of `settings` on `model`, with `measure` doing
     the measuring: cost_model.plan's settings, then cost_model.search's rounds over the
-    river-only tails. measure(indices) measures those settings and returns every row measured so
-    far by setting index (choose's "kld", "relative_cost", "items", "item_kld"). profile: the
-    backbone's similarity profile, which predicts the dynamic settings' exits. Returns (per
-    setting "" or why it was not measured, {"rounds", "fallback"})."""
+    river-only tails. measure(indices, screen=()) measures `indices` on every item and `screen`
+    on the screen items (screen_items) and returns every row measured so far by setting index
+    (choose's "kld", "relative_cost", "items", "item_kld"; "screened" where a row holds the screen
+    items alone). profile: the backbone's similarity profile, which predicts the dynamic settings'
+    exits. Returns (per setting "" or why it was not measured on every item, {"rounds",
+    "fallback", "screened"})."""
     return _plan_and_search(settings, _SettingCosts(model, settings, profile), measure)
 
 
 def _plan_and_search(settings: List[Setting], costs: "_SettingCosts", measure) -> tuple:
-    skip = plan(settings, costs.layers, costs.head, costs.n_layer, costs.bounds, costs.exit_guess)
-    measure([i for i, why in enumerate(skip) if not why])
-    families = [[i for i in f if skip[i] in ("", SEARCHED)] for f in tail_families(settings)]
-    families = [f for f in families if any(skip[i] == SEARCHED for i in f)]
-    res = search(families, [costs.static_relative(o) for o in settings], costs.bounds, measure)
+    skip = plan(settings, costs.layers, costs.head, costs.n_layer, costs.bounds, costs.exit_guess, screen=True)
+    screen = [i for i, why in enumerate(skip) if why == SCREEN]
+    full = [i for i, why in enumerate(skip) if not why]
+    if screen:
+        measure(full, screen=screen)
+    else:
+        measure(full)
+    families = [[i for i in f if skip[i] in ("", SEARCHED, SCREEN)] for f in tail_families(settings)]
+    families = [f for f in families if any(skip[i] in (SEARCHED, SCREEN) for i in f)]
+    tiers = screen_tiers(costs.layers, costs.head, costs.n_layer, costs.bounds)
+    res = search(families, [costs.static_relative(o) for o in settings], costs.bounds, measure, tiers)
     why = ("the search of its family stopped above it, at a tail separated from the tier's best (95% paired "
            "item bootstrap), and the family's measured KLDs do not rise beyond the items' noise as its tail deepens")
-    measured = set(measure([]))
-    skip = [why if w == SEARCHED and i not in measured else "" if w == SEARCHED else w for i, w in enumerate(skip)]
-    return skip, {"rounds": res["rounds"], "fallback": [_family_name(settings[i]) for i in res["fallback"]]}
+    rows = measure([])
+    screened = ("screened on the screen items alone: separated there from the best setting of the tier it was "
+                "searched for (95% paired item bootstrap), or its family's search stopped above it")
+    skip = [screened if i in rows and rows[i].get("screened") else
+            why if w in (SEARCHED, SCREEN) and i not in rows else "" if w in (SEARCHED, SCREEN) else w
+            for i, w in enumerate(skip)]
+    return skip, {"rounds": res["rounds"], "fallback": [_family_name(settings[i]) for i in res["fallback"]],
+                  "screened": [i for i in res["screened"] + screen if rows[i].get("screened")]}
+
+
+def replayed_measure(rows: List[dict], asked: set) -> Callable[..., Dict[int, dict]]:
+    """A plan_and_search measure that measures nothing: it gives a full sweep's rows (by setting
+    index, each with "items" and "item_kld"), a screened setting's restricted to screen_items, and
+    adds what it was asked for to `asked` (the search's decisions are a function of the rows it
+    asks for, so replaying a sweep's rows shows what a pruned calibration would measure)."""
+    screened: set = set()
+
+    def measure(indices: List[int], screen: Sequence[int] = ()) -> Dict[int, dict]:
+        screened.difference_update(indices)
+        screened.update(i for i in screen if i not in asked)
+        asked.update(indices)
+        asked.update(screen)
+        return {i: (_on_items(rows[i], screen_items(len(rows[i]["items"]))) if i in screened else rows[i])
+                for i in asked}
+
+    return measure
+
+
+def _on_items(row: dict, keep: List[int]) -> dict:
+    """A measured row as measured on the items `keep` alone (positions in its items)."""
+    items = [row["items"][k] for k in keep]
+    per = [row["item_kld"][k] for k in keep]
+    return dict(row, items=items, item_kld=per, kld=sum(x for _, x in per) / max(sum(n for n, _ in per), 1),
+                screened=True)
 
 
 def _family_name(setting: Setting) -> str:
@@ -150,16 +197,23 @@ class _SettingCosts:
         """What choose and the search compare of a measured setting."""
         run = scorer.run(i)
         cost = setting_cost(setting, self.layers, self.head, self.n_layer, run.mean_exit_layer)
-        return {"kld": divergence.summarize(run)["kld"], "relative_cost": cost / self.river_only,
-                "items": scorer.items(i), "item_kld": divergence.item_klds(run)}
+        row = {"kld": divergence.summarize(run)["kld"], "relative_cost": cost / self.river_only,
+               "items": scorer.items(i), "item_kld": divergence.item_klds(run)}
+        if scorer.screened(i):
+            row["screened"] = True
+        return row
 
     def row(self, i: int, setting: Setting, scorer: "_Scorer", why: str) -> dict:
         L = self.n_layer
-        if i not in scorer.measured():
+        if i not in scorer.measured() or scorer.screened(i):
             guess = float("nan") if self.exit_guess is None or not setting.is_dynamic else self.exit_guess(setting)
             cost = setting_cost(setting, self.layers, self.head, L, guess)
-            return {"options": setting, "cost": cost, "relative_cost": cost / self.river_only,
-                    "scored": "not measured", "why": why}
+            out = {"options": setting, "cost": cost, "relative_cost": cost / self.river_only,
+                   "scored": "not measured", "why": why}
+            if i in scorer.measured():  # screened: what the screen found, no KLD to choose by
+                out.update(scored="screened", screen_kld=divergence.summarize(scorer.run(i))["kld"],
+                           screen_items=scorer.items(i))
+            return out
         r = scorer.run(i)
         step = setting_step(setting, L, r.mean_exit_layer)
         mean_exit = float(step[0])
@@ -196,6 +250,7 @@ class _Scorer:
         self._ref_only: Dict[int, divergence.ItemDivergence] = {}
         self._results: Dict[int, Dict[int, tuple]] = {}
         self._static: set = set()
+        self._screen_only: set = set()
         self._bar = tqdm(total=0, desc="presets", unit="tok", disable=not progress)
 
     def __enter__(self) -> "_Scorer":
@@ -232,16 +287,27 @@ class _Scorer:
         return (divergence.reference_logits(self.model, toks, prefix, batched=self.batched, mode="backbone")
                 if self.own else self.reference[k])
 
-    def measure(self, settings: Dict[int, Setting]) -> None:
-        """Score `settings` ({index: setting}) on their items."""
+    def screened(self, i: int) -> bool:
+        """Whether a setting is measured on the screen items only."""
+        return i in self._screen_only
+
+    def measure(self, settings: Dict[int, Setting], screen: Sequence[int] = ()) -> None:
+        """Score `settings` ({index: setting}) on their items not scored yet: a static one on
+        every item, or (an index in `screen`) on screen_items; a dynamic one on every
+        1/DYNAMIC_SHARE-th."""
         configs = {i: dict(exit_layer=None, **s.call_options()) for i, s in settings.items()}
         static = {i for i, o in configs.items() if self.batched and divergence.is_static(o)}
         self._static |= static
+        self._screen_only = {i for i in self._screen_only if i not in configs or i in screen}
+        self._screen_only |= {i for i in screen if i not in self._results}
         every = {i: (1 if i in static else self.stride) for i in configs}
+        on_screen = set(screen_items(len(self.prepared)))
+        asked = lambda i, k: (k % every[i] == 0 and (i not in screen or k in on_screen)  # noqa: E731
+                              and k not in self._results.get(i, {}))
         n_scored = lambda k: len(self.prepared[k][0]) - self.prepared[k][1]  # noqa: E731
-        self._bar.total += sum(n_scored(k) for k in range(len(self.prepared)) for i in configs if k % every[i] == 0)
+        self._bar.total += sum(n_scored(k) for k in range(len(self.prepared)) for i in configs if asked(i, k))
         for k, (toks, prefix) in enumerate(self.prepared):
-            want = [i for i in configs if k % every[i] == 0]
+            want = [i for i in configs if asked(i, k)]
             if not want and k in self._ref_only:
                 continue
             ref = self._reference(k, toks, prefix)
@@ -286,7 +352,8 @@ class _Scorer:
 REFERENCE_KEY = "river.presets_reference"
 #: What river.presets_grid keeps of each row.
 GRID_FIELDS = ("options", "kld", "kld_ci", "interval", "same_top", "ppl", "cost", "bytes", "relative_cost",
-               "mean_exit_layer", "reference", "scored", "why", "n_tokens", "items", "item_kld")
+               "mean_exit_layer", "reference", "scored", "why", "n_tokens", "items", "item_kld", "screen_kld",
+               "screen_items")
 
 
 #: Weight types of an unquantized input (a reference named by its type, "F16").
@@ -322,7 +389,7 @@ def preset_metadata(res: dict, default: str = DEFAULT_PRESET) -> dict:
 
 
 def calibrate_presets_file(path: str, n_threads: int = 2, progress: bool = True, min_tokens: int = 1024,
-                           score_tokens: int = 64) -> dict:
+                           score_tokens: int = PRESET_SCORE_TOKENS) -> dict:
     """Measure the preset grid on the calibration split (at least min_tokens scored tokens per
     static setting) and store the presets in the file (atomic rewrite of its metadata). Returns
     the keys written."""

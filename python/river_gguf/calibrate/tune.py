@@ -39,7 +39,7 @@ from tqdm import tqdm
 from .. import presets as presets_mod
 from .._loader import native
 from ..measure import divergence
-from ..measure.scoring import calibration_prepared
+from ..measure.scoring import PRESET_SCORE_TOKENS, calibration_prepared
 from ..options import EXIT_RULES, never_exit
 from . import open_model
 from .cost_model import TIERS, choose
@@ -103,7 +103,7 @@ def measure_grid(path: str, reference: Optional[str] = None, n_threads: int = 2,
 
 
 #: Scored tokens per calibration item when tune measures the grid (the converter's default).
-SCORE_TOKENS = 64
+SCORE_TOKENS = PRESET_SCORE_TOKENS
 
 
 def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write: bool = True,

@@ -62,7 +62,7 @@ from ..gguf.io import (FTYPES, LlamaLog, atomic_output, captured_llama_log, chec
 from ..gguf.meta import value_type
 from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX  # (2: the river after the backbone's data)
 from ..measure import divergence
-from ..measure.scoring import calibration_selection
+from ..measure.scoring import PRESET_SCORE_TOKENS, calibration_selection
 from ..options import EXIT_RULES, never_exit
 from ..measure.profile import default_threshold, similarity_profile
 from . import imatrix as imx
@@ -719,8 +719,9 @@ def calibration_token_budget(backbone_bytes: int) -> int:
 
 
 def preset_score_tokens(calibration_tokens: int) -> int:
-    """Scored tokens per calibration item: 64, fewer when the whole budget is small."""
-    return 64 if calibration_tokens >= 128 else max(16, calibration_tokens // 2)
+    """Scored tokens per calibration item: PRESET_SCORE_TOKENS, fewer when the whole budget is small."""
+    return (PRESET_SCORE_TOKENS if calibration_tokens >= 2 * PRESET_SCORE_TOKENS
+            else max(16, min(64, calibration_tokens // 2)))
 
 
 IMATRIX_DATASET = "calibration split (gsm8k, humaneval; item % 5 == 0), the presets' items held out"

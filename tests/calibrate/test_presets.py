@@ -7,7 +7,7 @@ import pytest
 
 from river_gguf import Model, presets
 from river_gguf.options import ExitOptions
-from river_gguf.calibrate import cost_model
+from river_gguf.calibrate import cost_model, preset_grid
 from river_gguf.convert.build import DEFAULT_BACKBONE_TYPE, build_river_gguf
 from river_gguf.gguf.meta import set_river_metadata
 from river_gguf.eval.random_model import write_tiny_model
@@ -417,6 +417,40 @@ def test_the_tail_search_measures_what_can_be_picked_and_picks_as_the_sweep():
     assert res["fallback"] == [0] and asked == sorted(bumpy)
 
 
+def test_tails_only_the_backbones_tier_asks_are_screened_first():
+    """In a tier the backbone takes (screen_tiers), the search measures a tail only that tier's
+    walk asks on the screen items first (every third item), and on the rest only where the screen
+    does not separate it from the tier's best: a tail far from the backbone stays screened (its
+    row says so, and choose never takes it), one the screen cannot tell from the backbone is
+    measured on every item, and either way the presets are the full sweep's."""
+    from river_gguf.calibrate import preset_grid
+
+    bounds = {"fast": 1.01, "balanced": 1.5, "quality": 2.0}
+    costs = [1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.45, 1.9, 1.95]
+    for deepest, kept in ((0.05, False), (0.0101, True)):
+        table = _family_rows([0.30, 0.25, 0.21, 0.16, 0.10, 0.06, 0.055, deepest, 0.01], costs, 0.2)
+        table[8]["options"] = presets.Setting.of(mode="backbone", tail=0, river_head=False)
+        rows = [table[i] for i in range(9)]
+        asked = set()
+        measure = preset_grid.replayed_measure(rows, asked)
+        measure([0, 8])  # the plan's: plain river-only and the backbone
+        res = cost_model.search([list(range(8))], costs, bounds, measure, screen_tiers=("quality",))
+        got = measure([])
+        assert res["screened"] == [7] and got[7].get("screened", False) is not kept
+        assert preset_grid.screen_items(16) == [0, 3, 6, 9, 12, 15] == got[7]["items"] or kept
+        measured = [rows[i] for i in sorted(asked) if not got[i].get("screened")]
+        full = cost_model.choose(rows, bounds)
+        part = cost_model.choose(measured, bounds)
+        assert {n: p.setting for n, p in part.items()} == {n: p.setting for n, p in full.items()}
+        assert full["quality"].setting == (rows[7] if kept else rows[8])["options"]
+        # Without the screen the same tails are asked, tail 7 on every item.
+        plain = set()
+        measure = preset_grid.replayed_measure(rows, plain)
+        measure([0, 8])
+        cost_model.search([list(range(8))], costs, bounds, measure)
+        assert plain == asked
+
+
 def test_static_settings_scored_in_one_pass_match_decode(tiny_river):
     # The batched shortcut for river-only settings computes what teacher-forced decoding does, up
     # to summation order (batched mat-mul and tiled attention kernels vs the single-token ones).
@@ -530,6 +564,30 @@ def test_the_search_chooses_the_presets_of_the_full_sweep_on_smollm2(river_gguf_
     assert len({p.setting for p in full["presets"].values()}) > 1  # a real choice
     backbone = next(r for r in full["rows"] if r["options"].options.mode == "backbone")
     assert backbone["items"] == list(range(len(prepared))) and backbone["kld_ci"] is not None  # every item
+
+
+def test_the_screened_search_chooses_the_full_sweeps_presets_and_measures_as_replayed(derived):
+    """With the converter's default parts on SmolLM2 (a Q8_0 backbone, a Q4_K_M river beside it:
+    the quality tier is the backbone's, so its walks' tails are screened first): the search replayed on the
+    full sweep's rows picks the sweep's presets, and a pruned calibration of the same items
+    measures what the replay asked, screens what it screened (on screen_items alone, its rows
+    without a KLD to choose by), and gives each setting the sweep's KLD."""
+    from river_gguf.options import never_exit
+    from support import THREADS, search_replayed_on_full_sweep
+
+    m = Model(derived("q8_0"), river=derived("q4_k_m"), n_ctx=1024, n_threads=THREADS, threshold=never_exit("cosine"))
+    prepared, profile, full, settings, measured = search_replayed_on_full_sweep(m)
+    pruned = preset_grid.calibrate_presets(m, prepared=prepared, score_tokens=8, progress=False, profile=profile,
+                                           prune=True)
+    screened = [i for i, r in enumerate(pruned["rows"]) if r["scored"] == "screened"]
+    assert screened and pruned["search"]["screened"] == screened
+    assert {i for i, r in enumerate(pruned["rows"]) if "kld" in r} == measured
+    for i in screened:
+        row = pruned["rows"][i]
+        assert row["screen_items"] == preset_grid.screen_items(len(prepared)) and "kld" not in row
+    for i in measured:
+        assert pruned["rows"][i]["kld"] == full["rows"][i]["kld"], settings[i]
+    assert {n: p.setting for n, p in pruned["presets"].items()} == {n: p.setting for n, p in full["presets"].items()}
 
 
 def test_a_rules_tau_grid_is_its_own_and_stays_below_its_max_score():

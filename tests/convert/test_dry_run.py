@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from river_gguf.calibrate.cost_model import SEARCHED
+from river_gguf.calibrate.cost_model import SCREEN, SEARCHED
 from river_gguf.convert import dry_run
 from river_gguf.convert.build import build_river_gguf
 from river_gguf.presets import GRID_KEY, parse_grid
@@ -25,12 +25,14 @@ def test_the_plan_is_what_the_conversion_does(tmp_path):
     assert lines[0].startswith("dry run:") and lines[-1].startswith("predicted:")
 
     # The settings it says are in play are the ones the conversion measures: every one it plans,
-    # and of the tails it says are searched those the search reaches; nothing else.
+    # and of the tails it says are searched or screened those the search reaches; nothing else.
     meta = build_river_gguf(src, out, threshold=0.9, progress=False, n_threads=1)
-    measured = {r["options"] for r in parse_grid(meta[GRID_KEY]) if "kld" in r}
+    grid_rows = parse_grid(meta[GRID_KEY])
+    measured = {r["options"] for r in grid_rows if "kld" in r}
+    screened_rows = {r["options"] for r in grid_rows if r.get("scored") == "screened"}
     planned = {r["options"] for r in plan.settings if not r["why"]}
-    searched = {r["options"] for r in plan.settings if r["why"] == SEARCHED}
-    assert planned <= measured <= planned | searched
+    searched = {r["options"] for r in plan.settings if r["why"] in (SEARCHED, SCREEN)}
+    assert planned <= measured <= planned | searched and screened_rows <= searched
     assert any("not measured here" in line for line in lines)  # it names the constants it cannot measure
 
 

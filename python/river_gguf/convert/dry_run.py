@@ -28,8 +28,9 @@ from llama_cpp._utils import suppress_stdout_stderr
 
 from .._loader import native
 from ..calibrate import open_model
-from ..calibrate.cost_model import (SEARCHED, TensorInfo, grid, plan, setting_cost, step_bytes, tail_families,
-                                    tensor_costs, tier_bounds_of)
+from ..calibrate.cost_model import (SCREEN, SEARCHED, TensorInfo, grid, plan, setting_cost, step_bytes,
+                                    tail_families, tensor_costs, tier_bounds_of)
+from ..calibrate.preset_grid import screen_items
 from ..gguf.copy import check_loadable, is_river_gguf, open_reader, plain_tensors, type_name
 from ..gguf.io import QUANT_BUFFER_BYTES, LlamaLog, captured_llama_log, deferred_interrupts, planned_types
 from ..measure.scoring import calibration_selection
@@ -128,10 +129,12 @@ class ConversionPlan:
         for i, s in enumerate(self.stages, 1):
             out.append(f"  {i}. {s.name}: {s.what}  [~{s.seconds:.0f} s, {s.peak_bytes / GIB:.2f} GiB]")
         if self.settings:
-            play = [r for r in self.settings if r["why"] in ("", SEARCHED)]
+            play = [r for r in self.settings if r["why"] in ("", SEARCHED, SCREEN)]
+            how = {"": ")", SEARCHED: ", searched: measured only if the search reaches it)",
+                   SCREEN: ", screened first: measured on every item only if the screen keeps it)"}
             out.append(f"  presets: {len(play)} of {len(self.settings)} settings in play:")
-            out += [f"     {_describe(r['options'].named())} ({r['relative_cost']:.3f}x river-only's cost"
-                    + (", searched: measured only if the search reaches it)" if r["why"] else ")") for r in play]
+            out += [f"     {_describe(r['options'].named())} ({r['relative_cost']:.3f}x river-only's cost{how[r['why']]}"
+                    for r in play]
         out += [f"  note: {n}" for n in self.notes]
         ref = f", the presets' reference rows {self.reference_bytes / GIB:.2f} GiB of it" if self.reference_bytes else ""
         free_disk = (f" (free: {self.free_disk_bytes / GIB:.1f} GiB)" if self.free_disk_bytes is not None else "")
@@ -343,16 +346,15 @@ def _presets_stage(shapes: Dict[str, tuple], n_layer: int, bb_infos, rv_infos, s
     settings = grid(n_layer)
     guess = None if sims is None else (lambda s: predicted_mean_exit(
         sims, s.options.threshold, s.options.min_exit_layer, s.options.tail))
-    why = plan(settings, layers, head, n_layer, bounds, guess)
+    why = plan(settings, layers, head, n_layer, bounds, guess, screen=True)
     river_only = step_bytes(layers, head, n_layer, -1, 0, True)
     rows = [{"options": o, "relative_cost": setting_cost(o, layers, head, n_layer) / river_only, "why": w}
             for o, w in zip(settings, why)]
     work = 0.0
-    in_play = [not w or w == SEARCHED for w in why]
+    in_play = [not w or w in (SEARCHED, SCREEN) for w in why]
     # The river-only tails, grouped as the presets' scoring groups them (cost_model.tail_families).
     # A searched tail is counted as measured: where the search stops depends on the KLDs, which a
-    # dry run does not know, so this is the search's most.
-    families = [[settings[i].options.tail for i in f if in_play[i]] for f in tail_families(settings)]
+    # dry run does not know, so this is the search's most. A screened one runs on the screen items.
     in_families = {i for f in tail_families(settings) for i in f}
     for i, s in enumerate(settings):
         if not in_play[i] or i in in_families:
@@ -366,10 +368,19 @@ def _presets_stage(shapes: Dict[str, tuple], n_layer: int, bb_infos, rv_infos, s
     # over all the weights).
     head_share = _head_share(shapes)
     scored = sum(len(t) - p for t, p in prepared)
-    for tails in (f for f in families if f):
-        work += ref_tokens * (1 + sum(t for t in tails if t) / n_layer) + scored * head_share * (len(tails) - 1)
+    share = (sum(len(prepared[k][0]) for k in screen_items(len(prepared))) / ref_tokens) if prepared else 0.0
+    for family in tail_families(settings):
+        full = [settings[i].options.tail for i in family if in_play[i] and why[i] != SCREEN]
+        screened = [settings[i].options.tail for i in family if why[i] == SCREEN]
+        if full:
+            work += ref_tokens * (1 + sum(full) / n_layer) + scored * head_share * (len(full) - 1)
+            work += share * (ref_tokens * sum(screened) / n_layer + scored * head_share * len(screened))
+        elif screened:
+            work += share * (ref_tokens * (1 + sum(screened) / n_layer) + scored * head_share * (len(screened) - 1))
     n_searched = sum(1 for w in why if w == SEARCHED)
     units = {"presets_factor": per_token * work, "FIXED_SECONDS": 1.0}
-    return Stage("presets", f"{sum(1 for w in why if not w)} of {len(settings)} settings measured, and of "
+    n_screened = sum(1 for w in why if w == SCREEN)
+    return Stage("presets", f"{sum(1 for w in why if not w)} of {len(settings)} settings measured, {n_screened} "
+                 f"screened on {len(screen_items(len(prepared)))} of {len(prepared)} items, and of "
                  f"{n_searched} river-only tails searched those the search reaches (timed here as if it reached "
                  "all of them)", _priced(units, F), 0.0, units), rows

@@ -150,7 +150,8 @@ def setting_cost(setting: Setting, layers: List[dict], head: dict, n_layer: int,
 #: How far above a tier's bound a dynamic setting's predicted cost may be and still be measured: its
 #: mean exit layer is predicted from backbone decode (measure.profile.predicted_mean_exit), not measured.
 #: benchmarks/convert_cost.py --margin measures how far the measured cost of each dynamic setting
-#: lies above its prediction on a model (the largest ratio is what this has to cover).
+#: lies above its prediction on a model (the largest ratio is what this has to cover): 1.002 on
+#: SmolLM2's and 1.000 on Qwen2.5-Coder-0.5B's default files (BENCHMARKS.md).
 PREDICTION_MARGIN = 1.03
 #: plan's mark of a setting the search decides (search_next): a tail of a family whose KLD falls
 #: as its tail deepens, measured only where it could be the tier's pick.

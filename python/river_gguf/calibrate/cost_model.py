@@ -362,7 +362,7 @@ def search(families: List[List[int]], costs: List[float], bounds: Dict[str, floa
             fallback += [f[0] for f in grown]
             asks = {i: set() for f in grown for i in f if i not in rows or rows[i].get("screened")}
         screen = sorted(i for i, tiers in asks.items()
-                        if i not in rows and screen_tiers and tiers and tiers <= set(screen_tiers))
+                        if i not in rows and tiers and tiers <= set(screen_tiers))
         screened += screen
         full = sorted(i for i in asks if i not in screen)
         rows = measure(full, screen=screen) if screen else measure(full)

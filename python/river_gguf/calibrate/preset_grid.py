@@ -124,11 +124,7 @@ def plan_and_search(model, settings: List[Setting], measure: Callable[..., Dict[
 def _plan_and_search(settings: List[Setting], costs: "_SettingCosts", measure) -> tuple:
     skip = plan(settings, costs.layers, costs.head, costs.n_layer, costs.bounds, costs.exit_guess, screen=True)
     screen = [i for i, why in enumerate(skip) if why == SCREEN]
-    full = [i for i, why in enumerate(skip) if not why]
-    if screen:
-        measure(full, screen=screen)
-    else:
-        measure(full)
+    measure([i for i, why in enumerate(skip) if not why], screen=screen)
     families = [[i for i in f if skip[i] in ("", SEARCHED, SCREEN)] for f in tail_families(settings)]
     families = [f for f in families if any(skip[i] in (SEARCHED, SCREEN) for i in f)]
     tiers = screen_tiers(costs.layers, costs.head, costs.n_layer, costs.bounds)
@@ -142,7 +138,7 @@ def _plan_and_search(settings: List[Setting], costs: "_SettingCosts", measure) -
             why if w in (SEARCHED, SCREEN) and i not in rows else "" if w in (SEARCHED, SCREEN) else w
             for i, w in enumerate(skip)]
     return skip, {"rounds": res["rounds"], "fallback": [_family_name(settings[i]) for i in res["fallback"]],
-                  "screened": [i for i in res["screened"] + screen if rows[i].get("screened")]}
+                  "screened": sorted(i for i, r in rows.items() if r.get("screened"))}
 
 
 def replayed_measure(rows: List[dict], asked: set) -> Callable[..., Dict[int, dict]]:
@@ -250,7 +246,6 @@ class _Scorer:
         self._ref_only: Dict[int, divergence.ItemDivergence] = {}
         self._results: Dict[int, Dict[int, tuple]] = {}
         self._static: set = set()
-        self._screen_only: set = set()
         self._bar = tqdm(total=0, desc="presets", unit="tok", disable=not progress)
 
     def __enter__(self) -> "_Scorer":
@@ -288,8 +283,10 @@ class _Scorer:
                 if self.own else self.reference[k])
 
     def screened(self, i: int) -> bool:
-        """Whether a setting is measured on the screen items only."""
-        return i in self._screen_only
+        """Whether a measured setting lacks items it is scored on (every item for a static one,
+        every 1/DYNAMIC_SHARE-th for a dynamic one): measured on the screen items only."""
+        every = 1 if i in self._static else self.stride
+        return i in self._results and any(k not in self._results[i] for k in range(0, len(self.prepared), every))
 
     def measure(self, settings: Dict[int, Setting], screen: Sequence[int] = ()) -> None:
         """Score `settings` ({index: setting}) on their items not scored yet: a static one on
@@ -298,8 +295,6 @@ class _Scorer:
         configs = {i: dict(exit_layer=None, **s.call_options()) for i, s in settings.items()}
         static = {i for i, o in configs.items() if self.batched and divergence.is_static(o)}
         self._static |= static
-        self._screen_only = {i for i in self._screen_only if i not in configs or i in screen}
-        self._screen_only |= {i for i in screen if i not in self._results}
         every = {i: (1 if i in static else self.stride) for i in configs}
         on_screen = set(screen_items(len(self.prepared)))
         asked = lambda i, k: (k % every[i] == 0 and (i not in screen or k in on_screen)  # noqa: E731

@@ -237,13 +237,29 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, bool all_logits, bool tra
     return py::make_tuple(logits, res.exit_layer, res.similarity);
 }
 
-// Per tail, its logits rows [n, n_vocab] (Engine::river_tails).
-py::list river_tails(Engine& e, std::vector<int32_t> tokens, std::vector<int> tails, bool backbone_attention,
-                     bool river_head, int first_row) {
+// Per tail, its logits rows [n, n_vocab] (Engine::river_tails); with keep_hidden, also
+// {layer: the hidden state entering that river layer [n, n_embd]} of each branch. start_hidden
+// [n, n_embd] float32: the state entering river layer start_layer, where the pass begins.
+py::object river_tails(Engine& e, std::vector<int32_t> tokens, std::vector<int> tails, bool backbone_attention,
+                       bool river_head, int first_row, int start_layer, py::object start_hidden, bool keep_hidden) {
     std::vector<std::vector<float>> rows;
+    std::vector<TrunkState> kept;
+    TrunkState start;
+    const py::ssize_t width_h = e.hparams().n_embd;
+    if (!start_hidden.is_none()) {
+        auto a = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(start_hidden);
+        if (!a || a.ndim() != 2 || a.shape(1) != width_h || a.shape(0) != static_cast<py::ssize_t>(tokens.size())) {
+            throw std::invalid_argument("start_hidden: a float32 array [n_tokens, n_embd]");
+        }
+        start.layer = start_layer;
+        start.rows.assign(a.data(), a.data() + a.size());
+    } else if (start_layer != 0) {
+        throw std::invalid_argument("start_layer needs start_hidden");
+    }
     {
         py::gil_scoped_release release;
-        rows = e.river_tails(tokens, tails, backbone_attention, river_head, first_row);
+        rows = e.river_tails(tokens, tails, backbone_attention, river_head, first_row,
+                             start_hidden.is_none() ? nullptr : &start, keep_hidden ? &kept : nullptr);
     }
     py::list out;
     const py::ssize_t n = static_cast<py::ssize_t>(tokens.size()) - first_row, width = e.hparams().n_vocab;
@@ -255,7 +271,14 @@ py::list river_tails(Engine& e, std::vector<int32_t> tokens, std::vector<int> ta
         owned.release();
         out.append(py::array_t<float>({n, width}, data, keep));
     }
-    return out;
+    if (!keep_hidden) return std::move(out);
+    py::dict hidden;
+    for (TrunkState& k : kept) {
+        py::array_t<float> a({static_cast<py::ssize_t>(tokens.size()), width_h});
+        std::memcpy(a.mutable_data(), k.rows.data(), k.rows.size() * sizeof(float));
+        hidden[py::int_(k.layer)] = a;
+    }
+    return py::make_tuple(out, hidden);
 }
 
 py::tuple draft(Engine& e, int32_t token, int n_max, float p_min, int seq, bool with_probs, py::object pick,
@@ -336,7 +359,8 @@ void bind_engine(py::module_& m) {
         .def_property_readonly("cache_used", [](const Engine& e) { return e.cells().used(); },
                                "Cache rows in use, over every sequence.")
         .def("river_tails", &river_tails, py::arg("tokens"), py::arg("tails"), py::arg("backbone_attention") = false,
-             py::arg("river_head") = true, py::arg("first_row") = 0)
+             py::arg("river_head") = true, py::arg("first_row") = 0, py::arg("start_layer") = 0,
+             py::arg("start_hidden") = py::none(), py::arg("keep_hidden") = false)
         .def_property_readonly("n_past", &Engine::n_past)
         .def_property_readonly(
             "file_exit_setting",

@@ -289,7 +289,8 @@ void Engine::eval_chunk(const int32_t* tokens, const BatchCells& cells, const Ev
 }
 
 std::vector<std::vector<float>> Engine::river_tails(const std::vector<int32_t>& tokens, const std::vector<int>& tails,
-                                                   bool backbone_attention, bool river_head, int first_row) {
+                                                   bool backbone_attention, bool river_head, int first_row,
+                                                   const TrunkState* start_state, std::vector<TrunkState>* kept) {
     check_links();
     const int n = static_cast<int>(tokens.size()), last = hp_.n_layer - 1;
     if (n < 1 || n > n_batch_) {
@@ -314,6 +315,18 @@ std::vector<std::vector<float>> Engine::river_tails(const std::vector<int32_t>& 
     std::vector<int> order(tails.begin(), tails.end());
     std::sort(order.begin(), order.end(), std::greater<int>());  // the earliest branch first
     order.erase(std::unique(order.begin(), order.end()), order.end());
+    const size_t row = sizeof(float) * hp_.n_embd;
+    if (start_state) {
+        if (start_state->layer < 1 || start_state->layer > last - order.front() + 1) {
+            throw std::invalid_argument("start: a hidden state entering river layer 1.." +
+                                        std::to_string(last - order.front() + 1) + " (the earliest branch's next), got " +
+                                        std::to_string(start_state->layer));
+        }
+        if (start_state->rows.size() != size_t(n) * hp_.n_embd) {
+            throw std::invalid_argument("start: " + std::to_string(n) + " rows of " + std::to_string(hp_.n_embd) +
+                                        " floats, got " + std::to_string(start_state->rows.size()) + " floats");
+        }
+    }
     std::map<int, std::vector<float>> by_tail;
     // The rows written are forgotten again at the end (the default sequence keeps its length).
     const int start = n_past();
@@ -326,6 +339,13 @@ std::vector<std::vector<float>> Engine::river_tails(const std::vector<int32_t>& 
     spec.first_row = first_row;
     const Head head = river_head ? Head::River : Head::Backbone;
     int next = 0;  // the first river layer not yet run
+    if (start_state) {
+        next = start_state->layer;
+        for (int i = 0; i < n; ++i) {
+            std::memcpy(static_cast<char*>(h_state_->data) + i * h_state_->nb[1], start_state->rows.data() + size_t(i) * hp_.n_embd,
+                        row);
+        }
+    }
     try {
         for (int t : order) {
             const int branch = last - t;  // the river's last layer with this tail
@@ -335,8 +355,19 @@ std::vector<std::vector<float>> Engine::river_tails(const std::vector<int32_t>& 
             trunk.head = t > 0 ? Head::None : head;
             trunk.all_logits = t == 0;
             trunk.from_tokens = next == 0;
-            run(trunk, tokens.data(), cells, t > 0 ? nullptr : &out);
+            // A start at this branch's next layer leaves the trunk nothing to run: h_state_ holds it.
+            if (next <= branch || t == 0) run(trunk, tokens.data(), cells, t > 0 ? nullptr : &out);
             next = branch + 1;
+            if (t > 0 && kept) {
+                TrunkState k;
+                k.layer = next;
+                k.rows.resize(size_t(n) * hp_.n_embd);
+                for (int i = 0; i < n; ++i) {
+                    std::memcpy(k.rows.data() + size_t(i) * hp_.n_embd,
+                                static_cast<const char*>(h_state_->data) + i * h_state_->nb[1], row);
+                }
+                kept->push_back(std::move(k));
+            }
             if (t > 0) {
                 rest.from_tokens = false;
                 rest.spans = {{branch + 1, last, false}};

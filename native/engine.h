@@ -57,6 +57,13 @@ struct Span {
     bool operator==(const Span& o) const { return key() == o.key(); }
 };
 
+// The river's hidden state of a batch entering river layer `layer` (Engine::river_tails):
+// n rows of n_embd floats.
+struct TrunkState {
+    int layer = 0;
+    std::vector<float> rows;
+};
+
 struct EvalResult {
     std::vector<float> logits;      // n_rows x n_cols: logits (n_vocab), or embeddings (n_embd)
     int n_rows = 0;
@@ -115,8 +122,13 @@ public:
     // first_row.. [n - first_row, n_vocab] (the head runs those rows only), as eval(mode
     // river-only, tail t, all_logits) computes them up to the batch's rounding. The cache rows
     // written are left past n_past (truncate semantics): nothing continues from them.
+    // start: the river's hidden state entering layer start->layer (a branch another call kept:
+    // the layers before it are not run again, and the rows are the same bit for bit; its layer
+    // at most the earliest branch's + 1). kept: each branch's hidden state (tails > 0), entering
+    // river layer L-t, appended.
     std::vector<std::vector<float>> river_tails(const std::vector<int32_t>& tokens, const std::vector<int>& tails,
-                                                bool backbone_attention, bool river_head, int first_row = 0);
+                                                bool backbone_attention, bool river_head, int first_row = 0,
+                                                const TrunkState* start = nullptr, std::vector<TrunkState>* kept = nullptr);
     // The draft of lossless decoding on sequence `seq`: from `token` at that sequence's length, up
     // to n_max greedy tokens under the exit setting `how` (river-only, or River's exit; no
     // seq_ids), each kept only while its probability under the draft is at least p_min (with a

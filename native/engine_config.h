@@ -34,6 +34,7 @@ struct EngineConfig {
     int main_gpu = 0;            // which GPU: an index into devices.h offload_gpus() (discrete first)
     size_t gpu_memory = 0;       // bytes the GPU placement may use (0: its free memory); placement.h plan_gpu
     bool repack = true;          // CPU mat-mul weights in the CPU's repacked buffer types, as llama.cpp does
+    bool repack_backbone = true; // with repack: the backbone's weights too (false: the river's alone)
     bool graph_reuse = true;     // keep single-token decode graphs (and their allocations) across steps
     bool fuse = true;            // repacked layers: Q/K/V and gate/up as one mul_mat each (same logits)
     bool use_mmap = true;        // map the GGUF files; false (or RIVER_GGUF_NO_MMAP=1) reads them
@@ -79,6 +80,7 @@ inline constexpr EngineConfigField kEngineConfigFields[] = {
     {"main_gpu", &EngineConfig::main_gpu},
     {"gpu_memory", &EngineConfig::gpu_memory},
     {"repack", &EngineConfig::repack},
+    {"repack_backbone", &EngineConfig::repack_backbone},
     {"graph_reuse", &EngineConfig::graph_reuse},
     {"fuse", &EngineConfig::fuse},
     {"use_mmap", &EngineConfig::use_mmap},

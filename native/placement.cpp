@@ -305,12 +305,17 @@ void place_weights(const EngineConfig& cfg, const HParams& hp, ggml_backend_t cp
     if (cfg.repack) {
         std::vector<LayerWeights*> cpu_layers;
         for (int il = 0; il < hp.n_layer; ++il) {
-            if (!backbone_remote(il) && !on_gpu(plan.backbone, il)) cpu_layers.push_back(&backbone.layers[il]);
+            if (cfg.repack_backbone && !backbone_remote(il) && !on_gpu(plan.backbone, il)) {
+                cpu_layers.push_back(&backbone.layers[il]);
+            }
             if (river && !river_remote(il) && !on_gpu(plan.river, il)) cpu_layers.push_back(&river->layers[il]);
         }
         std::vector<ggml_tensor**> cpu_matmuls;
         for (LayerWeights* w : cpu_layers) for (auto s : matmul_slots(*w)) cpu_matmuls.push_back(s);
-        if (!head_on_gpu) cpu_matmuls.insert(cpu_matmuls.end(), heads.begin(), heads.end());
+        if (!head_on_gpu) {
+            // The river's head is the river's; the backbone's goes with the backbone's layers.
+            for (ggml_tensor** h : heads) if (cfg.repack_backbone || h != &backbone.output) cpu_matmuls.push_back(h);
+        }
         repack_cpu_weights(cpu, cpu_layers, std::move(cpu_matmuls), cfg.fuse, out);
     }
 

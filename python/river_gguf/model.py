@@ -104,7 +104,10 @@ class Model:
     repack: give the CPU's mat-muls their own copies of the weights, in ggml's repacked layouts with
     Q/K/V and gate/up joined (default, what decode is fastest with); False reads every weight from
     the file's mapping as it is, with no copy, as llama.cpp's --no-repack (a conversion's batched
-    passes over an F16 lose little by it and hold no second copy of the model).
+    passes over an F16 lose little by it and hold no second copy of the model); "river": only
+    the river's weights that a repacked layout takes get copies, none joined, and the backbone's
+    are read in place (the converter's presets: the river runs on the kernels it runs on in use,
+    the same logits, and nothing else is held twice).
     flash_attn: a bool; attention as llama.cpp computes it with flash attention on (True, the
     default: faster) or off (False: llama.cpp's KQ/softmax/KQV path over a transposed V cache).
     Each gives llama.cpp's logits with the same setting.
@@ -165,7 +168,7 @@ class Model:
         main_gpu: int = 0,
         use_mmap: bool = True,
         flash_attn: bool = True,
-        repack: bool = True,
+        repack=True,
         verbose: bool = False,
         river_options: Optional[RiverOptions] = None,
         **river_kw,
@@ -192,7 +195,10 @@ class Model:
         verbose = _bool_arg("verbose", verbose)
         rpc_kw = rpc.engine_kwargs(ro.rpc_servers, ro.rpc_layers, ro.rpc_split, ro.rpc_weights, ro.rpc_timeout)
         self._use_mmap = _bool_arg("use_mmap", use_mmap)
-        repack = _bool_arg("repack", repack)
+        if not (isinstance(repack, str) and repack == "river"):
+            if not is_bool(repack):
+                raise ValueError(f"repack must be a bool or 'river', got {repack!r}")
+            repack = bool(repack)
         flash_attn = _bool_arg("flash_attn", flash_attn)
         self._exit_decision = _choice_arg("exit_decision", ro.exit_decision, EXIT_DECISIONS)
         #: Decode steps in the verify batch's kernels (RiverOptions.verify_kernels).
@@ -218,7 +224,8 @@ class Model:
             self._engine = native.Engine(model_path, river or "", n_ctx=n_ctx, n_threads=n_threads,
                                          n_batch=self._n_batch, n_gpu_layers=n_gpu_layers, main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
                                          use_mmap=self._use_mmap, flash_attn=flash_attn,
-                                         repack=repack, fuse=repack, exit_decision=ro.exit_decision,
+                                         repack=bool(repack), repack_backbone=repack is True, fuse=repack is True,
+                                         exit_decision=ro.exit_decision,
                                          draft_vocab=draft_vocab, **rpc_kw)
             # libllama's vocabulary loader warns on stderr whatever llama_cpp's log level (Qwen:
             # "control-looking token"); llama_cpp.Llama(verbose=False) silences its load the same way.
@@ -571,22 +578,27 @@ class Model:
     # ----- calibration passes: native passes that no decode loop can express ----------------
     @_locked
     def river_tails_pass(self, tokens: List[int], tails: List[int], backbone_attention: bool, river_head: bool,
-                         first_row: int) -> List[np.ndarray]:
+                         first_row: int, start=None, keep: bool = False):
         """The native Engine.river_tails over checked arguments (river_gguf.measure.tails.river_tails
         checks them): one batched pass, from an empty cache, of the river layers the tails share,
         each tail then running its own backbone layers and the head on rows first_row..; the
-        cache is left empty. Refuses non-finite logits."""
+        cache is left empty. start: (layer, hidden state entering that river layer), a state
+        `keep` gave: the pass begins there. Refuses non-finite logits. Returns the rows per tail,
+        and with keep also {layer: hidden state} of each branch."""
+        layer, hidden = (0, None) if start is None else start
         self._clear()
         try:
-            rows = self._engine.river_tails(tokens, tails, backbone_attention=backbone_attention,
-                                            river_head=river_head, first_row=first_row)
+            got = self._engine.river_tails(tokens, tails, backbone_attention=backbone_attention,
+                                           river_head=river_head, first_row=first_row, start_layer=layer,
+                                           start_hidden=hidden, keep_hidden=keep)
         finally:
             self._clear()
+        rows = got[0] if keep else got
         for r in rows:
             if not np.isfinite(r).all():
                 raise NumericalError("the model produced NaN or infinite logits (mode='river-only'); its weights or "
                                      "hyperparameters are broken, so no score is returned")
-        return rows
+        return got
 
     def backbone_session(self, n_ctx: int, options: ExitOptions) -> Session:
         """A Session on a short-lived backbone engine of its own (this file, no river) with room for

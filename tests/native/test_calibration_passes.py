@@ -30,6 +30,44 @@ def test_river_tails_are_each_tails_own_pass(tiny_model, attention, river_head):
         np.testing.assert_array_equal(r, want)  # the same graphs, split at the branch: bit for bit
 
 
+@pytest.mark.parametrize("attention", ["river", "backbone"])
+def test_river_tails_go_on_from_a_kept_branch(tiny_model, attention):
+    # A later round of a calibration's search starts from a hidden state an earlier pass kept:
+    # the rows are the whole pass's bit for bit, and the state is the river's at that layer.
+    m = tiny_model
+    toks = m.tokenize(PROSE)[:50]
+    _, kept = river_tails(m, toks, [4, 1], river_attention=attention, first_row=5, keep=True)
+    assert sorted(kept) == [m.n_layer - 4, m.n_layer - 1]
+    assert all(h.shape == (len(toks), m.n_embd) and h.dtype == np.float32 for h in kept.values())
+    for layer, tails in ((m.n_layer - 4, [2, 3, 0, 4]), (m.n_layer - 1, [1, 0])):
+        rows = river_tails(m, toks, tails, river_attention=attention, first_row=5, start=(layer, kept[layer]))
+        for t, r in zip(tails, rows):
+            np.testing.assert_array_equal(r, m.logits(toks, mode="river-only", tail=t, river_attention=attention)[5:])
+    # A state from elsewhere changes the rows: the pass did start from it.
+    other = river_tails(m, toks, [2], river_attention=attention, first_row=5,
+                        start=(m.n_layer - 4, kept[m.n_layer - 4] * 0.5))[0]
+    assert not np.array_equal(other, river_tails(m, toks, [2], river_attention=attention, first_row=5)[0])
+    bad = kept[m.n_layer - 4]
+    for start, what in (((m.n_layer - 1, kept[m.n_layer - 1]), "layer"), ((0, bad), "layer"),
+                        ((m.n_layer - 4, bad[:-1]), "hidden state"), ((m.n_layer - 4, bad[:, :-1]), "hidden state")):
+        with pytest.raises(ValueError, match=what):
+            river_tails(m, toks, [2, 4], river_attention=attention, start=start)
+
+
+def test_repacking_the_river_alone(tiny, tiny_model):
+    # The converter's presets (repack="river"): the river on the kernels a loaded file runs it
+    # with, the backbone read in place, as the file's plain layout gives it.
+    path = tiny_model.model_path
+    toks = tiny_model.tokenize(PROSE)[:40]
+    models = {rp: Model(path, n_ctx=64, n_threads=1, repack=rp) for rp in (True, False, "river")}
+    logits = {rp: {mode: m.logits(toks, mode=mode) for mode in ("backbone", "river-only")} for rp, m in models.items()}
+    np.testing.assert_array_equal(logits["river"]["river-only"], logits[True]["river-only"])
+    np.testing.assert_array_equal(logits["river"]["backbone"], logits[False]["backbone"])
+    for bad in ("backbone", "yes", 1.5, None):
+        with pytest.raises(ValueError, match="repack"):
+            Model(path, n_ctx=64, n_threads=1, repack=bad)
+
+
 def test_river_tails_refuse_bad_input(tiny_model):
     m = tiny_model
     toks = m.tokenize(PROSE)[:20]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 from ..gguf.meta import set_river_metadata
@@ -246,6 +247,9 @@ class _Scorer:
         self._ref_only: Dict[int, divergence.ItemDivergence] = {}
         self._results: Dict[int, Dict[int, tuple]] = {}
         self._static: set = set()
+        # Per (river attention, river head, item): the river's hidden state at each branch a
+        # family's pass made ({layer: [tokens, n_embd]}), where a later round of that family starts.
+        self._branches: Dict[tuple, Dict[int, np.ndarray]] = {}
         self._bar = tqdm(total=0, desc="presets", unit="tok", disable=not progress)
 
     def __enter__(self) -> "_Scorer":
@@ -306,7 +310,7 @@ class _Scorer:
             if not want and k in self._ref_only:
                 continue
             ref = self._reference(k, toks, prefix)
-            got = self._logits(configs, want, static, toks, prefix, ref)
+            got = self._logits(configs, want, static, k, ref)
             # One native pass over the reference's rows for every setting of the item, and on the
             # item's first visit the reference itself (its perplexity).
             first = k not in self._ref_only
@@ -318,16 +322,24 @@ class _Scorer:
                 self._results.setdefault(i, {})[k] = (d, exits, secs)
                 self._bar.update(len(toks) - prefix)
 
-    def _logits(self, configs: dict, want: List[int], static: set, toks, prefix: int, ref) -> dict:
-        """Each wanted setting's logits on one item: (logits, exit layers, seconds)."""
+    def _logits(self, configs: dict, want: List[int], static: set, k: int, ref) -> dict:
+        """Each wanted setting's logits on item k: (logits, exit layers, seconds)."""
         out = {}
+        toks, prefix = self.prepared[k]
         n = len(toks) - prefix - 1
         for idx in _river_only_families(configs, [i for i in want if i in static]):
             o = configs[idx[0]]
+            tails = [configs[j]["tail"] for j in idx]
+            head = bool(o.get("river_head", True))
+            # A family's later round goes on from the deepest branch an earlier pass over the item
+            # kept at or before its own earliest one: its river layers before it are not run again.
+            kept = self._branches.setdefault((o["river_attention"], head, k), {})
+            usable = [layer for layer in kept if layer <= self.model.n_layer - max(tails)]
+            start = (max(usable), kept[max(usable)]) if usable else None
             t0 = time.perf_counter()
-            rows = river_tails(self.model, toks[:len(toks) - 1], [configs[j]["tail"] for j in idx],
-                               river_attention=o["river_attention"], river_head=o.get("river_head", True),
-                               first_row=prefix - 1)
+            rows, branches = river_tails(self.model, toks[:len(toks) - 1], tails, river_attention=o["river_attention"],
+                                         river_head=head, first_row=prefix - 1, start=start, keep=True)
+            kept.update(branches)
             secs = (time.perf_counter() - t0) / len(idx)
             out.update({j: (r, [-1] * n, secs) for j, r in zip(idx, rows)})
         for i in want:
@@ -365,13 +377,14 @@ def reference_label(tensors) -> str:
 
 def _river_only_families(configs: dict, static: List[int]) -> List[List[int]]:
     """The static river-only settings among `static` grouped by family (the same head and
-    attention), families of two or more: their tails share one pass of the river (measure.tails.river_tails)."""
+    attention): their tails share one pass of the river (measure.tails.river_tails), and a
+    family's later round goes on from a branch an earlier pass kept."""
     families: dict = {}
     for i in static:
         o = configs[i]
         if o.get("mode") == "river-only":
             families.setdefault((o["river_attention"], bool(o.get("river_head", True))), []).append(i)
-    return [idx for idx in families.values() if len(idx) > 1]
+    return list(families.values())
 
 
 def preset_metadata(res: dict, default: str = DEFAULT_PRESET) -> dict:

@@ -320,7 +320,8 @@ def build_river_gguf(
                                                    river_head=river_head, tail=tail), backbone_type, imatrix_meta, say)
                 if presets:
                     # Measured on the two parts before they are joined: the output is written once.
-                    found = _measure_presets(stored_path, river_src, calib, n_threads, progress, calibration_tokens)
+                    found = _measure_presets(stored_path, river_src, calib, n_threads, progress, calibration_tokens,
+                                             os.path.getsize(backbone_path))
                     entries += [(k, v, value_type(v)) for k, v in found.items()]
                     meta.update(found)
                     _say_presets(found, say)
@@ -574,18 +575,36 @@ class _CalibrationPass:
         self.close()
 
 
+#: What the presets' stage may hold besides its two parts' weights and the river's repacked
+#: copies, so that the conversion stays within its input's size + 2 GiB (BENCHMARKS.md's line):
+#: the pass's KV cache, a batch's logits, Python and the engine's buffers.
+PRESETS_ALLOWANCE = 1 << 30
+#: The most past its input's size a conversion may hold.
+PEAK_OVER_INPUT = 2 << 30
+
+
+def presets_repack(backbone_bytes: int, river_bytes: int, input_bytes: int) -> bool:
+    """Whether the presets run the river on ggml's repacked copies of its weights, as a loaded
+    file runs it: where the backbone, the river and the copies (at most the river again) fit
+    under the input's size + PEAK_OVER_INPUT with PRESETS_ALLOWANCE to spare. ggml's repacked
+    Q4_0 kernels (x86) run a Q4_0 river's batches 1.2-1.6x faster and round differently from its
+    plain ones; where the copies do not fit (an 8B's Q4_K_M river), the river is read in place."""
+    return backbone_bytes + 2 * river_bytes + PRESETS_ALLOWANCE <= input_bytes + PEAK_OVER_INPUT
+
+
 def _measure_presets(backbone: str, river: str, calib: _CalibrationPass, n_threads: int, progress: bool,
-                     calibration_tokens: int) -> dict:
+                     calibration_tokens: int, input_bytes: int) -> dict:
     """The preset keys of the output, measured on its backbone and river files."""
-    # Without ggml's repacked copies, though a loaded file runs with them: the copies (and the
-    # joined Q/K/V, gate/up that come with them) would hold most of the two parts' weights a
-    # second time while the presets are measured. The numbers are not quite the ones in use:
-    # ggml's repacked Q4_0/Q4_K kernels (x86) round differently, and on SmolLM2's default file
-    # the river settings' KLDs came out 0.0002-0.0005 lower repacked (1-2%; every paired interval
-    # holds 0), the Q8_0 backbone (not repacked on x86) the same bit for bit, and the same three
-    # presets chosen either way. docs/usage.md.
+    # The backbone is read in place, though a loaded file repacks it: the copies (and the joined
+    # Q/K/V, gate/up that come with them) would hold it a second time while the presets are
+    # measured; ggml repacks no Q8_0 or F16 on x86, so its numbers are the same bit for bit. The
+    # river runs on its repacked copies where they fit (presets_repack), else in place: then
+    # ggml's repacked Q4_0/Q4_K kernels (x86) round differently from what was measured (on
+    # SmolLM2's default file the river settings' KLDs came out 0.0002-0.0005 lower repacked,
+    # 1-2%, every paired interval holding 0, and the same three presets chosen). docs/usage.md.
+    repack = "river" if presets_repack(os.path.getsize(backbone), os.path.getsize(river), input_bytes) else False
     model = _open_model(backbone, river=river, n_ctx=PASS_N_CTX, n_threads=n_threads,
-                        threshold=never_exit(calib.exit_rule), exit_rule=calib.exit_rule, repack=False)
+                        threshold=never_exit(calib.exit_rule), exit_rule=calib.exit_rule, repack=repack)
     try:
         res = preset_grid.calibrate_presets(model, score_tokens=preset_score_tokens(calibration_tokens),
                                             progress=progress, prepared=calib.prepared, reference=calib.reference,

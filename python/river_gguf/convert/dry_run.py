@@ -313,7 +313,9 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
                                 _priced(quant_units(bb_types)), slab + BASE_BYTES, quant_units(bb_types)))
     if presets:
         stage, res.settings = _presets_stage(shapes, n_layer, bb_infos, rv_infos, sims, prepared, per_token, F)
-        stage.peak_bytes = bb_bytes + rv_bytes + kv + logits_bytes + BASE_BYTES
+        # The river's repacked copies where the converter makes them (build.presets_repack): at most the river again.
+        copies = rv_bytes if build.presets_repack(bb_bytes, rv_bytes, F) else 0
+        stage.peak_bytes = bb_bytes + rv_bytes + copies + kv + logits_bytes + BASE_BYTES
         res.stages.append(stage)
     # Disk beside the output: the converter's own accounting (build.disk_needed), with the
     # reference rows as the held-out items give them.

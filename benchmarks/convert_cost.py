@@ -143,8 +143,14 @@ def plan_side(f16: str, out_dir: str, threads: int, river_type: str) -> dict:
     from river_gguf.convert.dry_run import plan_conversion
 
     plan = plan_conversion(f16, os.path.join(out_dir, "model.river.gguf"), river_type=river_type, n_threads=threads)
-    return {s.name: {"predicted": s.seconds, "units": s.units, "measured_seconds": s.measured_seconds}
-            for s in plan.stages}
+    return {s.name: {"predicted": s.seconds, "units": s.units, "measured_seconds": s.measured_seconds,
+                     "peak_bytes": s.peak_bytes} for s in plan.stages}
+
+
+def plan_totals(plan: dict) -> tuple:
+    """(the plan's predicted seconds, its predicted peak bytes; None where the row predates it)."""
+    peaks = [s.get("peak_bytes") for s in plan.values()]
+    return sum(s["predicted"] for s in plan.values()), (None if None in peaks else max(peaks))
 
 
 def fit(rows_dir: str) -> dict:
@@ -180,7 +186,12 @@ def fit(rows_dir: str) -> dict:
             presets.append({"model": r["model"], "river_type": r["river_type"], "f16_bytes": r["f16_bytes"],
                             "presets_factor": measured / plan["units"]["presets_factor"],
                             "stored": dry_run.presets_factor(r["f16_bytes"])})
-    return {"rows": len(rows), "equations": len(b), "fitted": fitted,
+    checks = []
+    for r in rows:
+        seconds, peak = plan_totals(r["plan"])
+        checks.append({"model": r["model"], "river_type": r["river_type"], "predicted_s": seconds,
+                       "measured_s": r["river"]["seconds"], "predicted_peak": peak, "measured_peak": r["river"]["peak_rss"]})
+    return {"rows": len(rows), "equations": len(b), "fitted": fitted, "checks": checks,
             "stored": {k: getattr(dry_run, k) for k in LINEAR}, "presets_factor": presets,
             "underdetermined": len(rows) < 3 or len(b) < len(LINEAR),
             "not_fitted": "DECODE_FACTOR (inside presets_factor: the rows do not separate decode from batched work)"}
@@ -195,6 +206,13 @@ def print_fit(res: dict) -> None:
         print(f"  presets_factor at {p['f16_bytes'] / GIB:.2f} GiB ({p['model']}, {p['river_type']}): fitted "
               f"{p['presets_factor']:.2f}, stored {p['stored']:.2f}")
     print(f"  not fitted: {res['not_fitted']}")
+    print("each row's plan (made with the constants of its run) against its run:")
+    for c in res["checks"]:
+        peak = ("no predicted peak in this row" if c["predicted_peak"] is None else
+                f"peak {c['predicted_peak'] / GIB:.2f} vs {c['measured_peak'] / GIB:.2f} GiB "
+                f"({c['predicted_peak'] / c['measured_peak'] - 1:+.0%})")
+        print(f"  {c['model']} ({c['river_type']}): {c['predicted_s']:.0f} vs {c['measured_s']:.0f} s "
+              f"({c['predicted_s'] / c['measured_s'] - 1:+.0%}), {peak}")
 
 
 def prediction_margin(path: str, threads: int, min_tokens: int, profile_path=None) -> dict:
@@ -338,6 +356,9 @@ def main(argv=None) -> int:
         with open(os.path.join(a.rows, f"{r['model']}-{a.river_type}.json"), "w") as f:
             json.dump(dict(r, threads=a.threads), f, indent=1)
         st = r["river"]["stages"]
+        seconds, peak = plan_totals(r["plan"])
+        print(f"{name}: the dry run predicted {seconds:.0f} s ({seconds / r['river']['seconds'] - 1:+.0%}) and a peak of "
+              f"{peak / GIB:.2f} GiB ({peak / r['river']['peak_rss'] - 1:+.0%})")
         print(f"{name}: F16 {size / GIB:.2f} GiB; river_gguf {r['river']['seconds']:.0f} s "
               f"({', '.join(f'{k} {v:.0f}' for k, v in st.items())}), peak RSS {r['river']['peak_rss'] / GIB:.2f} GiB"
               + (f"; llama.cpp {r['llama']['seconds']:.0f} s (imatrix {r['llama']['stages']['llama-imatrix']:.0f}, "

@@ -41,7 +41,7 @@ import os
 import shutil
 import sys
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import gguf
 import numpy as np
@@ -321,7 +321,7 @@ def build_river_gguf(
                 if presets:
                     # Measured on the two parts before they are joined: the output is written once.
                     found = _measure_presets(stored_path, river_src, calib, n_threads, progress, calibration_tokens,
-                                             os.path.getsize(backbone_path))
+                                             os.path.getsize(backbone_path), layer_types(rv))
                     entries += [(k, v, value_type(v)) for k, v in found.items()]
                     meta.update(found)
                     _say_presets(found, say)
@@ -583,26 +583,37 @@ PRESETS_ALLOWANCE = 1 << 30
 PEAK_OVER_INPUT = 2 << 30
 
 
-def presets_repack(backbone_bytes: int, river_bytes: int, input_bytes: int) -> bool:
+#: River layer types whose repacked CPU kernels pay in the presets' batches: ggml's repacked Q4_0
+#: ran a Q4_0 river's batched passes 1.2-1.6x faster on AVX2, its repacked Q4_K no faster, for
+#: 0.6 GiB more at the 1.5B shape (BENCHMARKS.md), so a K-quant river is read in place.
+REPACK_PAYS = ("Q4_0",)
+
+
+def presets_repack(backbone_bytes: int, river_bytes: int, input_bytes: int, river_types: Sequence[str]) -> bool:
     """Whether the presets run the river on ggml's repacked copies of its weights, as a loaded
-    file runs it: where the backbone, the river and the copies (at most the river again) fit
-    under the input's size + PEAK_OVER_INPUT with PRESETS_ALLOWANCE to spare. ggml's repacked
-    Q4_0 kernels (x86) run a Q4_0 river's batches 1.2-1.6x faster and round differently from its
-    plain ones; where the copies do not fit (an 8B's Q4_K_M river), the river is read in place."""
-    return backbone_bytes + 2 * river_bytes + PRESETS_ALLOWANCE <= input_bytes + PEAK_OVER_INPUT
+    file runs it: where its layers' most common type is one whose repacked kernels pay
+    (REPACK_PAYS) and the backbone, the river and the copies (at most the river again) fit under
+    the input's size + PEAK_OVER_INPUT with PRESETS_ALLOWANCE to spare (not an 8B's). The
+    repacked kernels round differently from the plain ones, so the river's settings are then
+    measured as they run in use. river_types: the type name of each river layer weight."""
+    types = list(river_types)
+    main = max(set(types), key=types.count) if types else ""
+    return (main in REPACK_PAYS
+            and backbone_bytes + 2 * river_bytes + PRESETS_ALLOWANCE <= input_bytes + PEAK_OVER_INPUT)
 
 
 def _measure_presets(backbone: str, river: str, calib: _CalibrationPass, n_threads: int, progress: bool,
-                     calibration_tokens: int, input_bytes: int) -> dict:
+                     calibration_tokens: int, input_bytes: int, river_types: Sequence[str]) -> dict:
     """The preset keys of the output, measured on its backbone and river files."""
     # The backbone is read in place, though a loaded file repacks it: the copies (and the joined
     # Q/K/V, gate/up that come with them) would hold it a second time while the presets are
-    # measured; ggml repacks no Q8_0 or F16 on x86, so its numbers are the same bit for bit. The
-    # river runs on its repacked copies where they fit (presets_repack), else in place: then
-    # ggml's repacked Q4_0/Q4_K kernels (x86) round differently from what was measured (on
+    # measured; ggml repacks no Q8_0 or F16 on x86, so its numbers are the same bit for bit. A
+    # Q4_0 river runs on its repacked copies where they fit (presets_repack), others in place:
+    # then ggml's repacked Q4_0/Q4_K kernels (x86) round differently from what was measured (on
     # SmolLM2's default file the river settings' KLDs came out 0.0002-0.0005 lower repacked,
     # 1-2%, every paired interval holding 0, and the same three presets chosen). docs/usage.md.
-    repack = "river" if presets_repack(os.path.getsize(backbone), os.path.getsize(river), input_bytes) else False
+    repack = ("river" if presets_repack(os.path.getsize(backbone), os.path.getsize(river), input_bytes, river_types)
+              else False)
     model = _open_model(backbone, river=river, n_ctx=PASS_N_CTX, n_threads=n_threads,
                         threshold=never_exit(calib.exit_rule), exit_rule=calib.exit_rule, repack=repack)
     try:
@@ -631,6 +642,11 @@ def draft_token_ranking(vocab_path: Optional[str], texts: Optional[List[str]] = 
         for t in tokenize(text):
             counts[t] = counts.get(t, 0) + 1
     return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+
+def layer_types(reader) -> List[str]:
+    """The type name of each layer weight matrix (blk.*) of a GGUF reader's model."""
+    return [type_name(t) for t in plain_tensors(reader) if len(t.shape) >= 2 and t.name.startswith("blk.")]
 
 
 def is_quantized(reader) -> bool:

@@ -314,7 +314,8 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
     if presets:
         stage, res.settings = _presets_stage(shapes, n_layer, bb_infos, rv_infos, sims, prepared, per_token, F)
         # The river's repacked copies where the converter makes them (build.presets_repack): at most the river again.
-        copies = rv_bytes if build.presets_repack(bb_bytes, rv_bytes, F) else 0
+        river_layer_types = [t.upper() for n, t in rv_types.items() if n.startswith("blk.") and len(shapes.get(n, ())) >= 2]
+        copies = rv_bytes if build.presets_repack(bb_bytes, rv_bytes, F, river_layer_types) else 0
         stage.peak_bytes = bb_bytes + rv_bytes + copies + kv + logits_bytes + BASE_BYTES
         res.stages.append(stage)
     # Disk beside the output: the converter's own accounting (build.disk_needed), with the

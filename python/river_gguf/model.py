@@ -74,6 +74,15 @@ def _bool_arg(name: str, v) -> bool:
     return bool(v)
 
 
+def _repack_arg(v):
+    """Model's repack: a bool, or "river" (the river's weights alone)."""
+    if isinstance(v, str) and v == "river":
+        return v
+    if not is_bool(v):
+        raise ValueError(f"repack must be a bool or 'river', got {v!r}")
+    return bool(v)
+
+
 def _locked(method):
     """Run the method holding the Model's lock: one engine call at a time per Model."""
 
@@ -195,10 +204,7 @@ class Model:
         verbose = _bool_arg("verbose", verbose)
         rpc_kw = rpc.engine_kwargs(ro.rpc_servers, ro.rpc_layers, ro.rpc_split, ro.rpc_weights, ro.rpc_timeout)
         self._use_mmap = _bool_arg("use_mmap", use_mmap)
-        if not (isinstance(repack, str) and repack == "river"):
-            if not is_bool(repack):
-                raise ValueError(f"repack must be a bool or 'river', got {repack!r}")
-            repack = bool(repack)
+        repack = _repack_arg(repack)
         flash_attn = _bool_arg("flash_attn", flash_attn)
         self._exit_decision = _choice_arg("exit_decision", ro.exit_decision, EXIT_DECISIONS)
         #: Decode steps in the verify batch's kernels (RiverOptions.verify_kernels).
@@ -224,8 +230,7 @@ class Model:
             self._engine = native.Engine(model_path, river or "", n_ctx=n_ctx, n_threads=n_threads,
                                          n_batch=self._n_batch, n_gpu_layers=n_gpu_layers, main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
                                          use_mmap=self._use_mmap, flash_attn=flash_attn,
-                                         repack=bool(repack), repack_backbone=repack is True, fuse=repack is True,
-                                         exit_decision=ro.exit_decision,
+                                         repack=bool(repack), repack_backbone=repack is True, fuse=repack is True, exit_decision=ro.exit_decision,
                                          draft_vocab=draft_vocab, **rpc_kw)
             # libllama's vocabulary loader warns on stderr whatever llama_cpp's log level (Qwen:
             # "control-looking token"); llama_cpp.Llama(verbose=False) silences its load the same way.

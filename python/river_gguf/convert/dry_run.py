@@ -313,10 +313,7 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
                                 _priced(quant_units(bb_types)), slab + BASE_BYTES, quant_units(bb_types)))
     if presets:
         stage, res.settings = _presets_stage(shapes, n_layer, bb_infos, rv_infos, sims, prepared, per_token, F)
-        # The river's repacked copies where the converter makes them (build.presets_repack): at most the river again.
-        river_layer_types = [t.upper() for n, t in rv_types.items() if n.startswith("blk.") and len(shapes.get(n, ())) >= 2]
-        copies = rv_bytes if build.presets_repack(bb_bytes, rv_bytes, F, river_layer_types) else 0
-        stage.peak_bytes = bb_bytes + rv_bytes + copies + kv + logits_bytes + BASE_BYTES
+        stage.peak_bytes = bb_bytes + rv_bytes + _river_copies(rv_types, shapes, bb_bytes, rv_bytes, F) + kv + logits_bytes + BASE_BYTES
         res.stages.append(stage)
     # Disk beside the output: the converter's own accounting (build.disk_needed), with the
     # reference rows as the held-out items give them.
@@ -335,6 +332,13 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
     res.stages.append(Stage("write", f"{(bb_bytes + rv_bytes) / GIB:.2f} GiB, once", _priced(units),
                             bb_bytes + rv_bytes + BASE_BYTES, units))
     return res
+
+
+def _river_copies(rv_types: Dict[str, str], shapes: Dict[str, tuple], bb_bytes: int, rv_bytes: int, F: int) -> int:
+    """The bytes of the river's repacked copies the presets hold where the converter makes them
+    (build.presets_repack): at most the river again."""
+    layer_types = [t.upper() for n, t in rv_types.items() if n.startswith("blk.") and len(shapes.get(n, ())) >= 2]
+    return rv_bytes if build.presets_repack(bb_bytes, rv_bytes, F, layer_types) else 0
 
 
 def _presets_stage(shapes: Dict[str, tuple], n_layer: int, bb_infos, rv_infos, sims, prepared, per_token: float,

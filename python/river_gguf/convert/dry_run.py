@@ -313,7 +313,8 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
                                 _priced(quant_units(bb_types)), slab + BASE_BYTES, quant_units(bb_types)))
     if presets:
         stage, res.settings = _presets_stage(shapes, n_layer, bb_infos, rv_infos, sims, prepared, per_token, F)
-        stage.peak_bytes = bb_bytes + rv_bytes + _river_copies(rv_types, shapes, bb_bytes, rv_bytes, F) + kv + logits_bytes + BASE_BYTES
+        stage.peak_bytes = (bb_bytes + rv_bytes + _river_copies(rv_types, shapes, bb_bytes, rv_bytes, F)
+                            + _item_rows_bytes(res.settings, prepared, n_vocab) + kv + logits_bytes + BASE_BYTES)
         res.stages.append(stage)
     # Disk beside the output: the converter's own accounting (build.disk_needed), with the
     # reference rows as the held-out items give them.
@@ -339,6 +340,13 @@ def _river_copies(rv_types: Dict[str, str], shapes: Dict[str, tuple], bb_bytes: 
     (build.presets_repack): at most the river again."""
     layer_types = [t.upper() for n, t in rv_types.items() if n.startswith("blk.") and len(shapes.get(n, ())) >= 2]
     return rv_bytes if build.presets_repack(bb_bytes, rv_bytes, F, layer_types) else 0
+
+
+def _item_rows_bytes(settings: List[dict], prepared, n_vocab: int) -> int:
+    """The logits the presets hold at once: every setting of the plan's pass on the longest item
+    (preset_grid compares them with the item's reference rows together)."""
+    in_pass = sum(1 for r in settings if r["why"] in ("", SCREEN))
+    return in_pass * max((len(t) - p for t, p in prepared), default=0) * n_vocab * 4
 
 
 def _presets_stage(shapes: Dict[str, tuple], n_layer: int, bb_infos, rv_infos, sims, prepared, per_token: float,

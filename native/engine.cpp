@@ -315,7 +315,6 @@ std::vector<std::vector<float>> Engine::river_tails(const std::vector<int32_t>& 
     std::vector<int> order(tails.begin(), tails.end());
     std::sort(order.begin(), order.end(), std::greater<int>());  // the earliest branch first
     order.erase(std::unique(order.begin(), order.end()), order.end());
-    const size_t row = sizeof(float) * hp_.n_embd;
     if (start_state) {
         if (start_state->layer < 1 || start_state->layer > last - order.front() + 1) {
             throw std::invalid_argument("start: a hidden state entering river layer 1.." +
@@ -339,12 +338,12 @@ std::vector<std::vector<float>> Engine::river_tails(const std::vector<int32_t>& 
     spec.first_row = first_row;
     const Head head = river_head ? Head::River : Head::Backbone;
     int next = 0;  // the first river layer not yet run
+    // h_state_ is one contiguous F32 block of n_batch rows (make_state): n rows copy in one go.
+    const size_t state_floats = size_t(n) * hp_.n_embd;
+    float* state = static_cast<float*>(h_state_->data);
     if (start_state) {
         next = start_state->layer;
-        for (int i = 0; i < n; ++i) {
-            std::memcpy(static_cast<char*>(h_state_->data) + i * h_state_->nb[1], start_state->rows.data() + size_t(i) * hp_.n_embd,
-                        row);
-        }
+        std::copy_n(start_state->rows.data(), state_floats, state);
     }
     try {
         for (int t : order) {
@@ -358,16 +357,7 @@ std::vector<std::vector<float>> Engine::river_tails(const std::vector<int32_t>& 
             // A start at this branch's next layer leaves the trunk nothing to run: h_state_ holds it.
             if (next <= branch || t == 0) run(trunk, tokens.data(), cells, t > 0 ? nullptr : &out);
             next = branch + 1;
-            if (t > 0 && kept) {
-                TrunkState k;
-                k.layer = next;
-                k.rows.resize(size_t(n) * hp_.n_embd);
-                for (int i = 0; i < n; ++i) {
-                    std::memcpy(k.rows.data() + size_t(i) * hp_.n_embd,
-                                static_cast<const char*>(h_state_->data) + i * h_state_->nb[1], row);
-                }
-                kept->push_back(std::move(k));
-            }
+            if (t > 0 && kept) kept->push_back({next, std::vector<float>(state, state + state_floats)});
             if (t > 0) {
                 rest.from_tokens = false;
                 rest.spans = {{branch + 1, last, false}};

@@ -170,12 +170,14 @@ def agreement(ref: List[List[int]], out: List[List[int]]) -> Tuple[float, float]
 
 #: The presets' calibration items: at most this many scored tokens of each item's completion, and
 #: at most this many tokens of its prompt (BOS and the prompt's tail). Every setting the presets
-#: measure prefills the item's prompt as it does in use, so the prompt is most of a setting's work
-#: when short completions are scored after long prompts; 128 scored tokens after 64 of prompt give
-#: the same scored tokens in fewer items, and fewer prompt tokens, than 64 after 384 (Qwen2.5-Coder's
-#: calibration: 15 items, 1,939 tokens a setting, against 21 items and 2,775).
+#: measure prefills the item's prompt as it does in use (a river-only setting with its river), so
+#: the prompt's tokens are work every setting repeats and no KLD is scored on. 16 of them: on
+#: Qwen2.5-Coder's calibration 1,307 tokens a setting against 1,939 with 64 (15 items, the same 1,067
+#: scored), the presets' passes 26% shorter, and the presets chosen, by the full sweep and by the
+#: pruned search, the same as with 64 on SmolLM2 and Qwen2.5-Coder-0.5B; the KLDs, measured in a
+#: shorter context, come out higher (Qwen's river-only 0.0031 against 0.0024; BENCHMARKS.md).
 PRESET_SCORE_TOKENS = 128
-PRESET_PROMPT_TOKENS = 64
+PRESET_PROMPT_TOKENS = 16
 
 
 def calibration_prepared(model, min_tokens: int, score_tokens: int = PRESET_SCORE_TOKENS,

@@ -27,6 +27,9 @@ replayed on its rows). `--margin MODEL.river.gguf`
 measures instead what cost_model.PREDICTION_MARGIN rests on: each dynamic setting's decode cost as
 the converter's plan predicts it from the backbone's profile, against its cost measured (its mean
 exit layer through decode on the calibration split); the margin has to cover the largest ratio.
+`--prompt-check MODEL.river.gguf --profile-of F16.gguf [--prompt-tokens 64,16]` measures the presets
+chosen (full sweep and pruned search, against the F16) with the calibration items' prompts cut to
+each length.
 """
 import argparse
 import json
@@ -153,6 +156,22 @@ def plan_totals(plan: dict) -> tuple:
     return sum(s["predicted"] for s in plan.values()), (None if None in peaks else max(peaks))
 
 
+def nonnegative_least_squares(a, b) -> list:
+    """Least squares with every constant >= 0 (a negative seconds-per-unit is no machine's): the
+    most negative one is set to 0 and the rest solved again, until none is negative."""
+    import numpy as np
+
+    free = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while free:
+        solved, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
+        if solved.min() >= 0:
+            x[free] = solved
+            break
+        free.pop(int(np.argmin(solved)))
+    return [float(v) for v in x]
+
+
 def fit(rows_dir: str) -> dict:
     """The dry run's constants refitted from the rows in rows_dir (each one a model's run: its
     plan's units and the converter's stage times)."""
@@ -176,8 +195,7 @@ def fit(rows_dir: str) -> dict:
             a.append([plan["units"].get(k, 0.0) for k in LINEAR])
             b.append(measured)
             what.append((r["model"], stage))
-    solved, *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
-    fitted = dict(zip(LINEAR, (float(x) for x in solved)))
+    fitted = dict(zip(LINEAR, nonnegative_least_squares(np.array(a), np.array(b))))
     presets = []
     for r in rows:
         plan = r["plan"].get("presets")
@@ -281,6 +299,46 @@ def search_check(path: str, threads: int, min_tokens: int, profile_path=None) ->
                 {"options": full["rows"][i]["options"].named(), "why": w} for i, w in enumerate(skip) if w]}
 
 
+def prompt_check(path: str, f16_path: str, threads: int, min_tokens: int, lengths) -> dict:
+    """The presets chosen on one River GGUF with the calibration items' prompts cut to each length
+    of `lengths` (measure.scoring.PRESET_PROMPT_TOKENS is the converter's): per length, the F16's
+    reference rows, then the full sweep and the converter's pruned search against them, with
+    each row's KLD and interval."""
+    from river_gguf.calibrate import open_model, preset_grid
+    from river_gguf.measure import divergence
+    from river_gguf.measure.profile import similarity_profile
+    from river_gguf.measure.scoring import calibration_prepared
+    from river_gguf.options import never_exit
+
+    f16 = open_model(f16_path, n_ctx=1024, n_threads=threads, mode="backbone", repack=False)
+    profile = similarity_profile(f16, own_engine=False)
+    out = {"file": os.path.basename(path), "reference": os.path.basename(f16_path), "lengths": {}}
+    for n in lengths:
+        prepared = calibration_prepared(f16, min_tokens, prompt_tokens=n)
+        with divergence.ReferenceRows("F16", tempfile.gettempdir()) as ref:
+            for toks, prefix in prepared:
+                ref.add(divergence.config_logits(f16, toks, prefix, batched=True, mode="backbone")[0])
+            m = open_model(path, n_ctx=1024, n_threads=threads, threshold=never_exit("cosine"))
+            row = {"items": len(prepared), "tokens": sum(len(t) for t, _ in prepared),
+                   "scored": sum(len(t) - p for t, p in prepared)}
+            for name, prune in (("searched", True), ("full", False)):
+                t0 = time.perf_counter()
+                res = preset_grid.calibrate_presets(m, prepared=prepared, reference=ref, profile=profile,
+                                                    progress=False, prune=prune)
+                row[name] = {"seconds": time.perf_counter() - t0,
+                             "presets": {k: p.setting.named() for k, p in res["presets"].items()},
+                             "rows": [{"options": r["options"].named(), "kld": r.get("kld"), "kld_ci": r.get("kld_ci")}
+                                      for r in res["rows"]]}
+            del m
+        out["lengths"][str(n)] = row
+        print(f"prompt {n}: {row['items']} items, {row['tokens']} tokens a setting, {row['scored']} scored; "
+              f"search {row['searched']['seconds']:.0f} s, full sweep {row['full']['seconds']:.0f} s; "
+              f"presets {row['full']['presets']}", flush=True)
+    picks = [(r["full"]["presets"], r["searched"]["presets"]) for r in out["lengths"].values()]
+    out["same"] = all(f == picks[0][0] and s == picks[0][0] for f, s in picks)
+    return out
+
+
 def print_margin(res: dict) -> None:
     print(f"{res['file']}, profile of {res['profile']}: predicted / measured decode cost of each dynamic setting")
     print("| setting | predicted mean exit | measured | predicted cost | measured cost | ratio | items |")
@@ -313,7 +371,21 @@ def main(argv=None) -> int:
     ap.add_argument("--fit", action="store_true", help="instead: refit the dry run's constants from the rows")
     ap.add_argument("--search-check", metavar="MODEL.river.gguf",
                     help="instead: the presets of the converter's pruned search against the full sweep's on this file")
+    ap.add_argument("--prompt-check", metavar="MODEL.river.gguf",
+                    help="instead: the presets chosen with the items' prompts cut to each of --prompt-tokens "
+                         "(needs --profile-of, the F16: the reference)")
+    ap.add_argument("--prompt-tokens", default="64,16", help="--prompt-check: the prompt lengths (default 64,16)")
     a = ap.parse_args(argv)
+    if a.prompt_check:
+        if not a.profile_of:
+            ap.error("--prompt-check needs --profile-of F16.gguf (the reference)")
+        res = prompt_check(a.prompt_check, a.profile_of, a.threads, a.tokens,
+                           [int(x) for x in a.prompt_tokens.split(",")])
+        print("the same presets at every length" if res["same"] else "DIFFERENT presets")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0 if res["same"] else 1
     if a.search_check:
         res = search_check(a.search_check, a.threads, a.tokens, a.profile_of)
         print(json.dumps({k: v for k, v in res.items() if k != "not_measured"}, indent=1))

@@ -312,13 +312,12 @@ def prompt_check(path: str, f16_path: str, threads: int, min_tokens: int, length
 
     f16 = open_model(f16_path, n_ctx=1024, n_threads=threads, mode="backbone", repack=False)
     profile = similarity_profile(f16, own_engine=False)
+    m = open_model(path, n_ctx=1024, n_threads=threads, threshold=never_exit("cosine"))
     out = {"file": os.path.basename(path), "reference": os.path.basename(f16_path), "lengths": {}}
     for n in lengths:
         prepared = calibration_prepared(f16, min_tokens, prompt_tokens=n)
         with divergence.ReferenceRows("F16", tempfile.gettempdir()) as ref:
-            for toks, prefix in prepared:
-                ref.add(divergence.config_logits(f16, toks, prefix, batched=True, mode="backbone")[0])
-            m = open_model(path, n_ctx=1024, n_threads=threads, threshold=never_exit("cosine"))
+            ref.add_logits_of(f16, prepared)
             row = {"items": len(prepared), "tokens": sum(len(t) for t, _ in prepared),
                    "scored": sum(len(t) - p for t, p in prepared)}
             for name, prune in (("searched", True), ("full", False)):
@@ -329,7 +328,6 @@ def prompt_check(path: str, f16_path: str, threads: int, min_tokens: int, length
                              "presets": {k: p.setting.named() for k, p in res["presets"].items()},
                              "rows": [{"options": r["options"].named(), "kld": r.get("kld"), "kld_ci": r.get("kld_ci")}
                                       for r in res["rows"]]}
-            del m
         out["lengths"][str(n)] = row
         print(f"prompt {n}: {row['items']} items, {row['tokens']} tokens a setting, {row['scored']} scored; "
               f"search {row['searched']['seconds']:.0f} s, full sweep {row['full']['seconds']:.0f} s; "

@@ -230,8 +230,8 @@ class Model:
             self._engine = native.Engine(model_path, river or "", n_ctx=n_ctx, n_threads=n_threads,
                                          n_batch=self._n_batch, n_gpu_layers=n_gpu_layers, main_gpu=self._main_gpu, gpu_memory=self._gpu_memory,
                                          use_mmap=self._use_mmap, flash_attn=flash_attn,
-                                         repack=bool(repack), repack_backbone=repack is True, fuse=repack is True, exit_decision=ro.exit_decision,
-                                         draft_vocab=draft_vocab, **rpc_kw)
+                                         repack=bool(repack), repack_backbone=repack is True, fuse=repack is True,
+                                         exit_decision=ro.exit_decision, draft_vocab=draft_vocab, **rpc_kw)
             # libllama's vocabulary loader warns on stderr whatever llama_cpp's log level (Qwen:
             # "control-looking token"); llama_cpp.Llama(verbose=False) silences its load the same way.
             with suppress_stdout_stderr(disable=verbose):

@@ -95,8 +95,8 @@ def measure_grid(path: str, reference: Optional[str] = None, n_threads: int = 2,
             # logits bit for bit), and no copies of it are held beside the file being measured.
             ref = open_model(reference, n_ctx=1024, n_threads=n_threads, mode="backbone", repack=False)
             try:
-                for toks, prefix in tqdm(prepared, desc="reference", unit="item", disable=not progress):
-                    rows.add(divergence.config_logits(ref, toks, prefix, batched=True, mode="backbone")[0])
+                with tqdm(total=len(prepared), desc="reference", unit="item", disable=not progress) as bar:
+                    rows.add_logits_of(ref, prepared, bar)
             finally:
                 del ref
         return calibrate_presets(m, score_tokens=SCORE_TOKENS, progress=progress, prepared=prepared, reference=rows)

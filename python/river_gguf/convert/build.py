@@ -547,11 +547,8 @@ class _CalibrationPass:
                 say(f"imatrix: {int(self.imatrix.n_tokens)} tokens of {len(texts)} texts "
                     f"({len(held)} items held out for the presets)")
             if presets:
-                n = 0
-                for toks, prefix in tqdm(self.prepared, desc="reference", unit="item", disable=not progress):
-                    rows, _ = divergence.config_logits(model, toks, prefix, batched=True, mode="backbone")
-                    self.reference.add(rows)
-                    n += len(rows)
+                with tqdm(total=len(self.prepared), desc="reference", unit="item", disable=not progress) as bar:
+                    n = self.reference.add_logits_of(model, self.prepared, bar)
                 say(f"reference: the {reference}'s logits on {len(self.prepared)} held-out items ({n} scored tokens)")
             if needs_profile(threshold, presets):
                 self.sims = similarity_profile(model, own_engine=False, exit_rule=self.exit_rule)

@@ -256,6 +256,19 @@ class ReferenceRows:
         self._index.append((self._file.tell(), rows.shape))
         self._file.write(rows.tobytes())
 
+    def add_logits_of(self, model, prepared: Sequence[Tuple[List[int], int]], bar=None) -> int:
+        """Add `model`'s logits on each prepared (tokens, prefix) item's scored rows, its backbone
+        in one batched pass per item (the F16 a conversion measures its presets against). Returns
+        the rows added; bar: a progress bar to step once per item."""
+        n = 0
+        for toks, prefix in prepared:
+            rows, _ = config_logits(model, toks, prefix, batched=True, mode="backbone")
+            self.add(rows)
+            n += len(rows)
+            if bar is not None:
+                bar.update(1)
+        return n
+
     def __len__(self) -> int:
         return len(self._index)
 

@@ -85,12 +85,27 @@ def forced_rows(model, options, prompts, streams, n: int, out: np.ndarray, exits
                         return STOP
                     out[i, k] = row
                     return streams[i][k]
+                arrived = False
                 try:
                     for step in s.decode(choose, limit=len(streams[i])):
                         exits[i, step.seen - len(prompts[i])] = step.exit_layer
+                        if not arrived:
+                            # The first token is yielded after the session joined the step batcher
+                            # and before any step is evaluated: once every thread is here, each
+                            # step waits for the others' (a thread started late on a loaded
+                            # machine would otherwise find its partner's steps already run alone).
+                            arrived = True
+                            start.wait(JOIN_S)
                 except BaseException as e:  # raised in the caller's thread
                     errors.append(e)
+                finally:
+                    if not arrived:  # a loop that ended at once still lets the others start
+                        try:
+                            start.wait(JOIN_S)
+                        except threading.BrokenBarrierError:
+                            pass
 
+            start = threading.Barrier(len(group))
             threads = [threading.Thread(target=run, args=(s, i), daemon=True) for s, i in zip(sessions, group)]
             for t in threads:
                 t.start()

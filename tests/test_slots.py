@@ -88,6 +88,10 @@ def test_threads_decoding_at_once_share_batches(tiny_pair, options):
     before = m.step_counts
     m.step_window = 0.5  # long, so that a slow thread's step still joins its batch
 
+    # Each thread's first token comes after its session joined the step batcher and before any
+    # step runs: past the barrier, no thread's steps can all run before another thread starts.
+    start = threading.Barrier(len(PROMPTS))
+
     def run(k):
         with m.session(seq=k, **options) as s:
             s.extend(PROMPTS[k])
@@ -95,6 +99,8 @@ def test_threads_decoding_at_once_share_batches(tiny_pair, options):
             for st in s.decode(lambda row, seen: int(np.argmax(row)), limit=n):
                 got[k].append(st.token)
                 rows[k].append(st.row.copy())
+                if len(got[k]) == 1:
+                    start.wait(JOIN_S)
 
     try:
         _run_threads([lambda k=k: run(k) for k in range(len(PROMPTS))])

@@ -19,6 +19,7 @@ import numpy as np
 from ..default_model import default_model_path
 from ..gguf.io import atomic_output, metadata_items
 from ..gguf.reader import GGUFReader
+from ..gguf.writer import GGUFWriter
 
 #: The architectures write_tiny_model writes: the engine's families (native ARCHITECTURES, which
 #: a test checks this against).
@@ -56,7 +57,7 @@ def _tokenizer_kvs() -> tuple:
 
 def write_tokenizer_gguf(path: str | os.PathLike) -> str:
     """A GGUF with the default model's tokenizer.* keys and nothing else (about 2 MB)."""
-    with atomic_output(path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, "llama")) as w:
+    with atomic_output(path) as tmp, contextlib.closing(GGUFWriter(tmp, "llama")) as w:
         _copy_tokenizer(w)
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -375,9 +376,9 @@ def _llama3_rope_factors(dim: int, base: float, factor: float, low: float, high:
     return np.array(out, dtype=np.float32)
 
 
-class _StreamingWriter(gguf.GGUFWriter):
-    """gguf's writer, but add_tensor takes a (shape, dtype, draw) triple and write_streamed draws
-    and writes each tensor's data in turn."""
+class _StreamingWriter(GGUFWriter):
+    """The package's GGUFWriter, but add_tensor takes a (shape, dtype, draw) triple and
+    write_streamed draws and writes each tensor's data in turn."""
 
     def __init__(self, path, arch):
         super().__init__(path, arch)

@@ -16,6 +16,7 @@ from .._loader import native
 from . import river_index
 from .io import copy_metadata, deferred_interrupts, temp_name
 from .reader import GGUFReader
+from .writer import GGUFWriter
 from .river_index import RIVER_PREFIX, read_field, river_tensors
 
 
@@ -103,7 +104,7 @@ def temp_path(near: str, suffix: str):
 def new_writer(path: str, reader, skip_prefix: Optional[str] = RIVER_PREFIX):
     """A GGUFWriter with ``reader``'s metadata (keys under ``skip_prefix`` left out)."""
 
-    w = gguf.GGUFWriter(path, arch(reader))
+    w = GGUFWriter(path, arch(reader))
     skip = {"general.alignment"}
     if skip_prefix:
         skip |= {k for k in reader.fields if k.startswith(skip_prefix)}

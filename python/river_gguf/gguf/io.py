@@ -30,6 +30,7 @@ from gguf import GGUFValueType as VT
 from tqdm import tqdm
 
 from .reader import GGUFReader
+from .writer import GGUFWriter
 
 # llama.cpp's LLAMA_FTYPE_MOSTLY_F16; general.file_type for an F16 conversion.
 _FILE_TYPE_MOSTLY_F16 = 1
@@ -383,7 +384,7 @@ def write_f16(src_path: str | os.PathLike, dst_path: str | os.PathLike, progress
     reader = GGUFReader(src_path)
     arch = reader.fields["general.architecture"].contents()
 
-    with atomic_output(dst_path) as tmp, contextlib.closing(gguf.GGUFWriter(tmp, arch)) as writer:
+    with atomic_output(dst_path) as tmp, contextlib.closing(GGUFWriter(tmp, arch)) as writer:
         copy_metadata(reader, writer, skip={"general.file_type"})
         writer.add_file_type(_FILE_TYPE_MOSTLY_F16)
 

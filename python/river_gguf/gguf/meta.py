@@ -18,6 +18,7 @@ from tqdm import tqdm
 from . import river_index
 from .io import atomic_output, metadata_items
 from .reader import GGUFReader
+from .writer import GGUFWriter
 
 
 def value_type(value: Any, old_type=None):
@@ -79,7 +80,7 @@ def set_river_metadata(path: str, updates: Dict[str, Any], progress: bool = Fals
     written: Dict[str, Any] = {}
     f32_keys = set()
     with atomic_output(path) as tmp:
-        with contextlib.closing(gguf.GGUFWriter(tmp, arch)) as w:
+        with contextlib.closing(GGUFWriter(tmp, arch)) as w:
             done = set()
             for key, value, vtype, sub in metadata_items(reader, skip={"general.alignment"}):
                 if key in updates:

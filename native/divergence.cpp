@@ -2,26 +2,146 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <thread>
 #include <vector>
+
+// The row loops are built twice where ifuncs exist (x86-64 Linux, GCC): for AVX2 with FMA, and
+// for the baseline the package is built for; the loader picks one per machine, so a machine's
+// results do not change from call to call.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define RIVER_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define RIVER_CLONES
+#endif
 
 namespace river {
 
 namespace {
 
-// The row's first highest entry and its log-sum-exp, in double.
-struct RowStats {
-    int64_t top;
-    double lse;
-};
+// Sums run in LANES independent partial sums, added in one fixed order at the end: the compiler
+// can then keep them in vector registers (an FP sum in vocabulary order is one long dependency
+// chain it may not reorder), and a row's result still depends on nothing but the row.
+constexpr int64_t LANES = 8;
 
-RowStats row_stats(const float* x, int64_t n) {
-    int64_t top = 0;
-    for (int64_t v = 1; v < n; ++v) if (x[v] > x[top]) top = v;
-    const double m = x[top];
+double lanes_total(const double* acc) {
     double s = 0;
-    for (int64_t v = 0; v < n; ++v) s += std::exp(double(x[v]) - m);
-    return {top, m + std::log(s)};
+    for (int64_t j = 0; j < LANES; ++j) s += acc[j];
+    return s;
+}
+
+// e^x in double for x <= 0 (a logit minus its row's largest), written without calls or branches
+// so that a loop of it vectorizes: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to
+// r^12 (the first term left out is below 3e-16 of the result), and 2^n put into the exponent's
+// bits. Below -708, where 2^n would leave the normal range, it gives 0 (such a term is below
+// 1e-307 of the row's sum).
+inline double exp_nonpositive(double x) {
+    constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52: adding it rounds to an integer, kept in the low bits
+    constexpr double kLog2e = 1.4426950408889634;
+    constexpr double kLn2Hi = 0.6931471803691238;     // ln 2's leading bits: n * kLn2Hi is exact
+    constexpr double kLn2Lo = 1.9082149292705877e-10;  // the rest of ln 2
+    const double xc = x < -708.0 ? -708.0 : x;
+    const double t = xc * kLog2e + kRound;
+    const double n = t - kRound;
+    const double r = (xc - n * kLn2Hi) - n * kLn2Lo;
+    double p = 1.0 / 479001600.0;  // 1/12!
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    uint64_t bits, round_bits;
+    std::memcpy(&bits, &t, sizeof bits);
+    std::memcpy(&round_bits, &kRound, sizeof round_bits);
+    const uint64_t exponent = (bits - round_bits + 1023u) << 52;  // n + 1023, n in [-1022, 0]
+    double scale;
+    std::memcpy(&scale, &exponent, sizeof scale);
+    return x < -708.0 ? 0.0 : p * scale;
+}
+
+// The row's first highest entry (0 for a row of NaNs, whose measures come out NaN).
+RIVER_CLONES int64_t row_top(const float* x, int64_t n) {
+    float lane[LANES];
+    for (int64_t j = 0; j < LANES; ++j) lane[j] = -INFINITY;
+    int64_t v = 0;
+    for (; v + LANES <= n; v += LANES) {
+        for (int64_t j = 0; j < LANES; ++j) lane[j] = x[v + j] > lane[j] ? x[v + j] : lane[j];
+    }
+    float m = lane[0];
+    for (int64_t j = 1; j < LANES; ++j) m = lane[j] > m ? lane[j] : m;
+    for (; v < n; ++v) m = x[v] > m ? x[v] : m;
+    int64_t top = 0;
+    while (top < n && x[top] != m) ++top;
+    return top < n ? top : 0;
+}
+
+// sum_v e^(x[v] - m), m the row's highest; with kStore, e gets each term.
+template <bool kStore>
+RIVER_CLONES double row_sum_exp(const float* x, int64_t n, double m, double* e) {
+    double acc[LANES] = {};
+    int64_t v = 0;
+    for (; v + LANES <= n; v += LANES) {
+        for (int64_t j = 0; j < LANES; ++j) {
+            const double ev = exp_nonpositive(double(x[v + j]) - m);
+            if constexpr (kStore) e[v + j] = ev;
+            acc[j] += ev;
+        }
+    }
+    double s = lanes_total(acc);
+    for (; v < n; ++v) {
+        const double ev = exp_nonpositive(double(x[v]) - m);
+        if constexpr (kStore) e[v] = ev;
+        s += ev;
+    }
+    return s;
+}
+
+// One reference row against every configuration's row r. prob: n_vocab of scratch.
+RIVER_CLONES void divergence_row(const float* p, int64_t r, int32_t target, int64_t n_vocab, const DivergenceOutput* configs,
+                    int64_t n_configs, double* prob) {
+    const int64_t top_p = row_top(p, n_vocab);
+    const double sum_e = row_sum_exp<true>(p, n_vocab, p[top_p], prob);
+    const double lse_p = double(p[top_p]) + std::log(sum_e);
+    // P = e^(p - max) / sum, and its total as rounded, for the KLD's second term.
+    double acc[LANES] = {};
+    int64_t v = 0;
+    for (; v + LANES <= n_vocab; v += LANES) {
+        for (int64_t j = 0; j < LANES; ++j) {
+            prob[v + j] /= sum_e;
+            acc[j] += prob[v + j];
+        }
+    }
+    double total_p = lanes_total(acc);
+    for (; v < n_vocab; ++v) {
+        prob[v] /= sum_e;
+        total_p += prob[v];
+    }
+    for (int64_t c = 0; c < n_configs; ++c) {
+        const DivergenceOutput& out = configs[c];
+        const float* q = out.logits + r * n_vocab;
+        const int64_t top_q = row_top(q, n_vocab);
+        const double lse_q = double(q[top_q]) + std::log(row_sum_exp<false>(q, n_vocab, q[top_q], nullptr));
+        // KL(P || Q) = sum P (p - lse_p - q + lse_q) = sum P (p - q) - (lse_p - lse_q) sum P:
+        // one pass over the row, and a row equal to the reference's sums to exactly 0.
+        double kl[LANES] = {};
+        v = 0;
+        for (; v + LANES <= n_vocab; v += LANES) {
+            for (int64_t j = 0; j < LANES; ++j) kl[j] += prob[v + j] * (double(p[v + j]) - double(q[v + j]));
+        }
+        double d = lanes_total(kl);
+        for (; v < n_vocab; ++v) d += prob[v] * (double(p[v]) - double(q[v]));
+        d -= (lse_p - lse_q) * total_p;
+        out.kld[r] = std::max(d, 0.0);  // rounding can give -1e-17 for rows that are nearly equal
+        out.same_top[r] = top_p == top_q;
+        out.nll[r] = -(double(q[target]) - lse_q);
+    }
 }
 
 }  // namespace
@@ -29,26 +149,11 @@ RowStats row_stats(const float* x, int64_t n) {
 void divergence_rows(const float* reference, const int32_t* targets, int64_t n_rows, int64_t n_vocab,
                      const DivergenceOutput* configs, int64_t n_configs, int n_threads) {
     auto run = [&](int64_t first, int64_t last) {
-        // P(v) of the row, shared by every configuration: the exp is most of a row's work, and
-        // the same value in each configuration's sum keeps every result what a call of its own gives.
+        // P(v) of the row, shared by every configuration: the same values in each
+        // configuration's sum keep every result what a call of its own gives.
         std::vector<double> prob(static_cast<size_t>(n_vocab));
         for (int64_t r = first; r < last; ++r) {
-            const float* p = reference + r * n_vocab;
-            const RowStats sp = row_stats(p, n_vocab);
-            for (int64_t v = 0; v < n_vocab; ++v) prob[v] = std::exp(double(p[v]) - sp.lse);
-            for (int64_t c = 0; c < n_configs; ++c) {
-                const DivergenceOutput& out = configs[c];
-                const float* q = out.logits + r * n_vocab;
-                const RowStats sq = row_stats(q, n_vocab);
-                double d = 0;
-                for (int64_t v = 0; v < n_vocab; ++v) {
-                    const double pv = prob[v];
-                    if (pv > 0) d += pv * ((double(p[v]) - sp.lse) - (double(q[v]) - sq.lse));
-                }
-                out.kld[r] = std::max(d, 0.0);  // rounding can give -1e-17 for rows that are nearly equal
-                out.same_top[r] = sp.top == sq.top;
-                out.nll[r] = -(double(q[targets[r]]) - sq.lse);
-            }
+            divergence_row(reference + r * n_vocab, r, targets[r], n_vocab, configs, n_configs, prob.data());
         }
     };
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(n_threads, n_rows));

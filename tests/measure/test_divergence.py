@@ -57,6 +57,21 @@ def test_compare_is_kl_divergence():
         divergence.compare(ref_logits, q_logits, np.full(40, 5000))
 
 
+def test_rows_of_every_spread_match_numpy_in_double():
+    """The native exp over the whole range a logit row spans (down to where e^x underflows), and
+    vocabularies that are not a multiple of the kernel's lanes: numpy in float64 as the oracle."""
+    rng = np.random.default_rng(2)
+    for n_vocab, scale in ((5003, 0.01), (4099, 3.0), (2053, 40.0), (1031, 300.0)):
+        ref_logits = (rng.normal(size=(9, n_vocab)) * scale).astype(np.float32)
+        q_logits = (ref_logits + rng.normal(scale=0.3 * scale, size=ref_logits.shape)).astype(np.float32)
+        targets = rng.integers(0, n_vocab, size=9)
+        d = divergence.compare(ref_logits, q_logits, targets)
+        lp, lq = _log_softmax(ref_logits), _log_softmax(q_logits)
+        np.testing.assert_allclose(d.kld, np.maximum((np.exp(lp) * (lp - lq)).sum(-1), 0.0), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(d.nll, -lq[np.arange(9), targets], rtol=1e-9)
+        np.testing.assert_array_equal(d.same_top, ref_logits.argmax(-1) == q_logits.argmax(-1))
+
+
 def test_settings_compared_together_score_as_each_alone():
     """compare_many computes the reference's softmax once for every configuration: each result is
     compare()'s alone, bit for bit, whatever is compared beside it."""

@@ -224,6 +224,7 @@ void Engine::eval_chunk(const int32_t* tokens, const BatchCells& cells, const Ev
     spec.all_logits = req.all_logits || req.embeddings;
     spec.n_out = static_cast<int>(cells.out.size());
     spec.first_row = spec.all_logits ? req.first_row : 0;
+    spec.every_row = req.trace;  // the trace holds every row's score at every layer, whatever rows the head runs
     spec.backbone_attention = req.backbone_attention;
     spec.draft_vocab = req.draft_vocab;
     if (req.decode_kernels && n > 1) {

@@ -201,9 +201,10 @@ private:
         int n_out = 0;               // > 0: the head runs the n_out rows BatchCells::out names
         bool decode_kernels = false;  // every row in the single-token kernels (n > 1)
         std::vector<int> row_n_kv;    // with decode_kernels: each row's n_kv, a decode step's
+        bool every_row = false;       // every layer keeps every row (a trace records each row's score)
         auto key() const {
             return std::tie(n, n_kv, from_tokens, river_embd, spans, exits, rule, head, all_logits, first_row,
-                            backbone_attention, draft_vocab, n_out, decode_kernels, row_n_kv);
+                            backbone_attention, draft_vocab, n_out, decode_kernels, row_n_kv, every_row);
         }
         bool operator==(const GraphSpec& o) const;
     };

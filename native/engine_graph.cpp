@@ -84,7 +84,7 @@ std::unique_ptr<Engine::Graph> Engine::build(const GraphSpec& spec, bool keep) {
     in.flash_attn = flash_attn_;
     in.decode_kernels = spec.decode_kernels;
     in.row_n_kv = spec.row_n_kv;
-    in.last_row_only = spec.head != Head::None && !spec.all_logits && n > 1 && spec.n_out == 0;
+    in.last_row_only = spec.head != Head::None && !spec.all_logits && n > 1 && spec.n_out == 0 && !spec.every_row;
     if (spec.head != Head::None && spec.n_out > 0) {
         in.out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, spec.n_out);
         ggml_set_input(in.out_ids);

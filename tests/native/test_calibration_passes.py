@@ -93,3 +93,21 @@ def test_similarity_rows_are_the_decode_trace(tiny_model):
     trace = np.array(similarity_trace(m, toks, mode="backbone"))  # one decode step a token, after the first
     np.testing.assert_allclose(rows[1:], trace, atol=2e-3)  # F16 weights: batched and single-token kernels
     assert not np.allclose(rows[1:], np.roll(trace, 1, axis=0))  # row i is token i's, not a neighbour's
+
+
+def test_a_trace_without_all_logits_scores_every_row(tiny_model):
+    """A traced batch keeps every row through every layer whatever rows its head runs: the
+    scores are the all-logits pass's bit for bit, and the logits its last row's (up to the head's
+    kernels for one row against many)."""
+    m = tiny_model
+    toks = m.tokenize(PROSE)[:40]
+    with m.lock, m.session(m.options(mode="backbone")) as s:
+        every = s.extend(toks, all_logits=True, trace=True)
+        scores_every = list(s.scores)
+    with m.lock, m.session(m.options(mode="backbone")) as s:
+        last = s.extend(toks, trace=True)
+        scores_last = list(s.scores)
+    assert len(scores_last) == len(scores_every) == m.n_layer * len(toks)
+    assert scores_last == scores_every
+    np.testing.assert_allclose(last, every[-1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(similarity_rows(m, toks).T.ravel(), np.asarray(scores_every, dtype=np.float32))

@@ -66,6 +66,6 @@ def similarity_rows(model, tokens: Sequence[int], exit_rule: Optional[str] = Non
         opts = replace(opts, exit_rule=exit_rule).validate(model.n_layer, model.has_river)
     # A fresh session starts from an empty cache; the next user of the cache clears it again.
     with model.lock, model.session(opts) as s:
-        s.extend(toks, all_logits=True, trace=True)
+        s.extend(toks, trace=True)  # every row's score at every layer; the head runs the last row alone
         sims = s.scores
     return np.asarray(sims, dtype=np.float32).reshape(model.n_layer, len(toks)).T

@@ -304,6 +304,22 @@ def prompt_check(path: str, f16_path: str, threads: int, min_tokens: int, length
     of `lengths` (measure.scoring.PRESET_PROMPT_TOKENS is the converter's): per length, the F16's
     reference rows, then the full sweep and the converter's pruned search against them, with
     each row's KLD and interval."""
+
+    return choice_check(path, f16_path, threads, [(f"prompt {n}", min_tokens, n) for n in lengths])
+
+
+def budget_check(path: str, f16_path: str, threads: int, budgets) -> dict:
+    """prompt_check's study over the presets' evidence budget (the scored tokens a setting is
+    measured on, the converter's --calibration-tokens) at the converter's prompt length."""
+    from river_gguf.measure.scoring import PRESET_PROMPT_TOKENS
+
+    return choice_check(path, f16_path, threads, [(f"budget {n}", n, PRESET_PROMPT_TOKENS) for n in budgets])
+
+
+def choice_check(path: str, f16_path: str, threads: int, variants) -> dict:
+    """The presets chosen on one River GGUF for each (label, scored-token budget, prompt length) of
+    `variants`: per variant, the F16's reference rows, then the full sweep and the converter's
+    pruned search against them, with each row's KLD and interval."""
     from river_gguf.calibrate import open_model, preset_grid
     from river_gguf.measure import divergence
     from river_gguf.measure.profile import similarity_profile
@@ -313,9 +329,9 @@ def prompt_check(path: str, f16_path: str, threads: int, min_tokens: int, length
     f16 = open_model(f16_path, n_ctx=1024, n_threads=threads, mode="backbone", repack=False)
     profile = similarity_profile(f16, own_engine=False)
     m = open_model(path, n_ctx=1024, n_threads=threads, threshold=never_exit("cosine"))
-    out = {"file": os.path.basename(path), "reference": os.path.basename(f16_path), "lengths": {}}
-    for n in lengths:
-        prepared = calibration_prepared(f16, min_tokens, prompt_tokens=n)
+    out = {"file": os.path.basename(path), "reference": os.path.basename(f16_path), "variants": {}}
+    for label, min_tokens, prompt_tokens in variants:
+        prepared = calibration_prepared(f16, min_tokens, prompt_tokens=prompt_tokens)
         with divergence.ReferenceRows("F16", tempfile.gettempdir()) as ref:
             ref.add_logits_of(f16, prepared)
             row = {"items": len(prepared), "tokens": sum(len(t) for t, _ in prepared),
@@ -323,16 +339,16 @@ def prompt_check(path: str, f16_path: str, threads: int, min_tokens: int, length
             for name, prune in (("searched", True), ("full", False)):
                 t0 = time.perf_counter()
                 res = preset_grid.calibrate_presets(m, prepared=prepared, reference=ref, profile=profile,
-                                                    progress=False, prune=prune)
+                                                    progress=False, prune=prune, min_tokens=min_tokens)
                 row[name] = {"seconds": time.perf_counter() - t0,
                              "presets": {k: p.setting.named() for k, p in res["presets"].items()},
                              "rows": [{"options": r["options"].named(), "kld": r.get("kld"), "kld_ci": r.get("kld_ci")}
                                       for r in res["rows"]]}
-        out["lengths"][str(n)] = row
-        print(f"prompt {n}: {row['items']} items, {row['tokens']} tokens a setting, {row['scored']} scored; "
+        out["variants"][label] = row
+        print(f"{label}: {row['items']} items, {row['tokens']} tokens a setting, {row['scored']} scored; "
               f"search {row['searched']['seconds']:.0f} s, full sweep {row['full']['seconds']:.0f} s; "
               f"presets {row['full']['presets']}", flush=True)
-    picks = [(r["full"]["presets"], r["searched"]["presets"]) for r in out["lengths"].values()]
+    picks = [(r["full"]["presets"], r["searched"]["presets"]) for r in out["variants"].values()]
     out["same"] = all(f == picks[0][0] and s == picks[0][0] for f, s in picks)
     return out
 
@@ -373,13 +389,19 @@ def main(argv=None) -> int:
                     help="instead: the presets chosen with the items' prompts cut to each of --prompt-tokens "
                          "(needs --profile-of, the F16: the reference)")
     ap.add_argument("--prompt-tokens", default="64,16", help="--prompt-check: the prompt lengths (default 64,16)")
+    ap.add_argument("--budget-check", metavar="MODEL.river.gguf",
+                    help="instead: the presets chosen at each of --budgets scored tokens (needs --profile-of, the F16)")
+    ap.add_argument("--budgets", default="1024,768", help="--budget-check: the scored-token budgets (default 1024,768)")
     a = ap.parse_args(argv)
-    if a.prompt_check:
+    if a.prompt_check or a.budget_check:
         if not a.profile_of:
-            ap.error("--prompt-check needs --profile-of F16.gguf (the reference)")
-        res = prompt_check(a.prompt_check, a.profile_of, a.threads, a.tokens,
-                           [int(x) for x in a.prompt_tokens.split(",")])
-        print("the same presets at every length" if res["same"] else "DIFFERENT presets")
+            ap.error("--prompt-check and --budget-check need --profile-of F16.gguf (the reference)")
+        if a.prompt_check:
+            res = prompt_check(a.prompt_check, a.profile_of, a.threads, a.tokens,
+                               [int(x) for x in a.prompt_tokens.split(",")])
+        else:
+            res = budget_check(a.budget_check, a.profile_of, a.threads, [int(x) for x in a.budgets.split(",")])
+        print("the same presets in every variant" if res["same"] else "DIFFERENT presets")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)

@@ -45,11 +45,11 @@ PROFILE_TOKENS = 256
 # docstring): the F16 pass per token (imatrix and reference rows, their logits included), the
 # presets per token-pass of a setting, quantization per element of the probe's rate, and the fixed
 # costs (engine loads, the vocabulary, hashing and writing per GiB).
-PASS_FACTOR = 1.01
+PASS_FACTOR = 0.90
 DECODE_FACTOR = 3.0       # a decode step against a batched token, for dynamic settings
-QUANT_FACTOR = 0.94
+QUANT_FACTOR = 1.05
 FIXED_SECONDS = 0.0
-IO_SECONDS_PER_GIB = 2.25
+IO_SECONDS_PER_GIB = 1.92
 BASE_BYTES = 0.35 * GIB   # Python, numpy, the vocabulary and the engines' own buffers
 
 
@@ -70,12 +70,12 @@ def _priced(units: Dict[str, float], f16_bytes: int = 0) -> float:
 
 def presets_factor(f16_bytes: int) -> float:
     """A quantized setting's batched token over the F16's (the probe's), the plan's pass of the
-    presets priced as the rows of BENCHMARKS.md ran (benchmarks/convert_cost.py --fit): 1.18 at
-    Qwen2.5-Coder-0.5B; at the 1.5B shape 1.10 with the default river and 1.79 with a Q4_0 river
-    (whose search ran a round past the plan's pass), stored as 1.40 between them; interpolated in
+    presets priced as the rows of BENCHMARKS.md ran (benchmarks/convert_cost.py --fit): 1.19 at
+    Qwen2.5-Coder-0.5B; at the 1.5B shape 1.28 with the default river and 1.46 with a Q4_0 river
+    (whose search ran a round past the plan's pass), stored as 1.37 between them; interpolated in
     the F16's size (log scale), held flat outside."""
     x = np.log([1.18 * GIB, 3.31 * GIB])
-    return float(np.interp(np.log(max(f16_bytes, 1)), x, [1.18, 1.40]))
+    return float(np.interp(np.log(max(f16_bytes, 1)), x, [1.19, 1.37]))
 
 
 @dataclass

@@ -21,6 +21,8 @@ from gguf.constants import GGUFValueType
 _U64 = struct.Struct("<Q")
 _ARRAY_TYPE = np.dtype("<u4")
 _ARRAY_LEN = np.dtype("<u8")
+
+
 class ArrayParts(Sequence):
     """The parts of an array field, as gguf-py lists them (the key's length and bytes, the value
     type, the item type, the length, then each value's parts), each value's made when it is read.

@@ -304,7 +304,6 @@ def prompt_check(path: str, f16_path: str, threads: int, min_tokens: int, length
     of `lengths` (measure.scoring.PRESET_PROMPT_TOKENS is the converter's): per length, the F16's
     reference rows, then the full sweep and the converter's pruned search against them, with
     each row's KLD and interval."""
-
     return choice_check(path, f16_path, threads, [(f"prompt {n}", min_tokens, n) for n in lengths])
 
 

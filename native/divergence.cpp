@@ -82,61 +82,39 @@ RIVER_CLONES int64_t row_top(const float* x, int64_t n) {
     return top < n ? top : 0;
 }
 
-// sum_v e^(x[v] - m), m the row's highest; with kStore, e gets each term.
-template <bool kStore>
-RIVER_CLONES double row_sum_exp(const float* x, int64_t n, double m, double* e) {
+// sum_v term(v) over v < n, in LANES partial sums and then the tail, in one fixed order.
+template <class Term>
+inline double lane_sum(int64_t n, Term term) {
     double acc[LANES] = {};
     int64_t v = 0;
     for (; v + LANES <= n; v += LANES) {
-        for (int64_t j = 0; j < LANES; ++j) {
-            const double ev = exp_nonpositive(double(x[v + j]) - m);
-            if constexpr (kStore) e[v + j] = ev;
-            acc[j] += ev;
-        }
+        for (int64_t j = 0; j < LANES; ++j) acc[j] += term(v + j);
     }
     double s = lanes_total(acc);
-    for (; v < n; ++v) {
-        const double ev = exp_nonpositive(double(x[v]) - m);
-        if constexpr (kStore) e[v] = ev;
-        s += ev;
-    }
+    for (; v < n; ++v) s += term(v);
     return s;
 }
 
 // One reference row against every configuration's row r. prob: n_vocab of scratch.
-RIVER_CLONES void divergence_row(const float* p, int64_t r, int32_t target, int64_t n_vocab, const DivergenceOutput* configs,
-                    int64_t n_configs, double* prob) {
+RIVER_CLONES void divergence_row(const float* p, int64_t r, int32_t target, int64_t n_vocab,
+                                 const DivergenceOutput* configs, int64_t n_configs, double* prob) {
     const int64_t top_p = row_top(p, n_vocab);
-    const double sum_e = row_sum_exp<true>(p, n_vocab, p[top_p], prob);
-    const double lse_p = double(p[top_p]) + std::log(sum_e);
+    const double max_p = p[top_p];
+    const double sum_e = lane_sum(n_vocab, [&](int64_t v) { return prob[v] = exp_nonpositive(double(p[v]) - max_p); });
+    const double lse_p = max_p + std::log(sum_e);
     // P = e^(p - max) / sum, and its total as rounded, for the KLD's second term.
-    double acc[LANES] = {};
-    int64_t v = 0;
-    for (; v + LANES <= n_vocab; v += LANES) {
-        for (int64_t j = 0; j < LANES; ++j) {
-            prob[v + j] /= sum_e;
-            acc[j] += prob[v + j];
-        }
-    }
-    double total_p = lanes_total(acc);
-    for (; v < n_vocab; ++v) {
-        prob[v] /= sum_e;
-        total_p += prob[v];
-    }
+    const double total_p = lane_sum(n_vocab, [&](int64_t v) { return prob[v] /= sum_e; });
     for (int64_t c = 0; c < n_configs; ++c) {
         const DivergenceOutput& out = configs[c];
         const float* q = out.logits + r * n_vocab;
         const int64_t top_q = row_top(q, n_vocab);
-        const double lse_q = double(q[top_q]) + std::log(row_sum_exp<false>(q, n_vocab, q[top_q], nullptr));
+        const double max_q = q[top_q];
+        const double lse_q = max_q + std::log(lane_sum(n_vocab, [&](int64_t v) {
+            return exp_nonpositive(double(q[v]) - max_q);
+        }));
         // KL(P || Q) = sum P (p - lse_p - q + lse_q) = sum P (p - q) - (lse_p - lse_q) sum P:
         // one pass over the row, and a row equal to the reference's sums to exactly 0.
-        double kl[LANES] = {};
-        v = 0;
-        for (; v + LANES <= n_vocab; v += LANES) {
-            for (int64_t j = 0; j < LANES; ++j) kl[j] += prob[v + j] * (double(p[v + j]) - double(q[v + j]));
-        }
-        double d = lanes_total(kl);
-        for (; v < n_vocab; ++v) d += prob[v] * (double(p[v]) - double(q[v]));
+        double d = lane_sum(n_vocab, [&](int64_t v) { return prob[v] * (double(p[v]) - double(q[v])); });
         d -= (lse_p - lse_q) * total_p;
         out.kld[r] = std::max(d, 0.0);  // rounding can give -1e-17 for rows that are nearly equal
         out.same_top[r] = top_p == top_q;

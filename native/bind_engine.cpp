@@ -214,6 +214,16 @@ void bind_exit_setting(py::module_& m) {
     m.attr("EXIT_SETTING") = setting_dict(ExitSetting{});
 }
 
+// A float32 array [n, width] that owns `rows` (moved, not copied: a batch's logits are tens of MB).
+py::array_t<float> owned_rows(std::vector<float>&& rows, py::ssize_t n, py::ssize_t width) {
+    if (rows.size() != size_t(n) * size_t(width)) throw std::logic_error("engine rows: size does not match the shape");
+    auto owned = std::make_unique<std::vector<float>>(std::move(rows));
+    float* data = owned->data();
+    py::capsule keep(owned.get(), [](void* p) { delete static_cast<std::vector<float>*>(p); });
+    owned.release();
+    return py::array_t<float>({n, width}, data, keep);
+}
+
 py::tuple eval(Engine& e, std::vector<int32_t> tokens, bool all_logits, bool trace, bool embeddings, int first_row,
                std::vector<int32_t> seq_ids, bool decode_kernels, const py::kwargs& setting) {
     EvalRequest req;
@@ -232,9 +242,7 @@ py::tuple eval(Engine& e, std::vector<int32_t> tokens, bool all_logits, bool tra
     }
     // Rows of logits (n_vocab wide), or of embeddings (n_embd wide).
     const int width = res.n_rows ? res.n_cols : (embeddings ? e.hparams().n_embd : e.hparams().n_vocab);
-    py::array_t<float> logits({res.n_rows, width});
-    std::memcpy(logits.mutable_data(), res.logits.data(), res.logits.size() * sizeof(float));
-    return py::make_tuple(logits, res.exit_layer, res.similarity);
+    return py::make_tuple(owned_rows(std::move(res.logits), res.n_rows, width), res.exit_layer, res.similarity);
 }
 
 // Per tail, its logits rows [n, n_vocab] (Engine::river_tails); with keep_hidden, also
@@ -264,13 +272,7 @@ py::object river_tails(Engine& e, std::vector<int32_t> tokens, std::vector<int> 
     py::list out;
     const py::ssize_t n = static_cast<py::ssize_t>(tokens.size()) - first_row, width = e.hparams().n_vocab;
     // Each array owns its tail's rows (no copy: a family's rows would otherwise be held twice).
-    for (auto& r : rows) {
-        auto owned = std::make_unique<std::vector<float>>(std::move(r));
-        float* data = owned->data();
-        py::capsule keep(owned.get(), [](void* p) { delete static_cast<std::vector<float>*>(p); });
-        owned.release();
-        out.append(py::array_t<float>({n, width}, data, keep));
-    }
+    for (auto& r : rows) out.append(owned_rows(std::move(r), n, width));
     if (!keep_hidden) return std::move(out);
     py::dict hidden;
     for (TrunkState& k : kept) {

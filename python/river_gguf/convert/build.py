@@ -31,6 +31,7 @@ The command line (``river-gguf convert``, ``tools/add_river_gguf.py``) is river_
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import functools
@@ -314,10 +315,16 @@ def build_river_gguf(
                         given_imatrix, n_threads, log, say)
                 rv = open_reader(river_src)
                 compare_models(bb, rv)
+                # The inputs' hashes are read on one thread while the backbone is quantized, which
+                # leaves part of the machine idle (llama.cpp's quantizer reads and writes between
+                # its threads' blocks); the stack waits for it on every exit.
+                hashes = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1)).submit(
+                    lambda: (sha256_file(backbone_path), sha256_file(river_src)))
                 stored_path = _stored_backbone(plain, bb, backbone_type, out_path, stack, n_threads, log, say)
                 entries, meta = _file_entries(backbone_path, river_path, river_src, type_label, threshold, calib,
                                               dict(exit_rule=exit_rule, min_exit_layer=min_exit_layer, prefill=prefill,
-                                                   river_head=river_head, tail=tail), backbone_type, imatrix_meta, say)
+                                                   river_head=river_head, tail=tail), backbone_type, imatrix_meta,
+                                              hashes.result(), say)
                 if presets:
                     # Measured on the two parts before they are joined: the output is written once.
                     found = _measure_presets(stored_path, river_src, calib, n_threads, progress, calibration_tokens,
@@ -397,10 +404,11 @@ def _stored_backbone(plain, bb, backbone_type: Optional[str], out_path: str, sta
 
 
 def _file_entries(backbone_path, river_path, river_src, type_label, threshold, calib, exit_setting: dict,
-                  backbone_type, imatrix_meta, say) -> tuple:
+                  backbone_type, imatrix_meta, sha256: Tuple[str, str], say) -> tuple:
     """(the river.* entries of the output but its presets, the metadata they hold as read back):
     the exit defaults (the threshold given, or the calibration pass's profile), where the river
-    came from, and the draft vocabulary's ranking."""
+    came from (sha256: the backbone input's and the river file's), and the draft vocabulary's
+    ranking."""
     if threshold is None:
         meta_threshold, source, prof = float(calib.profile["threshold"]), \
             f"profile-q{calib.profile['quantile']:.2f}", calib.profile
@@ -408,7 +416,8 @@ def _file_entries(backbone_path, river_path, river_src, type_label, threshold, c
         meta_threshold, source, prof = float(threshold), "user", None
     entries = _river_entries(backbone_path, river_path, river_src, type_label, meta_threshold, source,
                              exit_setting["exit_rule"], exit_setting["min_exit_layer"], exit_setting["prefill"],
-                             exit_setting["river_head"], exit_setting["tail"], backbone_type, imatrix_meta, prof)
+                             exit_setting["river_head"], exit_setting["tail"], backbone_type, imatrix_meta, prof,
+                             sha256)
     ranking = calib.ranking if calib.ranking is not None else draft_token_ranking(backbone_path)
     say(f"draft vocabulary: {len(ranking)} tokens of the calibration text ranked")
     entries.append((native.DRAFT_TOKENS_KEY, ranking, gguf.GGUFValueType.ARRAY))
@@ -710,7 +719,7 @@ def _make_river(src: str, out_path: str, stack, bb, river_type: str, river_head_
 
 
 def _river_entries(backbone_path, river_path, river_src, type_label, threshold, source, exit_rule, min_exit_layer,
-                   prefill, river_head, tail, backbone_type, imatrix_meta, prof) -> list:
+                   prefill, river_head, tail, backbone_type, imatrix_meta, prof, sha256: Tuple[str, str]) -> list:
     """The river.* keys of the file (docs/format.md)."""
     VT = gguf.GGUFValueType
     entries = [
@@ -723,9 +732,9 @@ def _river_entries(backbone_path, river_path, river_src, type_label, threshold, 
         ("river.prefill", prefill, VT.STRING),
         ("river.head", bool(river_head), VT.BOOL),
         ("river.backbone_file", os.path.basename(backbone_path), VT.STRING),
-        ("river.backbone_sha256", sha256_file(backbone_path), VT.STRING),
+        ("river.backbone_sha256", sha256[0], VT.STRING),
         ("river.river_file", os.path.basename(river_path) if river_path else f"(quantized {type_label})", VT.STRING),
-        ("river.river_sha256", sha256_file(river_src), VT.STRING),
+        ("river.river_sha256", sha256[1], VT.STRING),
         ("river.tail", int(tail), VT.UINT32),
         ("river.backbone_type", backbone_type or "as input", VT.STRING),
     ]

@@ -30,6 +30,7 @@ static settings batched, and reports score every row through decode.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 import time
@@ -254,7 +255,7 @@ class ReferenceRows:
             raise ValueError(f"reference rows must be 2-D, got shape {rows.shape}")
         self._file.seek(0, os.SEEK_END)
         self._index.append((self._file.tell(), rows.shape))
-        self._file.write(rows.tobytes())
+        self._file.write(memoryview(rows).cast("B"))  # the array's own bytes: no copy first
 
     def add_logits_of(self, model, prepared: Sequence[Tuple[List[int], int]], bar=None) -> int:
         """Add `model`'s logits on each prepared (tokens, prefix) item's scored rows, its backbone
@@ -278,9 +279,17 @@ class ReferenceRows:
         return os.fstat(self._file.fileno()).st_size
 
     def __getitem__(self, i: int) -> np.ndarray:
+        """Item i's rows, read-only: a map of the file's pages (the rows were just written, so they
+        are in the page cache; a copy into fresh memory per setting and item cost more than the
+        KLDs of a 150k vocabulary)."""
         offset, shape = self._index[i]
-        self._file.seek(offset)
-        return np.frombuffer(self._file.read(shape[0] * shape[1] * 4), dtype=np.float32).reshape(shape)
+        n = shape[0] * shape[1]
+        if not n:
+            return np.zeros(shape, dtype=np.float32)
+        self._file.flush()
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        pages = mmap.mmap(self._file.fileno(), offset - start + 4 * n, access=mmap.ACCESS_READ, offset=start)
+        return np.frombuffer(pages, dtype=np.float32, count=n, offset=offset - start).reshape(shape)
 
     def close(self) -> None:
         self._file.close()

@@ -43,10 +43,10 @@ def test_calibration_tokens_bound_the_preset_scoring(tuned_pair):
                                progress=False, replace_river=True)
 
 
-def test_default_calibration_is_1024_tokens_at_every_size():
+def test_default_calibration_is_768_tokens_at_every_size():
     # Static settings are scored at prefill speed, so an 8B gets what SmolLM2 gets.
     for size in (270_000_000, 1e9, 16_000_000_000):
-        assert build.calibration_token_budget(size) == 1024
+        assert build.calibration_token_budget(size) == 768
 
 
 def test_tune_rechooses_from_timed_grid_and_changes_no_tensor(tuned_pair, tmp_path):

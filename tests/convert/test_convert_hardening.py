@@ -642,7 +642,7 @@ def test_free_space_checked_before_any_work_reference_rows_included(slow_tiny, t
         raise AssertionError("the pass over the input started")
 
     plan = convert.disk_plan(str(slow_tiny), convert.open_reader(str(slow_tiny)), "q4_0", "q8_0", None, False, True,
-                             1024, 1)
+                             convert.DEFAULT_CALIBRATION_TOKENS, 1)
     assert plan["reference"] > plan["output"] > 0 and plan["river"] > 0 and plan["backbone"] > 0
     assert plan["need"] == plan["river"] + plan["backbone"] + plan["reference"]
     monkeypatch.setattr(convert, "_CalibrationPass", no_pass)

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from ..gguf.meta import set_river_metadata
 from ..measure import divergence
-from ..measure.scoring import PRESET_SCORE_TOKENS, calibration_prepared, prepare
+from ..measure.scoring import PRESET_CALIBRATION_TOKENS, PRESET_SCORE_TOKENS, calibration_prepared, prepare
 from ..measure.tails import river_tails
 from ..options import EXIT_RULES, never_exit
 from ..measure.profile import predicted_mean_exit, similarity_profile
@@ -41,7 +41,8 @@ def screen_items(n_items: int) -> List[int]:
 
 
 def calibrate_presets(model, items=None, score_tokens: int = PRESET_SCORE_TOKENS, progress: bool = True,
-                      settings: Optional[List[Setting]] = None, batched: bool = True, min_tokens: int = 1024,
+                      settings: Optional[List[Setting]] = None, batched: bool = True,
+                      min_tokens: int = PRESET_CALIBRATION_TOKENS,
                       prepared=None, reference=None, prune: bool = False, profile=None,
                       exit_rule: Optional[str] = None) -> dict:
     """Measure `settings` (default: grid()) on the calibration split and choose the presets.
@@ -396,7 +397,8 @@ def preset_metadata(res: dict, default: str = DEFAULT_PRESET) -> dict:
             REFERENCE_KEY: res["reference"]}
 
 
-def calibrate_presets_file(path: str, n_threads: int = 2, progress: bool = True, min_tokens: int = 1024,
+def calibrate_presets_file(path: str, n_threads: int = 2, progress: bool = True,
+                           min_tokens: int = PRESET_CALIBRATION_TOKENS,
                            score_tokens: int = PRESET_SCORE_TOKENS) -> dict:
     """Measure the preset grid on the calibration split (at least min_tokens scored tokens per
     static setting) and store the presets in the file (atomic rewrite of its metadata). Returns

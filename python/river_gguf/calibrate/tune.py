@@ -39,7 +39,7 @@ from tqdm import tqdm
 from .. import presets as presets_mod
 from .._loader import native
 from ..measure import divergence
-from ..measure.scoring import PRESET_SCORE_TOKENS, calibration_prepared
+from ..measure.scoring import PRESET_CALIBRATION_TOKENS, PRESET_SCORE_TOKENS, calibration_prepared
 from ..options import EXIT_RULES, never_exit
 from . import open_model
 from .cost_model import TIERS, choose
@@ -72,7 +72,7 @@ MAX_DRAFT = 8
 
 
 def measure_grid(path: str, reference: Optional[str] = None, n_threads: int = 2, progress: bool = True,
-                 min_tokens: int = 1024) -> dict:
+                 min_tokens: int = PRESET_CALIBRATION_TOKENS) -> dict:
     """Every setting of the grid (cost_model.grid), unpruned, measured on the calibration split
     (preset_grid.calibrate_presets): against `reference`'s logits (a GGUF of the same model, e.g.
     the F16 the file was converted from, checked as the engine checks a separate river) or, when
@@ -108,7 +108,7 @@ SCORE_TOKENS = PRESET_SCORE_TOKENS
 
 def tune(path: str, n_threads: int = 2, tokens: int = 64, rounds: int = 5, write: bool = True,
          progress: bool = True, measure: bool = False, reference: Optional[str] = None,
-         calibration_tokens: int = 1024) -> dict:
+         calibration_tokens: int = PRESET_CALIBRATION_TOKENS) -> dict:
     """Time the grid and the anchors on this machine and choose the presets again: the stored
     grid's measured settings, or with measure=True (or a reference) the whole grid measured
     first (measure_grid; `reference`: the F16 to measure against, default the file's backbone;

@@ -63,7 +63,7 @@ from ..gguf.io import (FTYPES, LlamaLog, atomic_output, captured_llama_log, chec
 from ..gguf.meta import value_type
 from ..gguf.river_index import FORMAT_VERSION, RIVER_PREFIX  # (2: the river after the backbone's data)
 from ..measure import divergence
-from ..measure.scoring import PRESET_SCORE_TOKENS, calibration_selection
+from ..measure.scoring import PRESET_CALIBRATION_TOKENS, PRESET_SCORE_TOKENS, calibration_selection
 from ..options import EXIT_RULES, never_exit
 from ..measure.profile import default_threshold, similarity_profile
 from . import imatrix as imx
@@ -229,7 +229,8 @@ def build_river_gguf(
         river_type (Q8_0 for q4_0 on SmolLM2: a third of the river's bytes).
     calibration_tokens: scored tokens of the held-out items each static preset setting runs on
         (batched, prompt included; dynamic settings: by decode on a quarter of the items), and a
-        tenth of the token budget of the imatrix collection; None (default) is 1,024 at every size.
+        tenth of the token budget of the imatrix collection; None (default) is
+        measure.scoring.PRESET_CALIBRATION_TOKENS (768) at every size.
     report: called with one line per step (the river's quantization and its fallback types, the
         importance matrix, the threshold), for a caller to print; llama.cpp's own log is kept
         (gguf.io.captured_llama_log) and printed to stderr only with verbose=True.
@@ -748,9 +749,9 @@ def _river_entries(backbone_path, river_path, river_src, type_label, threshold, 
 # ----- how much calibration -------------------------------------------------------------
 # The presets score the static settings in play batched (each item whole, in one pass per setting;
 # river-only tails share their river layers), and the dynamic ones by decode on a quarter of the
-# items; the imatrix is a batched prefill over about 6x the tokens. So the default is the same at
+# items; the imatrix is a batched prefill over about 9x the tokens. So the default is the same at
 # every size.
-DEFAULT_CALIBRATION_TOKENS = 1024
+DEFAULT_CALIBRATION_TOKENS = PRESET_CALIBRATION_TOKENS
 MIN_CALIBRATION_TOKENS = 32
 
 
@@ -770,8 +771,8 @@ IMATRIX_DATASET = "calibration split (gsm8k, humaneval; item % 5 == 0), the pres
 
 def imatrix_texts(calibration_tokens: int, held_out=()) -> List[str]:
     """The calibration texts for the imatrix, less the held-out items (the presets'), cut to
-    about 10x calibration_tokens tokens (at ~4 characters a token; the default 1,024 keeps all of
-    them, ~6,000 tokens once the presets' ~17 items are held out)."""
+    about 10x calibration_tokens tokens (at ~4 characters a token; the default 768 keeps all of
+    them, ~7,000 tokens once the presets' ~10 items are held out)."""
 
     texts, chars = [], 0
     for t in imx.calibration_texts(held_out=held_out):

@@ -178,6 +178,14 @@ def agreement(ref: List[List[int]], out: List[List[int]]) -> Tuple[float, float]
 #: shorter context, come out higher (Qwen's river-only 0.0031 against 0.0024; BENCHMARKS.md).
 PRESET_SCORE_TOKENS = 128
 PRESET_PROMPT_TOKENS = 16
+#: The presets' evidence by default: the scored tokens each static setting runs on, items taken in
+#: turn from both domains until they hold this many. 768 gives 10 items on SmolLM2 and on
+#: Qwen2.5-Coder (the fewest for which a KLD gets an interval, preset_grid.MIN_INTERVAL_ITEMS), where
+#: 1,024 gave 13 and 15: the presets chosen are the same at both budgets on both models, by the full
+#: sweep and by the converter's search; the intervals come out about a sixth wider; a conversion of
+#: Qwen2.5-Coder-0.5B is about 6% shorter (BENCHMARKS.md). The same at every model size: the
+#: presets' passes are batched, so they cost what the importance matrix's do per token.
+PRESET_CALIBRATION_TOKENS = 768
 
 
 def calibration_prepared(model, min_tokens: int, score_tokens: int = PRESET_SCORE_TOKENS,

@@ -46,6 +46,7 @@ except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/random_models.py
+from river_gguf.convert.build import DEFAULT_CALIBRATION_TOKENS  # noqa: E402
 from river_gguf.convert.imatrix import calibration_texts  # noqa: E402
 from river_gguf.default_model import cache_dir  # noqa: E402
 from river_gguf.eval import model_zoo  # noqa: E402
@@ -377,8 +378,8 @@ def main(argv=None) -> int:
                          "measured cost on this file (what PREDICTION_MARGIN has to cover)")
     ap.add_argument("--profile-of", metavar="F16.gguf",
                     help="--margin, --search-check: profile this file, as the converter does")
-    ap.add_argument("--tokens", type=int, default=1024,
-                    help="--margin, --search-check: calibration tokens (default 1024)")
+    ap.add_argument("--tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS,
+                    help=f"--margin, --search-check: calibration tokens (default {DEFAULT_CALIBRATION_TOKENS}, the converter's)")
     ap.add_argument("--rows", default=ROWS, help="where each model's row is written, and --fit reads them "
                                                  "(default reports/convert_cost)")
     ap.add_argument("--fit", action="store_true", help="instead: refit the dry run's constants from the rows")

@@ -174,13 +174,23 @@ def test_bootstrap_interval_is_deterministic_and_covers_the_mean(ref, river, pre
 
 def test_reference_rows_read_back_what_was_added(tmp_path):
     rng = np.random.default_rng(0)
+    # Odd widths put blocks at offsets no page boundary divides; a block without rows; a float64
+    # and a strided block are stored as float32 rows.
     blocks = [rng.standard_normal((n, 7)).astype(np.float32) for n in (3, 1, 5)]
+    blocks += [np.zeros((0, 7), np.float32), rng.standard_normal((4, 14))[:, ::2], rng.standard_normal((2000, 7))]
     with divergence.ReferenceRows("F16", str(tmp_path)) as ref:
-        for b in blocks:
+        for b in blocks[:3]:
             ref.add(b)
-        assert ref.label == "F16" and len(ref) == 3
+        np.testing.assert_array_equal(ref[1], blocks[1])  # read before more rows are added
+        for b in blocks[3:]:
+            ref.add(b)
+        assert ref.label == "F16" and len(ref) == len(blocks)
         assert os.listdir(tmp_path) == []  # unlinked at once: nothing to leave behind
-        for i in (2, 0, 1, 2):
-            np.testing.assert_array_equal(ref[i], blocks[i])
+        for i in (2, 0, 1, 2, 3, 4, 5):
+            got = ref[i]
+            assert got.dtype == np.float32 and got.shape == blocks[i].shape and not got.flags.writeable
+            np.testing.assert_array_equal(got, blocks[i].astype(np.float32))
+        kept = ref[5]
         with pytest.raises(ValueError):
             ref.add(np.zeros(3, np.float32))
+    np.testing.assert_array_equal(kept, blocks[5].astype(np.float32))  # still readable once closed

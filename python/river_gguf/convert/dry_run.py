@@ -45,11 +45,11 @@ PROFILE_TOKENS = 256
 # docstring): the F16 pass per token (imatrix and reference rows, their logits included), the
 # presets per token-pass of a setting, quantization per element of the probe's rate, and the fixed
 # costs (engine loads, the vocabulary, hashing and writing per GiB).
-PASS_FACTOR = 0.90
+PASS_FACTOR = 0.89
 DECODE_FACTOR = 3.0       # a decode step against a batched token, for dynamic settings
-QUANT_FACTOR = 1.05
+QUANT_FACTOR = 0.79
 FIXED_SECONDS = 0.0
-IO_SECONDS_PER_GIB = 1.92
+IO_SECONDS_PER_GIB = 2.21
 BASE_BYTES = 0.35 * GIB   # Python, numpy, the vocabulary and the engines' own buffers
 
 
@@ -70,12 +70,12 @@ def _priced(units: Dict[str, float], f16_bytes: int = 0) -> float:
 
 def presets_factor(f16_bytes: int) -> float:
     """A quantized setting's batched token over the F16's (the probe's), the plan's pass of the
-    presets priced as the rows of BENCHMARKS.md ran (benchmarks/convert_cost.py --fit): 1.19 at
-    Qwen2.5-Coder-0.5B; at the 1.5B shape 1.28 with the default river and 1.46 with a Q4_0 river
-    (whose search ran a round past the plan's pass), stored as 1.37 between them; interpolated in
+    presets priced as the rows of BENCHMARKS.md ran (benchmarks/convert_cost.py --fit): 1.41 at
+    Qwen2.5-Coder-0.5B; at the 1.5B shape 0.98 with the default river and 1.22 with a Q4_0 river
+    (whose search ran a round past the plan's pass), stored as 1.10 between them; interpolated in
     the F16's size (log scale), held flat outside."""
     x = np.log([1.18 * GIB, 3.31 * GIB])
-    return float(np.interp(np.log(max(f16_bytes, 1)), x, [1.19, 1.37]))
+    return float(np.interp(np.log(max(f16_bytes, 1)), x, [1.41, 1.10]))
 
 
 @dataclass
@@ -279,7 +279,9 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
     else:
         per_token, load, q_rate = float("nan"), float("nan"), {}
     n_vocab = shapes["token_embd.weight"][1]
-    logits_bytes = 512 * n_vocab * 4  # the engine's output buffer of a full batch's logits
+    # The logits a pass holds at once: the engine's output rows and the array handed to Python
+    # (moved, not copied), of the longest held-out item; the importance matrix's pass runs no head.
+    logits_bytes = 2 * max((len(t) - p for t, p in prepared), default=1) * n_vocab * 4
     kv_width = max((s[1] for n, s in shapes.items() if n.endswith("attn_k.weight")), default=0)
     kv = 2 * n_layer * build.PASS_N_CTX * 2 * kv_width  # K and V, F16, of the pass's context
 

@@ -255,7 +255,8 @@ class ReferenceRows:
             raise ValueError(f"reference rows must be 2-D, got shape {rows.shape}")
         self._file.seek(0, os.SEEK_END)
         self._index.append((self._file.tell(), rows.shape))
-        self._file.write(memoryview(rows).cast("B"))  # the array's own bytes: no copy first
+        if rows.size:
+            self._file.write(memoryview(rows).cast("B"))  # the array's own bytes: no copy first
 
     def add_logits_of(self, model, prepared: Sequence[Tuple[List[int], int]], bar=None) -> int:
         """Add `model`'s logits on each prepared (tokens, prefix) item's scored rows, its backbone
@@ -285,7 +286,9 @@ class ReferenceRows:
         offset, shape = self._index[i]
         n = shape[0] * shape[1]
         if not n:
-            return np.zeros(shape, dtype=np.float32)
+            empty = np.zeros(shape, dtype=np.float32)
+            empty.flags.writeable = False
+            return empty
         self._file.flush()
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         pages = mmap.mmap(self._file.fileno(), offset - start + 4 * n, access=mmap.ACCESS_READ, offset=start)

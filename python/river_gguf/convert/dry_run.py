@@ -279,8 +279,7 @@ def plan_conversion(backbone_path, out_path, *, river_type: str = build.DEFAULT_
     else:
         per_token, load, q_rate = float("nan"), float("nan"), {}
     n_vocab = shapes["token_embd.weight"][1]
-    # The logits a pass holds at once: the engine's output rows and the array handed to Python
-    # (moved, not copied), of the longest held-out item; the importance matrix's pass runs no head.
+    # The logits held at once: the longest held-out item's, in the engine and as the array it returns.
     logits_bytes = 2 * max((len(t) - p for t, p in prepared), default=1) * n_vocab * 4
     kv_width = max((s[1] for n, s in shapes.items() if n.endswith("attn_k.weight")), default=0)
     kv = 2 * n_layer * build.PASS_N_CTX * 2 * kv_width  # K and V, F16, of the pass's context

@@ -56,7 +56,7 @@ BASE_BYTES = 0.35 * GIB   # Python, numpy, the vocabulary and the engines' own b
 #: What the dry run cannot measure on this machine: every constant above, fitted on one machine.
 UNMEASURED = ("PASS_FACTOR (the F16 pass's token against the probe's), DECODE_FACTOR (a decode step against a "
               "batched token), QUANT_FACTOR, FIXED_SECONDS, IO_SECONDS_PER_GIB (this disk's speed) and presets_factor "
-              "(a quantized setting's token against the F16's, interpolated between three sizes) are fitted on the "
+              "(a quantized setting's token against the F16's, interpolated between two sizes) are fitted on the "
               "2-core VM of BENCHMARKS.md (benchmarks/convert_cost.py --fit), not measured here; where the search of "
               "the tails stops is not known before their KLDs are")
 
